@@ -1,0 +1,51 @@
+"""The ``bytescale`` command. Each subcommand lives next to the code it drives and exposes
+``add_arguments(parser)`` and ``main(args) -> int``; modules are imported only when their
+subcommand runs, so ``bytescale --help`` stays fast (no torch import)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import BytescaleError
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bytescale",
+        description="Hybrid Data Parallelism for long-context Megatron-LM training.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    if argv[0] not in SUBCOMMANDS:
+        parser.error(f"unknown command {argv[0]!r}; choose one of {', '.join(SUBCOMMANDS)}")
+    name, rest = argv[0], argv[1:]
+    module_name, help_text = SUBCOMMANDS[name]
+    module = importlib.import_module(module_name)
+    sub = argparse.ArgumentParser(prog=f"bytescale {name}", description=help_text)
+    module.add_arguments(sub)
+    args = sub.parse_args(rest)
+    try:
+        return int(module.main(args) or 0)
+    except BytescaleError as exc:
+        print(f"bytescale {name}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+"""Pure-Python planning: cost model, sharding, offload policy, balance scheduler, the Plan."""
+
+from .cost_model import CostModel
+from .plan import MicroBatch, Piece, Plan, resident_fraction
+from .specs import HardwareSpec, ModelSpec
+from .zigzag import zigzag_ranges
+
+__all__ = ["CostModel", "HardwareSpec", "MicroBatch", "ModelSpec", "Piece", "Plan", "resident_fraction", "zigzag_ranges"]

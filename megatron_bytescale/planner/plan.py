@@ -1,0 +1,372 @@
+"""The Plan: the contract between the planner and everything that executes or costs it.
+
+For one global batch (sequence lengths indexed by ``seq_id``) and ``num_ranks`` HDP ranks, a
+plan gives each rank an ordered list of micro-batches. A micro-batch holds pieces: a whole
+sequence (ring of one rank) or this rank's zigzag share of a sequence spread over a ring of
+ranks. All distributed pieces of one micro-batch share one ring (their KV travels together);
+short whole sequences may sit next to them. Each micro-batch has an offload ratio ``r``.
+
+``validate()`` checks every invariant the runtime relies on; see its docstring.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import PlanError
+from .zigzag import Ranges, rank_tokens, zigzag_ranges
+
+PLAN_FORMAT_VERSION = 1
+
+
+def resident_fraction(offload_ratio: float, num_layers: int) -> float:
+    """Share of a micro-batch's activations that stays on the device (brief 2.4).
+
+    The last two layers always stay; of the other ``l - 2`` layers a fraction ``r`` moves
+    to host memory. A rank may then hold ``C / resident_fraction`` tokens.
+    """
+    if num_layers <= 2:
+        return 1.0
+    return (2 + (1.0 - offload_ratio) * (num_layers - 2)) / num_layers
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The tokens of one sequence that one rank processes in one micro-batch."""
+
+    seq_id: int
+    seq_len: int
+    ranges: Ranges  # [start, end) token ranges of the sequence, ascending
+    ring: tuple[int, ...]  # ordered HDP ranks that share the sequence; (rank,) if whole
+
+    @property
+    def tokens(self) -> int:
+        return sum(end - start for start, end in self.ranges)
+
+    @property
+    def ring_size(self) -> int:
+        return len(self.ring)
+
+    @property
+    def is_distributed(self) -> bool:
+        return len(self.ring) > 1
+
+    def ring_index(self, rank: int) -> int:
+        return self.ring.index(rank)
+
+    def positions(self) -> list[int]:
+        """True position of each token inside its own sequence (for RoPE and masking)."""
+        return [p for start, end in self.ranges for p in range(start, end)]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    pieces: tuple[Piece, ...]
+    offload_ratio: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.tokens for p in self.pieces)
+
+    @property
+    def ring(self) -> tuple[int, ...] | None:
+        """The ring shared by this micro-batch's distributed pieces, or None if all are local."""
+        rings = {p.ring for p in self.pieces if p.is_distributed}
+        return next(iter(rings)) if len(rings) == 1 else None
+
+    @property
+    def distributed_seq_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(p.seq_id for p in self.pieces if p.is_distributed))
+
+
+@dataclass
+class Plan:
+    num_ranks: int
+    capacity: int  # tokens per micro-batch per rank that fit in device memory without offload
+    num_layers: int  # layers per pipeline stage: what the offload ratio applies to
+    seq_lens: tuple[int, ...]
+    ranks: tuple[tuple[MicroBatch, ...], ...]
+    meta: dict = field(default_factory=dict)  # provenance: strategy, planner time, ...
+
+    # ------------------------------------------------------------------ queries
+    def micro_batches(self, rank: int) -> tuple[MicroBatch, ...]:
+        if not 0 <= rank < self.num_ranks:
+            raise PlanError(f"rank {rank} is outside this plan's {self.num_ranks} ranks")
+        return self.ranks[rank]
+
+    def ring_sizes(self) -> dict[int, int]:
+        """Ranks per sequence (1 for sequences packed whole)."""
+        sizes: dict[int, int] = {}
+        for mbs in self.ranks:
+            for mb in mbs:
+                for p in mb.pieces:
+                    sizes[p.seq_id] = p.ring_size
+        return sizes
+
+    def tokens_per_rank(self) -> list[int]:
+        return [sum(mb.tokens for mb in mbs) for mbs in self.ranks]
+
+    def p2p_bytes_per_rank(
+        self, kv_bytes_per_token: float, grad_bytes_per_token: float, num_layers: int, backward: bool = True
+    ) -> list[float]:
+        """Bytes each rank sends in ring attention, as the runtime's ring passes do.
+
+        Per layer and ring micro-batch of N members whose KV blocks hold T_0..T_{N-1} tokens,
+        member i sends in forward every block but its successor's (N-1 hops:
+        ``(sum T - T_{i+1}) * kv``); backward re-sends the same KV and passes the dKV
+        accumulator of every block once (N hops: ``sum T * grad``).
+        """
+        sent = [0.0] * self.num_ranks
+        for rank, mbs in enumerate(self.ranks):
+            for mb in mbs:
+                ring = mb.ring
+                if ring is None:
+                    continue
+                n = len(ring)
+                block = [0] * n
+                for p in mb.pieces:
+                    if p.is_distributed:
+                        for j in range(n):
+                            block[j] += rank_tokens(p.seq_len, n, j)
+                i = ring.index(rank)
+                kv = (sum(block) - block[(i + 1) % n]) * kv_bytes_per_token
+                per_layer = kv + (kv + sum(block) * grad_bytes_per_token if backward else 0.0)
+                sent[rank] += per_layer * num_layers
+        return sent
+
+    # --------------------------------------------------------------- invariants
+    def validate(self) -> Plan:
+        """Check every invariant; raise PlanError listing all violations, else return self.
+
+        1. one micro-batch list per rank; sequence lengths positive;
+        2. every token of every sequence appears exactly once across the plan;
+        3. a whole sequence is one piece ``[0, s)`` on its ring's only rank; a distributed
+           sequence's ring has distinct ranks and each member holds exactly its zigzag share
+           (so chunks are balanced within one token);
+        4. all distributed pieces of a micro-batch share one ring, and every member of that
+           ring has a micro-batch with the same ring and the same distributed sequences;
+        5. ring micro-batches are ordered consistently across ranks (no P2P deadlock);
+        6. no micro-batch exceeds the capacity once its offload ratio is applied; ratios in [0, 1].
+        """
+        errors: list[str] = []
+        if len(self.ranks) != self.num_ranks:
+            errors.append(f"plan has {len(self.ranks)} rank lists for {self.num_ranks} ranks")
+        if self.capacity <= 0:
+            errors.append(f"capacity must be positive, got {self.capacity}")
+        for sid, s in enumerate(self.seq_lens):
+            if s <= 0:
+                errors.append(f"sequence {sid} has length {s}; lengths must be positive")
+        if errors:
+            raise PlanError("invalid plan:\n  " + "\n  ".join(errors))
+
+        covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        holders: dict[int, list[tuple[int, int, Piece]]] = defaultdict(list)  # seq -> (rank, mb idx, piece)
+        ring_keys: dict[int, list[tuple]] = {}  # rank -> ordered ring-step keys
+        limit = self.capacity * (1 + 1e-9)
+
+        for rank, mbs in enumerate(self.ranks):
+            keys = []
+            for m, mb in enumerate(mbs):
+                where = f"rank {rank} micro-batch {m}"
+                if not 0.0 <= mb.offload_ratio <= 1.0:
+                    errors.append(f"{where}: offload ratio {mb.offload_ratio} outside [0, 1]")
+                if not mb.pieces:
+                    errors.append(f"{where}: empty micro-batch")
+                resident = mb.tokens * resident_fraction(mb.offload_ratio, self.num_layers)
+                if resident > limit:
+                    errors.append(
+                        f"{where}: {mb.tokens} tokens at offload ratio {mb.offload_ratio:.3f} keep "
+                        f"{resident:.0f} token-equivalents on the device, over capacity {self.capacity}"
+                    )
+                seen_here = set()
+                for p in mb.pieces:
+                    if not 0 <= p.seq_id < len(self.seq_lens):
+                        errors.append(f"{where}: unknown sequence id {p.seq_id}")
+                        continue
+                    if p.seq_id in seen_here:
+                        errors.append(f"{where}: sequence {p.seq_id} appears twice")
+                    seen_here.add(p.seq_id)
+                    if p.seq_len != self.seq_lens[p.seq_id]:
+                        errors.append(
+                            f"{where}: piece of sequence {p.seq_id} says length {p.seq_len}, batch says {self.seq_lens[p.seq_id]}"
+                        )
+                    if rank not in p.ring:
+                        errors.append(f"{where}: sequence {p.seq_id}'s ring {p.ring} does not contain this rank")
+                    covered[p.seq_id].extend(p.ranges)
+                    holders[p.seq_id].append((rank, m, p))
+                rings = {p.ring for p in mb.pieces if p.is_distributed}
+                if len(rings) > 1:
+                    errors.append(f"{where}: distributed pieces use {len(rings)} different rings; one allowed")
+                if mb.ring is not None:
+                    keys.append((mb.ring, mb.distributed_seq_ids))
+            ring_keys[rank] = keys
+
+        for sid, s in enumerate(self.seq_lens):
+            spans = sorted(covered.get(sid, []))
+            pos = 0
+            for start, end in spans:
+                if start < pos:
+                    errors.append(f"sequence {sid}: tokens [{start}, {min(pos, end)}) appear more than once")
+                elif start > pos:
+                    errors.append(f"sequence {sid}: tokens [{pos}, {start}) are not in the plan")
+                if end <= start:
+                    errors.append(f"sequence {sid}: empty or reversed range [{start}, {end})")
+                pos = max(pos, end)
+            if pos < s:
+                errors.append(f"sequence {sid}: tokens [{pos}, {s}) are not in the plan")
+            if pos > s:
+                errors.append(f"sequence {sid}: ranges reach {pos}, past its length {s}")
+            errors.extend(self._check_ring(sid, s, holders.get(sid, [])))
+
+        errors.extend(self._check_ring_steps(ring_keys))
+        if errors:
+            shown = errors[:20] + ([f"... and {len(errors) - 20} more"] if len(errors) > 20 else [])
+            raise PlanError("invalid plan:\n  " + "\n  ".join(shown))
+        return self
+
+    def _check_ring(self, sid: int, s: int, held: list[tuple[int, int, Piece]]) -> list[str]:
+        if not held:
+            return []
+        ring = held[0][2].ring
+        errors = []
+        if any(p.ring != ring for _, _, p in held):
+            return [f"sequence {sid}: pieces disagree about the ring: {sorted({p.ring for _, _, p in held})}"]
+        if len(set(ring)) != len(ring) or not all(0 <= r < self.num_ranks for r in ring):
+            return [f"sequence {sid}: ring {ring} repeats a rank or names a rank outside 0..{self.num_ranks - 1}"]
+        ranks_holding = sorted(r for r, _, _ in held)
+        if ranks_holding != sorted(ring):
+            return [f"sequence {sid}: held by ranks {ranks_holding}, ring is {ring}; each member holds one piece"]
+        if len(ring) > s:
+            return [f"sequence {sid}: ring of {len(ring)} ranks for {s} tokens"]
+        shares = zigzag_ranges(s, len(ring))
+        for rank, m, p in held:
+            i = ring.index(rank)
+            if p.ranges != shares[i]:
+                errors.append(
+                    f"sequence {sid}: rank {rank} (ring index {i}) holds {p.ranges}, zigzag share is {shares[i]}"
+                )
+        return errors
+
+    def _check_ring_steps(self, ring_keys: dict[int, list[tuple]]) -> list[str]:
+        """Members of a ring must meet in the same ring micro-batch, in a consistent order."""
+        errors = []
+        members_of: dict[tuple, set[int]] = defaultdict(set)
+        for rank, keys in ring_keys.items():
+            if len(set(keys)) != len(keys):
+                errors.append(f"rank {rank}: the same ring micro-batch appears twice")
+            for key in keys:
+                members_of[key].add(rank)
+        for key, members in members_of.items():
+            ring, seqs = key
+            if members != set(ring):
+                errors.append(
+                    f"ring micro-batch of sequences {list(seqs)} on ring {ring} is scheduled only on ranks {sorted(members)}"
+                )
+        # Deadlock freedom: the "runs before" relation between ring micro-batches on each rank
+        # must be acyclic (then the lowest unfinished one can always make progress).
+        succ: dict[tuple, set[tuple]] = defaultdict(set)
+        indeg: dict[tuple, int] = {k: 0 for k in members_of}
+        for keys in ring_keys.values():
+            for a, b in zip(keys, keys[1:]):
+                if b not in succ[a]:
+                    succ[a].add(b)
+                    indeg[b] += 1
+        ready = [k for k, d in indeg.items() if d == 0]
+        done = 0
+        while ready:
+            k = ready.pop()
+            done += 1
+            for nxt in succ[k]:
+                indeg[nxt] -= 1
+                if indeg[nxt] == 0:
+                    ready.append(nxt)
+        if done != len(indeg):
+            errors.append("ring micro-batches are ordered inconsistently across ranks: P2P would deadlock")
+        return errors
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        return {
+            "version": PLAN_FORMAT_VERSION,
+            "num_ranks": self.num_ranks,
+            "capacity": self.capacity,
+            "num_layers": self.num_layers,
+            "seq_lens": list(self.seq_lens),
+            "meta": self.meta,
+            "ranks": [
+                [
+                    {
+                        "offload_ratio": mb.offload_ratio,
+                        "pieces": [{"seq": p.seq_id, "ranges": [list(r) for r in p.ranges], "ring": list(p.ring)} for p in mb.pieces],
+                    }
+                    for mb in mbs
+                ]
+                for mbs in self.ranks
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        try:
+            if data.get("version") != PLAN_FORMAT_VERSION:
+                raise PlanError(f"plan format version {data.get('version')!r}; this tool reads version {PLAN_FORMAT_VERSION}")
+            seq_lens = tuple(int(s) for s in data["seq_lens"])
+            ranks = tuple(
+                tuple(
+                    MicroBatch(
+                        pieces=tuple(
+                            Piece(
+                                seq_id=int(p["seq"]),
+                                seq_len=seq_lens[int(p["seq"])],
+                                ranges=tuple((int(a), int(b)) for a, b in p["ranges"]),
+                                ring=tuple(int(r) for r in p["ring"]),
+                            )
+                            for p in mb["pieces"]
+                        ),
+                        offload_ratio=float(mb.get("offload_ratio", 0.0)),
+                    )
+                    for mb in mbs
+                )
+                for mbs in data["ranks"]
+            )
+            return cls(
+                num_ranks=int(data["num_ranks"]),
+                capacity=int(data["capacity"]),
+                num_layers=int(data["num_layers"]),
+                seq_lens=seq_lens,
+                ranks=ranks,
+                meta=dict(data.get("meta", {})),
+            )
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise PlanError(f"malformed plan: {type(exc).__name__}: {exc}") from None
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), separators=(",", ":"))
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> Plan:
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            text = Path(text_or_path).read_text()
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan is not valid JSON: {exc}") from None
+
+
+def whole_piece(seq_id: int, seq_len: int, rank: int) -> Piece:
+    return Piece(seq_id=seq_id, seq_len=seq_len, ranges=((0, seq_len),), ring=(rank,))
+
+
+def ring_pieces(seq_id: int, seq_len: int, ring: tuple[int, ...]) -> list[Piece]:
+    """The zigzag pieces of one sequence over ``ring``, in ring order."""
+    shares = zigzag_ranges(seq_len, len(ring))
+    return [Piece(seq_id=seq_id, seq_len=seq_len, ranges=shares[i], ring=tuple(ring)) for i in range(len(ring))]
