@@ -1,0 +1,75 @@
+"""One micro-batch's tensors as a rank receives them: the contract between the data loaders
+and the HDP step. Tokens are laid out piece after piece, in plan order; each token carries
+its true position inside its own sequence (RoPE, causal masking) and its next-token label.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import PlanError
+from ..planner.plan import MicroBatch
+
+# (seq_id, start, end) -> token ids of that sequence's tokens [start, end)
+TokenReader = Callable[[int, int, int], np.ndarray]
+
+
+@dataclass
+class MicroBatchData:
+    micro_batch: MicroBatch  # pieces, ring, offload ratio
+    tokens: torch.Tensor  # int64 [T]
+    labels: torch.Tensor  # int64 [T]: token at position p+1 of the same sequence
+    loss_mask: torch.Tensor  # float32 [T]: 0 for the last token of each sequence (no label)
+    positions: torch.Tensor  # int64 [T]: position inside its own sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def check(self) -> None:
+        """Tensor shapes must match the plan's pieces (a mismatch is a data bug, not a hang)."""
+        expected = self.micro_batch.tokens
+        for name in ("tokens", "labels", "loss_mask", "positions"):
+            t = getattr(self, name)
+            if t.dim() != 1 or t.numel() != expected:
+                raise PlanError(
+                    f"micro-batch {name} has shape {tuple(t.shape)}, but its pieces hold {expected} tokens"
+                )
+
+
+def build_micro_batch_data(mb: MicroBatch, read: TokenReader) -> MicroBatchData:
+    """Read exactly this micro-batch's tokens (plus one label token past each range end)."""
+    tokens, labels, mask, positions = [], [], [], []
+    for piece in mb.pieces:
+        for start, end in piece.ranges:
+            stop = min(end + 1, piece.seq_len)
+            ids = np.asarray(read(piece.seq_id, start, stop), dtype=np.int64)
+            if ids.shape != (stop - start,):
+                raise PlanError(
+                    f"sequence {piece.seq_id}: reader returned {ids.shape[0] if ids.ndim else 0} tokens for "
+                    f"[{start}, {stop}); the data does not match the planned length {piece.seq_len}"
+                )
+            n = end - start
+            tokens.append(ids[:n])
+            lab = np.zeros(n, dtype=np.int64)
+            lab[: stop - start - 1] = ids[1:]
+            labels.append(lab)
+            m = np.ones(n, dtype=np.float32)
+            if end == piece.seq_len:
+                m[-1] = 0.0
+            mask.append(m)
+            positions.append(np.arange(start, end, dtype=np.int64))
+    cat = lambda parts, dtype: torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=dtype)  # noqa: E731
+    data = MicroBatchData(
+        micro_batch=mb,
+        tokens=cat(tokens, torch.int64),
+        labels=cat(labels, torch.int64),
+        loss_mask=cat(mask, torch.float32),
+        positions=cat(positions, torch.int64),
+    )
+    data.check()
+    return data
