@@ -12,6 +12,7 @@ from .errors import BytescaleError
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "simulate": ("megatron_bytescale.sim.simulate", "compare static CP, Megatron dynamic CP and HDP on a simulated cluster"),
 }
 
 
