@@ -48,7 +48,7 @@ class Unit:
     tokens: int  # tokens on the busiest member
     ratio: float = 0.0
     fillers: tuple[tuple[int, ...], ...] = ()  # per ring slot: whole sequences packed beside its share
-    slot_times: tuple[float, ...] = ()  # per ring slot, when fillers make members differ
+    slot_times: tuple[float, ...] = ()  # per ring slot when fillers make members differ; time = max
 
 
 @dataclass
@@ -141,9 +141,8 @@ def schedule(
         unit = units[u]
         ring = placer.place(loads.key, unit.ring_size)
         start = float(loads.clock[ring].max())
-        times = unit.slot_times or (unit.time,) * unit.ring_size
-        for slot, r in enumerate(ring.tolist()):
-            loads.run(r, start, times[slot], unit.tokens)
+        for r in ring.tolist():  # synchronous: every member is held until the slowest is done
+            loads.run(r, start, unit.time, unit.tokens)
             runs[r].append(u)
             loads.push(r)
         members[u] = tuple(ring.tolist())

@@ -107,9 +107,9 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
         if best is None or assignment.key.max() < best[3].key.max():
             best = (shards, target, units, assignment)
     shards, target, units, assignment = best
-    ranks, busy = _micro_batches(lens, units, assignment, config.capacity, cost, config.pipeline_stages)
+    ranks, times, ring_at = _micro_batches(lens, units, assignment, config.capacity, cost)
+    est = _finish_times(times, ring_at, assignment, units, config.pipeline_stages)
 
-    est = busy + assignment.idle
     plan = Plan(
         num_ranks=config.num_ranks,
         capacity=config.capacity,
@@ -130,7 +130,7 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
         "compute_bound_s": sum(sequence_time(cost, s) for s in lens) / config.num_ranks,
         "est_time_max_s": float(est.max()),
         "est_time_mean_s": float(est.mean()),
-        "est_rank_time_s": [round(float(t), 6) for t in est],
+        "est_rank_time_s": est.tolist(),
         "ring_sizes": {str(k): v for k, v in sorted(ring_hist.items())},
         "offloaded_sequences": sum(1 for s in shards.values() if s.ratio > 0),
         "plan_time_s": time.perf_counter() - t0,
@@ -209,53 +209,89 @@ def _naive_packs(
 
 
 # --------------------------------------------------------------------- micro-batches
-def _micro_batches(lens, units: list[Unit], assignment: Assignment, capacity: int, cost: CostModel, stages: int):
-    """Each rank's micro-batches in run order, and each rank's estimated busy seconds.
+def _micro_batches(lens, units: list[Unit], assignment: Assignment, capacity: int, cost: CostModel):
+    """Each rank's micro-batches in run order, their estimated seconds (a ring member counts
+    the ring's whole time: it is held until the slowest member is done), and for each rank
+    the position of each ring unit in its list.
 
     Short sequences are packed best-fit within each stretch between two of the rank's ring
     or long micro-batches, so the rank still reaches each ring when the schedule expects."""
     l = cost.num_layers
     pieces_of: dict[int, dict[int, Piece]] = {}
     for u, ring in assignment.members.items():
-        unit = units[u]
-        sid = unit.seq_ids[0]
+        sid = units[u].seq_ids[0]
         pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring)))
+
+    def pack(stretch: list[int], rank: int, mbs: list, times: list) -> None:
+        if sum(lens[i] for i in stretch) <= capacity:
+            bins = [stretch]
+        else:
+            bins = pack_best_fit([(i, lens[i]) for i in stretch], capacity)
+        for b in bins:
+            mbs.append(MicroBatch(tuple(whole_piece(i, lens[i], rank) for i in b)))
+            times.append(l * cost.layer_time(sum(lens[i] for i in b), sum(lens[i] * lens[i] for i in b)))
+
     ranks = []
-    busy = np.zeros(len(assignment.runs))
+    all_times: list[list[float]] = []
+    ring_at: list[dict[int, int]] = []
     for rank, run in enumerate(assignment.runs):
         mbs: list[MicroBatch] = []
         times: list[float] = []
-        stretch: list[tuple[int, int]] = []
-
-        def flush() -> None:
-            if not stretch:
-                return
-            for b in pack_best_fit(stretch, capacity):
-                mbs.append(MicroBatch(tuple(whole_piece(i, lens[i], rank) for i in b)))
-                times.append(l * cost.layer_time(sum(lens[i] for i in b), sum(lens[i] ** 2 for i in b)))
-            stretch.clear()
-
+        where: dict[int, int] = {}
+        stretch: list[int] = []
         for u in run:
             unit = units[u]
-            if unit.kind == "short":
-                sid = unit.seq_ids[0]
-                stretch.append((sid, lens[sid]))
+            kind = unit.kind
+            if kind == "short":
+                stretch.append(unit.seq_ids[0])
                 continue
-            flush()
-            if unit.kind == "ring":
+            if stretch:
+                pack(stretch, rank, mbs, times)
+                stretch = []
+            if kind == "ring":
+                where[u] = len(mbs)
                 piece = pieces_of[u][rank]
-                slot = assignment.members[u].index(rank) if unit.fillers else 0
-                extra = unit.fillers[slot] if unit.fillers else ()
-                mbs.append(MicroBatch((piece,) + tuple(whole_piece(i, lens[i], rank) for i in extra), unit.ratio))
-                times.append(unit.slot_times[slot] if unit.slot_times else unit.time)
-            elif unit.kind == "long":
+                if unit.fillers:
+                    slot = assignment.members[u].index(rank)
+                    extra = tuple(whole_piece(i, lens[i], rank) for i in unit.fillers[slot])
+                    mbs.append(MicroBatch((piece,) + extra, unit.ratio))
+                else:
+                    mbs.append(MicroBatch((piece,), unit.ratio))
+                times.append(unit.time)  # held until the ring's slowest member is done
+            elif kind == "long":
                 sid = unit.seq_ids[0]
                 mbs.append(MicroBatch((whole_piece(sid, lens[sid], rank),), unit.ratio))
                 times.append(unit.time)
             else:  # pack
                 mbs.append(MicroBatch(tuple(whole_piece(i, lens[i], rank) for i in unit.seq_ids)))
                 times.append(unit.time)
-        flush()
+        if stretch:
+            pack(stretch, rank, mbs, times)
         ranks.append(tuple(mbs))
-        busy[rank] = sum(times) + (stages - 1) * max(times, default=0.0)
-    return tuple(ranks), busy
+        all_times.append(times)
+        ring_at.append(where)
+    return tuple(ranks), all_times, ring_at
+
+
+def _finish_times(times, ring_at, assignment: Assignment, units: list[Unit], stages: int) -> np.ndarray:
+    """Estimated finish of each rank running its micro-batches in order, each ring starting
+    when its last member reaches it (rings in global order: the order every rank keeps),
+    plus the 1F1B fill and drain, ``(p - 1) x`` the rank's longest micro-batch."""
+    n = len(times)
+    clock = [0.0] * n
+    pos = [0] * n
+    for u in assignment.order:
+        ring = assignment.members.get(u)
+        if ring is None:
+            continue
+        for r in ring:  # each member first runs what it has before the ring
+            stop = ring_at[r][u]
+            clock[r] += sum(times[r][pos[r] : stop])
+            pos[r] = stop + 1
+        end = max(clock[r] for r in ring) + units[u].time
+        for r in ring:
+            clock[r] = end
+    est = np.empty(n)
+    for r in range(n):
+        est[r] = clock[r] + sum(times[r][pos[r] :]) + (stages - 1) * max(times[r], default=0.0)
+    return est
