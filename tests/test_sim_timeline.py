@@ -6,7 +6,7 @@ from megatron_bytescale.errors import PlanError
 from megatron_bytescale.planner.cost_model import FORWARD_SHARE, CostModel
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.sim.cluster import Cluster
-from megatron_bytescale.sim.timeline import evaluate, lower_bound, one_f_one_b, simulate
+from megatron_bytescale.sim.timeline import critical_path, evaluate, lower_bound, one_f_one_b, simulate
 
 MS = 1e-3
 F, B = FORWARD_SHARE, 1 - FORWARD_SHARE
@@ -180,3 +180,15 @@ def test_one_slow_link_paces_every_ring_step():
     plan = plan_of([8], [[MicroBatch((p,))] for p in pieces])
     t = simulate(plan, Cluster(4, gpus_per_node=2), cost_model())
     assert t.step_time == pytest.approx(2 * MS + 3 * 20 * MS + 3 * 60 * MS + 40 * MS)
+
+
+def test_critical_path_is_the_longest_sequence_at_its_best_ring_size():
+    # 8 tokens on 2 ranks of one node. Without attention one rank is fastest (8 ms against the
+    # 28 ms ring of test_ring_starts_when_all_members_are_ready...); with a1 = 1 ms/pair one
+    # rank takes 8 + 64 ms and the ring 12 + 33.3 ms (the hand-worked ring above)
+    assert critical_path([8, 6], Cluster(2), cost_model()) == pytest.approx(8 * MS)
+    ring = (F * 4 + max(F * 16, 4) + F * 16) + (B * 4 + max(B * 16, 12) + B * 16 + 8)
+    assert critical_path([8, 6], Cluster(2), cost_model(a1=1 * MS)) == pytest.approx(ring * MS)
+    assert critical_path([8], Cluster(4, pp=2), cost_model()) == pytest.approx(2 * 8 * MS)  # both stages
+    r = evaluate(ring_plan(), Cluster(2), cost_model(a1=1 * MS))
+    assert r.critical_path <= r.timeline.step_time

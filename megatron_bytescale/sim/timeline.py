@@ -392,11 +392,40 @@ def lower_bound(seq_lens, cluster: Cluster, cost: CostModel) -> float:
     return cost.num_layers * work / cluster.d_hdp
 
 
+def critical_path(seq_lens, cluster: Cluster, cost: CostModel) -> float:
+    """Seconds the longest sequence needs on its own, at the best ring size, by the rules above.
+
+    A lower bound no plan can beat, whatever else it runs: the sequence passes through every
+    layer (all ``pp`` stages) in lockstep on one ring of some ``N`` ranks (1 .. d_hdp, memory
+    ignored), each member holding ``s / N`` tokens; a ring larger than a node pays the
+    network for its hops. With large rings each member still receives every KV block, so the
+    time stops falling with ``N``: a 2M-token sequence cannot finish faster than its O(s)
+    ring traffic, however much compute is spread.
+    """
+    s = float(max(seq_lens))
+    n = np.arange(1, cluster.d_hdp + 1, dtype=float)
+    n = n[n <= s]
+    b = s / n
+    fs, bs = FORWARD_SHARE, 1.0 - FORWARD_SHARE
+    attn_step = cost.a1 * b * b  # per member per ring step: (s^2 / N) / N pairs
+    bw = np.where(n > cluster.hdp_per_node, cost.bw_inter_node, cost.bw_intra_node)
+    lat = cost.p2p_latency_s
+    hop_f = lat + b * cost.kv_bytes_per_token / bw
+    hop_b = lat + b * (cost.kv_bytes_per_token + cost.grad_bytes_per_token) / bw
+    tail = lat + b * cost.grad_bytes_per_token / bw
+    lin = cost.b1 * b + cost.g
+    fwd = fs * lin + np.maximum(fs * attn_step, hop_f) * (n - 1) + fs * attn_step
+    bwd = bs * lin + np.maximum(bs * attn_step, hop_b) * (n - 1) + bs * attn_step + tail
+    ring = np.where(n > 1, fwd + bwd, cost.layer_time(s))
+    return float(ring.min()) * cost.num_layers * cluster.pp
+
+
 @dataclass
 class StepResult:
     strategy: str
     timeline: Timeline
     lower_bound: float
+    critical_path: float
     p2p_bytes: float  # all GPUs together
     p2p_bytes_max_gpu: float
     offload_bytes: float  # all GPUs together, device to host
@@ -410,6 +439,9 @@ class StepResult:
         return {
             "step_time_s": t.step_time,
             "lower_bound_s": self.lower_bound,
+            "critical_path_s": self.critical_path,
+            "x_lower_bound": t.step_time / self.lower_bound,
+            "x_bound": t.step_time / max(self.lower_bound, self.critical_path),
             "busy_max_s": float(busy.max()),
             "busy_mean_s": float(busy.mean()),
             "idle_mean_s": float(t.idle.mean()),
@@ -439,6 +471,7 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         strategy=str(plan.meta.get("strategy", "?")),
         timeline=timeline,
         lower_bound=lower_bound(plan.seq_lens, cluster, cost),
+        critical_path=critical_path(plan.seq_lens, cluster, cost),
         p2p_bytes=float(sum(p2p)) * gpus_per_rank,
         p2p_bytes_max_gpu=float(max(p2p)) if p2p else 0.0,
         offload_bytes=offload * gpus_per_rank,
