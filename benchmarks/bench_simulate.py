@@ -27,13 +27,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_bytescale.sim.simulate import SimConfig, format_table, run  # noqa: E402
-from megatron_bytescale.units import parse_size  # noqa: E402
+from megatron_bytescale.units import format_size, parse_size  # noqa: E402
 
 GOALS = (
     ("hdp-balanced >= 3x faster than static", lambda r: r["static"]["step_time_s"] / r["hdp-balanced"]["step_time_s"] >= 3.0),
     ("hdp-balanced ahead of megatron-dcp", lambda r: r["hdp-balanced"]["step_time_s"] < r["megatron-dcp"]["step_time_s"]),
-    ("hdp-balanced within 1.15x of the lower bound", lambda r: r["hdp-balanced"]["step_time_s"] <= 1.15 * r["hdp-balanced"]["lower_bound_s"]),
+    ("hdp-balanced within 1.15x of the lower bound", lambda r: r["hdp-balanced"]["x_lower_bound"] <= 1.15),
 )
+
+
+def goal_verdicts(steps: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each goal checked on every step's figures (the batches differ from step to step)."""
+    out = {}
+    for text, check in GOALS:
+        try:
+            met = [bool(check(step)) for step in steps]
+        except KeyError:  # a strategy it needs did not run
+            out[text] = {"met_steps": None, "steps": len(steps)}
+            continue
+        out[text] = {"met_steps": sum(met), "steps": len(steps), "per_step": met}
+    return out
 
 
 def main() -> int:
@@ -74,26 +87,29 @@ def main() -> int:
     )
     print(format_table(report))
     print()
-    base = results.get("static", {}).get("step_time_s")
-    print(f"{'strategy':<14}{'step s':>9}{'vs static':>11}{'vs LB':>8}{'plan wall s':>13}")
-    for name, m in results.items():
-        if "error" in m:
-            print(f"{name:<14}  n/a")
-            continue
-        speedup = f"{base / m['step_time_s']:.2f}x" if base else "-"
-        print(f"{name:<14}{m['step_time_s']:>9.2f}{speedup:>11}{m['step_time_s'] / m['lower_bound_s']:>7.3f}x{m['plan_time_s']:>13.3f}")
+    names = [n for n in cfg.strategies if n in report.steps]
+    steps = [{n: report.steps[n][i] for n in names} for i in range(cfg.steps) if all(len(report.steps[n]) > i for n in names)]
+    print("per step (seconds; LB = lower bound, CP = critical path of the longest sequence):")
+    print(f"{'step':>4}{'seqs':>6}{'longest':>9}{'LB':>8}{'CP':>8}" + "".join(f"{n:>14}" for n in names) + f"{'bal/LB':>8}")
+    for i, step in enumerate(steps):
+        any_m = next(iter(step.values()))
+        bal = step.get("hdp-balanced", {}).get("x_lower_bound")
+        print(
+            f"{i:>4}{report.batch_stats[i][0]:>6}{format_size(report.batch_stats[i][1]):>9}{any_m['lower_bound_s']:>8.2f}"
+            f"{any_m['critical_path_s']:>8.2f}" + "".join(f"{step[n]['step_time_s']:>14.2f}" for n in names)
+            + (f"{bal:>8.3f}" if bal else "")
+        )
     print()
-    goals = {}
-    for text, check in GOALS:
-        try:
-            ok = bool(check(results))
-        except KeyError:
-            ok = None
-        goals[text] = ok
-        print(f"{'MET ' if ok else 'MISS' if ok is False else 'n/a '}  {text}")
+    goals = goal_verdicts(steps)
+    for text, v in goals.items():
+        if v["met_steps"] is None:
+            print(f"n/a   {text}")
+        else:
+            print(f"{'MET ' if v['met_steps'] == v['steps'] else 'MISS'}  {text}: met in {v['met_steps']} of {v['steps']} steps")
     if args.json:
         data = report.to_json()
         data["goals"] = goals
+        data["per_step"] = steps
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.plot and report.timelines:

@@ -57,6 +57,7 @@ class SimReport:
     errors: dict[str, str] = field(default_factory=dict)  # strategy -> why it produced no result
     notes: dict[str, list[str]] = field(default_factory=dict)
     timelines: dict[str, Timeline] = field(default_factory=dict)  # first step
+    batch_stats: list[tuple[int, int, int]] = field(default_factory=list)  # per step: sequences, longest, tokens
     lower_bound_first: float = 0.0
 
     def medians(self) -> dict[str, dict]:
@@ -117,6 +118,7 @@ def run(cfg: SimConfig, progress: bool = True) -> SimReport:
             lengths = lengths_from_file(pool, cfg.global_batch_tokens, cfg.context, rng)
         else:
             lengths = sample_lengths(cfg.dataset, cfg.global_batch_tokens, cfg.context, rng)
+        report.batch_stats.append((len(lengths), max(lengths), sum(lengths)))
         x = StrategyInput(lengths, cluster, cost, cfg.capacity, cfg.context)
         this_step: dict[str, dict] = {}
         for name in cfg.strategies:
