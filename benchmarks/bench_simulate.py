@@ -11,7 +11,11 @@ FLOPs spread perfectly over all GPUs), the planner's wall time, and the goals:
 
 * hdp-balanced at least 3x faster than static,
 * hdp-balanced ahead of megatron-dcp,
-* hdp-balanced within 1.15x of the lower bound.
+* hdp-balanced within 1.15x of the lower bound,
+
+each checked on every step (batches differ from step to step), plus a per-step table with
+the batch's lower bound (LB) and the critical path of its longest sequence (CP: that
+sequence alone on its best ring; no plan can beat max(LB, CP)).
 
 Static's plans are large (every sequence split over CP=256 ranks: ~10^6 pieces), so a step
 takes ~1 minute of CPU here; only the first step's plans are validated.
