@@ -6,7 +6,8 @@ Plans one step (LLaMA-7B analytic cost model on H100, C = 8K, 2M context) on one
 (OMP/MKL/OpenBLAS threads = 1) several times and reports the median wall time of
 ``plan_step`` (goal: under 1 s for 16,384 GPUs), then the balance of the plan: estimated
 max / mean per-rank time, and the max against the compute bound (all FLOPs spread perfectly
-over all ranks) and against the fastest the longest ring can possibly run.
+over all ranks) and against the fastest the longest ring can possibly run. CPU time is
+printed beside wall time: on a shared machine it is the steadier figure.
 
 Lengths: until ``megatron_bytescale/data/workloads.py`` (the simulator helper's generator)
 exists, ``byted_like_lengths`` below draws them from a documented parametric mix.
@@ -34,7 +35,7 @@ from megatron_bytescale.planner.cost_model import CostModel  # noqa: E402
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step  # noqa: E402
 from megatron_bytescale.planner.sharding import RingSizer  # noqa: E402
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec  # noqa: E402
-from megatron_bytescale.units import format_size, parse_size  # noqa: E402
+from megatron_bytescale.units import parse_size  # noqa: E402
 
 # Byted (brief section 3): ~80% of samples <= 4K; samples >= 128K are ~1% of samples and hold
 # 44.3% of tokens; > 256K hold 37%; the ~0.05% of samples at the full context hold 12.1%.
@@ -139,11 +140,12 @@ def run(args) -> dict:
     print(f"batch: {out['batch']}")
     for balance in args.balance:
         config = PlannerConfig(num_ranks=args.gpus, capacity=capacity, balance=balance)
-        times = []
+        times, cpu = [], []
         for _ in range(args.repeat):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             plan = plan_step(lengths, config, cost)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         if args.validate:
             plan.validate()
         m = plan.meta
@@ -153,6 +155,7 @@ def run(args) -> dict:
             "strategy": m["strategy"],
             "plan_time_median_s": statistics.median(times),
             "plan_time_all_s": times,
+            "plan_cpu_time_median_s": statistics.median(cpu),
             "est_max_s": float(est.max()),
             "est_mean_s": float(est.mean()),
             "max_over_mean": float(est.max() / est.mean()),
@@ -166,8 +169,8 @@ def run(args) -> dict:
         }
         out["results"][balance] = res
         print(
-            f"{m['strategy']:>13} balance={balance:<4}: plan {res['plan_time_median_s'] * 1e3:7.1f} ms (median of "
-            f"{args.repeat}); est max {res['est_max_s']:.2f} s, mean {res['est_mean_s']:.2f} s, max/mean "
+            f"{m['strategy']:>13} balance={balance:<4}: plan {res['plan_time_median_s'] * 1e3:7.1f} ms wall, "
+            f"{res['plan_cpu_time_median_s'] * 1e3:.1f} ms CPU (median of {args.repeat}); est max {res['est_max_s']:.2f} s, mean {res['est_mean_s']:.2f} s, max/mean "
             f"{res['max_over_mean']:.3f}; compute bound {bound:.2f} s (max/bound {res['max_over_compute_bound']:.3f}); "
             f"fastest longest ring {critical:.2f} s (max/best-possible {res['max_over_best_possible']:.3f}); "
             f"rings {m['ring_sizes']}"

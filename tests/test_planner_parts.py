@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.planner.balance import Unit, make_buckets, schedule

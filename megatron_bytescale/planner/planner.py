@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import ConfigError
 from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
-from .estimate import exposed_ring_time, ring_share_time, sequence_time
+from .estimate import exposed_ring_time, ring_share_time
 from .placement import RingPlacer, check_shape
 from .plan import MicroBatch, Piece, Plan, ring_pieces, whole_piece
 from .sharding import RingSizer, Shard, fill_ring_spare, pack_best_fit, plan_ring_sizes
@@ -127,7 +127,7 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
         "slack": config.slack,
         "buckets": assignment.num_buckets,
         "target_time_s": target,
-        "compute_bound_s": sum(sequence_time(cost, s) for s in lens) / config.num_ranks,
+        "compute_bound_s": _compute_bound(lens, cost, config.num_ranks),
         "est_time_max_s": float(est.max()),
         "est_time_mean_s": float(est.mean()),
         "est_rank_time_s": est.tolist(),
@@ -138,16 +138,22 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
     return plan
 
 
+def _compute_bound(lens, cost: CostModel, num_ranks: int) -> float:
+    """Seconds if all FLOPs of the batch were spread perfectly over all ranks."""
+    s = np.asarray(lens, dtype=np.float64)
+    return float(cost.num_layers * np.sum(cost.a1 * s * s + cost.b1 * s)) / num_ranks
+
+
 # ----------------------------------------------------------------------------- units
 def _units(lens, shards: dict[int, Shard], config: PlannerConfig, cost: CostModel, ranks_per_node: int) -> list[Unit]:
     units = _long_units(shards, cost, ranks_per_node)
     short_ids = [i for i, s in enumerate(lens) if s <= config.capacity]
     if config.balance == "none":
         return units + _naive_packs(units, short_ids, lens, config.capacity, cost, ranks_per_node)
-    per_token_overhead = cost.num_layers * cost.g / config.capacity
-    return units + [
-        Unit("short", (i,), 1, sequence_time(cost, lens[i]) + per_token_overhead * lens[i], lens[i]) for i in short_ids
-    ]
+    # a short sequence's share of its micro-batch's fixed cost g, before packing decides it
+    s = np.asarray([lens[i] for i in short_ids], dtype=np.float64)
+    times = cost.num_layers * (cost.a1 * s * s + cost.b1 * s + cost.g * s / config.capacity)
+    return units + [Unit("short", (i,), 1, t, lens[i]) for i, t in zip(short_ids, times.tolist())]
 
 
 def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) -> list[Unit]:
@@ -194,7 +200,7 @@ def _naive_packs(
             fillers.append(f)
             tokens.append(t_i)
             times.append(cost.num_layers * (cost.layer_time(t_i, p_i) + exposed))
-        u.fillers, u.slot_times, u.tokens, u.time = tuple(fillers), tuple(times), max(tokens), max(times)
+        u.fillers, u.tokens, u.time = tuple(fillers), max(tokens), max(times)
     packs = pack_best_fit([(i, lens[i]) for i, _ in left], capacity)
     return [
         Unit(
@@ -223,6 +229,11 @@ def _micro_batches(lens, units: list[Unit], assignment: Assignment, capacity: in
         pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring)))
 
     def pack(stretch: list[int], rank: int, mbs: list, times: list) -> None:
+        if len(stretch) == 1:
+            i = stretch[0]
+            mbs.append(MicroBatch((whole_piece(i, lens[i], rank),)))
+            times.append(l * cost.layer_time(lens[i]))
+            return
         if sum(lens[i] for i in stretch) <= capacity:
             bins = [stretch]
         else:

@@ -22,7 +22,6 @@ import numpy as np
 
 from ..errors import ConfigError, PlanError
 from .cost_model import FORWARD_SHARE, CostModel
-from .estimate import ring_share_time, sequence_time
 from .offload_policy import OffloadDecision, decide, ratio_for_ranks
 
 
