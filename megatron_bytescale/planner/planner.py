@@ -43,23 +43,18 @@ class PlannerConfig:
     capacity: int  # C: tokens per micro-batch per rank without offloading
     ranks_per_node: int = 8  # HDP ranks sharing a node's NVLink (GPUs per node / TP)
     balance: str = "dp"  # "none" (hdp-naive) | "dp" | "pp"
-    slack: float = 0.05  # delta, as a fraction of the current maximum estimated time
+    slack: float = 0.05  # delta, a fraction of the max estimated time (PP runs; DP gives one unit at a time)
     offload: bool = True
     pipeline_stages: int = 1
 
     def check(self) -> None:
-        def whole(name: str, value, low: int) -> None:
+        def whole(name: str, value, low: int, fix: str = "") -> None:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}")
+                raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}{fix}")
 
-        whole("num_ranks", self.num_ranks, 1)
-        if isinstance(self.capacity, (int, np.integer)) and not isinstance(self.capacity, bool) and self.capacity <= 0:
-            raise ConfigError(
-                f"token capacity must be positive, got {self.capacity}; set --hdp-token-capacity to the tokens "
-                "one rank holds per micro-batch (e.g. 8K)"
-            )
-        whole("capacity", self.capacity, 1)
-        whole("ranks_per_node", self.ranks_per_node, 1)
+        whole("num_ranks", self.num_ranks, 1, "; pass the HDP ranks (GPUs / (TP x PP))")
+        whole("token capacity", self.capacity, 1, "; set --hdp-token-capacity to the tokens one rank holds per micro-batch (e.g. 8K)")
+        whole("ranks_per_node", self.ranks_per_node, 1, "; pass the HDP ranks per node (GPUs per node / TP)")
         whole("pipeline_stages", self.pipeline_stages, 1)
         check_shape(self.num_ranks, self.ranks_per_node)
         if self.balance not in BALANCE_MODES:
