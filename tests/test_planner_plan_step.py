@@ -198,3 +198,18 @@ def test_bad_input_names_the_problem_and_the_fix(lens, config, message):
     with pytest.raises(ConfigError, match=message):
         plan_step(lens, config, small_cost(num_layers=8))
     assert issubclass(ConfigError, BytescaleError)
+
+
+def test_rescaled_target_when_rigid_rings_leave_no_room(llama, monkeypatch):
+    # a 1.2M ring that fits the first target on all 96 ranks leaves no room for three long
+    # single-rank sequences; a larger target gives the ring fewer ranks and them their own
+    from megatron_bytescale.planner import planner as planner_module
+
+    lens = [1_200_000, 60_000, 50_000, 40_000]
+    config = PlannerConfig(num_ranks=96, capacity=8192)
+    tuned = plan_step(lens, config, llama).validate()
+    monkeypatch.setattr(planner_module, "RETARGET", (1.0,))
+    first = plan_step(lens, config, llama).validate()
+    assert first.ring_sizes()[0] == 96 and tuned.ring_sizes()[0] < 96
+    assert tuned.meta["target_scale"] != 1.0
+    assert tuned.meta["est_time_max_s"] < 0.85 * first.meta["est_time_max_s"]

@@ -31,10 +31,11 @@ from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
 from .placement import RingPlacer, check_shape
 from .plan import MicroBatch, Piece, Plan, ring_pieces, whole_piece
-from .sharding import RingSizer, Shard, fill_ring_spare, pack_best_fit, plan_ring_sizes
+from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
 from .zigzag import rank_tokens
 
 BALANCE_MODES = ("none", "dp", "pp")
+RETARGET = (1.0, 1.1, 1.2, 0.85, 1.35, 0.7, 1.5)  # target scales tried while the step overshoots the target
 
 
 @dataclass(frozen=True)
@@ -90,18 +91,27 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
     balanced = config.balance != "none"
     placer = RingPlacer(config.num_ranks, config.ranks_per_node)
     # With pipelines, a rank that runs a ring share fills and drains its pipeline with it,
-    # so rings are sized for p x their stage time, or (cheaper in communication) 1 x, and
-    # the schedule with the shorter estimated step wins.
+    # so rings are sized for p x their stage time, or (cheaper in communication) 1 x.
+    # The target is a bound, not a promise: rigid rings with little short work to fill the
+    # gaps between them may not pack under it. Then a few rescaled targets are tried (a
+    # larger one frees ranks, a smaller one cuts work finer) and the shortest step wins.
     factors = sorted({1, config.pipeline_stages}) if balanced else [1]
     best = None
     for factor in factors:
         sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, factor)
-        shards, target = plan_ring_sizes(lens, sizer, balanced)
-        units = _units(lens, shards, config, cost, placer.ranks_per_node)
-        assignment = schedule(units, placer, config.balance if balanced else "tokens", config.slack, config.pipeline_stages)
-        if best is None or assignment.key.max() < best[3].key.max():
-            best = (shards, target, units, assignment)
-    shards, target, units, assignment = best
+        base = balanced_target(np.asarray(lens), sizer) if balanced else None
+        for scale in RETARGET if balanced else (1.0,):
+            target = None if base is None else base * scale
+            shards = plan_ring_sizes(lens, sizer, target)
+            units = _units(lens, shards, config, cost, placer.ranks_per_node)
+            mode = config.balance if balanced else "tokens"
+            assignment = schedule(units, placer, mode, config.slack, config.pipeline_stages)
+            step = float(assignment.key.max())
+            if best is None or step < best[0]:
+                best = (step, shards, target, units, assignment, scale)
+            if base is None or step <= (1 + config.slack) * base:
+                break
+    _, shards, target, units, assignment, scale = best
     ranks, times, ring_at = _micro_batches(lens, units, assignment, config.capacity, cost)
     est = _finish_times(times, ring_at, assignment, units, config.pipeline_stages)
 
@@ -121,7 +131,8 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
         "pipeline_stages": config.pipeline_stages,
         "slack": config.slack,
         "buckets": assignment.num_buckets,
-        "target_time_s": target,
+        "target_time_s": target,  # the step time rings were sized for (None: memory floor)
+        "target_scale": scale,  # 1 unless a rescaled target packed better
         "compute_bound_s": _compute_bound(lens, cost, config.num_ranks),
         "est_time_max_s": float(est.max()),
         "est_time_mean_s": float(est.mean()),

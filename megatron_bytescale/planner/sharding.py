@@ -186,20 +186,16 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     return hi
 
 
-def plan_ring_sizes(
-    seq_lens: Sequence[int], sizer: RingSizer, balanced: bool
-) -> tuple[dict[int, Shard], float | None]:
-    """Shards of every sequence longer than the capacity, and the target time (None for
-    the memory floor alone, as hdp-naive uses)."""
+def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | None) -> dict[int, Shard]:
+    """Shards of every sequence longer than the capacity: the memory floor when ``target``
+    is None (as hdp-naive uses), else the smallest ring within ``target``."""
     lens = np.asarray(seq_lens, dtype=np.int64)
-    long_ids = np.flatnonzero(lens > sizer.capacity)
-    target = balanced_target(lens, sizer) if balanced else None
     shards = {}
-    for i in long_ids:
+    for i in np.flatnonzero(lens > sizer.capacity).tolist():
         s = int(lens[i])
         d, r, _ = sizer.size(s, target)
-        shards[int(i)] = Shard(int(i), s, d, r)
-    return shards, target
+        shards[i] = Shard(i, s, d, r)
+    return shards
 
 
 # ----------------------------------------------------------------------------- packing
