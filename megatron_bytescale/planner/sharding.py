@@ -9,7 +9,10 @@
   fits the target (or the fastest ring, if none does). Its offload ratio is then the
   smallest that fits the smaller share, often 0.
 * Short sequences are packed best-fit decreasing into micro-batches of at most ``C`` tokens;
-  ``fill_ring_spare`` puts them into the spare capacity of ring micro-batches first.
+  ``fill_ring_spare`` puts them into the spare capacity of ring micro-batches first
+  (hdp-naive; the balanced modes pack them per rank once the scheduler has placed them).
+
+``balanced_target`` picks the step time rings are sized for; ``plan_ring_sizes`` applies it.
 """
 
 from __future__ import annotations
