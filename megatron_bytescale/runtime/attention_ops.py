@@ -305,13 +305,16 @@ def flash_kernel(q: torch.Tensor):
         return None
     if q.shape[-1] % 8 or q.shape[-1] > 256 or torch.cuda.get_device_capability(q.device)[0] < 8:
         return None
+    return _flash_provider()
+
+
+@lru_cache(maxsize=1)
+def _flash_provider():
     try:
         return FlashAttnPackageKernel()
     except ImportError:
         pass
-    if torch.backends.cuda.is_flash_attention_available():
-        return TorchFlashKernel()
-    return None
+    return TorchFlashKernel() if torch.backends.cuda.is_flash_attention_available() else None
 
 
 TORCH_BACKEND = TorchBackend()
