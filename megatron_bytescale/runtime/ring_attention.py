@@ -42,7 +42,8 @@ def ring_attention(
 
     ``group``: the HDP process group the layout's ranks refer to (None: the world).
     ``backend``: "auto" (flash kernels on CUDA fp16/bf16, else torch), "flash" or "torch".
-    ``counter``: adds the bytes this rank sends (forward and backward).
+    ``counter``: adds the bytes this rank sends (forward and backward; a recomputed forward
+    under activation checkpointing sends, and counts, its KV again).
     """
     check_inputs(q, k, v, layout)
     comm = RingComm(layout.ring, layout.ring_index, group, counter) if layout.ring_size > 1 else None
