@@ -72,9 +72,12 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def _forward_backward_packed(rank, world):
+    import dataclasses
+
     from megatron_bytescale.megatron import cpu_compat, model, parallel
     from megatron_bytescale.megatron.core_attention import HDPCoreAttention
     from megatron_bytescale.megatron.rotary import TruePositionRotaryEmbedding
+    from megatron_bytescale.planner.specs import ModelSpec
 
     parallel.init_parallel()
     gpt = model.build_gpt_model("tiny", seed=SEED)
@@ -102,6 +105,11 @@ def _forward_backward_packed(rank, world):
         out["no_context_error"] = None
     except BytescaleError as exc:
         out["no_context_error"] = str(exc)
+    # the MoE variant (Mistral-style layers) runs too: router and experts on the CPU
+    moe = model.build_gpt_model(dataclasses.replace(ModelSpec.load("tiny"), num_experts=4, moe_router_topk=2), seed=SEED)
+    _token_losses(moe, packed, packed_layout).sum().backward()
+    experts = [p.grad for n, p in moe.named_parameters() if ".experts." in n]
+    out["moe_expert_grads"] = len(experts) > 0 and all(g is not None and bool(torch.isfinite(g).all()) for g in experts)
     parallel.destroy_parallel()
     return out
 
@@ -115,6 +123,7 @@ def test_tiny_gpt_runs_forward_backward_on_cpu_with_document_masking():
     assert out["packed_vs_alone"] < 1e-5, out
     assert out["loss_spread"] > 1e-3  # the losses are real numbers, not a constant
     assert "active_micro_batch" in out["no_context_error"]
+    assert out["moe_expert_grads"]
 
 
 def _rope_checks(rank, world):
@@ -368,6 +377,8 @@ def _bad_inputs(rank, world):
     expect("learned_positions", lambda: model.transformer_config(spec, learned), ConfigError)
     three_heads = dataclasses.replace(spec, num_attention_heads=3, num_query_groups=3, kv_channels=16)
     expect("heads_vs_tp", lambda: model.build_gpt_model(three_heads), ConfigError)
+    moe = dataclasses.replace(spec, num_experts=4, moe_router_topk=2)
+    expect("moe_tp", lambda: model.transformer_config(moe, arch), ConfigError)
 
     gpt = model.build_gpt_model("tiny", seed=SEED)
     data, layout = _prepare([_whole(0, 10, 0)], 0)
@@ -392,6 +403,7 @@ def test_bad_configurations_and_inputs_name_the_fix():
         "recompute": "recompute",
         "learned_positions": "--position-embedding-type rope",
         "heads_vs_tp": "split over tp",
+        "moe_tp": "sequence parallelism",
         "wrong_length": "active micro-batch has 10 positions",
     }
     for name, words in expected_words.items():

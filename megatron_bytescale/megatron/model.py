@@ -132,6 +132,11 @@ def transformer_config(
         cuda_graph_scope=[],  # megatron-core's default ("full") only triggers its own deprecation warning
     )
     fields.update(overrides)
+    if spec.num_experts and tp > 1 and not fields.get("sequence_parallel"):
+        raise ConfigError(
+            f"model {spec.name!r}: megatron-core runs MoE with tp={tp} only with sequence parallelism; pass "
+            "sequence_parallel=True (the local spec needs Apex norms for it) or use tp=1"
+        )
     return TransformerConfig(**fields)
 
 
@@ -142,6 +147,7 @@ def build_gpt_model(
     dtype: torch.dtype = torch.float32,
     hidden_dropout: float = 0.0,
     max_sequence_length: int = 1 << 21,
+    device: str | torch.device = "cpu",
     **config_overrides,
 ) -> GPTModel:
     """Megatron GPTModel (local layer spec + HDP core attention + true-position RoPE) for this
@@ -150,7 +156,10 @@ def build_gpt_model(
     ``model``: a name in configs/models (``"tiny"``), an args file path, or a ModelSpec.
     ``seed`` fixes the initial weights (the same on every HDP rank; TP ranks hold shards of the
     same full weights as TP = 1) and Megatron's dropout RNG streams.
+    ``hidden_dropout`` defaults to 0 (Megatron's default is 0.1) so that runs compare exactly.
+    ``device``: where the model lives (weights are drawn on the CPU, then moved; "cuda" on a GPU).
     ``config_overrides``: extra TransformerConfig fields.
+    With PP > 1 each stage draws only its own layers, so stage weights differ from PP = 1's.
     """
     if not parallel.is_initialized():
         raise ConfigError("build_gpt_model needs Megatron's parallel state: call parallel.init_parallel(tp, pp) first")
@@ -174,4 +183,4 @@ def build_gpt_model(
         rotary_percent=arch.rotary_percent,
         rotary_base=arch.rotary_base,
     )
-    return use_true_positions(gpt)
+    return use_true_positions(gpt.to(device))
