@@ -119,18 +119,24 @@ class VarlenCall:
     q_spans: tuple[tuple[int, int], ...]
     k_spans: tuple[tuple[int, int], ...]
 
-    def cu_seqlens(self, spans) -> list[int]:
-        cu = [0]
-        for a, b in spans:
-            cu.append(cu[-1] + b - a)
-        return cu
 
-    @staticmethod
-    def rows(spans, total: int):
-        """None when the spans are exactly rows [0, total) in order (no gather needed)."""
+@lru_cache(maxsize=256)
+def call_tensors(call: VarlenCall, tq: int, tk: int, device: torch.device):
+    """Device tensors of one call, made once per layout (no host-to-device copy per layer):
+    query rows, key rows (None when a side is all rows in order), cu_seqlens_q/k, max lengths."""
+
+    def rows(spans, total):
         if spans[0][0] == 0 and spans[-1][1] == total and all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
             return None
-        return torch.cat([torch.arange(a, b) for a, b in spans])
+        return torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
+
+    def cu(spans):
+        return torch.tensor([0] + [b - a for a, b in spans], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+    return (
+        rows(call.q_spans, tq), rows(call.k_spans, tk), cu(call.q_spans), cu(call.k_spans),
+        max(b - a for a, b in call.q_spans), max(b - a for a, b in call.k_spans),
+    )
 
 
 @lru_cache(maxsize=4096)
@@ -183,22 +189,12 @@ def _span(runs) -> tuple[int, int]:
 
 
 class VarlenBackend:
-    """Block attention through a varlen flash kernel (see ``FlashKernel`` below)."""
+    """Block attention through a varlen flash kernel (the contract is under "flash kernels" below)."""
 
     name = "flash"
 
     def __init__(self, kernel):
         self.kernel = kernel
-
-    def _prepare(self, call: VarlenCall, q, k):
-        dev = q.device
-        qrows, krows = VarlenCall.rows(call.q_spans, q.shape[0]), VarlenCall.rows(call.k_spans, k.shape[0])
-        cu_q = torch.tensor(call.cu_seqlens(call.q_spans), dtype=torch.int32, device=dev)
-        cu_k = torch.tensor(call.cu_seqlens(call.k_spans), dtype=torch.int32, device=dev)
-        max_q = max(b - a for a, b in call.q_spans)
-        max_k = max(b - a for a, b in call.k_spans)
-        take = lambda x, rows: x if rows is None else x.index_select(0, rows.to(dev))  # noqa: E731
-        return qrows, krows, take, (cu_q, cu_k, max_q, max_k)
 
     def forward(self, q, k, v, qblock, kblock, scale):
         calls = varlen_calls(qblock, kblock)
@@ -207,12 +203,11 @@ class VarlenBackend:
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:2], NEG_INF, dtype=torch.float32, device=q.device)
         for call in calls:
-            qrows, krows, take, meta = self._prepare(call, q, k)
-            o, l = self.kernel.forward(take(q, qrows), take(k, krows), take(v, krows), *meta, scale, call.causal)
+            qrows, krows, *meta = call_tensors(call, q.shape[0], k.shape[0], q.device)
+            o, l = self.kernel.forward(_take(q, qrows), _take(k, krows), _take(v, krows), *meta, scale, call.causal)
             if qrows is None:
                 out, lse = o.float(), l.t().float()
             else:
-                qrows = qrows.to(q.device)
                 out.index_copy_(0, qrows, o.float())
                 lse.index_copy_(0, qrows, l.t().float())
         return out, lse
@@ -225,10 +220,10 @@ class VarlenBackend:
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
         for call in calls:
-            qrows, krows, take, meta = self._prepare(call, q, k)
+            qrows, krows, *meta = call_tensors(call, q.shape[0], k.shape[0], q.device)
             dqc, dkc, dvc = self.kernel.backward(
-                take(dout, qrows), take(q, qrows), take(k, krows), take(v, krows), take(out, qrows),
-                take(lse, qrows).t().contiguous(), *meta, scale, call.causal,
+                _take(dout, qrows), _take(q, qrows), _take(k, krows), _take(v, krows), _take(out, qrows),
+                _take(lse, qrows).t().contiguous(), *meta, scale, call.causal,
             )
             _add_rows(dq, qrows, dqc)
             _add_rows(dk, krows, dkc)
@@ -236,11 +231,15 @@ class VarlenBackend:
         return dq, dk, dv
 
 
+def _take(x, rows):
+    return x if rows is None else x.index_select(0, rows)
+
+
 def _add_rows(dst, rows, src):
     if rows is None:
         dst.add_(src.float())
     else:
-        dst.index_add_(0, rows.to(dst.device), src.float())
+        dst.index_add_(0, rows, src.float())
 
 
 # ----------------------------------------------------------------------- flash kernels
