@@ -16,16 +16,12 @@ from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.plan import MicroBatch, Piece
 from megatron_bytescale.planner.zigzag import zigzag_ranges
 
+from hdp_helpers import grads_of, read_tokens, shard_like
+
 # import megatron-core once in the launcher's forkserver, not in every rank
 preload(["megatron.core.models.gpt.gpt_model", "megatron.core.distributed", "megatron_bytescale.megatron.model"])
 
 SEED = 11
-VOCAB = 512  # configs/models/tiny.args
-
-
-def _read(seq_id: int, start: int, stop: int) -> np.ndarray:
-    """Deterministic token ids of sequence ``seq_id``."""
-    return np.random.default_rng(1000 + seq_id).integers(0, VOCAB, size=stop)[start:stop]
 
 
 def _whole(seq_id: int, seq_len: int, rank: int) -> Piece:
@@ -41,7 +37,7 @@ def _prepare(pieces, rank):
     from megatron_bytescale.runtime.layout import MicroBatchLayout
 
     mb = MicroBatch(tuple(pieces))
-    return build_micro_batch_data(mb, _read), MicroBatchLayout.from_micro_batch(mb, rank)
+    return build_micro_batch_data(mb, read_tokens), MicroBatchLayout.from_micro_batch(mb, rank)
 
 
 def _token_losses(model, data, layout):
@@ -57,10 +53,6 @@ def _by_token(data, values) -> dict[tuple[int, int], torch.Tensor]:
     """{(seq_id, position): value} for the tokens of one micro-batch."""
     keys = [(p.seq_id, pos) for p in data.micro_batch.pieces for pos in p.positions()]
     return dict(zip(keys, values.detach()))
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -192,15 +184,6 @@ def test_rope_at_true_positions_matches_the_whole_sequence():
 # ---------------------------------------------------------------------- tensor parallel
 
 
-def _shard(full: torch.Tensor, param, tp_rank: int, tp: int) -> torch.Tensor:
-    """This TP rank's part of a full tensor, cut as megatron-core's CPU initialisation cuts it."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return full
-    dim, stride = param.partition_dim, param.partition_stride
-    chunks = torch.split(full, param.shape[dim] // stride, dim=dim)
-    return torch.cat(chunks[tp_rank::tp], dim=dim)
-
-
 def _tp2_vs_tp1(rank, world):
     from megatron.core import parallel_state
 
@@ -221,8 +204,8 @@ def _tp2_vs_tp1(rank, world):
     full = dict(gpt1.named_parameters())
     weight_diff = grad_diff = 0.0
     for name, p in gpt2.named_parameters():
-        weight_diff = max(weight_diff, float((p.detach() - _shard(full[name].detach(), p, tp_rank, 2)).abs().max()))
-        grad_diff = max(grad_diff, float((p.grad - _shard(full[name].grad, p, tp_rank, 2)).abs().max()))
+        weight_diff = max(weight_diff, float((p.detach() - shard_like(full[name].detach(), p, tp_rank, 2)).abs().max()))
+        grad_diff = max(grad_diff, float((p.grad - shard_like(full[name].grad, p, tp_rank, 2)).abs().max()))
     return {
         "loss_diff": float((loss2 - loss1).abs().max()),
         "weight_diff": weight_diff,
@@ -257,7 +240,7 @@ def _ring_vs_one_rank(rank, world, tp):
     data, layout = _prepare(mine, hdp)
     losses = _token_losses(gpt, data, layout)
     losses.sum().backward()
-    ring_grads = _grads(gpt)
+    ring_grads = grads_of(gpt)
     for g in ring_grads.values():
         dist.all_reduce(g, group=parallel.hdp_group())  # the step's gradient: sum over HDP ranks
     mine_by_token = _by_token(data, losses)
@@ -273,7 +256,7 @@ def _ring_vs_one_rank(rank, world, tp):
         "groups": groups,
         "tokens": len(mine_by_token),
         "loss_diff": loss_diff,
-        "grad_diff": _max_diff(ring_grads, _grads(gpt)),
+        "grad_diff": _max_diff(ring_grads, grads_of(gpt)),
     }
 
 
