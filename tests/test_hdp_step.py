@@ -33,7 +33,7 @@ def mixed_plan() -> Plan:
         (MicroBatch((share[2],)),),
         (MicroBatch((whole_piece(1, 5, 3), whole_piece(2, 9, 3))), MicroBatch((whole_piece(3, 7, 3), whole_piece(5, 11, 3)))),
     )
-    return Plan(num_ranks=4, capacity=16, num_layers=4, seq_lens=lens, ranks=ranks).validate()
+    return Plan(num_ranks=4, capacity=18, num_layers=4, seq_lens=lens, ranks=ranks).validate()
 
 
 def idle_rank_plan() -> Plan:
