@@ -115,7 +115,7 @@ def test_a_rank_with_no_micro_batches_still_joins_the_reduction():
 def test_tp2_by_hdp2_equals_one_rank():
     share = ring_pieces(0, 23, (0, 1))
     plan = Plan(
-        num_ranks=2, capacity=16, num_layers=4, seq_lens=(23, 8, 5),
+        num_ranks=2, capacity=20, num_layers=4, seq_lens=(23, 8, 5),
         ranks=((MicroBatch((share[0], whole_piece(1, 8, 0))),), (MicroBatch((share[1], whole_piece(2, 5, 1))),)),
     ).validate()
     outs = run_local_world(_step, 4, plan.to_json(), 2, timeout_s=180)
