@@ -9,8 +9,9 @@ max / mean per-rank time, and the max against the compute bound (all FLOPs sprea
 over all ranks) and against the fastest the longest ring can possibly run. CPU time is
 printed beside wall time: on a shared machine it is the steadier figure.
 
-Lengths: until ``megatron_bytescale/data/workloads.py`` (the simulator helper's generator)
-exists, ``byted_like_lengths`` below draws them from a documented parametric mix.
+Lengths: ``megatron_bytescale/data/workloads.py``'s ``sample_lengths("byted", ...)`` (the
+simulator helper's generator) when it is installed, else ``byted_like_lengths`` below, a
+documented parametric mix (``--workload builtin`` forces it).
 """
 
 from __future__ import annotations
@@ -113,6 +114,17 @@ def byted_like_lengths(total_tokens: int, context: int, rng: np.random.Generator
     return lengths
 
 
+def batch_lengths(workload: str, total: int, context: int, seed: int) -> tuple[list[int], str]:
+    if workload == "auto":
+        try:
+            from megatron_bytescale.data.workloads import sample_lengths
+        except ImportError:
+            pass
+        else:
+            return list(sample_lengths("byted", total, context, np.random.default_rng(seed))), "data/workloads.py byted"
+    return byted_like_lengths(total, context, np.random.default_rng(seed)), "builtin byted-like mix"
+
+
 def describe_batch(lengths: list[int]) -> dict:
     arr = np.asarray(lengths)
     tot = arr.sum()
@@ -132,12 +144,12 @@ def run(args) -> dict:
     capacity = parse_size(args.capacity, "capacity")
     context = parse_size(args.context, "context")
     total = parse_size(args.tokens, "tokens")
-    lengths = byted_like_lengths(total, context, np.random.default_rng(args.seed))
+    lengths, source = batch_lengths(args.workload, total, context, args.seed)
     out = {"model": args.model, "hardware": args.hardware, "gpus": args.gpus, "capacity": capacity,
-           "context": context, "batch": describe_batch(lengths), "results": {}}
+           "context": context, "workload": source, "batch": describe_batch(lengths), "results": {}}
     sizer = RingSizer(capacity, cost, True, args.gpus, 8)
     critical = max(sizer.fastest(s) for s in set(lengths) if s > capacity)
-    print(f"batch: {out['batch']}")
+    print(f"batch ({source}): {out['batch']}")
     for balance in args.balance:
         config = PlannerConfig(num_ranks=args.gpus, capacity=capacity, balance=balance)
         times, cpu = [], []
@@ -189,6 +201,8 @@ def main(argv=None) -> int:
     p.add_argument("--balance", nargs="+", default=["dp", "pp", "none"], choices=["dp", "pp", "none"])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", choices=["auto", "builtin"], default="auto",
+                   help="auto: data/workloads.py's Byted generator if installed, else the builtin mix")
     p.add_argument("--validate", action="store_true", help="also run Plan.validate() on the last plan")
     p.add_argument("--json", help="write the figures to this JSON file")
     args = p.parse_args(argv)
