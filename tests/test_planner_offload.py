@@ -1,6 +1,5 @@
 import math
 
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_bytescale.planner.offload_policy import (

@@ -28,13 +28,14 @@ import numpy as np
 from ..errors import ConfigError
 from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
-from .estimate import exposed_ring_time, ring_share_time, sequence_time
+from .estimate import exposed_ring_time, ring_share_time
 from .placement import RingPlacer, check_shape
 from .plan import MicroBatch, Piece, Plan, ring_pieces, whole_piece
-from .sharding import RingSizer, Shard, fill_ring_spare, pack_best_fit, plan_ring_sizes
+from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
 from .zigzag import rank_tokens
 
 BALANCE_MODES = ("none", "dp", "pp")
+RETARGET = (1.0, 1.1, 1.2, 0.85, 1.35, 0.7, 1.5)  # target scales tried while the step overshoots the target
 
 
 @dataclass(frozen=True)
@@ -43,23 +44,18 @@ class PlannerConfig:
     capacity: int  # C: tokens per micro-batch per rank without offloading
     ranks_per_node: int = 8  # HDP ranks sharing a node's NVLink (GPUs per node / TP)
     balance: str = "dp"  # "none" (hdp-naive) | "dp" | "pp"
-    slack: float = 0.05  # delta, as a fraction of the current maximum estimated time
+    slack: float = 0.05  # delta, a fraction of the max estimated time (PP runs; DP gives one unit at a time)
     offload: bool = True
     pipeline_stages: int = 1
 
     def check(self) -> None:
-        def whole(name: str, value, low: int) -> None:
+        def whole(name: str, value, low: int, fix: str = "") -> None:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}")
+                raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}{fix}")
 
-        whole("num_ranks", self.num_ranks, 1)
-        if isinstance(self.capacity, (int, np.integer)) and not isinstance(self.capacity, bool) and self.capacity <= 0:
-            raise ConfigError(
-                f"token capacity must be positive, got {self.capacity}; set --hdp-token-capacity to the tokens "
-                "one rank holds per micro-batch (e.g. 8K)"
-            )
-        whole("capacity", self.capacity, 1)
-        whole("ranks_per_node", self.ranks_per_node, 1)
+        whole("num_ranks", self.num_ranks, 1, "; pass the HDP ranks (GPUs / (TP x PP))")
+        whole("token capacity", self.capacity, 1, "; set --hdp-token-capacity to the tokens one rank holds per micro-batch (e.g. 8K)")
+        whole("ranks_per_node", self.ranks_per_node, 1, "; pass the HDP ranks per node (GPUs per node / TP)")
         whole("pipeline_stages", self.pipeline_stages, 1)
         check_shape(self.num_ranks, self.ranks_per_node)
         if self.balance not in BALANCE_MODES:
@@ -95,18 +91,27 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
     balanced = config.balance != "none"
     placer = RingPlacer(config.num_ranks, config.ranks_per_node)
     # With pipelines, a rank that runs a ring share fills and drains its pipeline with it,
-    # so rings are sized for p x their stage time, or (cheaper in communication) 1 x, and
-    # the schedule with the shorter estimated step wins.
+    # so rings are sized for p x their stage time, or (cheaper in communication) 1 x.
+    # The target is a bound, not a promise: rigid rings with little short work to fill the
+    # gaps between them may not pack under it. Then a few rescaled targets are tried (a
+    # larger one frees ranks, a smaller one cuts work finer) and the shortest step wins.
     factors = sorted({1, config.pipeline_stages}) if balanced else [1]
     best = None
     for factor in factors:
         sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, factor)
-        shards, target = plan_ring_sizes(lens, sizer, balanced)
-        units = _units(lens, shards, config, cost, placer.ranks_per_node)
-        assignment = schedule(units, placer, config.balance if balanced else "tokens", config.slack, config.pipeline_stages)
-        if best is None or assignment.key.max() < best[3].key.max():
-            best = (shards, target, units, assignment)
-    shards, target, units, assignment = best
+        base = balanced_target(np.asarray(lens), sizer) if balanced else None
+        for scale in RETARGET if balanced else (1.0,):
+            target = None if base is None else base * scale
+            shards = plan_ring_sizes(lens, sizer, target)
+            units = _units(lens, shards, config, cost, placer.ranks_per_node)
+            mode = config.balance if balanced else "tokens"
+            assignment = schedule(units, placer, mode, config.slack, config.pipeline_stages)
+            step = float(assignment.key.max())
+            if best is None or step < best[0]:
+                best = (step, shards, target, units, assignment, scale)
+            if base is None or step <= (1 + config.slack) * base:
+                break
+    _, shards, target, units, assignment, scale = best
     ranks, times, ring_at = _micro_batches(lens, units, assignment, config.capacity, cost)
     est = _finish_times(times, ring_at, assignment, units, config.pipeline_stages)
 
@@ -126,8 +131,9 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
         "pipeline_stages": config.pipeline_stages,
         "slack": config.slack,
         "buckets": assignment.num_buckets,
-        "target_time_s": target,
-        "compute_bound_s": sum(sequence_time(cost, s) for s in lens) / config.num_ranks,
+        "target_time_s": target,  # the step time rings were sized for (None: memory floor)
+        "target_scale": scale,  # 1 unless a rescaled target packed better
+        "compute_bound_s": _compute_bound(lens, cost, config.num_ranks),
         "est_time_max_s": float(est.max()),
         "est_time_mean_s": float(est.mean()),
         "est_rank_time_s": est.tolist(),
@@ -138,16 +144,22 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
     return plan
 
 
+def _compute_bound(lens, cost: CostModel, num_ranks: int) -> float:
+    """Seconds if all FLOPs of the batch were spread perfectly over all ranks."""
+    s = np.asarray(lens, dtype=np.float64)
+    return float(cost.num_layers * np.sum(cost.a1 * s * s + cost.b1 * s)) / num_ranks
+
+
 # ----------------------------------------------------------------------------- units
 def _units(lens, shards: dict[int, Shard], config: PlannerConfig, cost: CostModel, ranks_per_node: int) -> list[Unit]:
     units = _long_units(shards, cost, ranks_per_node)
     short_ids = [i for i, s in enumerate(lens) if s <= config.capacity]
     if config.balance == "none":
         return units + _naive_packs(units, short_ids, lens, config.capacity, cost, ranks_per_node)
-    per_token_overhead = cost.num_layers * cost.g / config.capacity
-    return units + [
-        Unit("short", (i,), 1, sequence_time(cost, lens[i]) + per_token_overhead * lens[i], lens[i]) for i in short_ids
-    ]
+    # a short sequence's share of its micro-batch's fixed cost g, before packing decides it
+    s = np.asarray([lens[i] for i in short_ids], dtype=np.float64)
+    times = cost.num_layers * (cost.a1 * s * s + cost.b1 * s + cost.g * s / config.capacity)
+    return units + [Unit("short", (i,), 1, t, lens[i]) for i, t in zip(short_ids, times.tolist())]
 
 
 def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) -> list[Unit]:
@@ -194,7 +206,7 @@ def _naive_packs(
             fillers.append(f)
             tokens.append(t_i)
             times.append(cost.num_layers * (cost.layer_time(t_i, p_i) + exposed))
-        u.fillers, u.slot_times, u.tokens, u.time = tuple(fillers), tuple(times), max(tokens), max(times)
+        u.fillers, u.tokens, u.time = tuple(fillers), max(tokens), max(times)
     packs = pack_best_fit([(i, lens[i]) for i, _ in left], capacity)
     return [
         Unit(
@@ -223,6 +235,11 @@ def _micro_batches(lens, units: list[Unit], assignment: Assignment, capacity: in
         pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring)))
 
     def pack(stretch: list[int], rank: int, mbs: list, times: list) -> None:
+        if len(stretch) == 1:
+            i = stretch[0]
+            mbs.append(MicroBatch((whole_piece(i, lens[i], rank),)))
+            times.append(l * cost.layer_time(lens[i]))
+            return
         if sum(lens[i] for i in stretch) <= capacity:
             bins = [stretch]
         else:

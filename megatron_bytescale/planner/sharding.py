@@ -9,7 +9,10 @@
   fits the target (or the fastest ring, if none does). Its offload ratio is then the
   smallest that fits the smaller share, often 0.
 * Short sequences are packed best-fit decreasing into micro-batches of at most ``C`` tokens;
-  ``fill_ring_spare`` puts them into the spare capacity of ring micro-batches first.
+  ``fill_ring_spare`` puts them into the spare capacity of ring micro-batches first
+  (hdp-naive; the balanced modes pack them per rank once the scheduler has placed them).
+
+``balanced_target`` picks the step time rings are sized for; ``plan_ring_sizes`` applies it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import numpy as np
 
 from ..errors import ConfigError, PlanError
 from .cost_model import FORWARD_SHARE, CostModel
-from .estimate import ring_share_time, sequence_time
 from .offload_policy import OffloadDecision, decide, ratio_for_ranks
 
 
@@ -187,20 +189,16 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     return hi
 
 
-def plan_ring_sizes(
-    seq_lens: Sequence[int], sizer: RingSizer, balanced: bool
-) -> tuple[dict[int, Shard], float | None]:
-    """Shards of every sequence longer than the capacity, and the target time (None for
-    the memory floor alone, as hdp-naive uses)."""
+def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | None) -> dict[int, Shard]:
+    """Shards of every sequence longer than the capacity: the memory floor when ``target``
+    is None (as hdp-naive uses), else the smallest ring within ``target``."""
     lens = np.asarray(seq_lens, dtype=np.int64)
-    long_ids = np.flatnonzero(lens > sizer.capacity)
-    target = balanced_target(lens, sizer) if balanced else None
     shards = {}
-    for i in long_ids:
+    for i in np.flatnonzero(lens > sizer.capacity).tolist():
         s = int(lens[i])
         d, r, _ = sizer.size(s, target)
-        shards[int(i)] = Shard(int(i), s, d, r)
-    return shards, target
+        shards[i] = Shard(i, s, d, r)
+    return shards
 
 
 # ----------------------------------------------------------------------------- packing
