@@ -13,7 +13,7 @@ def test_simulate_prints_a_table_and_writes_json_and_plot(tmp_path, capsys):
     rc = main(SMALL + ["--steps", "2", "--seed", "3", "--json", str(out), "--plot", str(png)])
     text = capsys.readouterr().out
     assert rc == 0
-    for name in ("static", "megatron-dcp", "hdp-naive", "hdp-balanced"):
+    for name in ("static", "megatron-dcp", "hdp-sharding", "hdp-naive", "hdp-balanced"):
         assert name in text
     data = json.loads(out.read_text())
     assert data["config"]["gpus"] == 16 and data["config"]["capacity"] == 8192 and data["config"]["d_hdp"] == 16

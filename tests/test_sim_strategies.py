@@ -122,11 +122,11 @@ def test_megatron_dcp_failures_are_reported_not_hidden():
 
 def test_unknown_strategy_names_the_choices():
     assert parse_strategies("static, hdp-balanced") == ["static", "hdp-balanced"]
-    with pytest.raises(ConfigError, match="unknown strategy 'dp-only'.*static, megatron-dcp, hdp-naive, hdp-balanced"):
+    with pytest.raises(ConfigError, match="unknown strategy 'dp-only'.*static, megatron-dcp, hdp-sharding, hdp-naive, hdp-balanced"):
         parse_strategies("static,dp-only")
 
 
-@pytest.mark.parametrize("name", ["static", "hdp-naive", "hdp-balanced"])
+@pytest.mark.parametrize("name", ["static", "hdp-sharding", "hdp-naive", "hdp-balanced"])
 def test_strategies_with_pipeline_parallelism(name):
     cluster = Cluster(16, pp=2, gpus_per_node=4)
     cost = CostModel.analytic(ModelSpec.load("llama-7b"), HardwareSpec.load("h100"), pp=2)

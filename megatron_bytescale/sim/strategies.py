@@ -4,7 +4,10 @@ costing engine (``timeline.py``) evaluates all of them with the same cost model.
 * ``static``       Megatron's static DP x CP mesh (``static_cp.py``).
 * ``megatron-dcp`` Megatron's hybrid / dynamic CP: megatron-core's own BalancedCPScheduler
                    (``megatron_dcp.py``).
-* ``hdp-naive``    HDP from our planner, no balancing (``balance="none"``).
+* ``hdp-sharding`` HDP rings sized to memory without offloading, no balancing: what dynamic
+                   communication alone buys (an ablation step, not one of the four headline rows).
+* ``hdp-naive``    HDP from our planner with selective offloading, no balancing
+                   (``balance="none"``): rings at the offload memory floor.
 * ``hdp-balanced`` HDP from our planner with the balance scheduler (``"dp"``; ``"pp"`` when
                    PP > 1).
 """
@@ -40,7 +43,7 @@ def _megatron_dcp(x: StrategyInput) -> Plan:
     return megatron_dcp_plan(x.seq_lens, x.cluster, x.capacity, x.cost.num_layers)
 
 
-def _hdp(balance_if_dp: str, balance_if_pp: str, name: str) -> Callable[[StrategyInput], Plan]:
+def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True) -> Callable[[StrategyInput], Plan]:
     def make(x: StrategyInput) -> Plan:
         try:
             from ..planner.planner import PlannerConfig, plan_step
@@ -52,6 +55,7 @@ def _hdp(balance_if_dp: str, balance_if_pp: str, name: str) -> Callable[[Strateg
             ranks_per_node=x.cluster.hdp_per_node,
             balance=balance_if_pp if x.cluster.pp > 1 else balance_if_dp,
             pipeline_stages=x.cluster.pp,
+            offload=offload,
         )
         t0 = time.perf_counter()
         plan = plan_step(list(x.seq_lens), config, x.cost)
@@ -66,6 +70,7 @@ def _hdp(balance_if_dp: str, balance_if_pp: str, name: str) -> Callable[[Strateg
 STRATEGIES: dict[str, Callable[[StrategyInput], Plan]] = {
     "static": _static,
     "megatron-dcp": _megatron_dcp,
+    "hdp-sharding": _hdp("none", "none", "hdp-sharding", offload=False),
     "hdp-naive": _hdp("none", "none", "hdp-naive"),
     "hdp-balanced": _hdp("dp", "pp", "hdp-balanced"),
 }
