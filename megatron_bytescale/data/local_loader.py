@@ -98,10 +98,12 @@ class LocalDataLoader:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """Position of the next step to deliver: save it with the checkpoint."""
-        return loader_state(self.step, self.position, self.sampler)
+        return loader_state(self.step, self.position, self.sampler.fingerprint())
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.position = restore_state(state, self.sampler)
+        step, position = restore_state(state, self.sampler.fingerprint())
+        self.sampler.check_position(position)
+        self.step, self.position = step, position
         self._current = None
 
     def close(self) -> None:

@@ -85,6 +85,16 @@ class GlobalBatchSampler:
             self._order_epoch = epoch
         return self._order
 
+    def fingerprint(self) -> dict:
+        """What a saved stream position is only valid with."""
+        return {
+            "seed": self.seed,
+            "step_tokens": self.step_tokens,
+            "context_length": self.context_length,
+            "num_documents": self.num_documents,
+            "num_tokens": int(self.lengths.sum()),
+        }
+
     def check_position(self, pos: Position) -> None:
         if pos.epoch < 0 or not 0 <= pos.index < self.lengths.size:
             raise ConfigError(f"loader position {pos} is outside a dataset of {self.lengths.size} documents")
@@ -117,34 +127,25 @@ class GlobalBatchSampler:
 
 
 STATE_VERSION = 1
+_FINGERPRINT_KEYS = ("seed", "step_tokens", "context_length", "num_documents", "num_tokens")
 
 
-def loader_state(step: int, position: Position, sampler: GlobalBatchSampler) -> dict:
+def loader_state(step: int, position: Position, fingerprint: dict) -> dict:
     """What a checkpoint stores: the next step and where its samples begin, plus what the
-    position is only meaningful with (seed, budget, context, dataset shape)."""
-    return {
-        "version": STATE_VERSION,
-        "step": int(step),
-        "position": position.to_dict(),
-        "seed": sampler.seed,
-        "step_tokens": sampler.step_tokens,
-        "context_length": sampler.context_length,
-        "num_documents": sampler.num_documents,
-        "num_tokens": int(sampler.lengths.sum()),
-    }
+    position is only meaningful with (``GlobalBatchSampler.fingerprint()``)."""
+    return {"version": STATE_VERSION, "step": int(step), "position": position.to_dict(), **fingerprint}
 
 
-def restore_state(state: dict, sampler: GlobalBatchSampler) -> tuple[int, Position]:
+def restore_state(state: dict, fingerprint: dict) -> tuple[int, Position]:
     """(step, position) from :func:`loader_state`, refused if the loader differs."""
     try:
         if state.get("version") != STATE_VERSION:
             raise ConfigError(f"data loader state version {state.get('version')!r}; this loader reads {STATE_VERSION}")
         step, position = int(state["step"]), Position.from_dict(state["position"])
-        saved = {k: state[k] for k in ("seed", "step_tokens", "context_length", "num_documents", "num_tokens")}
+        saved = {k: state[k] for k in _FINGERPRINT_KEYS}
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(f"malformed data loader state ({type(exc).__name__}: {exc}); pass what state_dict() returned") from None
-    now = loader_state(step, position, sampler)
-    diff = [f"{k}: saved {saved[k]}, now {now[k]}" for k in saved if saved[k] != now[k]]
+    diff = [f"{k}: saved {saved[k]}, now {fingerprint[k]}" for k in _FINGERPRINT_KEYS if saved[k] != fingerprint[k]]
     if diff:
         raise ConfigError(
             "the data loader state was saved with a different dataset or settings (" + "; ".join(diff) + "); "
@@ -152,5 +153,4 @@ def restore_state(state: dict, sampler: GlobalBatchSampler) -> tuple[int, Positi
         )
     if step < 0:
         raise ConfigError(f"data loader state has a negative step {step}")
-    sampler.check_position(position)
     return step, position
