@@ -1,8 +1,8 @@
-"""Shared helpers for the data tests: small real corpora and a simple plan function.
+"""Shared helpers for the data tests: small real corpora and a stand-in plan function.
 
-``simple_plan`` is a small valid planner (long sequences on zigzag rings of ceil(s/C)
-least-loaded ranks, short ones packed whole onto the least-loaded rank) so the data tests do
-not depend on the HDP planner's policy; one test runs the shipped default planner.
+The loaders' default planner is the HDP planner (``planner.planner.plan_step``), which most
+tests use. ``simple_plan`` (long sequences on zigzag rings of ceil(s/C) least-loaded ranks,
+short ones packed whole) shows that any planning function can be plugged in.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from megatron_bytescale.data.indexed import write_indexed_dataset
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
 # Small real distributions installed with the test dependencies (pytest pulls these in).
-SMALL_PACKAGES = ["iniconfig", "pluggy", "six", "packaging"]
+SMALL_PACKAGES = ["cycler", "iniconfig", "pluggy", "six", "packaging"]
 
 
 def build_corpus(tmp_path: Path, packages=SMALL_PACKAGES, name: str = "corpus") -> str:

@@ -14,6 +14,7 @@ from megatron_bytescale.data.local_loader import LocalDataLoader
 from megatron_bytescale.data.planning import SamplesDigest, rank_token_ranges
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.local_world import run_local_world
+from megatron_bytescale.planner.planner import PlannerConfig
 
 RANKS, CAPACITY = 4, 2048
 SETTINGS = dict(step_tokens=3 * RANKS * CAPACITY, context_length=RANKS * CAPACITY, seed=11)
@@ -25,7 +26,8 @@ def corpus(tmp_path_factory):
 
 
 def make_loader(corpus, **kw):
-    return LocalDataLoader(corpus, plan_fn=simple_plan_fn(RANKS, CAPACITY), **{**SETTINGS, **kw})
+    """The shipped default: the HDP planner with the default (tiny model, H200) cost model."""
+    return LocalDataLoader(corpus, PlannerConfig(num_ranks=RANKS, capacity=CAPACITY), **{**SETTINGS, **kw})
 
 
 def test_delivered_tokens_are_the_documents_tokens_at_the_planned_ranges(corpus):
@@ -34,6 +36,7 @@ def test_delivered_tokens_are_the_documents_tokens_at_the_planned_ranges(corpus)
     for _ in range(4):
         sp = loader.step_plan()
         sp.plan.validate()
+        assert sp.plan.meta["strategy"] == "hdp-balanced"
         seen = {i: np.zeros(s.length, dtype=int) for i, s in enumerate(sp.samples)}
         for rank in range(RANKS):
             batch = loader.batch(rank)
@@ -93,6 +96,14 @@ def test_resume_from_a_saved_state_continues_with_the_identical_sample_order(cor
     assert len(set(straight)) == len(straight)  # steps differ: the comparison can fail
 
 
+def test_the_planning_function_is_a_parameter(corpus):
+    loader = LocalDataLoader(corpus, plan_fn=simple_plan_fn(RANKS, CAPACITY), rank=1, **SETTINGS)
+    batch = loader.next_step()
+    assert batch.plan.meta["strategy"] == "simple" and batch.rank == 1
+    batch.check()  # the runtime's StepBatch contract
+    batch.plan.validate()
+
+
 def test_a_different_seed_gives_different_samples(corpus):
     assert _digests(make_loader(corpus), 2) != _digests(make_loader(corpus, seed=12), 2)
 
@@ -120,7 +131,7 @@ WORLD_SETTINGS = dict(step_tokens=3 * 2 * CAPACITY, context_length=2 * CAPACITY,
 
 
 def _rank_loop(rank, world_size, corpus, steps):
-    loader = LocalDataLoader(corpus, plan_fn=simple_plan_fn(world_size, CAPACITY), rank=rank, **WORLD_SETTINGS)
+    loader = LocalDataLoader(corpus, PlannerConfig(num_ranks=world_size, capacity=CAPACITY), rank=rank, **WORLD_SETTINGS)
     out = []
     for batch in loader:
         d = SamplesDigest()
@@ -135,7 +146,7 @@ def _rank_loop(rank, world_size, corpus, steps):
 def test_ranks_in_separate_processes_compute_the_same_plans_and_read_their_shards(corpus):
     world = 2
     results = run_local_world(_rank_loop, world, corpus, 3, timeout_s=120)
-    reference = LocalDataLoader(corpus, plan_fn=simple_plan_fn(world, CAPACITY), **WORLD_SETTINGS)
+    reference = LocalDataLoader(corpus, PlannerConfig(num_ranks=world, capacity=CAPACITY), **WORLD_SETTINGS)
     for step in range(3):
         keys = results[0][step][0]
         assert len(set(keys)) == 1 and keys == results[1][step][0]

@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     parser.add_argument("--capacity", type=int, default=8192, help="tokens per rank per micro-batch (planner capacity C)")
-    parser.add_argument("--step-tokens", type=int, help="token budget per step (default: 2 x ranks x capacity)")
-    parser.add_argument("--context-length", type=int, help="longest sample (default: ranks x capacity)")
+    parser.add_argument("--step-tokens", type=int, help="token budget per step (default: 4 x ranks x capacity)")
+    parser.add_argument("--context-length", type=int, help="longest sample (default: ranks x capacity / 2)")
     parser.add_argument("--model", default="tiny", help="model config for the planner's cost model")
     parser.add_argument("--hardware", default="h200", help="hardware config for the planner's cost model")
     parser.add_argument("--servers", type=int, default=2, help="ray mode: document server actors")
@@ -80,8 +80,10 @@ def run_bench(args) -> dict:
     if args.ranks < 1 or args.steps < 1:
         raise ConfigError(f"--ranks and --steps must be positive, got {args.ranks} and {args.steps}")
     data = args.data or default_dataset()
-    step_tokens = args.step_tokens or 2 * args.ranks * args.capacity
-    context = args.context_length or args.ranks * args.capacity
+    # Defaults shaped like the paper's runs: each rank runs a few micro-batches per step, and
+    # the longest samples span half the ranks.
+    step_tokens = args.step_tokens or 4 * args.ranks * args.capacity
+    context = args.context_length or max(1, args.ranks * args.capacity // 2)
     config = PlannerConfig(num_ranks=args.ranks, capacity=args.capacity)
     cost = CostModel.analytic(ModelSpec.load(args.model), HardwareSpec.load(args.hardware))
     common = dict(step_tokens=step_tokens, context_length=context, seed=args.seed, cost=cost)
@@ -98,7 +100,7 @@ def run_bench(args) -> dict:
 
     itemsize = DocumentDataset(data).itemsize
     digest = SamplesDigest()
-    plan_s, delivery_s, step_token_counts = [], [], []
+    plan_s, delivery_s, step_token_counts, step_sample_counts = [], [], [], []
     per_rank = [0] * args.ranks
     t_start = time.perf_counter()
     try:
@@ -117,6 +119,7 @@ def run_bench(args) -> dict:
                 plan_s.append(batch.plan_s)  # measured in the scheduler, ahead of time
             delivery_s.append(max(waits))  # ranks run in parallel: the slowest one counts
             step_token_counts.append(loader.step_plan().tokens)
+            step_sample_counts.append(len(loader.step_plan().samples))
             loader.advance()
     finally:
         loader.close()
@@ -136,6 +139,7 @@ def run_bench(args) -> dict:
         "delivery_s_median": statistics.median(delivery_s),
         "delivery_s_max": max(delivery_s),
         "tokens_per_step_median": statistics.median(step_token_counts),
+        "samples_per_step_median": statistics.median(step_sample_counts),
         "bytes_read_per_rank_max": max(per_rank),
         "bytes_read_all_ranks": sum(per_rank),
         "bytes_if_every_rank_reads_all": args.ranks * total_step_bytes,

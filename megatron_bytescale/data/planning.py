@@ -22,6 +22,7 @@ import numpy as np
 from ..errors import PlanError
 from ..planner.plan import Plan
 from ..runtime.batch import MicroBatchData, build_micro_batch_data
+from ..runtime.batch import StepBatch as RuntimeStepBatch
 from .sampler import GlobalBatchSampler, Position, Sample
 
 PlanFn = Callable[[Sequence[int]], Plan]
@@ -59,18 +60,15 @@ class StepPlan:
 
 
 @dataclass
-class StepBatch:
-    """What one rank receives for one step."""
+class StepBatch(RuntimeStepBatch):
+    """What one rank receives for one step: the runtime's ``StepBatch`` (plan, rank,
+    micro_batches, step) plus where the data came from and what delivering it cost."""
 
-    step: int
-    rank: int
-    plan: Plan
-    samples: tuple[Sample, ...]
-    micro_batches: list[MicroBatchData]
-    bytes_read: int  # token bytes this rank read (or pulled) for the step
-    plan_s: float
-    delivery_s: float  # wall time from asking for the step to holding its tensors
-    next_position: Position = field(repr=False, default=None)
+    samples: tuple[Sample, ...] = ()  # sequence id i of the plan is samples[i]
+    bytes_read: int = 0  # token bytes this rank read (or pulled) for the step
+    plan_s: float = 0.0  # seconds the planning function took for this step
+    delivery_s: float = 0.0  # wall time from asking for the step to holding its tensors
+    next_position: Position | None = field(default=None, repr=False)
 
     def __iter__(self):
         return iter(self.micro_batches)

@@ -86,15 +86,20 @@ class DocumentServer:
 
 
 class PlanScheduler:
-    """Plans steps ahead in a background thread; answers ``step_plan(step)`` for any rank."""
+    """Plans steps ahead in a background thread; answers ``step_plan(step)`` for any rank.
 
-    def __init__(self, servers, *, step_tokens, context_length, seed, plan_fn, num_ranks, lookahead, retain, timeout_s):
-        lengths = None
-        parts = ray.get([s.metadata.remote() for s in servers], timeout=timeout_s)
-        total = sum(len(ids) for ids, _ in parts)
-        lengths = np.zeros(total, dtype=np.int64)
-        for ids, lens in parts:
-            lengths[ids] = lens
+    Runs as a threaded Ray actor (``max_concurrency``), so ranks waiting for a step do not
+    block each other; also usable in-process (``lengths=...``) for tests."""
+
+    def __init__(
+        self, servers=(), *, step_tokens, context_length, seed, plan_fn, num_ranks, lookahead, retain, timeout_s,
+        lengths=None,
+    ):
+        if lengths is None:  # the servers publish their documents' lengths
+            parts = ray.get([s.metadata.remote() for s in servers], timeout=timeout_s)
+            lengths = np.zeros(sum(len(ids) for ids, _ in parts), dtype=np.int64)
+            for ids, lens in parts:
+                lengths[ids] = lens
         self.sampler = GlobalBatchSampler(lengths, step_tokens=step_tokens, context_length=context_length, seed=seed)
         self.planner = StepPlanner(self.sampler, plan_fn, num_ranks)
         self.lookahead, self.retain = max(1, lookahead), max(1, retain)
@@ -159,7 +164,7 @@ class PlanScheduler:
                     raise self._error
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"the scheduler did not plan step {step} within {timeout_s:.0f}s")
+                    raise TimeoutError(f"the scheduler did not plan step {step} within {timeout_s:g}s")
                 self._cond.wait(remaining)
             else:
                 return self._plans[step]
