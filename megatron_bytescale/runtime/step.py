@@ -49,29 +49,57 @@ def last_step_stats() -> StepStats | None:
     return _last_stats
 
 
+_MISSING = -1  # digest sent by a rank that cannot run the step
+
+
 def plan_digest(plan) -> int:
     return int.from_bytes(hashlib.blake2b(plan.to_json().encode(), digest_size=7).digest(), "little")
 
 
-def check_ranks_agree(plan, group) -> None:
-    """Every rank must execute the same plan: a mismatch would deadlock the rings, so it is
-    caught here with one tiny collective instead."""
-    mine = torch.tensor([plan_digest(plan)], dtype=torch.int64)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+def check_step_agreement(step: StepBatch | None, group) -> None:
+    """Every rank must hold a usable delivery of the same plan before any ring starts.
+
+    Problems found on one rank (no delivery, data not matching the plan, another plan than
+    its peers) would otherwise leave its ring peers waiting in P2P; one tiny all-gather of
+    plan digests makes every rank raise the same clear error instead.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    problem = None
+    if step is None:
+        problem = "no plan was delivered to this rank for this step: the data loader must give every HDP rank its StepBatch"
+    elif step.plan.num_ranks != world:
+        problem = (
+            f"the plan was made for {step.plan.num_ranks} HDP ranks but the HDP group has {world}: "
+            "plan for as many ranks as world size / (TP x PP)"
+        )
+    elif step.rank != rank:
+        problem = f"HDP rank {rank} received the micro-batches of rank {step.rank}"
+    else:
+        try:
+            step.check()
+        except PlanError as exc:
+            problem = str(exc)
+    mine = torch.tensor([_MISSING if problem else plan_digest(step.plan)], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     digests = [int(t.item()) for t in everyone]
+    if problem:
+        raise PlanError(f"HDP rank {rank}: {problem}")
+    failed = [r for r, d in enumerate(digests) if d == _MISSING]
+    if failed:
+        raise PlanError(f"HDP ranks {failed} could not run this step (see their errors); no rank ran it")
     if len(set(digests)) != 1:
-        groups: dict[int, list[int]] = {}
+        by_plan: dict[int, list[int]] = {}
         for r, d in enumerate(digests):
-            groups.setdefault(d, []).append(r)
+            by_plan.setdefault(d, []).append(r)
         raise PlanError(
             "HDP ranks disagree about this step's plan (ranks grouped by plan: "
-            f"{sorted(groups.values())}); every rank must plan the same global batch from the same seed"
+            f"{sorted(by_plan.values())}); every rank must plan the same global batch from the same seed"
         )
 
 
 def run_hdp_step(
-    step: StepBatch,
+    step: StepBatch | None,
     *,
     forward_step_func,
     model,
@@ -82,27 +110,15 @@ def run_hdp_step(
     first_val_step=None,
     offloader=None,
     pg_collection=None,
-    check_plan_agreement: bool = True,
 ) -> tuple[list, StepStats]:
-    """Run one rank's share of a step; returns (forward_data_store, stats)."""
+    """Run one rank's share of a step; returns (forward_data_store, stats). ``step`` may be
+    None (nothing delivered): every rank then raises the same PlanError."""
     from megatron.core.pipeline_parallel.schedules import backward_step, check_first_val_step, forward_step
     from megatron.core.utils import get_model_type
 
     global _last_stats
-    if step is None:
-        raise PlanError("no plan was delivered to this rank for this step: the data loader must give every HDP rank its StepBatch")
-    world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    if step.plan.num_ranks != world:
-        raise PlanError(
-            f"the plan was made for {step.plan.num_ranks} HDP ranks but the HDP group has {world}: "
-            "plan with --gpus / world size equal to TP x PP x HDP ranks"
-        )
-    if step.rank != rank:
-        raise PlanError(f"HDP rank {rank} received the micro-batches of rank {step.rank}")
-    step.check()
-    if check_plan_agreement:
-        check_ranks_agree(step.plan, group)
+    check_step_agreement(step, group)
 
     stats = StepStats()
     counter = P2PCounter()
