@@ -6,15 +6,14 @@ import json
 import time
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from data_support import build_corpus  # noqa: E402
-from megatron_bytescale.data.local_loader import LocalDataLoader  # noqa: E402
-from megatron_bytescale.data.planning import SamplesDigest  # noqa: E402
-from megatron_bytescale.data.ray_loader import RayDataLoader, init_ray  # noqa: E402
-from megatron_bytescale.errors import BytescaleError, ConfigError  # noqa: E402
-from megatron_bytescale.planner.planner import PlannerConfig  # noqa: E402
+from data_support import build_corpus
+from megatron_bytescale.data.local_loader import LocalDataLoader
+from megatron_bytescale.data.planning import SamplesDigest
+from megatron_bytescale.data.ray_loader import RayDataLoader, init_ray
+from megatron_bytescale.errors import BytescaleError, ConfigError
+from megatron_bytescale.planner.planner import PlannerConfig
 
 RANKS, CAPACITY = 4, 2048
 CONFIG = PlannerConfig(num_ranks=RANKS, capacity=CAPACITY)  # the shipped default planner
@@ -75,8 +74,14 @@ def test_a_killed_server_is_restarted_and_nothing_is_lost(loader, reference):
     ray.kill(ld.servers[1], no_restart=False)
     got += [step_digest(ld) for _ in range(STEPS - 3)]
     assert got == reference
-    new_pids = ray.get([s.pid.remote() for s in ld.servers], timeout=60)
-    assert all(a != b for a, b in zip(pids, new_pids))  # both really died and came back
+    # ray.kill is asynchronous: allow the death to be registered, then both must be new processes
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        new_pids = ray.get([s.pid.remote() for s in ld.servers], timeout=60)
+        if all(a != b for a, b in zip(pids, new_pids)):
+            break
+        time.sleep(0.5)
+    assert all(a != b for a, b in zip(pids, new_pids)), (pids, new_pids)  # both really died and came back
 
 
 def test_resume_from_saved_state_continues_identically(loader, reference):
@@ -123,3 +128,34 @@ def test_bench_digest_is_equal_across_modes(ray_session, corpus, tmp_path):
         results[mode] = json.loads(out.read_text())
     assert results["local"]["samples_digest"] == results["ray"]["samples_digest"]
     assert results["local"]["bytes_read_all_ranks"] == results["ray"]["bytes_read_all_ranks"]
+
+
+def _named_rank(rank, world_size, corpus, address, steps):
+    init_ray(address=address)
+    loader = RayDataLoader(corpus, CONFIG, rank=rank, name="shared-loader", num_servers=1, timeout_s=120, **SETTINGS)
+    digests = []
+    for _ in range(steps):
+        d = SamplesDigest()
+        d.add(loader.next_step())
+        digests.append(d.hexdigest())
+    loader.close(kill_actors=False)  # the launcher owns the actors
+    ray.shutdown()
+    return digests
+
+
+def test_ranks_in_separate_processes_share_one_named_loader(ray_session, corpus):
+    from megatron_bytescale.local_world import run_local_world
+
+    owner = RayDataLoader(corpus, CONFIG, name="shared-loader", num_servers=1, timeout_s=60, **SETTINGS)
+    address = ray.get_runtime_context().gcs_address
+    try:
+        results = run_local_world(_named_rank, RANKS, corpus, address, 3, timeout_s=180)
+        reference = LocalDataLoader(corpus, CONFIG, **SETTINGS)
+        for step in range(3):
+            for rank in range(RANKS):
+                d = SamplesDigest()
+                d.add(reference.batch(rank))
+                assert results[rank][step] == d.hexdigest()
+            reference.advance()
+    finally:
+        owner.close()

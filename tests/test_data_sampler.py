@@ -1,6 +1,5 @@
 """Global batches: token budget, context cuts, epochs, determinism, exact resume positions."""
 
-from collections import Counter
 
 import numpy as np
 import pytest

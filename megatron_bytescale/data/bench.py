@@ -13,7 +13,8 @@ Output (printed, and with ``--json OUT`` written): ``samples_digest`` (hash of e
 (rank, step, micro-batch, sequence, document, token range) delivery and its tokens - equal
 across modes for the same seed), ``plan_s_median``, ``delivery_s_median``,
 ``bytes_read_per_rank_max``, ``bytes_read_all_ranks``, and the every-rank-reads-everything
-baseline (``bytes_if_every_rank_reads_all``).
+baseline (``bytes_if_every_rank_reads_all``), and the planner's estimate of the step's
+training time under ``--model``/``--hardware`` with its ratio to planning + delivery.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=int, default=8192, help="tokens per rank per micro-batch (planner capacity C)")
     parser.add_argument("--step-tokens", type=int, help="token budget per step (default: 4 x ranks x capacity)")
     parser.add_argument("--context-length", type=int, help="longest sample (default: ranks x capacity / 2)")
+    parser.add_argument("--ranks-per-node", type=int, default=8, help="HDP ranks per node (planner placement)")
     parser.add_argument("--model", default="tiny", help="model config for the planner's cost model")
     parser.add_argument("--hardware", default="h200", help="hardware config for the planner's cost model")
     parser.add_argument("--servers", type=int, default=2, help="ray mode: document server actors")
@@ -75,6 +77,7 @@ def run_bench(args) -> dict:
     from ..planner.cost_model import CostModel
     from ..planner.planner import PlannerConfig
     from ..planner.specs import HardwareSpec, ModelSpec
+    from .loader import make_loader
     from .planning import SamplesDigest
 
     if args.ranks < 1 or args.steps < 1:
@@ -84,23 +87,18 @@ def run_bench(args) -> dict:
     # the longest samples span half the ranks.
     step_tokens = args.step_tokens or 4 * args.ranks * args.capacity
     context = args.context_length or max(1, args.ranks * args.capacity // 2)
-    config = PlannerConfig(num_ranks=args.ranks, capacity=args.capacity)
+    config = PlannerConfig(num_ranks=args.ranks, capacity=args.capacity, ranks_per_node=args.ranks_per_node)
     cost = CostModel.analytic(ModelSpec.load(args.model), HardwareSpec.load(args.hardware))
     common = dict(step_tokens=step_tokens, context_length=context, seed=args.seed, cost=cost)
-    if args.mode == "local":
-        from .local_loader import LocalDataLoader
-
-        loader = LocalDataLoader(data, config, **common)
-    else:
-        from .ray_loader import RayDataLoader
-
-        loader = RayDataLoader(data, config, num_servers=args.servers, lookahead=args.lookahead, address=args.address, **common)
+    if args.mode == "ray":
+        common.update(num_servers=args.servers, lookahead=args.lookahead, address=args.address)
+    loader = make_loader(args.mode, data, config, **common)
 
     from .indexed import DocumentDataset
 
     itemsize = DocumentDataset(data).itemsize
     digest = SamplesDigest()
-    plan_s, delivery_s, step_token_counts, step_sample_counts = [], [], [], []
+    plan_s, delivery_s, step_token_counts, step_sample_counts, est_step_s = [], [], [], [], []
     per_rank = [0] * args.ranks
     t_start = time.perf_counter()
     try:
@@ -120,11 +118,14 @@ def run_bench(args) -> dict:
             delivery_s.append(max(waits))  # ranks run in parallel: the slowest one counts
             step_token_counts.append(loader.step_plan().tokens)
             step_sample_counts.append(len(loader.step_plan().samples))
+            est = loader.step_plan().plan.meta.get("est_time_max_s")
+            if est is not None:
+                est_step_s.append(float(est))
             loader.advance()
     finally:
         loader.close()
     total_step_bytes = sum(step_token_counts) * itemsize
-    return {
+    result = {
         "mode": args.mode,
         "data": data,
         "ranks": args.ranks,
@@ -146,6 +147,13 @@ def run_bench(args) -> dict:
         "read_share_per_rank_max": max(per_rank) / total_step_bytes,
         "wall_s": time.perf_counter() - t_start,
     }
+    if est_step_s:
+        # the planner's own estimate of the step's training time under --model/--hardware (the
+        # simulator's figure is the authoritative one); loading must hide far inside it
+        est = statistics.median(est_step_s)
+        result["planner_est_step_s_median"] = est
+        result["step_s_over_plan_plus_delivery"] = est / (result["plan_s_median"] + result["delivery_s_median"])
+    return result
 
 
 def main(args) -> int:

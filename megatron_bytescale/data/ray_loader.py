@@ -17,7 +17,11 @@
   ``MicroBatchData`` list locally; the next step is prefetched in a background thread.
 
 Every ``ray.get`` has a timeout; a silent actor becomes a ``BytescaleError`` naming it.
-Ranks in separate processes share the actors by passing the same ``name``.
+
+Ranks in separate processes share the actors by passing the same ``name`` (and the same
+settings, ``num_servers`` included). Named actors live as long as the process that created
+them: create the loader once in the launcher (or on rank 0 before the others attach), and
+close it there; ranks call ``close(kill_actors=False)``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from .planning import PlanFn, StepBatch, StepPlan, StepPlanner, default_plan_fn,
 from .sampler import GlobalBatchSampler, Position, loader_state, restore_state
 
 DEFAULT_TIMEOUT_S = 120.0
+NAMESPACE = "megatron_bytescale"  # named loaders live here, visible to every job on the cluster
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -230,7 +235,9 @@ class RayDataLoader:
         self.rank, self.timeout_s, self.prefetch = rank, float(timeout_s), prefetch
         num_ranks = planner_config.num_ranks if planner_config is not None else None
         plan_fn = plan_fn or default_plan_fn(planner_config, cost)
-        named = (lambda suffix: {"name": f"{name}-{suffix}", "get_if_exists": True}) if name else (lambda suffix: {})
+        def named(suffix: str) -> dict:  # shared by every process that passes the same name
+            return {"name": f"{name}-{suffix}", "namespace": NAMESPACE, "get_if_exists": True} if name else {}
+
         server_cls = ray.remote(DocumentServer)
         self.servers = [
             server_cls.options(
