@@ -146,8 +146,10 @@ def _bad_step(rank, world, case):
         step = None
     if case == "disagree" and rank == 3:
         other = mixed_plan()
-        other.meta["seed"] = 99  # another batch order: a different plan
+        other.meta["plan_time_s"] = 0.5  # provenance differs between ranks: still the same plan
         step = StepBatch(other, rank, mbs)
+        other = Plan(other.num_ranks, other.capacity + 1, other.num_layers, other.seq_lens, other.ranks)
+        step = StepBatch(other, rank, mbs)  # another capacity: a different plan
     if case == "shapes" and rank == 0:
         step.micro_batches[0].tokens = step.micro_batches[0].tokens[:-1]
     try:

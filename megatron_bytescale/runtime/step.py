@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -53,7 +54,10 @@ _MISSING = -1  # digest sent by a rank that cannot run the step
 
 
 def plan_digest(plan) -> int:
-    return int.from_bytes(hashlib.blake2b(plan.to_json().encode(), digest_size=7).digest(), "little")
+    """Hash of what the ranks execute (not ``meta``: planner timings differ from rank to rank)."""
+    body = {k: v for k, v in plan.to_dict().items() if k != "meta"}
+    text = json.dumps(body, separators=(",", ":"))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
 def check_step_agreement(step: StepBatch | None, group) -> None:
