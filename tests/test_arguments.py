@@ -60,6 +60,24 @@ MEGATRON = dict(
     moe_router_topk=2,
     padded_vocab_size=512,
     vocab_size=512,
+    multi_latent_attention=False,
+    position_embedding_type="rope",
+    experimental_attention_variant=None,
+    heterogeneous_layers_config_path=None,
+    overlap_grad_reduce=False,
+    overlap_param_gather=False,
+    global_batch_size=16,
+    mock_data=False,
+    data_path=["data/corpus"],
+    train_data_path=None,
+    valid_data_path=["data/valid"],
+    test_data_path=None,
+    data_args_path=None,
+    per_split_data_args_path=None,
+    eval_iters=10,
+    skip_train=False,
+    full_validation=False,
+    multiple_validation_sets=False,
     data_parallel_size=8,
     world_size=8,
 )
@@ -98,6 +116,7 @@ def test_defaults():
     assert args.hdp_dataloader == "local" and args.hdp_ray_address is None
     assert args.hdp_plan_ahead == 2
     assert args.hdp_ranks_per_node is None
+    assert args.hdp_step_tokens is None and args.hdp_ray_servers == 2
     # off: nothing changes, Megatron's own loader stays
     assert validate_hdp_args(args).dataloader_type == "single"
 
@@ -109,6 +128,7 @@ def test_enabled_resolves_defaults():
     assert args.hdp_hardware == "h100"
     assert args.hdp_size == 8
     assert args.hdp_ranks_per_node == 8  # h100 nodes hold 8 GPUs
+    assert args.hdp_step_tokens == 16 * 32768  # --global-batch-size x --seq-length
     assert args.dataloader_type == "external"
 
 
@@ -129,6 +149,8 @@ def test_token_capacity_suffixes(text, tokens):
         (["--hdp-plan-ahead", "-1"], "must not be negative"),
         (["--hdp-plan-ahead", "two"], "expected a whole number"),
         (["--hdp-ranks-per-node", "0"], "must be positive"),
+        (["--hdp-ray-servers", "0"], "must be positive"),
+        (["--hdp-step-tokens", "lots"], "cannot read token count 'lots'"),
         (["--hdp-dataloader", "spark"], "invalid choice: 'spark'"),
     ],
 )
@@ -144,16 +166,13 @@ def test_explicit_values_parse():
         + [
             "--hdp-balance", "none", "--hdp-balance-slack", "0.1", "--hdp-selective-offload",
             "--hdp-hardware", "h200", "--hdp-plan-ahead", "0", "--hdp-ranks-per-node", "4",
+            "--hdp-step-tokens", "1M",
         ]
     )
     validate_hdp_args(args)
+    assert args.hdp_step_tokens == 1 << 20
     assert (args.hdp_balance, args.hdp_balance_slack, args.hdp_selective_offload) == ("none", 0.1, True)
     assert (args.hdp_hardware, args.hdp_plan_ahead, args.hdp_ranks_per_node) == ("h200", 0, 4)
-
-
-def test_balance_defaults_to_pp_with_pipeline_parallelism():
-    args = validate_hdp_args(parse(HDP, pipeline_model_parallel_size=2, data_parallel_size=4))
-    assert args.hdp_balance == "pp" and args.hdp_size == 4
 
 
 def test_ranks_per_node_from_local_world_size_and_tp(monkeypatch):
@@ -177,6 +196,9 @@ CONFLICTS = {
     "hybrid cp capacity": (HDP, dict(max_seqlen_per_dp_cp_rank=4096), "--max-seqlen-per-dp-cp-rank"),
     "virtual pp": (HDP, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
     "dp balance with pp": (HDP + ["--hdp-balance", "dp"], dict(pipeline_model_parallel_size=2), "use --hdp-balance pp"),
+    "pipeline parallel (step has no PP schedule yet)": (HDP + ["--hdp-balance", "pp"], dict(pipeline_model_parallel_size=2), "use --pipeline-model-parallel-size 1"),
+    "overlap grad reduce": (HDP, dict(overlap_grad_reduce=True), "drop both flags"),
+    "overlap param gather": (HDP, dict(overlap_param_gather=True), "drop both flags"),
     "expert parallel": (HDP, dict(num_experts=8, expert_model_parallel_size=2), "--expert-model-parallel-size 1"),
     "megatron fsdp": (HDP, dict(use_megatron_fsdp=True), "--use-distributed-optimizer"),
     "torch fsdp2": (HDP, dict(use_torch_fsdp2=True), "--use-distributed-optimizer"),
@@ -184,7 +206,21 @@ CONFLICTS = {
     "cuda graphs": (HDP, dict(cuda_graph_impl="local"), "CUDA graphs need fixed shapes"),
     "legacy models": (HDP, dict(use_legacy_models=True), "drop --use-legacy-models"),
     "custom spec": (HDP, dict(spec=["my.module", "my_spec"]), "drop --spec"),
-    "mtp": (HDP, dict(mtp_num_layers=1), "drop it"),
+    "mtp": (HDP, dict(mtp_num_layers=1), "multi-token prediction"),
+    "mla": (HDP, dict(multi_latent_attention=True), "not MLA"),
+    "yarn": (HDP, dict(position_embedding_type="yarn"), "rope, learned_absolute or none"),
+    "attention variant": (HDP, dict(experimental_attention_variant="gated_delta_net"), "choose their own layer specs"),
+    "heterogeneous": (HDP, dict(heterogeneous_layers_config_path="h.json"), "choose their own layer specs"),
+    "mock data": (HDP, dict(mock_data=True), "scripts/prepare_data.py"),
+    "blend": (HDP, dict(data_path=["0.3", "data/a", "0.7", "data/b"]), "exactly one dataset prefix"),
+    "no data": (HDP, dict(data_path=None), "exactly one dataset prefix"),
+    "data args file": (HDP, dict(data_args_path="paths.txt"), "--data-args-path"),
+    "two valid sets": (HDP, dict(valid_data_path=["data/v1", "data/v2"]), "exactly one dataset prefix"),
+    "test set": (HDP, dict(test_data_path=["data/test"]), "drop it"),
+    "full validation": (HDP, dict(full_validation=True), "--full-validation"),
+    "eval without valid data": (HDP, dict(valid_data_path=None), "pass --valid-data-path, or --eval-iters 0"),
+    "step below seq length": (HDP + ["--hdp-step-tokens", "16K"], {}, "below --seq-length 32K"),
+    "ray servers without ray": (HDP + ["--hdp-ray-servers", "4"], {}, "--hdp-dataloader ray"),
     "sft": (HDP, dict(sft=True), "--sft / --fim-data"),
     "fim": (HDP, dict(fim_data=True), "--sft / --fim-data"),
     "cyclic loader": (HDP, dict(dataloader_type="cyclic"), "drop --dataloader-type"),
@@ -207,9 +243,25 @@ def test_every_conflict_is_a_config_error(case):
         validate_hdp_args(parse(argv, **megatron))
 
 
+def test_train_data_path_and_no_eval_are_accepted():
+    args = validate_hdp_args(parse(HDP, data_path=None, train_data_path=["data/train"], valid_data_path=None, eval_iters=0))
+    assert args.dataloader_type == "external"
+
+
 def test_sequence_too_long_is_allowed_with_offload():
     args = validate_hdp_args(parse(HDP + ["--hdp-selective-offload"], seq_length=128 * 1024))
     assert args.hdp_selective_offload
+
+
+def test_ray_dataloader_needs_a_shared_cluster_for_several_ranks(monkeypatch):
+    pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match="--hdp-ray-address HOST:PORT"):
+        validate_hdp_args(parse(HDP + ["--hdp-dataloader", "ray"]))
+    args = validate_hdp_args(parse(HDP + ["--hdp-dataloader", "ray", "--hdp-ray-address", "head:6379"]))
+    assert args.hdp_ray_address == "head:6379"
+    args = validate_hdp_args(parse(HDP + ["--hdp-dataloader", "ray"], world_size=1, data_parallel_size=1, seq_length=8192))
+    assert args.hdp_dataloader == "ray"  # one rank may start its own Ray
 
 
 def test_ray_dataloader_refuses_cleanly_without_ray(monkeypatch):

@@ -64,6 +64,24 @@ MEGATRON_ARGS_READ = (
     "moe_router_topk",
     "padded_vocab_size",
     "vocab_size",
+    "multi_latent_attention",
+    "position_embedding_type",
+    "experimental_attention_variant",
+    "heterogeneous_layers_config_path",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "global_batch_size",
+    "mock_data",
+    "data_path",
+    "train_data_path",
+    "valid_data_path",
+    "test_data_path",
+    "data_args_path",
+    "per_split_data_args_path",
+    "eval_iters",
+    "skip_train",
+    "full_validation",
+    "multiple_validation_sets",
 )
 # set by Megatron's validate_args rather than by a flag of the same name
 MEGATRON_DERIVED_ARGS = ("data_parallel_size", "virtual_pipeline_model_parallel_size", "world_size")
@@ -80,6 +98,8 @@ _HDP_DEFAULTS = {
     "hdp_ray_address": None,
     "hdp_plan_ahead": 2,
     "hdp_ranks_per_node": None,
+    "hdp_step_tokens": None,
+    "hdp_ray_servers": 2,
 }
 
 
@@ -144,6 +164,15 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "ceil(len / C) ranks.",
     )
     g.add_argument(
+        "--hdp-step-tokens",
+        type=token_count,
+        default=None,
+        metavar="TOKENS",
+        help="Tokens per training step (the global batch, summed over all HDP ranks), e.g. 4M. A step "
+        "takes whole documents (cut at --seq-length) until this budget is reached. Default: "
+        "--global-batch-size x --seq-length, the token count of a fixed-length Megatron step.",
+    )
+    g.add_argument(
         "--hdp-balance",
         choices=BALANCE_CHOICES,
         default=None,
@@ -196,12 +225,21 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "start Ray on this node.",
     )
     g.add_argument(
+        "--hdp-ray-servers",
+        type=_positive_int,
+        default=_HDP_DEFAULTS["hdp_ray_servers"],
+        metavar="N",
+        help="Ray document-server actors for --hdp-dataloader ray (each reads a shard of the documents). "
+        "Default 2.",
+    )
+    g.add_argument(
         "--hdp-plan-ahead",
         type=_non_negative_int,
         default=_HDP_DEFAULTS["hdp_plan_ahead"],
         metavar="K",
-        help="Plan this many steps ahead of training, overlapping planning with compute (0: plan each "
-        "step when it starts). Default 2.",
+        help="Plan (and read) this many steps ahead of training on a background thread or in the Ray "
+        "scheduler, overlapping planning with compute (0: plan each step when it starts; the Ray loader "
+        "plans at least one ahead). Default 2.",
     )
     g.add_argument(
         "--hdp-ranks-per-node",
@@ -235,7 +273,8 @@ def validate_hdp_args(args: argparse.Namespace) -> argparse.Namespace:
 
     Without --hybrid-data-parallel it only refuses HDP flags that would have no effect. With it,
     it sets ``hdp_balance``, ``hdp_hardware``, ``hdp_ranks_per_node``, ``hdp_size`` and
-    ``dataloader_type = 'external'`` (the HDP loader hands Megatron ready micro-batches).
+    ``hdp_step_tokens`` and ``dataloader_type = 'external'`` (the HDP loader hands Megatron ready
+    micro-batches).
     """
     if not args.hybrid_data_parallel:
         stray = [name for name, default in _HDP_DEFAULTS.items() if getattr(args, name, default) != default]
@@ -298,6 +337,17 @@ def _check_parallelism(args) -> None:
             f"--hdp-balance dp with --pipeline-model-parallel-size {pp}: DP-balance gives pipelines "
             "micro-batches of different lengths back to back, so stages bubble; use --hdp-balance pp"
         )
+    if pp > 1:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp}: the HDP step (runtime/step.py) does not run pipeline "
+            "schedules yet; use --pipeline-model-parallel-size 1 (tensor parallelism is supported)"
+        )
+    if args.overlap_grad_reduce or args.overlap_param_gather:
+        raise ConfigError(
+            "--overlap-grad-reduce / --overlap-param-gather: HDP ranks run different numbers of "
+            "micro-batches (zero included), so the gradient reduction runs once, after the last one, "
+            "and parameters are gathered without waiting on a forward pass: drop both flags"
+        )
     if args.expert_model_parallel_size > 1:
         raise ConfigError(
             f"--expert-model-parallel-size {args.expert_model_parallel_size}: expert all-to-alls run once "
@@ -331,6 +381,20 @@ def _check_model(args) -> None:
             f"--spec {' '.join(args.spec)}: --hybrid-data-parallel supplies its own layer spec (HDP ring "
             "attention as the core attention): drop --spec"
         )
+    if args.multi_latent_attention:
+        raise ConfigError(
+            "--multi-latent-attention: HDP ring attention plugs into megatron-core's SelfAttention, not MLA: drop it"
+        )
+    if args.position_embedding_type not in ("rope", "learned_absolute", "none"):
+        raise ConfigError(
+            f"--position-embedding-type {args.position_embedding_type}: HDP places each token at its true "
+            "position with rope, learned_absolute or none; use one of those"
+        )
+    if args.experimental_attention_variant is not None or args.heterogeneous_layers_config_path is not None:
+        raise ConfigError(
+            "--experimental-attention-variant / --heterogeneous-layers-config-path choose their own layer specs; "
+            "--hybrid-data-parallel needs its own (HDP core attention): drop them"
+        )
     if args.mtp_num_layers:
         raise ConfigError(
             "--mtp-num-layers: multi-token prediction shifts tokens across the packed sequences of a "
@@ -344,13 +408,43 @@ def _check_data(args) -> None:
             "--sft / --fim-data build their own samples; the HDP loader reads whole documents from "
             "--data-path: drop them"
         )
+    if args.mock_data:
+        raise ConfigError(
+            "--mock-data: the HDP loader reads real documents (variable lengths are the point); build a "
+            "dataset with scripts/prepare_data.py and pass --data-path"
+        )
+    if args.data_args_path or args.per_split_data_args_path:
+        raise ConfigError(
+            "--data-args-path / --per-split-data-args-path: the HDP loader reads one prefix from --data-path "
+            "(validation from --valid-data-path): pass those instead"
+        )
+    train = args.train_data_path or args.data_path
+    if not train or len(train) != 1:
+        raise ConfigError(
+            f"--data-path {' '.join(train or [])}: --hybrid-data-parallel trains on exactly one dataset prefix "
+            "(no weighted blends); merge datasets with scripts/prepare_data.py"
+        )
+    if args.valid_data_path is not None and len(args.valid_data_path) != 1:
+        raise ConfigError("--valid-data-path: give exactly one dataset prefix")
+    if args.test_data_path:
+        raise ConfigError("--test-data-path: HDP runs no test-set evaluation; drop it (use --valid-data-path)")
+    if args.full_validation or args.multiple_validation_sets:
+        raise ConfigError(
+            "--full-validation / --multiple-validation-sets are not supported with --hybrid-data-parallel: "
+            "drop them (validation runs --eval-iters steps from --valid-data-path)"
+        )
+    if args.eval_iters > 0 and not args.valid_data_path and not args.skip_train:
+        raise ConfigError(
+            f"--eval-iters {args.eval_iters} but no --valid-data-path: HDP validates on its own dataset "
+            "prefix; pass --valid-data-path, or --eval-iters 0"
+        )
     if args.dataloader_type not in (None, "single", "external"):
         raise ConfigError(
             f"--dataloader-type {args.dataloader_type}: the HDP loader replaces Megatron's samplers (it sets "
             "'external' itself): drop --dataloader-type"
         )
-    if args.hdp_ray_address is not None and args.hdp_dataloader != "ray":
-        raise ConfigError("--hdp-ray-address only applies with --hdp-dataloader ray: add that, or drop the address")
+    if args.hdp_dataloader != "ray" and (args.hdp_ray_address is not None or args.hdp_ray_servers != _HDP_DEFAULTS["hdp_ray_servers"]):
+        raise ConfigError("--hdp-ray-address / --hdp-ray-servers only apply with --hdp-dataloader ray: add that, or drop them")
     if args.hdp_dataloader == "ray":
         try:
             import ray  # noqa: F401
@@ -358,6 +452,11 @@ def _check_data(args) -> None:
             raise ConfigError(
                 "--hdp-dataloader ray needs Ray: pip install 'megatron_bytescale[ray]' (or use --hdp-dataloader local)"
             ) from None
+        if args.world_size > 1 and not (args.hdp_ray_address or os.environ.get("RAY_ADDRESS")):
+            raise ConfigError(
+                "--hdp-dataloader ray with several ranks needs one Ray cluster they all join: start it "
+                "(`ray start --head` on one node) and pass --hdp-ray-address HOST:PORT (or set RAY_ADDRESS)"
+            )
 
 
 def _check_offload(args) -> None:
@@ -391,6 +490,8 @@ def _resolve(args) -> None:
         args.hdp_hardware = args.hdp_hardware or DEFAULT_HARDWARE
         HardwareSpec.load(args.hdp_hardware)  # unknown names and malformed files fail here, with the choices
     args.hdp_size = args.data_parallel_size  # DP x CP with CP = 1 (checked above)
+    if args.hdp_step_tokens is None:
+        args.hdp_step_tokens = args.global_batch_size * args.seq_length
     if args.hdp_ranks_per_node is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
         if not local:
@@ -400,7 +501,13 @@ def _resolve(args) -> None:
 
 
 def _check_capacity(args) -> None:
-    """--seq-length is the longest sequence the loader yields; it must fit on the HDP group."""
+    """--seq-length is the longest sequence the loader yields; it must fit in a step and on the
+    HDP group."""
+    if args.hdp_step_tokens < args.seq_length:
+        raise ConfigError(
+            f"--hdp-step-tokens {format_size(args.hdp_step_tokens)} is below --seq-length "
+            f"{format_size(args.seq_length)}: a step must hold the longest sequence; raise it or lower --seq-length"
+        )
     most = args.hdp_size * args.hdp_token_capacity
     if args.seq_length > most and not args.hdp_selective_offload:
         raise ConfigError(
