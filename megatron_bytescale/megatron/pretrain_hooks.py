@@ -9,14 +9,15 @@ with ``--hybrid-data-parallel``, so a patched checkout still trains as upstream 
 Megatron's piece            HDP replacement (when --hybrid-data-parallel is set)
 ==========================  ==========================================================
 extra_args_provider         ``extra_args_provider(base)``: base's flags + the HDP group
-validate_args               ``install()``: Megatron's checks, then ``validate_hdp_args``
+validate_args               ``install_argument_validation()``: Megatron's checks, then
+                            ``validate_hdp_args``
 model_provider              ``model_provider(base)``: layer spec with HDP core attention
                             (through Megatron's ``--spec`` hook), RoPE at true positions
 datasets provider           ``datasets_provider(base)``: HDP loaders; one ``StepBatch``
                             per step and rank (``--dataloader-type external``)
 forward_step                ``forward_step(base, loss_func)``: one ``MicroBatchData`` as a
                             packed [1, T] row; the loss stays pretrain_gpt's per-token sum
-get_forward_backward_func   ``install()``: ``runtime.step.hdp_forward_backward``, whose
+get_forward_backward_func   ``install_forward_backward()``: ``runtime.step.hdp_forward_backward``, whose
                             gradient reduction divides by the step's global token count
 ==========================  ==========================================================
 
@@ -153,15 +154,25 @@ def megatron_forward_backward(**kwargs) -> list:
 megatron_forward_backward.keys = (LOSS_KEY,)
 
 
-def install() -> None:
-    """Hook HDP into Megatron's training package at runtime (idempotent; a no-op for runs
-    without --hybrid-data-parallel): ``validate_hdp_args`` after Megatron's validate_args, and
-    the HDP step from ``get_forward_backward_func`` (train and evaluate)."""
+def install_argument_validation() -> None:
+    """``validate_hdp_args`` right after Megatron's ``validate_args`` (idempotent)."""
     import megatron.training.initialize as initialize
-    import megatron.training.training as training
 
     initialize.validate_args = validate_args_then_hdp(initialize.validate_args)
+
+
+def install_forward_backward() -> None:
+    """The HDP step from Megatron's ``get_forward_backward_func``, for train and evaluate
+    (idempotent; runs without --hybrid-data-parallel keep Megatron's schedules)."""
+    import megatron.training.training as training
+
     training.get_forward_backward_func = get_forward_backward_func_or_hdp(training.get_forward_backward_func)
+
+
+def install() -> None:
+    """Both runtime hooks into Megatron's training package (the launcher's entry point)."""
+    install_argument_validation()
+    install_forward_backward()
 
 
 # ------------------------------------------------------------------ model
