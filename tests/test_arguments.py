@@ -68,8 +68,8 @@ MEGATRON = dict(
     overlap_param_gather=False,
     global_batch_size=16,
     mock_data=False,
-    data_path=["data/corpus"],
-    train_data_path=None,
+    data_path=None,
+    train_data_path=["data/corpus"],
     valid_data_path=["data/valid"],
     test_data_path=None,
     data_args_path=None,
@@ -212,13 +212,13 @@ CONFLICTS = {
     "attention variant": (HDP, dict(experimental_attention_variant="gated_delta_net"), "choose their own layer specs"),
     "heterogeneous": (HDP, dict(heterogeneous_layers_config_path="h.json"), "choose their own layer specs"),
     "mock data": (HDP, dict(mock_data=True), "scripts/prepare_data.py"),
-    "blend": (HDP, dict(data_path=["0.3", "data/a", "0.7", "data/b"]), "exactly one dataset prefix"),
-    "no data": (HDP, dict(data_path=None), "exactly one dataset prefix"),
+    "blend": (HDP, dict(train_data_path=["0.3", "data/a", "0.7", "data/b"]), "exactly one dataset prefix"),
+    "no data": (HDP, dict(train_data_path=None), "exactly one dataset prefix"),
     "data args file": (HDP, dict(data_args_path="paths.txt"), "--data-args-path"),
     "two valid sets": (HDP, dict(valid_data_path=["data/v1", "data/v2"]), "exactly one dataset prefix"),
     "test set": (HDP, dict(test_data_path=["data/test"]), "drop it"),
     "full validation": (HDP, dict(full_validation=True), "--full-validation"),
-    "eval without valid data": (HDP, dict(valid_data_path=None), "pass --valid-data-path, or --eval-iters 0"),
+    "eval without valid data": (HDP, dict(valid_data_path=None), "--valid-data-path VALID.*or --eval-iters 0"),
     "step below seq length": (HDP + ["--hdp-step-tokens", "16K"], {}, "below --seq-length 32K"),
     "ray servers without ray": (HDP + ["--hdp-ray-servers", "4"], {}, "--hdp-dataloader ray"),
     "sft": (HDP, dict(sft=True), "--sft / --fim-data"),
@@ -243,8 +243,8 @@ def test_every_conflict_is_a_config_error(case):
         validate_hdp_args(parse(argv, **megatron))
 
 
-def test_train_data_path_and_no_eval_are_accepted():
-    args = validate_hdp_args(parse(HDP, data_path=None, train_data_path=["data/train"], valid_data_path=None, eval_iters=0))
+def test_data_path_and_no_eval_are_accepted():
+    args = validate_hdp_args(parse(HDP, data_path=["data/corpus"], train_data_path=None, valid_data_path=None, eval_iters=0))
     assert args.dataloader_type == "external"
 
 

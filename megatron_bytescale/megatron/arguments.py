@@ -416,7 +416,7 @@ def _check_data(args) -> None:
     if args.data_args_path or args.per_split_data_args_path:
         raise ConfigError(
             "--data-args-path / --per-split-data-args-path: the HDP loader reads one prefix from --data-path "
-            "(validation from --valid-data-path): pass those instead"
+            "or --train-data-path (validation from --valid-data-path): pass those instead"
         )
     train = args.train_data_path or args.data_path
     if not train or len(train) != 1:
@@ -436,7 +436,7 @@ def _check_data(args) -> None:
     if args.eval_iters > 0 and not args.valid_data_path and not args.skip_train:
         raise ConfigError(
             f"--eval-iters {args.eval_iters} but no --valid-data-path: HDP validates on its own dataset "
-            "prefix; pass --valid-data-path, or --eval-iters 0"
+            "prefix; pass --train-data-path TRAIN --valid-data-path VALID (instead of --data-path), or --eval-iters 0"
         )
     if args.dataloader_type not in (None, "single", "external"):
         raise ConfigError(
