@@ -12,6 +12,7 @@ from .errors import BytescaleError
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "verify": ("megatron_bytescale.verify", "check that HDP on N gloo ranks trains exactly like one rank"),
 }
 
 

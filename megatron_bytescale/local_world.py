@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -62,7 +63,9 @@ def _child(fn, rank, world_size, port, timeout_s, threads, args, kwargs, results
             timeout=timedelta(seconds=timeout_s),
         )
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, True, out))
+        # Plain pickle copies tensor data; the queue's own pickler would share it through file
+        # descriptors that vanish when this process exits before the parent reads them.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -111,7 +114,7 @@ def run_local_world(
                 continue
             if not ok:
                 raise WorkerError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5.0)

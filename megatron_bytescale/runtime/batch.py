@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..errors import PlanError
-from ..planner.plan import MicroBatch
+from ..planner.plan import MicroBatch, Plan
 
 # (seq_id, start, end) -> token ids of that sequence's tokens [start, end)
 TokenReader = Callable[[int, int, int], np.ndarray]
@@ -39,6 +39,28 @@ class MicroBatchData:
                 raise PlanError(
                     f"micro-batch {name} has shape {tuple(t.shape)}, but its pieces hold {expected} tokens"
                 )
+
+
+@dataclass
+class StepBatch:
+    """What one HDP rank receives for one training step: the step's plan and its own
+    micro-batches (possibly none), in plan order."""
+
+    plan: Plan
+    rank: int  # HDP rank this delivery is for
+    micro_batches: list[MicroBatchData]
+    step: int = 0
+
+    def check(self) -> None:
+        planned = self.plan.micro_batches(self.rank)
+        if len(planned) != len(self.micro_batches):
+            raise PlanError(
+                f"rank {self.rank} received {len(self.micro_batches)} micro-batches, its plan has {len(planned)}"
+            )
+        for i, (mb, data) in enumerate(zip(planned, self.micro_batches)):
+            if data.micro_batch != mb:
+                raise PlanError(f"rank {self.rank} micro-batch {i} does not match the step's plan")
+            data.check()
 
 
 def build_micro_batch_data(mb: MicroBatch, read: TokenReader) -> MicroBatchData:

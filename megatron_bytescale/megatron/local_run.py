@@ -1,0 +1,63 @@
+"""HDP training without Megatron-LM's training loop: the CPU demo, ``bytescale verify`` and
+the tests. The model is megatron-core's GPTModel (``model.build_gpt_model``), the step is the
+same ``runtime.step.run_hdp_step`` Megatron-LM runs, the forward step is pretrain_gpt's
+(``pretrain_hooks.hdp_forward_step``); only the gradient reduction and the optimizer differ
+(Megatron's DDP and optimizers need CUDA; here a flat all-reduce and a torch optimizer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.batch import StepBatch
+from ..runtime.grad_sync import make_finalize_grads
+from ..runtime.step import StepStats, run_hdp_step
+from . import cpu_compat, parallel
+from .model import build_gpt_model
+from .pretrain_hooks import LOSS_KEY, hdp_forward_step
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean per-token loss over the whole global batch (all ranks)
+    loss_sum: float  # this rank's summed token losses
+    global_tokens: int  # tokens with a label in the global batch
+    stats: StepStats
+
+
+def setup_model(model: str = "tiny", *, tp: int = 1, seed: int = 0, **config_overrides):
+    """Parallel state on the initialised gloo world, then the GPT with our attention and a
+    token-normalised gradient reduction over the HDP group. Returns (model, hdp_group)."""
+    cpu_compat.install()
+    group = parallel.init_parallel(tp=tp)
+    gpt = build_gpt_model(model, seed=seed, **config_overrides)
+    gpt.config.calculate_per_token_loss = True
+    gpt.config.finalize_model_grads_func = make_finalize_grads(group)
+    return gpt, group
+
+
+def run_step(step: StepBatch | None, model, group, *, forward_only: bool = False, offloader=None) -> StepResult:
+    """One HDP step on this rank: forward+backward of its micro-batches, gradients reduced and
+    divided by the global token count. The optimizer step is the caller's."""
+    store, stats = run_hdp_step(
+        step,
+        forward_step_func=hdp_forward_step,
+        model=model,
+        config=model.config,
+        group=group,
+        forward_only=forward_only,
+        offloader=offloader,
+    )
+    loss_sum = sum(float(d[LOSS_KEY][0]) for d in store)
+    totals = torch.tensor([loss_sum, float(stats.loss_tokens)], dtype=torch.float64)
+    dist.all_reduce(totals, group=group)
+    global_tokens = int(totals[1].item())
+    return StepResult(
+        loss=float(totals[0] / max(global_tokens, 1)), loss_sum=loss_sum, global_tokens=global_tokens, stats=stats
+    )
+
+
+def teardown() -> None:
+    parallel.destroy_parallel()

@@ -1,0 +1,213 @@
+"""``bytescale verify``: does HDP on N ranks train exactly like one rank?
+
+Spawns N gloo processes running one training step of a tiny GPT (megatron-core GPTModel, our
+ring attention) under the planner's HDP plan, runs the same global batch on one rank with
+every sequence whole, and runs the static DP x CP mesh on the same batch with the same
+attention code to measure its traffic. Prints and writes loss, gradient differences and P2P
+bytes; exits non-zero when HDP and the reference differ beyond tolerance or the measured
+traffic differs from the plan's prediction. Also a sanity check for users' own machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from .errors import BytescaleError
+from .planner.cost_model import FP32_BYTES, CostModel
+from .planner.plan import MicroBatch, Plan, whole_piece
+from .planner.planner import PlannerConfig, plan_step
+from .planner.specs import HardwareSpec, ModelSpec
+from .units import parse_size
+
+GRAD_TOL = 1e-5  # fp32: max |g_hdp - g_ref| relative to the largest reference gradient
+LOSS_TOL = 1e-5
+
+
+def parse_lengths(text: str | None, path: str | None) -> list[int]:
+    if (text is None) == (path is None):
+        raise BytescaleError("give the batch as --lengths L1,L2,... or --lengths-file FILE (one of them)")
+    if path is not None:
+        from .data.workloads import read_lengths_file
+
+        return [int(x) for x in read_lengths_file(path)]
+    try:
+        lengths = [parse_size(x, "sequence length") for x in text.split(",") if x.strip()]
+    except BytescaleError as exc:
+        raise BytescaleError(f"--lengths: {exc}") from None
+    if not lengths:
+        raise BytescaleError("--lengths is empty: give at least one sequence length")
+    return lengths
+
+
+def tokens_for(seed: int, vocab: int):
+    """A deterministic token reader: every process draws the same tokens for a sequence."""
+
+    def read(seq_id: int, start: int, stop: int) -> np.ndarray:
+        return np.random.default_rng([seed, seq_id]).integers(0, vocab, size=stop)[start:stop]
+
+    return read
+
+
+def one_rank_plan(lengths: list[int], num_layers: int) -> Plan:
+    ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lengths)),)
+    return Plan(1, max(lengths), num_layers, tuple(lengths), ranks, meta={"strategy": "one-rank"}).validate()
+
+
+def with_offload_ratio(plan: Plan, ratio: float) -> Plan:
+    """Apply ``ratio`` to every micro-batch that holds a share of a long (ring) sequence."""
+    ranks = tuple(tuple(replace(mb, offload_ratio=ratio) if mb.ring is not None else mb for mb in mbs) for mbs in plan.ranks)
+    return replace(plan, ranks=ranks)
+
+
+def _rank_main(rank, world, model, tp, seed, plan_json, offload):
+    """One process: one HDP step of ``plan``; returns loss, gradients and measured traffic."""
+    from megatron.core import parallel_state
+
+    from .megatron import local_run
+    from .runtime.batch import StepBatch, build_micro_batch_data
+
+    gpt, group = local_run.setup_model(model, tp=tp, seed=seed)
+    plan = Plan.from_json(plan_json)
+    hdp = parallel_state.get_data_parallel_rank()
+    read = tokens_for(seed, ModelSpec.load(model).vocab_size)
+    step = StepBatch(plan, hdp, [build_micro_batch_data(mb, read) for mb in plan.micro_batches(hdp)])
+    offloader = None
+    if offload:
+        from .runtime.offload import ActivationOffloader
+
+        offloader = ActivationOffloader(gpt.decoder.layers)
+    result = local_run.run_step(step, gpt, group, offloader=offloader)
+    out = {
+        "loss": result.loss,
+        "p2p_bytes": result.stats.p2p_bytes,
+        "offloaded_bytes": result.stats.offloaded_bytes,
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "grads": {n: p.grad.detach().clone() for n, p in gpt.named_parameters()},
+    }
+    local_run.teardown()
+    return out
+
+
+def run_plan(plan: Plan, *, model: str, tp: int, seed: int, offload: bool = False, timeout_s: float = 600) -> list[dict]:
+    from .local_world import preload, run_local_world
+
+    preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
+    return run_local_world(_rank_main, plan.num_ranks * tp, model, tp, seed, plan.to_json(), offload, timeout_s=timeout_s)
+
+
+def grad_diffs(outs: list[dict], refs: list[dict]) -> tuple[float, float]:
+    """Max absolute and relative gradient differences, comparing each rank with the reference
+    rank of the same TP rank (TP shards line up)."""
+    by_tp = {r["tp_rank"]: r["grads"] for r in refs}
+    worst_abs = worst_rel = 0.0
+    for o in outs:
+        ref = by_tp[o["tp_rank"]]
+        for name, g in o["grads"].items():
+            diff = float((g - ref[name]).abs().max())
+            scale = float(ref[name].abs().max())
+            worst_abs = max(worst_abs, diff)
+            worst_rel = max(worst_rel, diff / scale if scale > 0 else diff)
+    return worst_abs, worst_rel
+
+
+def verify(
+    lengths: list[int], *, world_size: int, capacity: int, seed: int = 0, model: str = "tiny", tp: int = 1,
+    offload_ratio: float | None = None,
+) -> dict:
+    if world_size < 1 or world_size % tp:
+        raise BytescaleError(f"--world-size {world_size} must be a positive multiple of --tp {tp}")
+    if offload_ratio is not None and not 0.0 <= offload_ratio <= 1.0:
+        raise BytescaleError(f"--offload-ratio must be in [0, 1], got {offload_ratio}")
+    ranks = world_size // tp
+    spec = ModelSpec.load(model)
+    cost = CostModel.analytic(spec, HardwareSpec.load("h100"), tp=tp)
+    plan = plan_step(lengths, PlannerConfig(num_ranks=ranks, capacity=capacity, ranks_per_node=ranks, offload=False), cost)
+    if offload_ratio is not None:
+        plan = with_offload_ratio(plan, offload_ratio)
+    plan.validate()
+    from .sim.cluster import Cluster
+    from .sim.static_cp import static_plan
+
+    static = static_plan(lengths, Cluster(gpus=world_size, tp=tp, pp=1, gpus_per_node=world_size), capacity, max(lengths), spec.num_layers)
+
+    hdp = run_plan(plan, model=model, tp=tp, seed=seed, offload=offload_ratio is not None)
+    ref = run_plan(one_rank_plan(lengths, spec.num_layers), model=model, tp=tp, seed=seed)
+    mesh = run_plan(static, model=model, tp=tp, seed=seed)
+
+    kv = 2 * (spec.num_query_groups // tp) * spec.kv_channels * FP32_BYTES  # fp32 activations on CPU
+    predicted = plan.p2p_bytes_per_rank(kv, 2 * (spec.num_query_groups // tp) * spec.kv_channels * FP32_BYTES, spec.num_layers)
+    measured = [o["p2p_bytes"] for o in hdp[::tp]]
+    max_abs, max_rel = grad_diffs(hdp, ref)
+    sizes = plan.ring_sizes()
+    return {
+        "world_size": world_size,
+        "tp": tp,
+        "capacity": capacity,
+        "lengths": lengths,
+        "loss_ref": ref[0]["loss"],
+        "loss_hdp": hdp[0]["loss"],
+        "loss_static": mesh[0]["loss"],
+        "max_abs_grad_diff": max_abs,
+        "max_rel_grad_diff": max_rel,
+        "static_max_rel_grad_diff": grad_diffs(mesh, ref)[1],
+        "p2p_bytes": int(sum(measured) * tp),
+        "p2p_bytes_predicted": int(sum(predicted) * tp),
+        "p2p_bytes_static": int(sum(o["p2p_bytes"] for o in mesh)),
+        "offloaded_bytes": int(sum(o["offloaded_bytes"] for o in hdp)),
+        "ranks_per_sequence": [sizes[i] for i in range(len(lengths))],
+        "static_cp": static.meta.get("cp"),
+    }
+
+
+def passed(report: dict) -> list[str]:
+    """The checks that failed (empty: all good)."""
+    failures = []
+    if abs(report["loss_hdp"] - report["loss_ref"]) > LOSS_TOL * max(1.0, abs(report["loss_ref"])):
+        failures.append(f"loss differs: HDP {report['loss_hdp']:.8f} vs one rank {report['loss_ref']:.8f}")
+    if report["max_rel_grad_diff"] > GRAD_TOL:
+        failures.append(f"gradients differ: max relative difference {report['max_rel_grad_diff']:.2e} > {GRAD_TOL:.0e}")
+    if report["p2p_bytes"] != report["p2p_bytes_predicted"]:
+        failures.append(f"P2P bytes {report['p2p_bytes']} differ from the plan's prediction {report['p2p_bytes_predicted']}")
+    return failures
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, required=True, help="gloo processes for the HDP run (TP x HDP ranks)")
+    parser.add_argument("--lengths", help="comma-separated sequence lengths, e.g. 300,2K,17")
+    parser.add_argument("--lengths-file", help="one sequence length per line")
+    parser.add_argument("--capacity", required=True, help="tokens per micro-batch per rank (K/M suffixes)")
+    parser.add_argument("--seed", type=int, default=0, help="weights and tokens (default 0)")
+    parser.add_argument("--model", default="tiny", help="model config (default: tiny)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size inside each HDP rank")
+    parser.add_argument("--offload-ratio", type=float, default=None, help="offload this share of every long sequence's activations")
+    parser.add_argument("--json", help="write the report here")
+
+
+def main(args: argparse.Namespace) -> int:
+    lengths = parse_lengths(args.lengths, args.lengths_file)
+    report = verify(
+        lengths, world_size=args.world_size, capacity=parse_size(args.capacity, "--capacity"), seed=args.seed,
+        model=args.model, tp=args.tp, offload_ratio=args.offload_ratio,
+    )
+    failures = passed(report)
+    report["ok"] = not failures
+    print(f"HDP on {report['world_size']} ranks vs one rank, {len(lengths)} sequences, capacity {report['capacity']}")
+    print(f"  ranks per sequence : {report['ranks_per_sequence']}")
+    print(f"  loss               : one rank {report['loss_ref']:.8f}  HDP {report['loss_hdp']:.8f}  static {report['loss_static']:.8f}")
+    print(f"  gradients          : max |diff| {report['max_abs_grad_diff']:.2e}  max relative {report['max_rel_grad_diff']:.2e}")
+    print(
+        f"  P2P bytes          : HDP {report['p2p_bytes']:,} (plan predicts {report['p2p_bytes_predicted']:,})  "
+        f"static DPxCP (CP={report['static_cp']}) {report['p2p_bytes_static']:,}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    for f in failures:
+        print(f"FAILED: {f}", file=sys.stderr)
+    print("OK: HDP matches one rank" if not failures else "MISMATCH")
+    return 0 if not failures else 1

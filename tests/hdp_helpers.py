@@ -1,0 +1,26 @@
+"""Helpers shared by the tests that run megatron-core's GPT under HDP on gloo ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+VOCAB = 512  # configs/models/tiny.args
+
+
+def read_tokens(seq_id: int, start: int, stop: int) -> np.ndarray:
+    """Deterministic token ids of sequence ``seq_id`` (any reader of the same batch agrees)."""
+    return np.random.default_rng(1000 + seq_id).integers(0, VOCAB, size=stop)[start:stop]
+
+
+def shard_like(full: torch.Tensor, param, tp_rank: int, tp: int) -> torch.Tensor:
+    """This TP rank's part of a full tensor, cut as megatron-core's CPU initialisation cuts it."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim, stride = param.partition_dim, param.partition_stride
+    chunks = torch.split(full, param.shape[dim] // stride, dim=dim)
+    return torch.cat(chunks[tp_rank::tp], dim=dim)
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
