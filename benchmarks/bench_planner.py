@@ -1,0 +1,200 @@
+"""Planner speed and balance on a Byted-like global batch.
+
+    PYTHONPATH=. python benchmarks/bench_planner.py [--gpus 16384] [--tokens 32M] [--json OUT]
+
+Plans one step (LLaMA-7B analytic cost model on H100, C = 8K, 2M context) on one core
+(OMP/MKL/OpenBLAS threads = 1) several times and reports the median wall time of
+``plan_step`` (goal: under 1 s for 16,384 GPUs), then the balance of the plan: estimated
+max / mean per-rank time, and the max against the compute bound (all FLOPs spread perfectly
+over all ranks) and against the fastest the longest ring can possibly run.
+
+Lengths: until ``megatron_bytescale/data/workloads.py`` (the simulator helper's generator)
+exists, ``byted_like_lengths`` below draws them from a documented parametric mix.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_bytescale.planner.cost_model import CostModel  # noqa: E402
+from megatron_bytescale.planner.planner import PlannerConfig, plan_step  # noqa: E402
+from megatron_bytescale.planner.sharding import RingSizer  # noqa: E402
+from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec  # noqa: E402
+from megatron_bytescale.units import format_size, parse_size  # noqa: E402
+
+# Byted (brief section 3): ~80% of samples <= 4K; samples >= 128K are ~1% of samples and hold
+# 44.3% of tokens; > 256K hold 37%; the ~0.05% of samples at the full context hold 12.1%.
+# Each band: (low, high, share of samples, share of tokens); lengths inside a band follow a
+# truncated power law whose exponent is solved so the band's mean gives its token share.
+# The context band pins the mean length: mean = 0.0005 * context / 0.121 (8.7K at 2M).
+BYTED_BANDS = (
+    # low, high, samples, tokens
+    (128, 4096, 0.800, 0.111),
+    (4097, 131071, 0.190, 0.446),
+    (131072, 262144, 0.0035, 0.073),
+    (262145, None, 0.0060, 0.249),  # up to the context (exclusive)
+    (None, None, 0.0005, 0.121),  # exactly the context
+)
+
+
+def _power_law_mean(lo: float, hi: float, alpha: float) -> float:
+    def integral(power: float) -> float:  # integral of x^power over [lo, hi]
+        if abs(power + 1) < 1e-12:
+            return np.log(hi / lo)
+        return (hi ** (power + 1) - lo ** (power + 1)) / (power + 1)
+
+    return integral(1 - alpha) / integral(-alpha)
+
+
+def _solve_alpha(lo: float, hi: float, mean: float) -> float:
+    """Exponent of a density ~ x^-alpha on [lo, hi] with the given mean (mean falls as alpha rises)."""
+    a, b = -10.0, 20.0
+    for _ in range(200):
+        mid = (a + b) / 2
+        if _power_law_mean(lo, hi, mid) > mean:
+            a = mid
+        else:
+            b = mid
+    return (a + b) / 2
+
+
+def _draw(lo: float, hi: float, alpha: float, n: int, rng: np.random.Generator) -> np.ndarray:
+    u = rng.random(n)
+    if abs(alpha - 1) < 1e-9:
+        x = lo * (hi / lo) ** u
+    else:
+        e = 1 - alpha
+        x = (lo**e + u * (hi**e - lo**e)) ** (1 / e)
+    return np.clip(np.round(x), lo, hi).astype(np.int64)
+
+
+def byted_like_lengths(total_tokens: int, context: int, rng: np.random.Generator) -> list[int]:
+    """A global batch of about ``total_tokens`` tokens with the Byted statistics."""
+    mean_len = BYTED_BANDS[-1][2] * context / BYTED_BANDS[-1][3]
+    n = total_tokens / mean_len
+    lengths = []
+    bands = []
+    for lo, hi, samples, tokens in BYTED_BANDS:
+        lo = context if lo is None else lo
+        hi = context - 1 if hi is None and lo != context else (context if hi is None else hi)
+        band_mean = tokens * mean_len / samples
+        alpha = None if lo == hi else _solve_alpha(lo, hi, band_mean)
+        bands.append((lo, hi, samples, alpha))
+    # long bands get their expected counts (rounded); short bands are drawn until the total
+    for lo, hi, samples, alpha in bands[2:]:
+        count = int(round(samples * n))
+        lengths += [lo] * count if alpha is None else _draw(lo, hi, alpha, count, rng).tolist()
+    short = bands[:2]
+    p_short = np.array([b[2] for b in short]) / sum(b[2] for b in short)
+    total = sum(lengths)
+    while total < total_tokens:
+        k = rng.choice(2, p=p_short)
+        lo, hi, _, alpha = short[k]
+        s = int(_draw(lo, hi, alpha, 1, rng)[0])
+        s = min(s, total_tokens - total)
+        lengths.append(s)
+        total += s
+    rng.shuffle(lengths)
+    return lengths
+
+
+def describe_batch(lengths: list[int]) -> dict:
+    arr = np.asarray(lengths)
+    tot = arr.sum()
+    return {
+        "sequences": int(arr.size),
+        "tokens": int(tot),
+        "samples_le_4K": float((arr <= 4096).mean()),
+        "samples_ge_128K": float((arr >= 131072).mean()),
+        "tokens_ge_128K": float(arr[arr >= 131072].sum() / tot),
+        "tokens_gt_256K": float(arr[arr > 262144].sum() / tot),
+        "longest": int(arr.max()),
+    }
+
+
+def run(args) -> dict:
+    cost = CostModel.analytic(ModelSpec.load(args.model), HardwareSpec.load(args.hardware))
+    capacity = parse_size(args.capacity, "capacity")
+    context = parse_size(args.context, "context")
+    total = parse_size(args.tokens, "tokens")
+    lengths = byted_like_lengths(total, context, np.random.default_rng(args.seed))
+    out = {"model": args.model, "hardware": args.hardware, "gpus": args.gpus, "capacity": capacity,
+           "context": context, "batch": describe_batch(lengths), "results": {}}
+    sizer = RingSizer(capacity, cost, True, args.gpus, 8)
+    critical = max(sizer.fastest(s) for s in set(lengths) if s > capacity)
+    print(f"batch: {out['batch']}")
+    for balance in args.balance:
+        config = PlannerConfig(num_ranks=args.gpus, capacity=capacity, balance=balance)
+        times = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            plan = plan_step(lengths, config, cost)
+            times.append(time.perf_counter() - t0)
+        if args.validate:
+            plan.validate()
+        m = plan.meta
+        est = np.asarray(m["est_rank_time_s"])
+        bound = m["compute_bound_s"]
+        res = {
+            "strategy": m["strategy"],
+            "plan_time_median_s": statistics.median(times),
+            "plan_time_all_s": times,
+            "est_max_s": float(est.max()),
+            "est_mean_s": float(est.mean()),
+            "max_over_mean": float(est.max() / est.mean()),
+            "compute_bound_s": bound,
+            "max_over_compute_bound": float(est.max() / bound),
+            "fastest_longest_ring_s": critical,
+            "max_over_best_possible": float(est.max() / max(bound, critical)),
+            "ring_sizes": m["ring_sizes"],
+            "offloaded_sequences": m["offloaded_sequences"],
+            "micro_batches_per_rank_max": max(len(r) for r in plan.ranks),
+        }
+        out["results"][balance] = res
+        print(
+            f"{m['strategy']:>13} balance={balance:<4}: plan {res['plan_time_median_s'] * 1e3:7.1f} ms (median of "
+            f"{args.repeat}); est max {res['est_max_s']:.2f} s, mean {res['est_mean_s']:.2f} s, max/mean "
+            f"{res['max_over_mean']:.3f}; compute bound {bound:.2f} s (max/bound {res['max_over_compute_bound']:.3f}); "
+            f"fastest longest ring {critical:.2f} s (max/best-possible {res['max_over_best_possible']:.3f}); "
+            f"rings {m['ring_sizes']}"
+        )
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gpus", type=int, default=16384)
+    p.add_argument("--tokens", default="32M")
+    p.add_argument("--capacity", default="8K")
+    p.add_argument("--context", default="2M")
+    p.add_argument("--model", default="llama-7b")
+    p.add_argument("--hardware", default="h100")
+    p.add_argument("--balance", nargs="+", default=["dp", "pp", "none"], choices=["dp", "pp", "none"])
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--validate", action="store_true", help="also run Plan.validate() on the last plan")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    args = p.parse_args(argv)
+    out = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

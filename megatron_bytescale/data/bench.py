@@ -1,0 +1,157 @@
+"""``bytescale dataloader-bench``: planning and delivery time per step, and bytes read.
+
+Runs K steps for N ranks in this one process, the ranks one after another:
+
+* ``--mode local``: the step is planned once (every rank would compute the same plan in
+  parallel, so one planning time is the step's), then each rank's micro-batches are read
+  from the indexed dataset; a step's delivery time is the slowest rank's.
+* ``--mode ray``: the scheduler actor plans ahead (its planning time is reported, though it
+  overlaps training); each rank pulls its shards from the server actors; a step's delivery
+  time is the longest any rank waited.
+
+Output (printed, and with ``--json OUT`` written): ``samples_digest`` (hash of every
+(rank, step, micro-batch, sequence, document, token range) delivery and its tokens - equal
+across modes for the same seed), ``plan_s_median``, ``delivery_s_median``,
+``bytes_read_per_rank_max``, ``bytes_read_all_ranks``, and the every-rank-reads-everything
+baseline (``bytes_if_every_rank_reads_all``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from ..errors import ConfigError
+
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megatron_bytescale"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", choices=["local", "ray"], default="local")
+    parser.add_argument("--ranks", type=int, default=8, help="HDP ranks to plan and deliver for")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--data", help="indexed dataset prefix (default: a corpus of this interpreter's site-packages, built once "
+        f"under {DEFAULT_CACHE})",
+    )
+    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    parser.add_argument("--capacity", type=int, default=8192, help="tokens per rank per micro-batch (planner capacity C)")
+    parser.add_argument("--step-tokens", type=int, help="token budget per step (default: 4 x ranks x capacity)")
+    parser.add_argument("--context-length", type=int, help="longest sample (default: ranks x capacity / 2)")
+    parser.add_argument("--model", default="tiny", help="model config for the planner's cost model")
+    parser.add_argument("--hardware", default="h200", help="hardware config for the planner's cost model")
+    parser.add_argument("--servers", type=int, default=2, help="ray mode: document server actors")
+    parser.add_argument("--lookahead", type=int, default=4, help="ray mode: steps planned ahead")
+    parser.add_argument("--address", help="ray mode: attach to this Ray cluster instead of starting one")
+
+
+def default_dataset() -> str:
+    """A corpus of the installed packages, built on first use."""
+    from .indexed import DocumentDataset
+    from .prepare import prepare
+
+    prefix = DEFAULT_CACHE / "site-packages-corpus"
+    try:
+        DocumentDataset(prefix)
+        return str(prefix)
+    except ConfigError:
+        pass
+    print(f"building the default corpus at {prefix} (once) ...", flush=True)
+    args = argparse.Namespace(
+        output=str(prefix), site_packages="", repos=None, jsonl=None, text_files=None, text_lines=None,
+        packages=None, json_key="text", vocab_size=512, max_file_bytes=4 << 20, quiet=True,
+    )
+    summary = prepare(args)
+    print(f"  {summary['documents']} documents, {summary['tokens']:,} tokens", flush=True)
+    return str(prefix)
+
+
+def run_bench(args) -> dict:
+    from ..planner.cost_model import CostModel
+    from ..planner.planner import PlannerConfig
+    from ..planner.specs import HardwareSpec, ModelSpec
+    from .planning import SamplesDigest
+
+    if args.ranks < 1 or args.steps < 1:
+        raise ConfigError(f"--ranks and --steps must be positive, got {args.ranks} and {args.steps}")
+    data = args.data or default_dataset()
+    # Defaults shaped like the paper's runs: each rank runs a few micro-batches per step, and
+    # the longest samples span half the ranks.
+    step_tokens = args.step_tokens or 4 * args.ranks * args.capacity
+    context = args.context_length or max(1, args.ranks * args.capacity // 2)
+    config = PlannerConfig(num_ranks=args.ranks, capacity=args.capacity)
+    cost = CostModel.analytic(ModelSpec.load(args.model), HardwareSpec.load(args.hardware))
+    common = dict(step_tokens=step_tokens, context_length=context, seed=args.seed, cost=cost)
+    if args.mode == "local":
+        from .local_loader import LocalDataLoader
+
+        loader = LocalDataLoader(data, config, **common)
+    else:
+        from .ray_loader import RayDataLoader
+
+        loader = RayDataLoader(data, config, num_servers=args.servers, lookahead=args.lookahead, address=args.address, **common)
+
+    from .indexed import DocumentDataset
+
+    itemsize = DocumentDataset(data).itemsize
+    digest = SamplesDigest()
+    plan_s, delivery_s, step_token_counts, step_sample_counts = [], [], [], []
+    per_rank = [0] * args.ranks
+    t_start = time.perf_counter()
+    try:
+        for _ in range(args.steps):
+            if args.mode == "local":  # planned once: every rank computes this same plan in parallel
+                t0 = time.perf_counter()
+                loader.step_plan()
+                plan_s.append(time.perf_counter() - t0)
+            waits = []
+            for rank in range(args.ranks):
+                batch = loader.batch(rank)
+                digest.add(batch)
+                per_rank[rank] += batch.bytes_read
+                waits.append(batch.delivery_s)
+            if args.mode == "ray":
+                plan_s.append(batch.plan_s)  # measured in the scheduler, ahead of time
+            delivery_s.append(max(waits))  # ranks run in parallel: the slowest one counts
+            step_token_counts.append(loader.step_plan().tokens)
+            step_sample_counts.append(len(loader.step_plan().samples))
+            loader.advance()
+    finally:
+        loader.close()
+    total_step_bytes = sum(step_token_counts) * itemsize
+    return {
+        "mode": args.mode,
+        "data": data,
+        "ranks": args.ranks,
+        "steps": args.steps,
+        "seed": args.seed,
+        "capacity": args.capacity,
+        "step_tokens": step_tokens,
+        "context_length": context,
+        "samples_digest": digest.hexdigest(),
+        "plan_s_median": statistics.median(plan_s),
+        "plan_s_max": max(plan_s),
+        "delivery_s_median": statistics.median(delivery_s),
+        "delivery_s_max": max(delivery_s),
+        "tokens_per_step_median": statistics.median(step_token_counts),
+        "samples_per_step_median": statistics.median(step_sample_counts),
+        "bytes_read_per_rank_max": max(per_rank),
+        "bytes_read_all_ranks": sum(per_rank),
+        "bytes_if_every_rank_reads_all": args.ranks * total_step_bytes,
+        "read_share_per_rank_max": max(per_rank) / total_step_bytes,
+        "wall_s": time.perf_counter() - t_start,
+    }
+
+
+def main(args) -> int:
+    result = run_bench(args)
+    for key, value in result.items():
+        print(f"{key:32s} {value:.6g}" if isinstance(value, float) else f"{key:32s} {value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0

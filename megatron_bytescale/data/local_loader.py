@@ -1,0 +1,110 @@
+"""Local data loading (the default, no Ray): every rank plans, each rank reads its own tokens.
+
+Each training rank opens the indexed dataset, reads all document lengths from the index
+(no token reads), and computes the step's plan itself - deterministic from (seed, stream
+position), so all ranks agree without communicating. It then reads only the token ranges
+its own micro-batches hold (plus one label token per range).
+
+Usage on one rank::
+
+    loader = LocalDataLoader("data/corpus", PlannerConfig(num_ranks=4, capacity=4096),
+                             step_tokens=32768, context_length=16384, seed=1, rank=rank)
+    for batch in loader:            # StepBatch: .plan, .micro_batches (list[MicroBatchData])
+        ...
+    ckpt["data"] = loader.state_dict()   # later: loader.load_state_dict(ckpt["data"])
+
+For several ranks in one process (benchmarks, tests): ``loader.batch(rank)`` for each rank,
+then ``loader.advance()``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..errors import ConfigError
+from .indexed import DocumentDataset
+from .planning import PlanFn, StepBatch, StepPlan, StepPlanner, default_plan_fn, deliver
+from .sampler import GlobalBatchSampler, Position, loader_state, restore_state
+
+
+class LocalDataLoader:
+    def __init__(
+        self,
+        data_path: str | Path,
+        planner_config=None,
+        *,
+        step_tokens: int,
+        context_length: int,
+        seed: int = 0,
+        rank: int | None = None,
+        plan_fn: PlanFn | None = None,
+        cost=None,
+        vocab_size: int | None = None,
+    ):
+        if plan_fn is None and planner_config is None:
+            raise ConfigError("give the loader a PlannerConfig (or a plan_fn) so it can plan steps")
+        self.dataset = DocumentDataset(data_path, vocab_size=vocab_size)
+        self.sampler = GlobalBatchSampler(
+            self.dataset.lengths, step_tokens=step_tokens, context_length=context_length, seed=seed
+        )
+        num_ranks = planner_config.num_ranks if planner_config is not None else None
+        self.planner = StepPlanner(self.sampler, plan_fn or default_plan_fn(planner_config, cost), num_ranks)
+        self.rank = rank
+        self.step = 0
+        self.position = Position()
+        self._current: StepPlan | None = None
+
+    # ------------------------------------------------------------------ steps
+    def step_plan(self) -> StepPlan:
+        """The current step's plan (computed once, then cached until ``advance``)."""
+        if self._current is None:
+            self._current = self.planner.plan(self.step, self.position)
+        return self._current
+
+    def batch(self, rank: int | None = None) -> StepBatch:
+        """``rank``'s micro-batches for the current step; does not advance."""
+        rank = self._rank(rank)
+        t0 = time.perf_counter()
+        fresh = self._current is None
+        sp = self.step_plan()
+        before = self.dataset.bytes_read
+        mbs = deliver(sp, rank, self.dataset.read)
+        return StepBatch(
+            step=sp.step, rank=rank, plan=sp.plan, samples=sp.samples, micro_batches=mbs,
+            bytes_read=self.dataset.bytes_read - before, plan_s=sp.plan_s if fresh else 0.0,
+            delivery_s=time.perf_counter() - t0, next_position=sp.end,
+        )
+
+    def advance(self) -> None:
+        sp = self.step_plan()
+        self.step, self.position, self._current = sp.step + 1, sp.end, None
+
+    def next_step(self, rank: int | None = None) -> StepBatch:
+        batch = self.batch(rank)
+        self.advance()
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next_step()
+
+    def _rank(self, rank: int | None) -> int:
+        rank = self.rank if rank is None else rank
+        if rank is None:
+            raise ConfigError("which rank? pass rank= to the loader or to batch()/next_step()")
+        return rank
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Position of the next step to deliver: save it with the checkpoint."""
+        return loader_state(self.step, self.position, self.sampler.fingerprint())
+
+    def load_state_dict(self, state: dict) -> None:
+        step, position = restore_state(state, self.sampler.fingerprint())
+        self.sampler.check_position(position)
+        self.step, self.position = step, position
+        self._current = None
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,377 @@
+"""Remote data loading on Ray (brief 2.7): servers read, one scheduler plans, ranks pull.
+
+* :class:`DocumentServer` actors (``num_servers``) each own the documents ``d`` with
+  ``d % num_servers == k``: they open the indexed dataset, publish their documents' lengths
+  (metadata, from the index only) and serve token-range reads. They hold no state that a
+  restart could lose, so Ray restarts a dead server (``max_restarts``) and retries the reads
+  that were in flight (``max_task_retries``): nothing is lost and nothing is read twice into
+  the batch.
+* One :class:`PlanScheduler` actor gathers the lengths, and a planning thread inside it
+  computes the next ``lookahead`` steps ahead of the furthest step any rank has asked for,
+  so planning overlaps training. It keeps the start position of every step it has planned,
+  so any recent step can be re-planned exactly (plans are deterministic) after eviction.
+  A scheduler that dies is a clear error on the ranks (``max_restarts=0``: its lookahead is
+  not worth a silent restart; resume from the checkpointed loader state instead).
+* Each training rank (:class:`RayDataLoader`) asks the scheduler for the step's plan,
+  pulls only its own token ranges from the servers that own those documents, and builds its
+  ``MicroBatchData`` list locally; the next step is prefetched in a background thread.
+
+Every ``ray.get`` has a timeout; a silent actor becomes a ``BytescaleError`` naming it.
+Ranks in separate processes share the actors by passing the same ``name``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from ..errors import BytescaleError, ConfigError
+from .indexed import DocumentDataset, dataset_prefix
+from .planning import PlanFn, StepBatch, StepPlan, StepPlanner, default_plan_fn, deliver, rank_token_ranges
+from .sampler import GlobalBatchSampler, Position, loader_state, restore_state
+
+DEFAULT_TIMEOUT_S = 120.0
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def init_ray(address: str | None = None, num_cpus: int = 2, object_store_memory: int | None = 256 << 20) -> None:
+    """Attach to the cluster at ``address``, or start a small local Ray instance (no
+    dashboard); a no-op when Ray is already initialised. Local workers get this project on
+    their ``PYTHONPATH`` so they can import it without an install."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return
+    path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        object_store_memory=object_store_memory,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+        logging_level=logging.WARNING,
+    )
+
+
+# --------------------------------------------------------------------------- actors
+class DocumentServer:
+    """Reads the documents of one shard. Stateless beyond the open dataset."""
+
+    def __init__(self, data_path: str, vocab_size: int | None, shard: int, num_shards: int):
+        self.dataset = DocumentDataset(data_path, vocab_size=vocab_size)
+        self.shard, self.num_shards = shard, num_shards
+        self.doc_ids = np.arange(shard, len(self.dataset), num_shards, dtype=np.int64)
+
+    def metadata(self) -> tuple[np.ndarray, np.ndarray]:
+        """(document ids, their lengths) of this shard."""
+        return self.doc_ids, self.dataset.lengths[self.doc_ids]
+
+    def read(self, ranges: list[tuple[int, int, int]]) -> list[np.ndarray]:
+        for doc, _, _ in ranges:
+            if doc % self.num_shards != self.shard:
+                raise ConfigError(f"document {doc} belongs to server {doc % self.num_shards}, not {self.shard}")
+        return [np.array(self.dataset.read(d, a, b)) for d, a, b in ranges]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class PlanScheduler:
+    """Plans steps ahead in a background thread; answers ``step_plan(step)`` for any rank.
+
+    Runs as a threaded Ray actor (``max_concurrency``), so ranks waiting for a step do not
+    block each other; also usable in-process (``lengths=...``) for tests."""
+
+    def __init__(
+        self, servers=(), *, step_tokens, context_length, seed, plan_fn, num_ranks, lookahead, retain, timeout_s,
+        lengths=None,
+    ):
+        if lengths is None:  # the servers publish their documents' lengths
+            parts = ray.get([s.metadata.remote() for s in servers], timeout=timeout_s)
+            lengths = np.zeros(sum(len(ids) for ids, _ in parts), dtype=np.int64)
+            for ids, lens in parts:
+                lengths[ids] = lens
+        self.sampler = GlobalBatchSampler(lengths, step_tokens=step_tokens, context_length=context_length, seed=seed)
+        self.planner = StepPlanner(self.sampler, plan_fn, num_ranks)
+        self.lookahead, self.retain = max(1, lookahead), max(1, retain)
+        self._cond = threading.Condition()
+        self._plans: OrderedDict[int, StepPlan] = OrderedDict()
+        self._starts: dict[int, Position] = {0: Position()}  # start of every step known
+        self._base = 0  # earliest step with a known start
+        self._frontier = 0  # next step the thread plans
+        self._wanted = self.lookahead - 1  # plan up to here
+        self._error: BaseException | None = None
+        self._generation = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._plan_loop, name="plan-ahead", daemon=True)
+        self._thread.start()
+
+    def fingerprint(self) -> dict:
+        return self.sampler.fingerprint()
+
+    def _plan_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and (self._frontier > self._wanted or self._error is not None):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                step, gen = self._frontier, self._generation
+                start = self._starts[step]
+            try:
+                sp = self.planner.plan(step, start)
+            except BaseException as exc:  # surfaced to the rank that waits for this step
+                with self._cond:
+                    if gen == self._generation:
+                        self._error = exc
+                        self._cond.notify_all()
+                continue
+            with self._cond:
+                if gen != self._generation:
+                    continue  # a reset happened while planning
+                self._plans[step] = sp
+                self._starts[step + 1] = sp.end
+                self._frontier = step + 1
+                while len(self._plans) > self.lookahead + self.retain:
+                    self._plans.popitem(last=False)
+                self._cond.notify_all()
+
+    def step_plan(self, step: int, timeout_s: float) -> StepPlan:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            if step < self._base:
+                raise ConfigError(
+                    f"step {step} is before the loader's restored position (step {self._base}); "
+                    "load the matching loader state first"
+                )
+            if step + self.lookahead > self._wanted:
+                self._wanted = step + self.lookahead
+                self._cond.notify_all()
+            while step not in self._plans:
+                if step < self._frontier:  # planned before and evicted: re-plan, deterministic
+                    start = self._starts[step]
+                    break
+                if self._error is not None:
+                    raise self._error
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"the scheduler did not plan step {step} within {timeout_s:g}s")
+                self._cond.wait(remaining)
+            else:
+                return self._plans[step]
+        return self.planner.plan(step, start)
+
+    def reset(self, step: int, position: dict) -> None:
+        """Continue from (step, position): a restored checkpoint."""
+        pos = Position.from_dict(position)
+        self.sampler.check_position(pos)
+        with self._cond:
+            if self._starts.get(step) == pos:
+                return  # already on this stream (another rank restored the same state)
+            self._generation += 1
+            self._plans.clear()
+            self._starts = {step: pos}
+            self._base = self._frontier = step
+            self._wanted = step + self.lookahead - 1
+            self._error = None
+            self._cond.notify_all()
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"frontier": self._frontier, "cached": sorted(self._plans), "wanted": self._wanted}
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+
+# --------------------------------------------------------------------------- client
+class RayDataLoader:
+    """One training rank's view of the remote dataloader (same API as LocalDataLoader)."""
+
+    def __init__(
+        self,
+        data_path: str | Path,
+        planner_config=None,
+        *,
+        step_tokens: int,
+        context_length: int,
+        seed: int = 0,
+        rank: int | None = None,
+        plan_fn: PlanFn | None = None,
+        cost=None,
+        vocab_size: int | None = None,
+        num_servers: int = 2,
+        lookahead: int = 4,
+        retain: int = 8,
+        name: str | None = None,
+        address: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        server_max_restarts: int = 4,
+        prefetch: bool = True,
+    ):
+        if plan_fn is None and planner_config is None:
+            raise ConfigError("give the loader a PlannerConfig (or a plan_fn) so it can plan steps")
+        if num_servers < 1:
+            raise ConfigError(f"num_servers must be at least 1, got {num_servers}")
+        prefix = os.path.abspath(dataset_prefix(data_path))  # actors may run elsewhere
+        DocumentDataset(prefix, vocab_size=vocab_size)  # refuse bad files here, with a clear error
+        init_ray(address)
+        self.rank, self.timeout_s, self.prefetch = rank, float(timeout_s), prefetch
+        num_ranks = planner_config.num_ranks if planner_config is not None else None
+        plan_fn = plan_fn or default_plan_fn(planner_config, cost)
+        named = (lambda suffix: {"name": f"{name}-{suffix}", "get_if_exists": True}) if name else (lambda suffix: {})
+        server_cls = ray.remote(DocumentServer)
+        self.servers = [
+            server_cls.options(
+                num_cpus=0, max_restarts=server_max_restarts, max_task_retries=server_max_restarts, **named(f"server-{k}")
+            ).remote(prefix, vocab_size, k, num_servers)
+            for k in range(num_servers)
+        ]
+        self.scheduler = (
+            ray.remote(PlanScheduler)
+            .options(num_cpus=0, max_restarts=0, max_concurrency=64, **named("scheduler"))
+            .remote(
+                self.servers, step_tokens=step_tokens, context_length=context_length, seed=seed, plan_fn=plan_fn,
+                num_ranks=num_ranks, lookahead=lookahead, retain=retain, timeout_s=self.timeout_s,
+            )
+        )
+        self._fingerprint = self._get(self.scheduler.fingerprint.remote(), "the scheduler (starting)")
+        mine = {"seed": seed, "step_tokens": step_tokens, "context_length": context_length}
+        if any(self._fingerprint[k] != v for k, v in mine.items()):
+            raise ConfigError(
+                f"the named loader {name!r} already runs with {self._fingerprint}; this rank asked for {mine} - "
+                "give every rank the same loader settings"
+            )
+        self.step, self.position = 0, Position()
+        self._current: StepPlan | None = None
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ray-prefetch") if prefetch else None
+        self._pending: dict[tuple[int, int], Future] = {}
+
+    # ------------------------------------------------------------------ ray calls
+    def _get(self, refs, what: str):
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise BytescaleError(
+                f"{what} did not answer within {self.timeout_s:.0f}s; check that the Ray cluster is alive "
+                "(`ray status`) and raise timeout_s if planning is legitimately this slow"
+            ) from None
+        except RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, BytescaleError):
+                raise cause from None
+            if isinstance(cause, TimeoutError):
+                raise BytescaleError(f"{what}: {cause}; the planner is too slow or stuck") from None
+            raise BytescaleError(f"{what} failed: {exc}") from None
+        except RayActorError as exc:
+            raise BytescaleError(
+                f"{what} died ({type(exc).__name__}); the data loader cannot continue - restart the job "
+                f"from the last checkpoint (its loader state resumes the exact sample order). Cause: {exc}"
+            ) from None
+
+    def _step_plan(self, step: int) -> StepPlan:
+        return self._get(self.scheduler.step_plan.remote(step, self.timeout_s), "the dataloader scheduler actor")
+
+    def _fetch(self, step: int, rank: int) -> StepBatch:
+        t0 = time.perf_counter()
+        sp = self._step_plan(step)
+        reads = list(dict.fromkeys(rank_token_ranges(sp, rank)))
+        by_server = defaultdict(list)
+        for r in reads:
+            by_server[r[0] % len(self.servers)].append(r)
+        order = sorted(by_server)
+        results = self._get(
+            [self.servers[k].read.remote(by_server[k]) for k in order], f"document servers {order}"
+        )
+        table = {r: arr for k, arrays in zip(order, results) for r, arr in zip(by_server[k], arrays)}
+        mbs = deliver(sp, rank, lambda d, a, b: table[(d, a, b)])
+        return StepBatch(
+            step=step, rank=rank, plan=sp.plan, samples=sp.samples, micro_batches=mbs,
+            bytes_read=int(sum(a.nbytes for a in table.values())), plan_s=sp.plan_s,
+            delivery_s=time.perf_counter() - t0, next_position=sp.end,
+        )
+
+    # ------------------------------------------------------------------ steps
+    def step_plan(self) -> StepPlan:
+        if self._current is None:
+            self._current = self._step_plan(self.step)
+        return self._current
+
+    def batch(self, rank: int | None = None) -> StepBatch:
+        """``rank``'s micro-batches for the current step (prefetched when possible)."""
+        rank = self._rank(rank)
+        t0 = time.perf_counter()
+        future = self._pending.pop((self.step, rank), None)
+        batch = future.result() if future is not None else self._fetch(self.step, rank)
+        batch.delivery_s = time.perf_counter() - t0  # what the rank waited for
+        if self._current is None:
+            self._current = StepPlan(batch.step, batch.samples, batch.plan, self.position, batch.next_position, batch.plan_s)
+        if self._pool is not None and (self.step + 1, rank) not in self._pending:
+            self._pending[(self.step + 1, rank)] = self._pool.submit(self._fetch, self.step + 1, rank)
+        return batch
+
+    def advance(self) -> None:
+        sp = self.step_plan()
+        self.step, self.position, self._current = sp.step + 1, sp.end, None
+        for key in [k for k in self._pending if k[0] < self.step]:
+            self._pending.pop(key).cancel()
+
+    def next_step(self, rank: int | None = None) -> StepBatch:
+        batch = self.batch(rank)
+        self.advance()
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next_step()
+
+    def _rank(self, rank: int | None) -> int:
+        rank = self.rank if rank is None else rank
+        if rank is None:
+            raise ConfigError("which rank? pass rank= to the loader or to batch()/next_step()")
+        return rank
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return loader_state(self.step, self.position, self._fingerprint)
+
+    def load_state_dict(self, state: dict) -> None:
+        step, position = restore_state(state, self._fingerprint)
+        self._drop_prefetch()
+        self._get(self.scheduler.reset.remote(step, position.to_dict()), "the dataloader scheduler actor")
+        self.step, self.position, self._current = step, position, None
+
+    def _drop_prefetch(self) -> None:
+        for future in self._pending.values():
+            future.cancel()
+        for future in self._pending.values():
+            try:
+                future.result(timeout=self.timeout_s)
+            except BaseException:
+                pass
+        self._pending.clear()
+
+    def close(self, kill_actors: bool = True) -> None:
+        """Stop prefetching; kill the actors unless other ranks still use them (named loaders:
+        pass ``kill_actors`` only from the last rank)."""
+        self._drop_prefetch()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if kill_actors:
+            for actor in [self.scheduler, *self.servers]:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # already gone
+                    pass

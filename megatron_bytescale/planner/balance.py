@@ -1,0 +1,187 @@
+"""The balance scheduler: which rank runs which work, in which order (brief 2.6).
+
+Work comes as units: a ring (``ring_size`` ranks at once, each busy ``time`` seconds), an
+offloaded long sequence on one rank, or a short sequence / packed micro-batch on one rank.
+The sharding decisions inside the units (ring sizes, offload ratios) are kept.
+
+1. Units are sorted by estimated time, longest first, and cut into buckets of roughly
+   equal total time (long buckets hold few units).
+2. Work goes to the ranks whose estimated time is more than a slack ``delta`` below the
+   current maximum, least-loaded first:
+
+   * ``dp`` (DP-balance) takes from the first non-empty (longest) bucket, one unit at a
+     time, to the least-loaded rank. That rank is always more than ``delta`` below the
+     maximum unless every rank is within ``delta`` of it, and then every rank is eligible
+     and the least-loaded one still goes first, so this is the brief's rule at its finest
+     grain (longest-processing-time first): all ranks run one length level at a time.
+   * ``pp`` (PP-balance) takes from the buckets in turn: the least-loaded rank receives a
+     run of units from the current bucket, as long as it stays within ``delta`` of the
+     maximum, then the next bucket serves the next rank. Each pipeline gets consecutive
+     micro-batches of similar length, so 1F1B bubbles appear only at bucket changes.
+   * ``tokens`` (hdp-naive) balances token counts instead of time, as static DP does.
+
+A ring goes to ``RingPlacer.place``'s members; it starts when its last member is free
+(the wait is counted) and all members run it at the same step of the global order, so
+ring micro-batches are ordered consistently on every rank.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ConfigError
+from .placement import RingPlacer
+
+DEFAULT_BUCKETS = 8
+
+
+@dataclass(eq=False)
+class Unit:
+    kind: str  # "ring" | "long" | "short" | "pack"
+    seq_ids: tuple[int, ...]  # the sequence (ring, long, short) or the packed sequences
+    ring_size: int
+    time: float  # estimated seconds on each member
+    tokens: int  # tokens on the busiest member
+    ratio: float = 0.0
+    fillers: tuple[tuple[int, ...], ...] = ()  # per ring slot: whole sequences packed beside its share
+    slot_times: tuple[float, ...] = ()  # per ring slot, when fillers make members differ
+
+
+@dataclass
+class Assignment:
+    runs: list[list[int]]  # per rank: unit indices in run order
+    members: dict[int, tuple[int, ...]]  # ring unit -> its ranks in ring order
+    clock: np.ndarray  # estimated finish per rank, waits for ring partners included
+    key: np.ndarray  # what was balanced: clock plus pipeline bubble, or tokens
+    idle: np.ndarray  # seconds each rank waits for ring partners
+    num_buckets: int = 0
+    order: list[int] = field(default_factory=list)  # global order in which units were given out
+
+
+def make_buckets(order: Sequence[int], weights: Sequence[float], num_buckets: int) -> list[list[int]]:
+    """Cut ``order`` (heaviest first) into at most ``num_buckets`` runs of about equal weight."""
+    total = float(sum(weights[u] for u in order))
+    buckets: list[list[int]] = [[]]
+    acc = 0.0
+    for u in order:
+        if acc >= total * len(buckets) / num_buckets and buckets[-1] and len(buckets) < num_buckets:
+            buckets.append([])
+        buckets[-1].append(u)
+        acc += weights[u]
+    return buckets
+
+
+class _Loads:
+    """Per-rank estimated clocks and the decision key, with a lazy min-heap over the key."""
+
+    def __init__(self, num_ranks: int, pipeline_stages: int, by_tokens: bool):
+        self.clock = np.zeros(num_ranks)
+        self.idle = np.zeros(num_ranks)
+        self.peak = np.zeros(num_ranks)
+        self.tokens = np.zeros(num_ranks)
+        self.key = np.zeros(num_ranks)
+        self.bubble = pipeline_stages - 1
+        self.by_tokens = by_tokens
+        self.stamp = [0] * num_ranks
+        self.heap = [(0.0, r, 0) for r in range(num_ranks)]
+        self.top = 0.0  # current maximum of the key
+
+    def least(self) -> int:
+        while True:
+            k, r, s = heapq.heappop(self.heap)
+            if s == self.stamp[r]:
+                return r
+
+    def push(self, r: int) -> None:
+        heapq.heappush(self.heap, (float(self.key[r]), r, self.stamp[r]))
+
+    def run(self, r: int, start: float, seconds: float, tokens: int) -> None:
+        self.idle[r] += start - self.clock[r]
+        self.clock[r] = start + seconds
+        self.tokens[r] += tokens
+        if seconds > self.peak[r]:
+            self.peak[r] = seconds
+        k = self.tokens[r] if self.by_tokens else self.clock[r] + self.bubble * self.peak[r]
+        self.key[r] = k
+        if k > self.top:
+            self.top = float(k)
+        self.stamp[r] += 1
+
+
+def schedule(
+    units: Sequence[Unit],
+    placer: RingPlacer,
+    mode: str = "dp",
+    slack: float = 0.05,
+    pipeline_stages: int = 1,
+    num_buckets: int = DEFAULT_BUCKETS,
+) -> Assignment:
+    if mode not in ("dp", "pp", "tokens"):
+        raise ConfigError(f"unknown balance mode {mode!r}; choose dp, pp or tokens")
+    by_tokens = mode == "tokens"
+    weights = [float(u.tokens) if by_tokens else u.time for u in units]
+    order = sorted(range(len(units)), key=lambda u: (-weights[u], units[u].seq_ids))
+    loads = _Loads(placer.num_ranks, pipeline_stages, by_tokens)
+    runs: list[list[int]] = [[] for _ in range(placer.num_ranks)]
+    members: dict[int, tuple[int, ...]] = {}
+    given: list[int] = []
+
+    def give_one(u: int, rank: int) -> None:
+        unit = units[u]
+        loads.run(rank, float(loads.clock[rank]), unit.time, unit.tokens)
+        runs[rank].append(u)
+        loads.push(rank)
+        given.append(u)
+
+    def give_ring(u: int) -> None:
+        unit = units[u]
+        ring = placer.place(loads.key, unit.ring_size)
+        start = float(loads.clock[ring].max())
+        times = unit.slot_times or (unit.time,) * unit.ring_size
+        for slot, r in enumerate(ring.tolist()):
+            loads.run(r, start, times[slot], unit.tokens)
+            runs[r].append(u)
+            loads.push(r)
+        members[u] = tuple(ring.tolist())
+        given.append(u)
+
+    if mode in ("dp", "tokens"):
+        buckets = make_buckets(order, weights, num_buckets) if order else []
+        for u in order:  # = the first non-empty bucket's next unit
+            if units[u].ring_size > 1:
+                give_ring(u)
+            else:
+                give_one(u, loads.least())
+        return Assignment(runs, members, loads.clock, loads.key, loads.idle, len(buckets), given)
+
+    # pp: the same order, in runs: the least-loaded rank takes the next unit and goes on
+    # taking the following ones (the same length level) while it stays below the level, so
+    # each pipeline runs blocks of similar micro-batches and 1F1B bubbles appear only where
+    # the length level changes.
+    buckets = make_buckets(order, weights, num_buckets) if order else []
+    bubble = pipeline_stages - 1
+    # the level: delta above the even spread of all work (a ring that outlasts it lifts it)
+    water = (1 + slack) * sum(weights) / placer.num_ranks
+
+    def key_after(rank: int, u: int) -> float:
+        w = weights[u]
+        return float(loads.clock[rank]) + w + bubble * max(float(loads.peak[rank]), w)
+
+    i = 0
+    while i < len(order):
+        u = order[i]
+        i += 1
+        if units[u].ring_size > 1:
+            give_ring(u)
+            continue
+        rank = loads.least()
+        give_one(u, rank)
+        level = max(water, loads.top)
+        while i < len(order) and units[order[i]].ring_size == 1 and key_after(rank, order[i]) <= level:
+            give_one(order[i], rank)
+            i += 1
+    return Assignment(runs, members, loads.clock, loads.key, loads.idle, len(buckets), given)

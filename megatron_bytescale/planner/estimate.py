@@ -1,0 +1,128 @@
+"""Estimated seconds of micro-batches and ranks, from the CostModel (one pipeline stage).
+
+* A micro-batch costs ``num_layers * layer_time(tokens, pairs)``: a whole sequence of s
+  tokens adds s^2 attention pairs, a zigzag share of a ring of N adds s^2 / N.
+* A ring micro-batch adds the ring communication that compute does not hide. Per layer a
+  ring of N runs N attention steps; steps 2..N wait for one hop each (forward: KV; backward:
+  KV and dKV). A step costs ``max(attention of one step, hop)``, so the exposed part is
+  ``(N - 1) * max(0, hop - step)`` for forward and for backward. The slowest link sets the
+  pace of a synchronous ring, so a ring that crosses nodes runs at the inter-node bandwidth.
+* With ``pipeline_stages = p > 1`` a rank (one pipeline) takes
+  ``sum(micro-batch times) + (p - 1) * max(micro-batch time)`` (1F1B fill and drain).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .cost_model import FORWARD_SHARE, CostModel
+from .plan import MicroBatch
+from .zigzag import rank_tokens
+
+
+def exposed_ring_time(cost: CostModel, pairs: float, block_tokens: float, ring_size: int, inter_node: bool) -> float:
+    """Seconds per layer that ring hops add beyond compute, for one member.
+
+    ``pairs``: this member's attention pairs of the distributed sequences; ``block_tokens``:
+    the KV block a hop carries (the largest member share).
+    """
+    if ring_size <= 1:
+        return 0.0
+    step = cost.a1 * pairs / ring_size
+    fwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=False) - FORWARD_SHARE * step)
+    bwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=True) - (1.0 - FORWARD_SHARE) * step)
+    return (ring_size - 1) * (fwd + bwd)
+
+
+def ring_share_time(cost: CostModel, seq_len: int, ring_size: int, inter_node: bool) -> float:
+    """Seconds one member of a ring spends on its share of one sequence (a micro-batch of its own)."""
+    share = -(-seq_len // ring_size)
+    pairs = seq_len * seq_len / ring_size
+    per_layer = cost.layer_time(share, pairs) + exposed_ring_time(cost, pairs, share, ring_size, inter_node)
+    return cost.num_layers * per_layer
+
+
+def sequence_time(cost: CostModel, seq_len: int) -> float:
+    """Seconds of one whole sequence on one rank, without the per-micro-batch overhead ``g``."""
+    return cost.num_layers * (cost.a1 * seq_len * seq_len + cost.b1 * seq_len)
+
+
+def micro_batch_time(cost: CostModel, mb: MicroBatch, inter_node: bool = False) -> float:
+    """Seconds of one micro-batch on one member (every member of a ring takes the same time
+    up to one token, except for the whole sequences packed next to the ring's pieces)."""
+    tokens = 0
+    pairs = 0.0
+    dist_pairs = 0.0
+    block = 0
+    ring = mb.ring
+    for p in mb.pieces:
+        tokens += p.tokens
+        if p.is_distributed:
+            share_pairs = p.seq_len * p.seq_len / p.ring_size
+            pairs += share_pairs
+            dist_pairs += share_pairs
+            block += rank_tokens(p.seq_len, p.ring_size, 0)
+        else:
+            pairs += p.seq_len * p.seq_len
+    per_layer = cost.layer_time(tokens, pairs)
+    if ring is not None:
+        per_layer += exposed_ring_time(cost, dist_pairs, block, len(ring), inter_node)
+    return cost.num_layers * per_layer
+
+
+def crosses_nodes(ring: Sequence[int], ranks_per_node: int) -> bool:
+    return len({r // ranks_per_node for r in ring}) > 1
+
+
+def pipeline_time(mb_times: Sequence[float], pipeline_stages: int) -> float:
+    if not mb_times:
+        return 0.0
+    return sum(mb_times) + (pipeline_stages - 1) * max(mb_times)
+
+
+def rank_times(plan, cost: CostModel, ranks_per_node: int, pipeline_stages: int = 1) -> list[float]:
+    """Estimated busy seconds per rank (no waiting for ring partners)."""
+    out = []
+    for mbs in plan.ranks:
+        times = [
+            micro_batch_time(cost, mb, mb.ring is not None and crosses_nodes(mb.ring, ranks_per_node)) for mb in mbs
+        ]
+        out.append(pipeline_time(times, pipeline_stages))
+    return out
+
+
+def finish_times(plan, cost: CostModel, ranks_per_node: int) -> list[float]:
+    """Estimated finish seconds per rank when every ring micro-batch starts only once all of
+    its members reach it (ranks run their micro-batches in plan order; no pipeline)."""
+    ranks = plan.ranks
+    pos = [0] * len(ranks)
+    clock = [0.0] * len(ranks)
+    waiting: dict[tuple, list[int]] = {}
+    progress = True
+    while progress:
+        progress = False
+        for rank, mbs in enumerate(ranks):
+            while pos[rank] < len(mbs):
+                mb = mbs[pos[rank]]
+                ring = mb.ring
+                t = micro_batch_time(cost, mb, ring is not None and crosses_nodes(ring, ranks_per_node))
+                if ring is None:
+                    clock[rank] += t
+                    pos[rank] += 1
+                    progress = True
+                    continue
+                key = (ring, mb.distributed_seq_ids)
+                arrived = waiting.setdefault(key, [])
+                if rank not in arrived:
+                    arrived.append(rank)
+                if len(arrived) < len(ring):
+                    break
+                start = max(clock[r] for r in ring)
+                for r in ring:
+                    member_mb = ranks[r][pos[r]]
+                    member_ring = member_mb.ring
+                    clock[r] = start + micro_batch_time(cost, member_mb, crosses_nodes(member_ring, ranks_per_node))
+                    pos[r] += 1
+                del waiting[key]
+                progress = True
+    return clock

@@ -1,0 +1,115 @@
+"""Selective activation offloading: how many ranks a long sequence needs (brief 2.4).
+
+A rank may hold ``t`` tokens of one micro-batch at offload ratio ``r`` when
+``t * resident_fraction(r, l) <= C``: the same rule ``Plan.validate()`` checks, so the
+planner and the validator always agree on capacity (capacity is counted in tokens; with a
+profile whose ``b2`` is not zero the brief's byte form differs by that constant only).
+
+A sequence of ``s`` tokens on a ring of ``D`` ranks puts at most ``ceil(s / D)`` tokens on
+one rank (zigzag shares differ by at most one token). For each ``D`` the smallest ratio
+that fits that share is ``ratio_for_share``; ``D(s)`` is the smallest ``D`` whose ratio is
+at most 1 and whose copy hides behind compute, and ``r`` is that smallest ratio (the least
+PCIe traffic among all ratios reaching the minimum).
+
+Two decisions, stated once here and tested:
+
+* **The copy must hide per rank share**, not per whole sequence: each rank copies its own
+  activations over its own PCIe link while computing its own share, so the constraint is
+  ``layer_time(t, s^2 / D) >= r * act_bytes(t) / min(B_d2h, B_h2d)`` with ``t = ceil(s/D)``
+  (the brief's ``T(s) >= r * Act(s) / B`` with both sides taken for one rank's share; the
+  two forms differ only by the per-micro-batch constants ``g`` and ``b2``).
+* **r_min is exact**: the brief's ``r_min = l*Act(C) / ((l-2)*Act(s))`` is the ratio that
+  frees one capacity's worth of tokens, which is more than needed to save a rank when
+  ``s / C`` is not whole (for s = 9K, C = 8K, l = 32 it asks 0.95 where 0.12 already fits the
+  sequence on one rank). We use the exact smallest ratio that saves a rank under the
+  validator's capacity rule. So every chosen ratio is 0 or reaches fewer ranks than r = 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .cost_model import CostModel
+from .plan import resident_fraction
+
+RATIO_STEP = 1e-4  # ratios are rounded up to this step: readable, and never below the need
+
+
+@dataclass(frozen=True)
+class OffloadDecision:
+    ranks: int  # D(s): ring size (1: the sequence runs whole on one rank)
+    ratio: float  # r: offload ratio of the micro-batch holding the sequence's share
+
+
+def max_tokens(capacity: int, ratio: float, num_layers: int) -> int:
+    """Most tokens one micro-batch may hold at ``ratio`` (``t * resident_fraction <= C``)."""
+    frac = resident_fraction(ratio, num_layers)
+    t = int(capacity / frac)
+    while (t + 1) * frac <= capacity:
+        t += 1
+    while t > 0 and t * frac > capacity:
+        t -= 1
+    return t
+
+
+def ratio_for_share(tokens: int, capacity: int, num_layers: int) -> float | None:
+    """Smallest ratio (rounded up to RATIO_STEP) at which ``tokens`` fit, or None if none does."""
+    if tokens <= capacity:
+        return 0.0
+    if num_layers <= 2:
+        return None  # the two resident layers are all there is: nothing to offload
+    need = 1.0 - (num_layers * capacity / tokens - 2.0) / (num_layers - 2)
+    r = min(1.0, round(math.ceil(need / RATIO_STEP - 1e-9) * RATIO_STEP, 10))
+    while r < 1.0 and tokens * resident_fraction(r, num_layers) > capacity:
+        r = min(1.0, round(r + RATIO_STEP, 10))
+    if tokens * resident_fraction(r, num_layers) > capacity:
+        return None
+    return r
+
+
+def copy_hides(cost: CostModel, tokens: float, attention_pairs: float, ratio: float) -> bool:
+    """Does the PCIe copy of ``ratio`` of this micro-batch's activations hide behind its compute?"""
+    if ratio <= 0.0:
+        return True
+    return cost.layer_time(tokens, attention_pairs) >= ratio * cost.act_bytes(tokens) / cost.bw_offload
+
+
+def share_pairs(seq_len: int, ring_size: int) -> float:
+    """Attention pairs of one rank's zigzag share (the a1 term of ``layer_time``)."""
+    return seq_len * seq_len / ring_size
+
+
+def ratio_for_ranks(seq_len: int, ring_size: int, capacity: int, cost: CostModel) -> float | None:
+    """Smallest ratio that fits ``seq_len`` on ``ring_size`` ranks with the copy hidden, or None."""
+    share = -(-seq_len // ring_size)
+    r = ratio_for_share(share, capacity, cost.num_layers)
+    if r is None or not copy_hides(cost, share, share_pairs(seq_len, ring_size), r):
+        return None
+    return r
+
+
+def ranks_without_offload(seq_len: int, capacity: int) -> int:
+    return -(-seq_len // capacity)
+
+
+@lru_cache(maxsize=65536)
+def decide(seq_len: int, capacity: int, cost: CostModel, offload: bool = True) -> OffloadDecision:
+    """D(s) and r for one sequence: the fewest ranks, then the smallest ratio reaching them.
+
+    Offloading is off when ``offload`` is False, when the model has at most two layers per
+    stage, or when no ratio that saves a rank hides its copy (then r = 0, D = ceil(s / C)).
+    """
+    d0 = ranks_without_offload(seq_len, capacity)
+    if not offload or d0 <= 1 or cost.num_layers <= 2:
+        return OffloadDecision(d0, 0.0)
+    d1 = -(-seq_len // max_tokens(capacity, 1.0, cost.num_layers))
+    # Scan up from the fewest ranks any ratio allows; the first ring size whose smallest
+    # ratio hides is D(s). (No monotonicity is assumed, so the answer is exact for any
+    # profile; the scan is short: it stops at once whenever offloading at r = 1 hides.)
+    for d in range(d1, d0):
+        r = ratio_for_ranks(seq_len, d, capacity, cost)
+        if r is not None:
+            return OffloadDecision(d, r)
+    return OffloadDecision(d0, 0.0)

@@ -1,0 +1,62 @@
+"""Ring placement: which ranks form a ring, in which order.
+
+HDP ranks are numbered node by node (``ranks_per_node`` consecutive ranks share a node's
+NVLink). A ring that fits in a node is placed inside one node; a larger ring takes the
+least-loaded ranks with ties going to lower ranks, so on an idle cluster it takes whole
+consecutive nodes. Members are ordered by rank: consecutive members are neighbours, and a
+ring crosses node boundaries only where it must. The ring order is the placement order.
+
+Both functions choose among ``loads`` (estimated seconds, or tokens, already on each rank):
+the ring can start only when its last member is free, so they minimise that start, then the
+idle time of the members that wait.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ConfigError, PlanError
+
+TIE = 1e-9  # seconds per rank index: breaks exact ties towards lower ranks, nothing else
+
+
+def check_shape(num_ranks: int, ranks_per_node: int) -> None:
+    if ranks_per_node < 1:
+        raise ConfigError(f"ranks_per_node must be at least 1, got {ranks_per_node}; pass the HDP ranks per node (GPUs per node / TP)")
+    if num_ranks > ranks_per_node and num_ranks % ranks_per_node:
+        raise ConfigError(
+            f"{num_ranks} HDP ranks do not fill whole nodes of {ranks_per_node} ranks; "
+            f"use a rank count that is a multiple of ranks_per_node (or fewer ranks than one node)"
+        )
+
+
+class RingPlacer:
+    def __init__(self, num_ranks: int, ranks_per_node: int):
+        check_shape(num_ranks, ranks_per_node)
+        self.num_ranks = num_ranks
+        self.ranks_per_node = min(ranks_per_node, num_ranks)
+        self.num_nodes = num_ranks // self.ranks_per_node
+        self._tie = np.arange(num_ranks, dtype=np.float64) * TIE
+
+    def place(self, loads: np.ndarray, ring_size: int) -> np.ndarray:
+        """Ordered global ranks of a new ring of ``ring_size`` members."""
+        if not 1 <= ring_size <= self.num_ranks:
+            raise PlanError(f"a ring of {ring_size} ranks does not fit {self.num_ranks} ranks")
+        if ring_size <= self.ranks_per_node:
+            return self._inside_one_node(loads, ring_size)
+        key = loads + self._tie * max(1.0, float(loads.max()))
+        members = np.argpartition(key, ring_size - 1)[:ring_size]
+        return np.sort(members)
+
+    def _inside_one_node(self, loads: np.ndarray, ring_size: int) -> np.ndarray:
+        rpn = self.ranks_per_node
+        by_node = loads.reshape(self.num_nodes, rpn)
+        if ring_size == rpn:
+            smallest = by_node
+        else:
+            smallest = np.partition(by_node, ring_size - 1, axis=1)[:, :ring_size]
+        start = smallest.max(axis=1)
+        idle = ring_size * start - smallest.sum(axis=1)
+        node = int(np.lexsort((idle, start))[0])  # earliest start, then least idle, then lowest node
+        local = np.argsort(by_node[node], kind="stable")[:ring_size]
+        return np.sort(local) + node * rpn

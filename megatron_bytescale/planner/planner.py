@@ -1,0 +1,261 @@
+"""plan_step: one training step's HDP plan from the global batch's sequence lengths.
+
+    shard (ring sizes, offload ratios) -> units of work -> balance (which rank, which order)
+    -> pack each rank's short sequences into micro-batches -> Plan
+
+Strategies (``Plan.meta["strategy"]``):
+
+* ``hdp-balanced`` (``balance="dp"`` or ``"pp"``): rings sized for memory and for the step's
+  target time, work given out by estimated time (``balance.schedule``).
+* ``hdp-naive`` (``balance="none"``): HDP without the balance scheduler: rings at the
+  memory floor, short sequences packed best-fit (first into the spare room of ring
+  micro-batches), micro-batches given to ranks by equal token counts, as static DP does.
+
+In ``hdp-balanced`` short sequences stay separate until their rank is known, then are packed
+best-fit between that rank's ring micro-batches; they are not packed beside ring shares,
+because a ring member that carries extra tokens holds up every other member of its ring.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ConfigError
+from .balance import Assignment, Unit, schedule
+from .cost_model import CostModel
+from .estimate import exposed_ring_time, ring_share_time, sequence_time
+from .placement import RingPlacer, check_shape
+from .plan import MicroBatch, Piece, Plan, ring_pieces, whole_piece
+from .sharding import RingSizer, Shard, fill_ring_spare, pack_best_fit, plan_ring_sizes
+from .zigzag import rank_tokens
+
+BALANCE_MODES = ("none", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    num_ranks: int  # d_hdp: HDP ranks (DP x CP flattened)
+    capacity: int  # C: tokens per micro-batch per rank without offloading
+    ranks_per_node: int = 8  # HDP ranks sharing a node's NVLink (GPUs per node / TP)
+    balance: str = "dp"  # "none" (hdp-naive) | "dp" | "pp"
+    slack: float = 0.05  # delta, as a fraction of the current maximum estimated time
+    offload: bool = True
+    pipeline_stages: int = 1
+
+    def check(self) -> None:
+        def whole(name: str, value, low: int) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}")
+
+        whole("num_ranks", self.num_ranks, 1)
+        if isinstance(self.capacity, (int, np.integer)) and not isinstance(self.capacity, bool) and self.capacity <= 0:
+            raise ConfigError(
+                f"token capacity must be positive, got {self.capacity}; set --hdp-token-capacity to the tokens "
+                "one rank holds per micro-batch (e.g. 8K)"
+            )
+        whole("capacity", self.capacity, 1)
+        whole("ranks_per_node", self.ranks_per_node, 1)
+        whole("pipeline_stages", self.pipeline_stages, 1)
+        check_shape(self.num_ranks, self.ranks_per_node)
+        if self.balance not in BALANCE_MODES:
+            raise ConfigError(f"unknown balance mode {self.balance!r}; choose one of {', '.join(BALANCE_MODES)}")
+        if not 0.0 <= self.slack < 1.0:
+            raise ConfigError(f"slack must be in [0, 1) (a fraction of the maximum time), got {self.slack}")
+
+
+def check_lengths(seq_lens: Sequence[int]) -> tuple[int, ...]:
+    arr = np.asarray(seq_lens)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ConfigError("empty batch: plan_step needs the lengths of at least one sequence")
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
+            arr = arr.astype(np.int64)
+        else:
+            raise ConfigError(f"sequence lengths must be whole token counts, got {arr.dtype} values")
+    bad = np.flatnonzero(arr <= 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ConfigError(
+            f"sequence {i} has length {int(arr[i])}: lengths must be positive ({bad.size} bad); drop empty samples before planning"
+        )
+    return tuple(arr.tolist())
+
+
+def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -> Plan:
+    """The HDP plan for one step. The result passes ``Plan.validate()`` (not run here: it is
+    the tests' job, and slow on large clusters)."""
+    t0 = time.perf_counter()
+    config.check()
+    lens = check_lengths(seq_lens)
+    balanced = config.balance != "none"
+    placer = RingPlacer(config.num_ranks, config.ranks_per_node)
+    # With pipelines, a rank that runs a ring share fills and drains its pipeline with it,
+    # so rings are sized for p x their stage time, or (cheaper in communication) 1 x, and
+    # the schedule with the shorter estimated step wins.
+    factors = sorted({1, config.pipeline_stages}) if balanced else [1]
+    best = None
+    for factor in factors:
+        sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, factor)
+        shards, target = plan_ring_sizes(lens, sizer, balanced)
+        units = _units(lens, shards, config, cost, placer.ranks_per_node)
+        assignment = schedule(units, placer, config.balance if balanced else "tokens", config.slack, config.pipeline_stages)
+        if best is None or assignment.key.max() < best[3].key.max():
+            best = (shards, target, units, assignment)
+    shards, target, units, assignment = best
+    ranks, busy = _micro_batches(lens, units, assignment, config.capacity, cost, config.pipeline_stages)
+
+    est = busy + assignment.idle
+    plan = Plan(
+        num_ranks=config.num_ranks,
+        capacity=config.capacity,
+        num_layers=cost.num_layers,
+        seq_lens=lens,
+        ranks=ranks,
+    )
+    ring_hist = Counter(s.ring_size for s in shards.values())
+    plan.meta = {
+        "strategy": "hdp-balanced" if balanced else "hdp-naive",
+        "balance": config.balance,
+        "offload": config.offload,
+        "ranks_per_node": placer.ranks_per_node,
+        "pipeline_stages": config.pipeline_stages,
+        "slack": config.slack,
+        "buckets": assignment.num_buckets,
+        "target_time_s": target,
+        "compute_bound_s": sum(sequence_time(cost, s) for s in lens) / config.num_ranks,
+        "est_time_max_s": float(est.max()),
+        "est_time_mean_s": float(est.mean()),
+        "est_rank_time_s": [round(float(t), 6) for t in est],
+        "ring_sizes": {str(k): v for k, v in sorted(ring_hist.items())},
+        "offloaded_sequences": sum(1 for s in shards.values() if s.ratio > 0),
+        "plan_time_s": time.perf_counter() - t0,
+    }
+    return plan
+
+
+# ----------------------------------------------------------------------------- units
+def _units(lens, shards: dict[int, Shard], config: PlannerConfig, cost: CostModel, ranks_per_node: int) -> list[Unit]:
+    units = _long_units(shards, cost, ranks_per_node)
+    short_ids = [i for i, s in enumerate(lens) if s <= config.capacity]
+    if config.balance == "none":
+        return units + _naive_packs(units, short_ids, lens, config.capacity, cost, ranks_per_node)
+    per_token_overhead = cost.num_layers * cost.g / config.capacity
+    return units + [
+        Unit("short", (i,), 1, sequence_time(cost, lens[i]) + per_token_overhead * lens[i], lens[i]) for i in short_ids
+    ]
+
+
+def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) -> list[Unit]:
+    units = []
+    for sid, sh in shards.items():
+        if sh.ring_size == 1:
+            units.append(Unit("long", (sid,), 1, cost.num_layers * cost.layer_time(sh.seq_len), sh.seq_len, sh.ratio))
+        else:
+            t = ring_share_time(cost, sh.seq_len, sh.ring_size, sh.ring_size > ranks_per_node)
+            units.append(Unit("ring", (sid,), sh.ring_size, t, -(-sh.seq_len // sh.ring_size), sh.ratio))
+    return units
+
+
+def _naive_packs(
+    long_units: list[Unit], short_ids: list[int], lens, capacity: int, cost: CostModel, ranks_per_node: int
+) -> list[Unit]:
+    """hdp-naive: short sequences best-fit into ring spare room (rings that do not offload),
+    the rest best-fit into fresh micro-batches. Fills ``fillers`` of the ring units in place."""
+    slots = []  # (unit index, slot, spare tokens)
+    for k, u in enumerate(long_units):
+        if u.kind == "ring" and u.ratio == 0.0:
+            s = lens[u.seq_ids[0]]
+            for i in range(u.ring_size):
+                spare = capacity - rank_tokens(s, u.ring_size, i)
+                if spare > 0:
+                    slots.append((k, i, spare))
+    added, left = fill_ring_spare([sp for _, _, sp in slots], [(i, lens[i]) for i in short_ids])
+    by_unit: dict[int, dict[int, list[int]]] = {}
+    for (k, i, _), extra in zip(slots, added):
+        if extra:
+            by_unit.setdefault(k, {})[i] = extra
+    for k, extra in by_unit.items():
+        u = long_units[k]
+        s = lens[u.seq_ids[0]]
+        n = u.ring_size
+        fillers, times, tokens = [], [], []
+        pairs_share = s * s / n
+        block = rank_tokens(s, n, 0)
+        exposed = exposed_ring_time(cost, pairs_share, block, n, n > ranks_per_node)
+        for i in range(n):
+            f = tuple(extra.get(i, ()))
+            t_i = rank_tokens(s, n, i) + sum(lens[j] for j in f)
+            p_i = pairs_share + sum(lens[j] ** 2 for j in f)
+            fillers.append(f)
+            tokens.append(t_i)
+            times.append(cost.num_layers * (cost.layer_time(t_i, p_i) + exposed))
+        u.fillers, u.slot_times, u.tokens, u.time = tuple(fillers), tuple(times), max(tokens), max(times)
+    packs = pack_best_fit([(i, lens[i]) for i, _ in left], capacity)
+    return [
+        Unit(
+            "pack",
+            tuple(b),
+            1,
+            cost.num_layers * cost.layer_time(sum(lens[i] for i in b), sum(lens[i] ** 2 for i in b)),
+            sum(lens[i] for i in b),
+        )
+        for b in packs
+    ]
+
+
+# --------------------------------------------------------------------- micro-batches
+def _micro_batches(lens, units: list[Unit], assignment: Assignment, capacity: int, cost: CostModel, stages: int):
+    """Each rank's micro-batches in run order, and each rank's estimated busy seconds.
+
+    Short sequences are packed best-fit within each stretch between two of the rank's ring
+    or long micro-batches, so the rank still reaches each ring when the schedule expects."""
+    l = cost.num_layers
+    pieces_of: dict[int, dict[int, Piece]] = {}
+    for u, ring in assignment.members.items():
+        unit = units[u]
+        sid = unit.seq_ids[0]
+        pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring)))
+    ranks = []
+    busy = np.zeros(len(assignment.runs))
+    for rank, run in enumerate(assignment.runs):
+        mbs: list[MicroBatch] = []
+        times: list[float] = []
+        stretch: list[tuple[int, int]] = []
+
+        def flush() -> None:
+            if not stretch:
+                return
+            for b in pack_best_fit(stretch, capacity):
+                mbs.append(MicroBatch(tuple(whole_piece(i, lens[i], rank) for i in b)))
+                times.append(l * cost.layer_time(sum(lens[i] for i in b), sum(lens[i] ** 2 for i in b)))
+            stretch.clear()
+
+        for u in run:
+            unit = units[u]
+            if unit.kind == "short":
+                sid = unit.seq_ids[0]
+                stretch.append((sid, lens[sid]))
+                continue
+            flush()
+            if unit.kind == "ring":
+                piece = pieces_of[u][rank]
+                slot = assignment.members[u].index(rank) if unit.fillers else 0
+                extra = unit.fillers[slot] if unit.fillers else ()
+                mbs.append(MicroBatch((piece,) + tuple(whole_piece(i, lens[i], rank) for i in extra), unit.ratio))
+                times.append(unit.slot_times[slot] if unit.slot_times else unit.time)
+            elif unit.kind == "long":
+                sid = unit.seq_ids[0]
+                mbs.append(MicroBatch((whole_piece(sid, lens[sid], rank),), unit.ratio))
+                times.append(unit.time)
+            else:  # pack
+                mbs.append(MicroBatch(tuple(whole_piece(i, lens[i], rank) for i in unit.seq_ids)))
+                times.append(unit.time)
+        flush()
+        ranks.append(tuple(mbs))
+        busy[rank] = sum(times) + (stages - 1) * max(times, default=0.0)
+    return tuple(ranks), busy

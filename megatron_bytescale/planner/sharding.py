@@ -1,0 +1,254 @@
+"""Data-aware sharding: how many ranks each sequence gets, and best-fit packing (brief 2.1).
+
+* A sequence of ``s <= C`` tokens runs whole on one rank.
+* A longer sequence gets a ring of ``D`` ranks, any size from 1 to ``d_hdp`` (never rounded
+  to a power of two). The memory floor ``D_mem(s)`` comes from the offload policy. The
+  balanced modes may use more ranks when the batch asks for it: a ring's members run for
+  ``ring_share_time(s, D)``, and no rank can finish before its longest ring share, so a
+  sequence whose share would outlast the step's target time gets the smallest ring that
+  fits the target (or the fastest ring, if none does). Its offload ratio is then the
+  smallest that fits the smaller share, often 0.
+* Short sequences are packed best-fit decreasing into micro-batches of at most ``C`` tokens;
+  ``fill_ring_spare`` puts them into the spare capacity of ring micro-batches first.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ConfigError, PlanError
+from .cost_model import FORWARD_SHARE, CostModel
+from .estimate import ring_share_time, sequence_time
+from .offload_policy import OffloadDecision, decide, ratio_for_ranks
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The sharding decision for one sequence longer than the capacity."""
+
+    seq_id: int
+    seq_len: int
+    ring_size: int
+    ratio: float
+
+
+def memory_floor(seq_len: int, capacity: int, cost: CostModel, offload: bool, num_ranks: int) -> OffloadDecision:
+    """D_mem(s) and its ratio; an error when even that needs more ranks than there are."""
+    d = decide(seq_len, capacity, cost, offload)
+    if d.ranks > num_ranks:
+        fixes = "raise --hdp-token-capacity, " + ("" if offload else "enable offload, ") + "or add GPUs"
+        raise ConfigError(
+            f"capacity too small: sequence of {seq_len} tokens needs {d.ranks} ranks at capacity {capacity}"
+            f"{' with offloading' if offload else ''}, only {num_ranks} ranks; {fixes}"
+        )
+    return d
+
+
+def ring_times(cost: CostModel, seq_len: int, ring_sizes: np.ndarray, ranks_per_node: int) -> np.ndarray:
+    """``ring_share_time`` for many ring sizes at once (rings up to a node stay inside it)."""
+    d = ring_sizes.astype(np.float64)
+    share = np.ceil(seq_len / d)
+    pairs = float(seq_len) * seq_len / d
+    per_layer = cost.a1 * pairs + cost.b1 * share + cost.g
+    bw = np.where(ring_sizes > ranks_per_node, cost.bw_inter_node, cost.bw_intra_node)
+    step = cost.a1 * pairs / d
+    hop_f = cost.p2p_latency_s + share * cost.kv_bytes_per_token / bw
+    hop_b = cost.p2p_latency_s + share * (cost.kv_bytes_per_token + cost.grad_bytes_per_token) / bw
+    exposed = (d - 1) * (np.maximum(0.0, hop_f - FORWARD_SHARE * step) + np.maximum(0.0, hop_b - (1 - FORWARD_SHARE) * step))
+    exposed[ring_sizes <= 1] = 0.0
+    return cost.num_layers * (per_layer + exposed)
+
+
+class RingSizer:
+    """Ring size and time for each long sequence, for a given target time (cached by length)."""
+
+    def __init__(
+        self, capacity: int, cost: CostModel, offload: bool, num_ranks: int, ranks_per_node: int, pipeline_stages: int = 1
+    ):
+        self.capacity = capacity
+        # a rank that runs a share alone fills and drains its pipeline with it: p times the
+        # share's stage time is what the step target is compared with
+        self.stages = pipeline_stages
+        self.cost = cost
+        self.offload = offload
+        self.num_ranks = num_ranks
+        self.ranks_per_node = min(ranks_per_node, num_ranks)
+        self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def floor(self, seq_len: int) -> OffloadDecision:
+        return memory_floor(seq_len, self.capacity, self.cost, self.offload, self.num_ranks)
+
+    def curve(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Candidate ring sizes (from the memory floor up to where communication dominates)
+        and the share time of each."""
+        if seq_len not in self._curves:
+            cost = self.cost
+            d_min = self.floor(seq_len).ranks
+            # beyond ~ a1*s*bw / bytes-per-token ranks the ring is communication-bound: more
+            # ranks only add hops; look a few times past that point
+            per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
+            comm_bound = cost.a1 * seq_len * cost.bw_inter_node / max(per_token, 1e-30)
+            d_hi = min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound) + 2 * self.ranks_per_node))
+            sizes = np.arange(d_min, d_hi + 1)
+            self._curves[seq_len] = (sizes, ring_times(cost, seq_len, sizes, self.ranks_per_node))
+        return self._curves[seq_len]
+
+    def fastest(self, seq_len: int) -> float:
+        """The least time any ring gives this sequence's members (pipeline fill included)."""
+        return self.stages * float(self.curve(seq_len)[1].min())
+
+    def size(self, seq_len: int, target: float | None) -> tuple[int, float, float]:
+        """(ring size, offload ratio, share time): the memory floor when ``target`` is None,
+        else the smallest ring whose share time is within ``target`` (or the fastest ring)."""
+        sizes, times = self.curve(seq_len)
+        if target is None:
+            k = 0
+        else:
+            fits = np.flatnonzero(self.stages * times <= target)
+            k = int(fits[0]) if fits.size else int(np.flatnonzero(times <= times.min() * (1 + 1e-3))[0])
+        for j in range(k, len(sizes)):
+            d = int(sizes[j])
+            r = self.floor(seq_len).ratio if j == 0 else ratio_for_ranks(seq_len, d, self.capacity, self.cost)
+            if r is not None:
+                return d, r, float(times[j])
+        d = self.floor(seq_len)  # unreachable for sane profiles: larger rings need smaller ratios
+        return d.ranks, d.ratio, float(times[0])
+
+
+def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
+    """The step time rings are sized for.
+
+    No rank can finish before the slowest unsplittable work (the longest short sequence,
+    the fastest ring of each long sequence): that is the floor. Above it, ``W(T)`` is all
+    the work in rank-seconds when each long sequence gets the smallest ring whose share
+    time is within ``T``; the target is the smallest ``T`` with ``W(T) / N <= T``. ``W``
+    falls as ``T`` rises (smaller rings expose less communication), so bisection finds it.
+    """
+    cost = sizer.cost
+    cap = sizer.capacity
+    l = cost.num_layers
+    short = lens[lens <= cap].astype(np.float64)
+    work = float(np.sum(l * (cost.a1 * short * short + cost.b1 * short + cost.g * short / cap)))
+    p = sizer.stages
+    floor = p * float(l * (cost.a1 * short.max() ** 2 + cost.b1 * short.max() + cost.g)) if short.size else 0.0
+    long_lens, counts = np.unique(lens[lens > cap], return_counts=True)
+    curves = []
+    for s, n in zip(long_lens.tolist(), counts.tolist()):
+        sizes, times = sizer.curve(s)
+        floor = max(floor, p * float(times.min()))
+        curves.append((n, sizes * times, p * np.minimum.accumulate(times)))
+    fixed = [c for c in curves if c[2][0] <= floor]  # their floor ring is fast enough for any T
+    work += sum(n * float(rank_seconds[0]) for n, rank_seconds, _ in fixed)
+    varying = [c for c in curves if c[2][0] > floor]
+
+    def spread(t: float) -> float:
+        total = work
+        for n, rank_seconds, best in varying:
+            # first ring size whose time is within t (best is the running minimum)
+            k = min(int(np.searchsorted(-best, -t, side="left")), len(best) - 1)
+            total += n * float(rank_seconds[k])
+        return total / sizer.num_ranks
+
+    lo = floor
+    if spread(lo) <= lo:
+        return lo
+    hi = spread(lo)
+    while spread(hi) > hi:
+        hi *= 2
+    while hi - lo > 1e-4 * hi:
+        mid = 0.5 * (lo + hi)
+        if spread(mid) > mid:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def plan_ring_sizes(
+    seq_lens: Sequence[int], sizer: RingSizer, balanced: bool
+) -> tuple[dict[int, Shard], float | None]:
+    """Shards of every sequence longer than the capacity, and the target time (None for
+    the memory floor alone, as hdp-naive uses)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    long_ids = np.flatnonzero(lens > sizer.capacity)
+    target = balanced_target(lens, sizer) if balanced else None
+    shards = {}
+    for i in long_ids:
+        s = int(lens[i])
+        d, r, _ = sizer.size(s, target)
+        shards[int(i)] = Shard(int(i), s, d, r)
+    return shards, target
+
+
+# ----------------------------------------------------------------------------- packing
+class BestFit:
+    """Best-fit bin packing: each item goes to the open bin it fills most tightly.
+
+    Bins are kept sorted by free space, so a placement is a binary search. Feed items in
+    decreasing size for best-fit decreasing.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.bins: list[list[int]] = []
+        self.free_space: list[int] = []
+        self._free: list[tuple[int, int]] = []  # (free tokens, bin index), ascending
+
+    def open_bin(self, free: int, items: Sequence[int] = ()) -> int:
+        """Add a bin that already holds ``items`` and has ``free`` tokens left."""
+        b = len(self.bins)
+        self.bins.append(list(items))
+        self.free_space.append(free)
+        if free > 0:
+            insort(self._free, (free, b))
+        return b
+
+    def add(self, item: int, size: int) -> int:
+        i = bisect_left(self._free, (size, -1))
+        if i == len(self._free):
+            if size > self.capacity:
+                raise PlanError(f"a {size}-token sequence does not fit a {self.capacity}-token micro-batch")
+            return self.open_bin(self.capacity - size, (item,))
+        free, b = self._free.pop(i)
+        self.bins[b].append(item)
+        free -= size
+        self.free_space[b] = free
+        if free > 0:
+            insort(self._free, (free, b))
+        return b
+
+    def try_add(self, item: int, size: int) -> int | None:
+        """Place into an open bin only (no new bin); None if none has room."""
+        i = bisect_left(self._free, (size, -1))
+        if i == len(self._free):
+            return None
+        return self.add(item, size)
+
+
+def pack_best_fit(items: Sequence[tuple[int, int]], capacity: int) -> list[list[int]]:
+    """Pack ``(item, size)`` pairs (each size <= capacity) into bins of ``capacity`` tokens,
+    best-fit decreasing; returns the bins' items, fullest-first order of opening."""
+    packer = BestFit(capacity)
+    for item, size in sorted(items, key=lambda x: (-x[1], x[0])):
+        packer.add(item, size)
+    return packer.bins
+
+
+def fill_ring_spare(
+    spare: Sequence[int], items: Sequence[tuple[int, int]]
+) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Best-fit ``(item, size)`` pairs into the spare tokens of existing micro-batches
+    (decreasing size); returns each slot's added items and the items left over."""
+    packer = BestFit(max(spare, default=0))
+    for free in spare:
+        packer.open_bin(free)
+    left = []
+    for item, size in sorted(items, key=lambda x: (-x[1], x[0])):
+        if packer.try_add(item, size) is None:
+            left.append((item, size))
+    return packer.bins, left
+
