@@ -12,6 +12,7 @@ from .errors import BytescaleError
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "profile": ("megatron_bytescale.runtime.profiler", "measure the cost model's coefficients on this machine"),
 }
 
 
