@@ -307,7 +307,7 @@ class _MicroBatchState:
 
     # ---- pack
     def _is_parameter(self, t: torch.Tensor) -> bool:
-        if isinstance(t, nn.Parameter):
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # e.g. W.t() saved by linear
             return True
         try:
             return _storage_key(t) in self.param_storages

@@ -51,6 +51,9 @@ def fit_nonnegative(columns: np.ndarray, y: np.ndarray) -> np.ndarray:
     cost model rejects negative coefficients)."""
     columns = np.asarray(columns, dtype=float)
     y = np.asarray(y, dtype=float)
+    scale = np.linalg.norm(columns, axis=0)
+    scale[scale == 0] = 1.0
+    columns = columns / scale  # s^2, s and 1 differ by orders of magnitude: condition first
     n = columns.shape[1]
     best, best_err = np.zeros(n), float(np.sum(y**2))
     for size in range(1, n + 1):
@@ -64,7 +67,7 @@ def fit_nonnegative(columns: np.ndarray, y: np.ndarray) -> np.ndarray:
                 best = np.zeros(n)
                 best[list(support)] = coef
                 best_err = err
-    return best
+    return best / scale
 
 
 def _relative_fit(columns: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
@@ -295,6 +298,7 @@ def build_profile(
         "model": spec.name, "hardware": hw.name, "device": str(dev), "dtype": dtype_name, "backend": backend,
         "torch": torch.__version__, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "layer": "one transformer layer, forward + backward, batch 1, causal attention",
+        "threads": torch.get_num_threads(),
     }
     if backend == "megatron":  # every rank: building megatron's parallel state is collective
         from .layer_stack import ensure_megatron_parallel
@@ -314,6 +318,9 @@ def build_profile(
     lens = [x.seq_len for x in samples]
     a1, b1, g, r2_time = fit_layer_time(lens, [x.seconds for x in samples])
     a2, b2, r2_act = fit_activation_model(lens, [x.act_bytes for x in samples])
+    if r2_time < 0.9:
+        log.warning("layer timings fit T(s) poorly (R^2 = %.3f): the machine is probably busy; rerun with more "
+                    "--repeats, longer --seq-lens or on an idle machine", r2_time)
     d2h, h2d, pinned = measure_copy_bandwidth(dev, copy_bytes, repeats=repeats)
     values.update(a1=a1, b1=b1, g=g, a2=a2, b2=b2, bw_d2h=d2h, bw_h2d=h2d)
     for name in ("a1", "b1", "g", "a2", "b2", "bw_d2h", "bw_h2d"):
@@ -354,6 +361,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="layer implementation (default: megatron-core where installed)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per length (best is kept)")
     parser.add_argument("--copy-bytes", default=None, help="bytes per bandwidth copy (default: 256M GPU, 64M CPU)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
 def _parse_lengths(text: str) -> list[int]:
@@ -364,6 +372,8 @@ def main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
