@@ -1,0 +1,107 @@
+"""HDP core attention: megatron-core's ``core_attention`` slot filled by our ring attention.
+
+``SelfAttention`` projects q/k/v, applies RoPE (at true positions, see ``rotary``), then calls
+``core_attention(query, key, value, attention_mask, attn_mask_type=..., attention_bias=...,
+packed_seq_params=...)`` with ``[sq, b, heads, head_dim]`` tensors and expects
+``[sq, b, heads * head_dim]`` back. Under HDP the row is one packed micro-batch (b = 1) whose
+causal and document masking, and the ring of ranks that share its long sequences, come from
+the active micro-batch's layout (``runtime.context``), not from a mask tensor.
+
+With TP each rank holds its heads' shard (heads / TP query heads, their KV groups); the ring
+runs among the HDP ranks with the same TP rank (``parallel.hdp_group()``), so only that
+shard's KV travels.
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+from ..errors import BytescaleError, ConfigError
+from ..runtime.context import current_micro_batch
+from ..runtime.ring_attention import ring_attention
+from . import parallel
+
+
+def check_config(config: TransformerConfig) -> None:
+    """Refuse settings that HDP ring attention cannot honour, naming the fix."""
+    if config.attention_dropout:
+        raise ConfigError(
+            f"HDP ring attention has no attention dropout, but attention_dropout={config.attention_dropout}: "
+            "set it to 0 (--attention-dropout 0.0)"
+        )
+    if config.context_parallel_size != 1:
+        raise ConfigError(
+            f"HDP replaces Megatron's context parallelism (context_parallel_size={config.context_parallel_size}): "
+            "use --context-parallel-size 1; long sequences get their rings from the plan"
+        )
+    recomputes_attention = config.recompute_granularity == "full" or (
+        config.recompute_granularity == "selective" and "core_attn" in (config.recompute_modules or [])
+    )
+    if recomputes_attention:
+        raise ConfigError(
+            "activation recompute would re-run ring attention (and its P2P exchange) during backward, "
+            "outside the micro-batch's ring schedule: drop --recompute-granularity full / the core_attn "
+            "recompute module (HDP offloads activations instead)"
+        )
+
+
+class HDPCoreAttention(MegatronModule):
+    """Ring attention over the active micro-batch's layout, pluggable as ``core_attention``."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        check_config(config)
+        if attention_type != "self":
+            raise ConfigError(f"HDP core attention serves self-attention only, got attention_type={attention_type!r}")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ConfigError(f"HDP core attention is causal (with document masking), got {attn_mask_type}")
+        if attention_dropout:
+            raise ConfigError(f"HDP ring attention has no attention dropout, got attention_dropout={attention_dropout}")
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        if attention_mask is not None or attention_bias is not None:
+            raise BytescaleError(
+                "HDP attention masks by the micro-batch layout; pass attention_mask=None and no attention_bias"
+            )
+        if packed_seq_params is not None:
+            raise BytescaleError(
+                "HDP describes packing by the active micro-batch's layout; do not pass packed_seq_params"
+            )
+        if attn_mask_type not in (None, AttnMaskType.causal):
+            raise BytescaleError(f"HDP core attention is causal, got attn_mask_type={attn_mask_type}")
+        if query.dim() != 4 or query.shape[1] != 1:
+            raise BytescaleError(
+                f"HDP core attention takes one packed row [tokens, 1, heads, head_dim], got query {tuple(query.shape)}: "
+                "use micro-batch size 1"
+            )
+        active = current_micro_batch()
+        group = active.group if active.group is not None else parallel.hdp_group()
+        out = ring_attention(
+            query[:, 0], key[:, 0], value[:, 0], active.layout, group=group,
+            softmax_scale=self.softmax_scale, counter=active.counter,
+        )  # [T, heads, head_dim]
+        return out.reshape(out.shape[0], 1, -1)

@@ -1,0 +1,70 @@
+"""GPT layer specs whose core attention is HDP ring attention.
+
+``hdp_gpt_layer_spec`` is megatron-core's local spec (``get_gpt_layer_local_spec``: only
+megatron-core modules, so it runs on CPU and on GPUs without Transformer Engine) with
+``core_attention`` replaced. ``with_hdp_core_attention`` does the same swap on any GPT layer
+spec whose self-attention is ``SelfAttention``: for the Transformer Engine spec, pass
+``get_gpt_layer_with_transformer_engine_spec(...)`` through it; TE's fused QKV/norm linears
+and fused RoPE stay, only ``TEDotProductAttention`` is replaced (our module takes the same
+constructor and forward arguments), and TE's sbhd fused RoPE applies our per-token angle rows
+unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from ..errors import ConfigError
+from .core_attention import HDPCoreAttention
+
+
+def _swap(layer: ModuleSpec) -> None:
+    attention = getattr(layer.submodules, "self_attention", None)
+    if (
+        not isinstance(attention, ModuleSpec)
+        or attention.module is not SelfAttention
+        or not isinstance(attention.submodules, SelfAttentionSubmodules)
+    ):
+        found = getattr(attention, "module", attention)
+        raise ConfigError(
+            f"HDP core attention plugs into megatron-core's SelfAttention; this layer spec uses {found!r} "
+            "(multi-latent attention and other attention modules are not supported)"
+        )
+    attention.submodules.core_attention = HDPCoreAttention
+
+
+def with_hdp_core_attention(spec):
+    """A copy of a GPT layer spec (or decoder block spec) with HDP core attention in every layer."""
+    spec = copy.deepcopy(spec)
+    if isinstance(spec, TransformerBlockSubmodules):
+        for layer in spec.layer_specs:
+            _swap(layer)
+    elif isinstance(spec, ModuleSpec):
+        _swap(spec)
+    else:
+        raise ConfigError(f"expected a GPT layer ModuleSpec or TransformerBlockSubmodules, got {type(spec).__name__}")
+    return spec
+
+
+def hdp_gpt_layer_spec(
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+    qk_layernorm: bool = False,
+    normalization: str = "RMSNorm",
+    qk_l2_norm: bool = False,
+) -> ModuleSpec:
+    """megatron-core's local GPT layer spec with HDP ring attention as core attention."""
+    return with_hdp_core_attention(
+        get_gpt_layer_local_spec(
+            num_experts=num_experts,
+            moe_grouped_gemm=moe_grouped_gemm,
+            qk_layernorm=qk_layernorm,
+            normalization=normalization,
+            qk_l2_norm=qk_l2_norm,
+        )
+    )

@@ -1,0 +1,163 @@
+"""Where every token of one micro-batch sits, as ring attention needs it on one rank.
+
+This rank's tokens come piece after piece in plan order, each piece's ranges in order (the
+layout of ``runtime.batch.MicroBatchData``). Pieces whose ring is this rank alone are *local*
+(whole sequences, attended here). The other pieces are *distributed*: all of them share the
+micro-batch's ring, and what travels round that ring is one *block* per member holding that
+member's distributed tokens in a canonical order: sequences by id, each sequence's zigzag
+ranges in order. Every block is derived from ``zigzag_ranges`` alone, so a receiver sizes its
+buffers and builds its masks without being sent any metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Union
+
+import torch
+
+from ..errors import PlanError
+from ..planner.plan import MicroBatch
+from ..planner.zigzag import zigzag_ranges
+
+Run = tuple[int, int, int]  # (seq_id, start, end): positions [start, end) of one sequence
+Rows = Union[slice, torch.Tensor]  # rows of this rank's token tensors: a slice when contiguous
+
+
+@dataclass(frozen=True)
+class TokenBlock:
+    """Tokens laid out as runs, back to back; a sequence's runs are adjacent and ascending."""
+
+    runs: tuple[Run, ...]
+
+    @cached_property
+    def num_tokens(self) -> int:
+        return sum(end - start for _, start, end in self.runs)
+
+    @cached_property
+    def seq_ids(self) -> torch.Tensor:
+        return torch.tensor([sid for sid, start, end in self.runs for _ in range(start, end)], dtype=torch.int64)
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        return torch.tensor([p for _, start, end in self.runs for p in range(start, end)], dtype=torch.int64)
+
+    @cached_property
+    def row_runs(self) -> tuple[tuple[int, int, int, int], ...]:
+        """(seq_id, start, end, first row) of every run."""
+        out, row = [], 0
+        for sid, start, end in self.runs:
+            out.append((sid, start, end, row))
+            row += end - start
+        return tuple(out)
+
+
+@dataclass(frozen=True, eq=False)
+class MicroBatchLayout:
+    rank: int  # this rank's HDP rank
+    seq_ids: torch.Tensor  # int64 [T]: sequence of each token
+    positions: torch.Tensor  # int64 [T]: true position of each token inside its sequence
+    local_block: TokenBlock  # the local (whole) sequences, in token order
+    local_rows: Rows  # where the local tokens sit among this rank's tokens
+    ring: tuple[int, ...]  # HDP ranks of the distributed pieces' ring; (rank,) when there are none
+    ring_index: int  # this rank's place in ``ring``
+    blocks: tuple[TokenBlock, ...]  # every ring member's block (empty when there is no ring)
+    ring_rows: Rows  # where this rank's own block sits among its tokens, in block order
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.seq_ids.numel())
+
+    @property
+    def ring_size(self) -> int:
+        return len(self.ring)
+
+    @property
+    def block_tokens(self) -> tuple[int, ...]:
+        """Tokens of each ring member's block (what each KV hop carries)."""
+        return tuple(b.num_tokens for b in self.blocks)
+
+    @classmethod
+    def from_micro_batch(cls, mb: MicroBatch, rank: int) -> MicroBatchLayout:
+        if not mb.pieces:
+            raise PlanError(f"rank {rank}: empty micro-batch; every micro-batch needs at least one piece")
+        seen, rings = set(), set()
+        for p in mb.pieces:
+            where = f"rank {rank}: piece of sequence {p.seq_id}"
+            if p.seq_id in seen:
+                raise PlanError(f"{where} appears twice in one micro-batch; merge its ranges into one piece")
+            seen.add(p.seq_id)
+            if rank not in p.ring:
+                raise PlanError(f"{where} is on ring {p.ring}, which does not contain rank {rank}; build the layout on a ring member")
+            if p.is_distributed:
+                if len(set(p.ring)) != len(p.ring):
+                    raise PlanError(f"{where}: ring {p.ring} repeats a rank")
+                if p.ring_size > p.seq_len:
+                    raise PlanError(f"{where}: a ring of {p.ring_size} ranks for {p.seq_len} tokens leaves ranks empty")
+                rings.add(p.ring)
+                share = zigzag_ranges(p.seq_len, p.ring_size)[p.ring_index(rank)]
+                if p.ranges != share:
+                    raise PlanError(f"{where} holds {p.ranges}, but its zigzag share on ring {p.ring} is {share}")
+            elif p.ranges != ((0, p.seq_len),):
+                raise PlanError(f"{where} is on a ring of one but holds {p.ranges}, not the whole [0, {p.seq_len})")
+        if len(rings) > 1:
+            raise PlanError(f"rank {rank}: distributed pieces use rings {sorted(rings)}; a micro-batch has one ring")
+
+        # this rank's token order, and the offset of each piece in it
+        offsets, seq_ids, positions, row = {}, [], [], 0
+        for p in mb.pieces:
+            offsets[p.seq_id] = row
+            for start, end in p.ranges:
+                seq_ids.extend([p.seq_id] * (end - start))
+                positions.extend(range(start, end))
+                row += end - start
+
+        local = [p for p in mb.pieces if not p.is_distributed]
+        local_block = TokenBlock(tuple((p.seq_id, 0, p.seq_len) for p in local))
+        local_rows = _rows([(offsets[p.seq_id], offsets[p.seq_id] + p.tokens) for p in local])
+
+        if not rings:
+            ring, index, blocks, ring_rows = (rank,), 0, (), slice(0, 0)
+        else:
+            ring = next(iter(rings))
+            index = ring.index(rank)
+            dist = sorted((p for p in mb.pieces if p.is_distributed), key=lambda p: p.seq_id)
+            blocks = tuple(
+                TokenBlock(tuple((p.seq_id, a, b) for p in dist for a, b in zigzag_ranges(p.seq_len, len(ring))[j]))
+                for j in range(len(ring))
+            )
+            ring_rows = _rows([(offsets[p.seq_id], offsets[p.seq_id] + p.tokens) for p in dist])
+        return cls(
+            rank=rank,
+            seq_ids=torch.tensor(seq_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            local_block=local_block,
+            local_rows=local_rows,
+            ring=ring,
+            ring_index=index,
+            blocks=blocks,
+            ring_rows=ring_rows,
+        )
+
+
+def _rows(spans: list[tuple[int, int]]) -> Rows:
+    """Row spans as a slice when they are back to back, else as an index tensor."""
+    if not spans:
+        return slice(0, 0)
+    if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
+        return slice(spans[0][0], spans[-1][1])
+    return torch.cat([torch.arange(a, b) for a, b in spans])
+
+
+def take_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """``x[rows]`` along dim 0 (a view for a slice)."""
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows.to(x.device))
+
+
+def put_rows(dst: torch.Tensor, rows: Rows, src: torch.Tensor) -> None:
+    """``dst[rows] = src`` along dim 0 (cast to dst's dtype)."""
+    if isinstance(rows, slice):
+        dst[rows] = src
+    else:
+        dst.index_copy_(0, rows.to(dst.device), src.to(dst.dtype))
