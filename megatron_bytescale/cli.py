@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("megatron_bytescale.verify", "check that HDP on N gloo ranks trains exactly like one rank"),
     "prepare-data": ("megatron_bytescale.data.prepare", "write a Megatron indexed dataset from source trees or text files"),
     "dataloader-bench": ("megatron_bytescale.data.bench", "time planning and delivery of the local or Ray data loader"),
+    "profile": ("megatron_bytescale.runtime.profiler", "measure the cost model's coefficients on this machine"),
 }
 
 
