@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -53,7 +54,11 @@ _MISSING = -1  # digest sent by a rank that cannot run the step
 
 
 def plan_digest(plan) -> int:
-    return int.from_bytes(hashlib.blake2b(plan.to_json().encode(), digest_size=7).digest(), "little")
+    """Hash of what the ranks execute (placement), not of ``meta``: ranks that plan for
+    themselves (the local loader) record different planning times there."""
+    placement = {k: v for k, v in plan.to_dict().items() if k != "meta"}
+    text = json.dumps(placement, separators=(",", ":"), sort_keys=True)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
 def check_step_agreement(step: StepBatch | None, group) -> None:
