@@ -78,8 +78,14 @@ MEGATRON = dict(
     skip_train=False,
     full_validation=False,
     multiple_validation_sets=False,
+    transformer_impl="transformer_engine",
+    normalization="RMSNorm",
+    qk_layernorm=False,
+    qk_l2_norm=False,
+    seed=1234,
     data_parallel_size=8,
     world_size=8,
+    iteration=0,
 )
 
 

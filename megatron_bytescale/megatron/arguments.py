@@ -27,8 +27,9 @@ BALANCE_CHOICES = ("none", "dp", "pp")
 DATALOADER_CHOICES = ("local", "ray")
 DEFAULT_HARDWARE = "h100"
 
-# Megatron-LM (core_v0.16.1) attributes the validator and translators read, after Megatron's
-# validate_args has run. tests/test_arguments_megatron.py checks each one exists there.
+# Megatron-LM (core_v0.16.1) attributes the validator, the translators below and pretrain_hooks
+# read, after Megatron's validate_args has run. tests/test_arguments_megatron.py checks each one
+# exists there.
 MEGATRON_ARGS_READ = (
     "calculate_per_token_loss",
     "context_parallel_size",
@@ -82,9 +83,14 @@ MEGATRON_ARGS_READ = (
     "skip_train",
     "full_validation",
     "multiple_validation_sets",
+    "transformer_impl",
+    "normalization",
+    "qk_layernorm",
+    "qk_l2_norm",
+    "seed",
 )
 # set by Megatron's validate_args rather than by a flag of the same name
-MEGATRON_DERIVED_ARGS = ("data_parallel_size", "virtual_pipeline_model_parallel_size", "world_size")
+MEGATRON_DERIVED_ARGS = ("data_parallel_size", "virtual_pipeline_model_parallel_size", "world_size", "iteration")
 
 # our flags and their defaults, for "this flag does nothing without --hybrid-data-parallel"
 _HDP_DEFAULTS = {

@@ -124,11 +124,9 @@ def _offloader(model):
     chunk = model[0] if isinstance(model, list) else model
     key = id(chunk)
     if key not in _offloaders:
-        from megatron.core.utils import get_attr_wrapped_model
+        from ..runtime.offload import ActivationOffloader, transformer_layers
 
-        from ..runtime.offload import ActivationOffloader
-
-        _offloaders[key] = ActivationOffloader(list(get_attr_wrapped_model(chunk, "decoder").layers))
+        _offloaders[key] = ActivationOffloader(transformer_layers(chunk))
     return _offloaders[key]
 
 
