@@ -45,7 +45,7 @@ hdp_args() {
     shift
     [[ -n ${MEGATRON_LM_DIR:-} ]] || die "set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1"
     [[ -f $MEGATRON_LM_DIR/pretrain_gpt.py ]] || die "$MEGATRON_LM_DIR/pretrain_gpt.py not found: MEGATRON_LM_DIR must be a Megatron-LM checkout"
-    [[ -n ${DATA_PATH:-} ]] || die "set DATA_PATH to an indexed dataset prefix (build one with scripts/prepare_data.py)"
+    [[ -n ${DATA_PATH:-} ]] || die "set DATA_PATH to an indexed dataset prefix (build one with: bytescale prepare-data --output PREFIX ...)"
 
     local tp=${TP:-1}
     ((world_size % tp == 0)) || die "world size $world_size does not divide by TP=$tp"

@@ -6,7 +6,7 @@
 #
 # Model flags come from configs/models/$MODEL.args; every variable is in docs/cluster.md
 # (DRY_RUN=1 prints the command instead of running it). Build DATA_PATH with
-# scripts/prepare_data.py.
+# `bytescale prepare-data`.
 set -euo pipefail
 # shellcheck source=scripts/hdp_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/hdp_env.sh"

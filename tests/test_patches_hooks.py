@@ -381,3 +381,29 @@ def test_model_provider_builds_hdp_attention_through_megatron_s_spec_hook():
 def test_model_provider_is_megatron_s_own_without_hdp(megatron_args):
     megatron_args(parse([]))
     assert hooks.model_provider(lambda **kw: ("megatron model", kw))(pre_process=True) == ("megatron model", {"pre_process": True})
+
+
+def _moe_spec(rank, world):
+    from megatron_bytescale.megatron import parallel
+    from megatron_bytescale.megatron import pretrain_hooks as hooks
+    from megatron_bytescale.megatron.core_attention import HDPCoreAttention
+    from megatron_bytescale.megatron.model import load_model, transformer_config
+
+    parallel.init_parallel()
+    spec, arch = load_model("tiny")
+    config = transformer_config(spec, arch, dtype=torch.float32, num_moe_experts=4, moe_router_topk=2)
+    args = hdp_args(num_experts=4, transformer_impl="local", data_parallel_size=1, seq_length=8192)
+    block = hooks.hdp_layer_spec(args, config)  # Megatron's MoE decoder block spec, attention swapped
+    out = {
+        "kind": type(block).__name__,
+        "core_attention": [layer.submodules.self_attention.submodules.core_attention is HDPCoreAttention
+                           for layer in block.layer_specs],
+        "mlp": sorted({layer.submodules.mlp.module.__name__ for layer in block.layer_specs}),
+    }
+    parallel.destroy_parallel()
+    return out
+
+
+def test_moe_models_get_megatron_s_block_spec_with_hdp_attention():
+    (out,) = run_local_world(_moe_spec, 1, timeout_s=120)
+    assert out == {"kind": "TransformerBlockSubmodules", "core_attention": [True] * 4, "mlp": ["MoELayer"]}

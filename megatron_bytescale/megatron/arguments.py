@@ -183,8 +183,8 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         choices=BALANCE_CHOICES,
         default=None,
         help="Balance scheduler: 'dp' (ranks run sequences of one length level at a time), 'pp' (each "
-        "pipeline gets micro-batches of similar length; required with pipeline parallelism) or 'none' "
-        "(plain packing). Default: dp, or pp when --pipeline-model-parallel-size > 1.",
+        "pipeline gets micro-batches of similar length: the one for pipeline parallelism, which the HDP "
+        "step does not run yet) or 'none' (plain packing). Default: dp (pp with pipeline parallelism).",
     )
     g.add_argument(
         "--hdp-balance-slack",
@@ -227,8 +227,8 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--hdp-ray-address",
         default=None,
         metavar="ADDRESS",
-        help="Address of a running Ray cluster for --hdp-dataloader ray (passed to ray.init). Default: "
-        "start Ray on this node.",
+        help="Address of a running Ray cluster for --hdp-dataloader ray (passed to ray.init; RAY_ADDRESS "
+        "works too). Without one, a single-rank run starts Ray itself; several ranks need a shared cluster.",
     )
     g.add_argument(
         "--hdp-ray-servers",
@@ -417,7 +417,7 @@ def _check_data(args) -> None:
     if args.mock_data:
         raise ConfigError(
             "--mock-data: the HDP loader reads real documents (variable lengths are the point); build a "
-            "dataset with scripts/prepare_data.py and pass --data-path"
+            "dataset with `bytescale prepare-data` and pass --data-path"
         )
     if args.data_args_path or args.per_split_data_args_path:
         raise ConfigError(
@@ -428,7 +428,7 @@ def _check_data(args) -> None:
     if not train or len(train) != 1:
         raise ConfigError(
             f"--data-path {' '.join(train or [])}: --hybrid-data-parallel trains on exactly one dataset prefix "
-            "(no weighted blends); merge datasets with scripts/prepare_data.py"
+            "(no weighted blends); build one dataset from all sources with `bytescale prepare-data`"
         )
     if args.valid_data_path is not None and len(args.valid_data_path) != 1:
         raise ConfigError("--valid-data-path: give exactly one dataset prefix")

@@ -320,7 +320,7 @@ def _single_prefix(paths, flag: str) -> str:
     if not paths or len(paths) != 1:
         raise ConfigError(
             f"{flag} {' '.join(paths or [])}: the HDP loader reads one dataset prefix (no weighted blends); "
-            "merge the datasets with scripts/prepare_data.py"
+            "build one dataset from all sources with `bytescale prepare-data`"
         )
     return paths[0]
 
