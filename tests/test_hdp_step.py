@@ -145,8 +145,9 @@ def _bad_step(rank, world, case):
     if case == "missing" and rank == 1:
         step = None
     if case == "disagree" and rank == 3:
-        other = mixed_plan()
-        other.meta["seed"] = 99  # another batch order: a different plan
+        # another plan, same micro-batches for this rank (plan_digest ignores meta, which
+        # holds each rank's own planning time)
+        other = Plan.from_dict({**mixed_plan().to_dict(), "capacity": 19})
         step = StepBatch(other, rank, mbs)
     if case == "shapes" and rank == 0:
         step.micro_batches[0].tokens = step.micro_batches[0].tokens[:-1]
