@@ -259,8 +259,10 @@ def forward_step(base: Callable, loss_func: Optional[Callable] = None) -> Callab
     def step(data_iterator, model, *args, **kwargs):
         if _hdp_args() is None:
             return base(data_iterator, model, *args, **kwargs)
-        if args or kwargs.get("return_schedule_plan"):
+        if kwargs.get("return_schedule_plan"):
             raise ConfigError("HDP micro-batches do not support MoE schedule plans (--overlap-moe-expert-parallel-comm)")
+        # a third positional argument (checkpoint_activations_microbatch) only comes from
+        # Megatron's pipeline schedules, which HDP replaces
         return hdp_forward_step(data_iterator, model, loss_func or per_token_loss)
 
     return step
