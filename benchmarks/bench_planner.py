@@ -6,10 +6,12 @@ Plans one step (LLaMA-7B analytic cost model on H100, C = 8K, 2M context) on one
 (OMP/MKL/OpenBLAS threads = 1) several times and reports the median wall time of
 ``plan_step`` (goal: under 1 s for 16,384 GPUs), then the balance of the plan: estimated
 max / mean per-rank time, and the max against the compute bound (all FLOPs spread perfectly
-over all ranks) and against the fastest the longest ring can possibly run.
+over all ranks) and against the fastest the longest ring can possibly run. CPU time is
+printed beside wall time: on a shared machine it is the steadier figure.
 
-Lengths: until ``megatron_bytescale/data/workloads.py`` (the simulator helper's generator)
-exists, ``byted_like_lengths`` below draws them from a documented parametric mix.
+Lengths: ``megatron_bytescale/data/workloads.py``'s ``sample_lengths("byted", ...)`` (the
+simulator helper's generator) when it is installed, else ``byted_like_lengths`` below, a
+documented parametric mix (``--workload builtin`` forces it).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from megatron_bytescale.planner.cost_model import CostModel  # noqa: E402
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step  # noqa: E402
 from megatron_bytescale.planner.sharding import RingSizer  # noqa: E402
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec  # noqa: E402
-from megatron_bytescale.units import format_size, parse_size  # noqa: E402
+from megatron_bytescale.units import parse_size  # noqa: E402
 
 # Byted (brief section 3): ~80% of samples <= 4K; samples >= 128K are ~1% of samples and hold
 # 44.3% of tokens; > 256K hold 37%; the ~0.05% of samples at the full context hold 12.1%.
@@ -112,6 +114,17 @@ def byted_like_lengths(total_tokens: int, context: int, rng: np.random.Generator
     return lengths
 
 
+def batch_lengths(workload: str, total: int, context: int, seed: int) -> tuple[list[int], str]:
+    if workload == "auto":
+        try:
+            from megatron_bytescale.data.workloads import sample_lengths
+        except ImportError:
+            pass
+        else:
+            return list(sample_lengths("byted", total, context, np.random.default_rng(seed))), "data/workloads.py byted"
+    return byted_like_lengths(total, context, np.random.default_rng(seed)), "builtin byted-like mix"
+
+
 def describe_batch(lengths: list[int]) -> dict:
     arr = np.asarray(lengths)
     tot = arr.sum()
@@ -131,19 +144,20 @@ def run(args) -> dict:
     capacity = parse_size(args.capacity, "capacity")
     context = parse_size(args.context, "context")
     total = parse_size(args.tokens, "tokens")
-    lengths = byted_like_lengths(total, context, np.random.default_rng(args.seed))
+    lengths, source = batch_lengths(args.workload, total, context, args.seed)
     out = {"model": args.model, "hardware": args.hardware, "gpus": args.gpus, "capacity": capacity,
-           "context": context, "batch": describe_batch(lengths), "results": {}}
+           "context": context, "workload": source, "batch": describe_batch(lengths), "results": {}}
     sizer = RingSizer(capacity, cost, True, args.gpus, 8)
     critical = max(sizer.fastest(s) for s in set(lengths) if s > capacity)
-    print(f"batch: {out['batch']}")
+    print(f"batch ({source}): {out['batch']}")
     for balance in args.balance:
         config = PlannerConfig(num_ranks=args.gpus, capacity=capacity, balance=balance)
-        times = []
+        times, cpu = [], []
         for _ in range(args.repeat):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             plan = plan_step(lengths, config, cost)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         if args.validate:
             plan.validate()
         m = plan.meta
@@ -153,6 +167,7 @@ def run(args) -> dict:
             "strategy": m["strategy"],
             "plan_time_median_s": statistics.median(times),
             "plan_time_all_s": times,
+            "plan_cpu_time_median_s": statistics.median(cpu),
             "est_max_s": float(est.max()),
             "est_mean_s": float(est.mean()),
             "max_over_mean": float(est.max() / est.mean()),
@@ -166,8 +181,8 @@ def run(args) -> dict:
         }
         out["results"][balance] = res
         print(
-            f"{m['strategy']:>13} balance={balance:<4}: plan {res['plan_time_median_s'] * 1e3:7.1f} ms (median of "
-            f"{args.repeat}); est max {res['est_max_s']:.2f} s, mean {res['est_mean_s']:.2f} s, max/mean "
+            f"{m['strategy']:>13} balance={balance:<4}: plan {res['plan_time_median_s'] * 1e3:7.1f} ms wall, "
+            f"{res['plan_cpu_time_median_s'] * 1e3:.1f} ms CPU (median of {args.repeat}); est max {res['est_max_s']:.2f} s, mean {res['est_mean_s']:.2f} s, max/mean "
             f"{res['max_over_mean']:.3f}; compute bound {bound:.2f} s (max/bound {res['max_over_compute_bound']:.3f}); "
             f"fastest longest ring {critical:.2f} s (max/best-possible {res['max_over_best_possible']:.3f}); "
             f"rings {m['ring_sizes']}"
@@ -186,6 +201,8 @@ def main(argv=None) -> int:
     p.add_argument("--balance", nargs="+", default=["dp", "pp", "none"], choices=["dp", "pp", "none"])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", choices=["auto", "builtin"], default="auto",
+                   help="auto: data/workloads.py's Byted generator if installed, else the builtin mix")
     p.add_argument("--validate", action="store_true", help="also run Plan.validate() on the last plan")
     p.add_argument("--json", help="write the figures to this JSON file")
     args = p.parse_args(argv)

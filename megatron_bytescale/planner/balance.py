@@ -7,18 +7,23 @@ The sharding decisions inside the units (ring sizes, offload ratios) are kept.
 1. Units are sorted by estimated time, longest first, and cut into buckets of roughly
    equal total time (long buckets hold few units).
 2. Work goes to the ranks whose estimated time is more than a slack ``delta`` below the
-   current maximum, least-loaded first:
+   current maximum, least-loaded first, bucket by bucket:
 
    * ``dp`` (DP-balance) takes from the first non-empty (longest) bucket, one unit at a
      time, to the least-loaded rank. That rank is always more than ``delta`` below the
      maximum unless every rank is within ``delta`` of it, and then every rank is eligible
      and the least-loaded one still goes first, so this is the brief's rule at its finest
      grain (longest-processing-time first): all ranks run one length level at a time.
-   * ``pp`` (PP-balance) takes from the buckets in turn: the least-loaded rank receives a
-     run of units from the current bucket, as long as it stays within ``delta`` of the
-     maximum, then the next bucket serves the next rank. Each pipeline gets consecutive
-     micro-batches of similar length, so 1F1B bubbles appear only at bucket changes.
+   * ``pp`` (PP-balance) gives the least-loaded rank a run: the bucket's next unit and the
+     following ones of the same bucket while the rank stays below the level (``delta``
+     above an even spread of all work), so each pipeline runs blocks of micro-batches of
+     one length level and 1F1B bubbles appear only where the level changes. (Taking the
+     buckets strictly in turn, as the brief words it, left long units for the end, where
+     they overshot the maximum: 1.3-2.2x max/mean on a Byted-like batch, against 1.001.)
    * ``tokens`` (hdp-naive) balances token counts instead of time, as static DP does.
+
+With ``pipeline_stages = p > 1`` a rank's load counts its fill and drain:
+``sum(times) + (p - 1) * max(time)``.
 
 A ring goes to ``RingPlacer.place``'s members; it starts when its last member is free
 (the wait is counted) and all members run it at the same step of the global order, so
@@ -44,11 +49,10 @@ class Unit:
     kind: str  # "ring" | "long" | "short" | "pack"
     seq_ids: tuple[int, ...]  # the sequence (ring, long, short) or the packed sequences
     ring_size: int
-    time: float  # estimated seconds on each member
+    time: float  # estimated seconds on each member (a ring: its slowest member's)
     tokens: int  # tokens on the busiest member
     ratio: float = 0.0
     fillers: tuple[tuple[int, ...], ...] = ()  # per ring slot: whole sequences packed beside its share
-    slot_times: tuple[float, ...] = ()  # per ring slot, when fillers make members differ
 
 
 @dataclass
@@ -141,28 +145,27 @@ def schedule(
         unit = units[u]
         ring = placer.place(loads.key, unit.ring_size)
         start = float(loads.clock[ring].max())
-        times = unit.slot_times or (unit.time,) * unit.ring_size
-        for slot, r in enumerate(ring.tolist()):
-            loads.run(r, start, times[slot], unit.tokens)
+        for r in ring.tolist():  # synchronous: every member is held until the slowest is done
+            loads.run(r, start, unit.time, unit.tokens)
             runs[r].append(u)
             loads.push(r)
         members[u] = tuple(ring.tolist())
         given.append(u)
 
+    buckets = make_buckets(order, weights, num_buckets) if order else []
     if mode in ("dp", "tokens"):
-        buckets = make_buckets(order, weights, num_buckets) if order else []
-        for u in order:  # = the first non-empty bucket's next unit
-            if units[u].ring_size > 1:
-                give_ring(u)
-            else:
-                give_one(u, loads.least())
+        for bucket in buckets:  # the first non-empty bucket, its longest unit first
+            for u in bucket:
+                if units[u].ring_size > 1:
+                    give_ring(u)
+                else:
+                    give_one(u, loads.least())
         return Assignment(runs, members, loads.clock, loads.key, loads.idle, len(buckets), given)
 
     # pp: the same order, in runs: the least-loaded rank takes the next unit and goes on
-    # taking the following ones (the same length level) while it stays below the level, so
-    # each pipeline runs blocks of similar micro-batches and 1F1B bubbles appear only where
-    # the length level changes.
-    buckets = make_buckets(order, weights, num_buckets) if order else []
+    # taking the following ones of the same bucket while it stays below the level, so each
+    # pipeline runs blocks of micro-batches of one length level and 1F1B bubbles appear
+    # only where the level changes.
     bubble = pipeline_stages - 1
     # the level: delta above the even spread of all work (a ring that outlasts it lifts it)
     water = (1 + slack) * sum(weights) / placer.num_ranks
@@ -171,17 +174,18 @@ def schedule(
         w = weights[u]
         return float(loads.clock[rank]) + w + bubble * max(float(loads.peak[rank]), w)
 
-    i = 0
-    while i < len(order):
-        u = order[i]
-        i += 1
-        if units[u].ring_size > 1:
-            give_ring(u)
-            continue
-        rank = loads.least()
-        give_one(u, rank)
-        level = max(water, loads.top)
-        while i < len(order) and units[order[i]].ring_size == 1 and key_after(rank, order[i]) <= level:
-            give_one(order[i], rank)
+    for bucket in buckets:
+        i = 0
+        while i < len(bucket):
+            u = bucket[i]
             i += 1
+            if units[u].ring_size > 1:
+                give_ring(u)
+                continue
+            rank = loads.least()
+            give_one(u, rank)
+            level = max(water, loads.top)
+            while i < len(bucket) and units[bucket[i]].ring_size == 1 and key_after(rank, bucket[i]) <= level:
+                give_one(bucket[i], rank)
+                i += 1
     return Assignment(runs, members, loads.clock, loads.key, loads.idle, len(buckets), given)

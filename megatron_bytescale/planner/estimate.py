@@ -92,8 +92,8 @@ def rank_times(plan, cost: CostModel, ranks_per_node: int, pipeline_stages: int 
 
 
 def finish_times(plan, cost: CostModel, ranks_per_node: int) -> list[float]:
-    """Estimated finish seconds per rank when every ring micro-batch starts only once all of
-    its members reach it (ranks run their micro-batches in plan order; no pipeline)."""
+    """Estimated finish seconds per rank when ranks run their micro-batches in plan order
+    and every ring micro-batch starts once all of its members reach it (no pipeline)."""
     ranks = plan.ranks
     pos = [0] * len(ranks)
     clock = [0.0] * len(ranks)
@@ -117,11 +117,13 @@ def finish_times(plan, cost: CostModel, ranks_per_node: int) -> list[float]:
                     arrived.append(rank)
                 if len(arrived) < len(ring):
                     break
+                # a ring is synchronous: it starts when its last member arrives and every
+                # member finishes with the slowest (shares differ by a token, or by fillers)
                 start = max(clock[r] for r in ring)
+                inter = crosses_nodes(ring, ranks_per_node)
+                end = start + max(micro_batch_time(cost, ranks[r][pos[r]], inter) for r in ring)
                 for r in ring:
-                    member_mb = ranks[r][pos[r]]
-                    member_ring = member_mb.ring
-                    clock[r] = start + micro_batch_time(cost, member_mb, crosses_nodes(member_ring, ranks_per_node))
+                    clock[r] = end
                     pos[r] += 1
                 del waiting[key]
                 progress = True

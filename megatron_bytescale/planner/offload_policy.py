@@ -15,7 +15,8 @@ Two decisions, stated once here and tested:
 
 * **The copy must hide per rank share**, not per whole sequence: each rank copies its own
   activations over its own PCIe link while computing its own share, so the constraint is
-  ``layer_time(t, s^2 / D) >= r * act_bytes(t) / min(B_d2h, B_h2d)`` with ``t = ceil(s/D)``
+  ``layer_time(t, s^2 / D) >= r * act_bytes(t) / min(B_d2h, B_h2d)`` for every member's
+  share ``t`` (``floor(s/D)`` or ``ceil(s/D)``)
   (the brief's ``T(s) >= r * Act(s) / B`` with both sides taken for one rank's share; the
   two forms differ only by the per-micro-batch constants ``g`` and ``b2``).
 * **r_min is exact**: the brief's ``r_min = l*Act(C) / ((l-2)*Act(s))`` is the ratio that
@@ -85,7 +86,12 @@ def ratio_for_ranks(seq_len: int, ring_size: int, capacity: int, cost: CostModel
     """Smallest ratio that fits ``seq_len`` on ``ring_size`` ranks with the copy hidden, or None."""
     share = -(-seq_len // ring_size)
     r = ratio_for_share(share, capacity, cost.num_layers)
-    if r is None or not copy_hides(cost, share, share_pairs(seq_len, ring_size), r):
+    if r is None:
+        return None
+    # every member must hide its copy: shares differ by one token, and the condition is
+    # linear in the share, so the largest and the smallest share cover all members
+    pairs = share_pairs(seq_len, ring_size)
+    if not (copy_hides(cost, share, pairs, r) and copy_hides(cost, seq_len // ring_size, pairs, r)):
         return None
     return r
 

@@ -17,9 +17,6 @@ import numpy as np
 
 from ..errors import ConfigError, PlanError
 
-TIE = 1e-9  # seconds per rank index: breaks exact ties towards lower ranks, nothing else
-
-
 def check_shape(num_ranks: int, ranks_per_node: int) -> None:
     if ranks_per_node < 1:
         raise ConfigError(f"ranks_per_node must be at least 1, got {ranks_per_node}; pass the HDP ranks per node (GPUs per node / TP)")
@@ -36,7 +33,6 @@ class RingPlacer:
         self.num_ranks = num_ranks
         self.ranks_per_node = min(ranks_per_node, num_ranks)
         self.num_nodes = num_ranks // self.ranks_per_node
-        self._tie = np.arange(num_ranks, dtype=np.float64) * TIE
 
     def place(self, loads: np.ndarray, ring_size: int) -> np.ndarray:
         """Ordered global ranks of a new ring of ``ring_size`` members."""
@@ -44,9 +40,11 @@ class RingPlacer:
             raise PlanError(f"a ring of {ring_size} ranks does not fit {self.num_ranks} ranks")
         if ring_size <= self.ranks_per_node:
             return self._inside_one_node(loads, ring_size)
-        key = loads + self._tie * max(1.0, float(loads.max()))
-        members = np.argpartition(key, ring_size - 1)[:ring_size]
-        return np.sort(members)
+        # the ring_size least-loaded ranks, ties to the lowest ranks (exact, O(N))
+        threshold = np.partition(loads, ring_size - 1)[ring_size - 1]
+        below = np.flatnonzero(loads < threshold)
+        tied = np.flatnonzero(loads == threshold)[: ring_size - below.size]
+        return np.sort(np.concatenate([below, tied]))
 
     def _inside_one_node(self, loads: np.ndarray, ring_size: int) -> np.ndarray:
         rpn = self.ranks_per_node

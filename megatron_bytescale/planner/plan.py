@@ -120,17 +120,22 @@ class Plan:
         accumulator of every block once (N hops: ``sum T * grad``).
         """
         sent = [0.0] * self.num_ranks
+        blocks: dict[tuple, list[int]] = {}  # every member of a ring micro-batch sees the same blocks
         for rank, mbs in enumerate(self.ranks):
             for mb in mbs:
                 ring = mb.ring
                 if ring is None:
                     continue
                 n = len(ring)
-                block = [0] * n
-                for p in mb.pieces:
-                    if p.is_distributed:
-                        for j in range(n):
-                            block[j] += rank_tokens(p.seq_len, n, j)
+                key = (ring, mb.distributed_seq_ids)
+                block = blocks.get(key)
+                if block is None:
+                    block = [0] * n
+                    for p in mb.pieces:
+                        if p.is_distributed:
+                            for j in range(n):
+                                block[j] += rank_tokens(p.seq_len, n, j)
+                    blocks[key] = block
                 i = ring.index(rank)
                 kv = (sum(block) - block[(i + 1) % n]) * kv_bytes_per_token
                 per_layer = kv + (kv + sum(block) * grad_bytes_per_token if backward else 0.0)

@@ -28,13 +28,14 @@ import numpy as np
 from ..errors import ConfigError
 from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
-from .estimate import exposed_ring_time, ring_share_time, sequence_time
+from .estimate import exposed_ring_time, ring_share_time
 from .placement import RingPlacer, check_shape
 from .plan import MicroBatch, Piece, Plan, ring_pieces, whole_piece
-from .sharding import RingSizer, Shard, fill_ring_spare, pack_best_fit, plan_ring_sizes
+from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
 from .zigzag import rank_tokens
 
 BALANCE_MODES = ("none", "dp", "pp")
+RETARGET = (1.0, 1.1, 1.2, 0.85, 1.35, 0.7, 1.5)  # target scales tried while the step overshoots the target
 
 
 @dataclass(frozen=True)
@@ -43,23 +44,18 @@ class PlannerConfig:
     capacity: int  # C: tokens per micro-batch per rank without offloading
     ranks_per_node: int = 8  # HDP ranks sharing a node's NVLink (GPUs per node / TP)
     balance: str = "dp"  # "none" (hdp-naive) | "dp" | "pp"
-    slack: float = 0.05  # delta, as a fraction of the current maximum estimated time
+    slack: float = 0.05  # delta, a fraction of the max estimated time (PP runs; DP gives one unit at a time)
     offload: bool = True
     pipeline_stages: int = 1
 
     def check(self) -> None:
-        def whole(name: str, value, low: int) -> None:
+        def whole(name: str, value, low: int, fix: str = "") -> None:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}")
+                raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}{fix}")
 
-        whole("num_ranks", self.num_ranks, 1)
-        if isinstance(self.capacity, (int, np.integer)) and not isinstance(self.capacity, bool) and self.capacity <= 0:
-            raise ConfigError(
-                f"token capacity must be positive, got {self.capacity}; set --hdp-token-capacity to the tokens "
-                "one rank holds per micro-batch (e.g. 8K)"
-            )
-        whole("capacity", self.capacity, 1)
-        whole("ranks_per_node", self.ranks_per_node, 1)
+        whole("num_ranks", self.num_ranks, 1, "; pass the HDP ranks (GPUs / (TP x PP))")
+        whole("token capacity", self.capacity, 1, "; set --hdp-token-capacity to the tokens one rank holds per micro-batch (e.g. 8K)")
+        whole("ranks_per_node", self.ranks_per_node, 1, "; pass the HDP ranks per node (GPUs per node / TP)")
         whole("pipeline_stages", self.pipeline_stages, 1)
         check_shape(self.num_ranks, self.ranks_per_node)
         if self.balance not in BALANCE_MODES:
@@ -95,21 +91,30 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
     balanced = config.balance != "none"
     placer = RingPlacer(config.num_ranks, config.ranks_per_node)
     # With pipelines, a rank that runs a ring share fills and drains its pipeline with it,
-    # so rings are sized for p x their stage time, or (cheaper in communication) 1 x, and
-    # the schedule with the shorter estimated step wins.
+    # so rings are sized for p x their stage time, or (cheaper in communication) 1 x.
+    # The target is a bound, not a promise: rigid rings with little short work to fill the
+    # gaps between them may not pack under it. Then a few rescaled targets are tried (a
+    # larger one frees ranks, a smaller one cuts work finer) and the shortest step wins.
     factors = sorted({1, config.pipeline_stages}) if balanced else [1]
     best = None
     for factor in factors:
         sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, factor)
-        shards, target = plan_ring_sizes(lens, sizer, balanced)
-        units = _units(lens, shards, config, cost, placer.ranks_per_node)
-        assignment = schedule(units, placer, config.balance if balanced else "tokens", config.slack, config.pipeline_stages)
-        if best is None or assignment.key.max() < best[3].key.max():
-            best = (shards, target, units, assignment)
-    shards, target, units, assignment = best
-    ranks, busy = _micro_batches(lens, units, assignment, config.capacity, cost, config.pipeline_stages)
+        base = balanced_target(np.asarray(lens), sizer) if balanced else None
+        for scale in RETARGET if balanced else (1.0,):
+            target = None if base is None else base * scale
+            shards = plan_ring_sizes(lens, sizer, target)
+            units = _units(lens, shards, config, cost, placer.ranks_per_node)
+            mode = config.balance if balanced else "tokens"
+            assignment = schedule(units, placer, mode, config.slack, config.pipeline_stages)
+            step = float(assignment.key.max())
+            if best is None or step < best[0]:
+                best = (step, shards, target, units, assignment, scale)
+            if base is None or step <= (1 + config.slack) * base:
+                break
+    _, shards, target, units, assignment, scale = best
+    ranks, times, ring_at = _micro_batches(lens, units, assignment, config.capacity, cost)
+    est = _finish_times(times, ring_at, assignment, units, config.pipeline_stages)
 
-    est = busy + assignment.idle
     plan = Plan(
         num_ranks=config.num_ranks,
         capacity=config.capacity,
@@ -126,16 +131,23 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
         "pipeline_stages": config.pipeline_stages,
         "slack": config.slack,
         "buckets": assignment.num_buckets,
-        "target_time_s": target,
-        "compute_bound_s": sum(sequence_time(cost, s) for s in lens) / config.num_ranks,
+        "target_time_s": target,  # the step time rings were sized for (None: memory floor)
+        "target_scale": scale,  # 1 unless a rescaled target packed better
+        "compute_bound_s": _compute_bound(lens, cost, config.num_ranks),
         "est_time_max_s": float(est.max()),
         "est_time_mean_s": float(est.mean()),
-        "est_rank_time_s": [round(float(t), 6) for t in est],
+        "est_rank_time_s": est.tolist(),
         "ring_sizes": {str(k): v for k, v in sorted(ring_hist.items())},
         "offloaded_sequences": sum(1 for s in shards.values() if s.ratio > 0),
         "plan_time_s": time.perf_counter() - t0,
     }
     return plan
+
+
+def _compute_bound(lens, cost: CostModel, num_ranks: int) -> float:
+    """Seconds if all FLOPs of the batch were spread perfectly over all ranks."""
+    s = np.asarray(lens, dtype=np.float64)
+    return float(cost.num_layers * np.sum(cost.a1 * s * s + cost.b1 * s)) / num_ranks
 
 
 # ----------------------------------------------------------------------------- units
@@ -144,10 +156,10 @@ def _units(lens, shards: dict[int, Shard], config: PlannerConfig, cost: CostMode
     short_ids = [i for i, s in enumerate(lens) if s <= config.capacity]
     if config.balance == "none":
         return units + _naive_packs(units, short_ids, lens, config.capacity, cost, ranks_per_node)
-    per_token_overhead = cost.num_layers * cost.g / config.capacity
-    return units + [
-        Unit("short", (i,), 1, sequence_time(cost, lens[i]) + per_token_overhead * lens[i], lens[i]) for i in short_ids
-    ]
+    # a short sequence's share of its micro-batch's fixed cost g, before packing decides it
+    s = np.asarray([lens[i] for i in short_ids], dtype=np.float64)
+    times = cost.num_layers * (cost.a1 * s * s + cost.b1 * s + cost.g * s / config.capacity)
+    return units + [Unit("short", (i,), 1, t, lens[i]) for i, t in zip(short_ids, times.tolist())]
 
 
 def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) -> list[Unit]:
@@ -194,7 +206,7 @@ def _naive_packs(
             fillers.append(f)
             tokens.append(t_i)
             times.append(cost.num_layers * (cost.layer_time(t_i, p_i) + exposed))
-        u.fillers, u.slot_times, u.tokens, u.time = tuple(fillers), tuple(times), max(tokens), max(times)
+        u.fillers, u.tokens, u.time = tuple(fillers), max(tokens), max(times)
     packs = pack_best_fit([(i, lens[i]) for i, _ in left], capacity)
     return [
         Unit(
@@ -209,53 +221,94 @@ def _naive_packs(
 
 
 # --------------------------------------------------------------------- micro-batches
-def _micro_batches(lens, units: list[Unit], assignment: Assignment, capacity: int, cost: CostModel, stages: int):
-    """Each rank's micro-batches in run order, and each rank's estimated busy seconds.
+def _micro_batches(lens, units: list[Unit], assignment: Assignment, capacity: int, cost: CostModel):
+    """Each rank's micro-batches in run order, their estimated seconds (a ring member counts
+    the ring's whole time: it is held until the slowest member is done), and for each rank
+    the position of each ring unit in its list.
 
     Short sequences are packed best-fit within each stretch between two of the rank's ring
     or long micro-batches, so the rank still reaches each ring when the schedule expects."""
     l = cost.num_layers
     pieces_of: dict[int, dict[int, Piece]] = {}
     for u, ring in assignment.members.items():
-        unit = units[u]
-        sid = unit.seq_ids[0]
+        sid = units[u].seq_ids[0]
         pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring)))
+
+    def pack(stretch: list[int], rank: int, mbs: list, times: list) -> None:
+        if len(stretch) == 1:
+            i = stretch[0]
+            mbs.append(MicroBatch((whole_piece(i, lens[i], rank),)))
+            times.append(l * cost.layer_time(lens[i]))
+            return
+        if sum(lens[i] for i in stretch) <= capacity:
+            bins = [stretch]
+        else:
+            bins = pack_best_fit([(i, lens[i]) for i in stretch], capacity)
+        for b in bins:
+            mbs.append(MicroBatch(tuple(whole_piece(i, lens[i], rank) for i in b)))
+            times.append(l * cost.layer_time(sum(lens[i] for i in b), sum(lens[i] * lens[i] for i in b)))
+
     ranks = []
-    busy = np.zeros(len(assignment.runs))
+    all_times: list[list[float]] = []
+    ring_at: list[dict[int, int]] = []
     for rank, run in enumerate(assignment.runs):
         mbs: list[MicroBatch] = []
         times: list[float] = []
-        stretch: list[tuple[int, int]] = []
-
-        def flush() -> None:
-            if not stretch:
-                return
-            for b in pack_best_fit(stretch, capacity):
-                mbs.append(MicroBatch(tuple(whole_piece(i, lens[i], rank) for i in b)))
-                times.append(l * cost.layer_time(sum(lens[i] for i in b), sum(lens[i] ** 2 for i in b)))
-            stretch.clear()
-
+        where: dict[int, int] = {}
+        stretch: list[int] = []
         for u in run:
             unit = units[u]
-            if unit.kind == "short":
-                sid = unit.seq_ids[0]
-                stretch.append((sid, lens[sid]))
+            kind = unit.kind
+            if kind == "short":
+                stretch.append(unit.seq_ids[0])
                 continue
-            flush()
-            if unit.kind == "ring":
+            if stretch:
+                pack(stretch, rank, mbs, times)
+                stretch = []
+            if kind == "ring":
+                where[u] = len(mbs)
                 piece = pieces_of[u][rank]
-                slot = assignment.members[u].index(rank) if unit.fillers else 0
-                extra = unit.fillers[slot] if unit.fillers else ()
-                mbs.append(MicroBatch((piece,) + tuple(whole_piece(i, lens[i], rank) for i in extra), unit.ratio))
-                times.append(unit.slot_times[slot] if unit.slot_times else unit.time)
-            elif unit.kind == "long":
+                if unit.fillers:
+                    slot = assignment.members[u].index(rank)
+                    extra = tuple(whole_piece(i, lens[i], rank) for i in unit.fillers[slot])
+                    mbs.append(MicroBatch((piece,) + extra, unit.ratio))
+                else:
+                    mbs.append(MicroBatch((piece,), unit.ratio))
+                times.append(unit.time)  # held until the ring's slowest member is done
+            elif kind == "long":
                 sid = unit.seq_ids[0]
                 mbs.append(MicroBatch((whole_piece(sid, lens[sid], rank),), unit.ratio))
                 times.append(unit.time)
             else:  # pack
                 mbs.append(MicroBatch(tuple(whole_piece(i, lens[i], rank) for i in unit.seq_ids)))
                 times.append(unit.time)
-        flush()
+        if stretch:
+            pack(stretch, rank, mbs, times)
         ranks.append(tuple(mbs))
-        busy[rank] = sum(times) + (stages - 1) * max(times, default=0.0)
-    return tuple(ranks), busy
+        all_times.append(times)
+        ring_at.append(where)
+    return tuple(ranks), all_times, ring_at
+
+
+def _finish_times(times, ring_at, assignment: Assignment, units: list[Unit], stages: int) -> np.ndarray:
+    """Estimated finish of each rank running its micro-batches in order, each ring starting
+    when its last member reaches it (rings in global order: the order every rank keeps),
+    plus the 1F1B fill and drain, ``(p - 1) x`` the rank's longest micro-batch."""
+    n = len(times)
+    clock = [0.0] * n
+    pos = [0] * n
+    for u in assignment.order:
+        ring = assignment.members.get(u)
+        if ring is None:
+            continue
+        for r in ring:  # each member first runs what it has before the ring
+            stop = ring_at[r][u]
+            clock[r] += sum(times[r][pos[r] : stop])
+            pos[r] = stop + 1
+        end = max(clock[r] for r in ring) + units[u].time
+        for r in ring:
+            clock[r] = end
+    est = np.empty(n)
+    for r in range(n):
+        est[r] = clock[r] + sum(times[r][pos[r] :]) + (stages - 1) * max(times[r], default=0.0)
+    return est

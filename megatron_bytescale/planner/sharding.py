@@ -9,7 +9,10 @@
   fits the target (or the fastest ring, if none does). Its offload ratio is then the
   smallest that fits the smaller share, often 0.
 * Short sequences are packed best-fit decreasing into micro-batches of at most ``C`` tokens;
-  ``fill_ring_spare`` puts them into the spare capacity of ring micro-batches first.
+  ``fill_ring_spare`` puts them into the spare capacity of ring micro-batches first
+  (hdp-naive; the balanced modes pack them per rank once the scheduler has placed them).
+
+``balanced_target`` picks the step time rings are sized for; ``plan_ring_sizes`` applies it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import numpy as np
 
 from ..errors import ConfigError, PlanError
 from .cost_model import FORWARD_SHARE, CostModel
-from .estimate import ring_share_time, sequence_time
 from .offload_policy import OffloadDecision, decide, ratio_for_ranks
 
 
@@ -120,68 +122,83 @@ class RingSizer:
 
 
 def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
-    """The step time rings are sized for.
+    """The step time rings are sized for: the smallest ``T`` that passes three tests.
 
-    No rank can finish before the slowest unsplittable work (the longest short sequence,
-    the fastest ring of each long sequence): that is the floor. Above it, ``W(T)`` is all
-    the work in rank-seconds when each long sequence gets the smallest ring whose share
-    time is within ``T``; the target is the smallest ``T`` with ``W(T) / N <= T``. ``W``
-    falls as ``T`` rises (smaller rings expose less communication), so bisection finds it.
+    1. No rank finishes before the slowest unsplittable work (the longest short sequence,
+       the fastest ring of each long sequence): ``T`` is at least that floor.
+    2. ``W(T) / N <= T``, where ``W(T)`` is all work in rank-seconds when each long
+       sequence gets the smallest ring whose share time is within ``T``.
+    3. Work longer than ``T / 2`` cannot share a rank with other such work within ``T``,
+       so the ranks it takes must fit in ``N``.
+
+    Larger ``T`` means smaller rings: less exposed communication (2) and fewer ranks held
+    (3), so both tests are monotone and bisection finds the smallest passing ``T``.
     """
     cost = sizer.cost
     cap = sizer.capacity
     l = cost.num_layers
-    short = lens[lens <= cap].astype(np.float64)
-    work = float(np.sum(l * (cost.a1 * short * short + cost.b1 * short + cost.g * short / cap)))
     p = sizer.stages
-    floor = p * float(l * (cost.a1 * short.max() ** 2 + cost.b1 * short.max() + cost.g)) if short.size else 0.0
+    n_ranks = sizer.num_ranks
+    short = lens[lens <= cap].astype(np.float64)
+    short_times = l * (cost.a1 * short * short + cost.b1 * short + cost.g * short / cap)
+    work = float(short_times.sum())
+    short_times = np.sort(p * short_times)
+    floor = float(short_times[-1]) if short.size else 0.0
     long_lens, counts = np.unique(lens[lens > cap], return_counts=True)
     curves = []
     for s, n in zip(long_lens.tolist(), counts.tolist()):
         sizes, times = sizer.curve(s)
         floor = max(floor, p * float(times.min()))
-        curves.append((n, sizes * times, p * np.minimum.accumulate(times)))
-    fixed = [c for c in curves if c[2][0] <= floor]  # their floor ring is fast enough for any T
-    work += sum(n * float(rank_seconds[0]) for n, rank_seconds, _ in fixed)
-    varying = [c for c in curves if c[2][0] > floor]
+        curves.append((n, sizes, sizes * times, p * np.minimum.accumulate(times)))
+    # sequences whose floor ring is already within the floor keep it for every T >= floor
+    fixed = [c for c in curves if c[3][0] <= floor]
+    varying = [c for c in curves if c[3][0] > floor]
+    work += sum(n * float(rank_seconds[0]) for n, _, rank_seconds, _ in fixed)
+    # ranks held by fixed work longer than T/2: sorted times, suffix sums of ranks
+    held_t = np.concatenate([short_times, np.array([c[3][0] for c in fixed])])
+    held_r = np.concatenate([np.ones(short_times.size), np.array([c[0] * c[1][0] for c in fixed], dtype=np.float64)])
+    order = np.argsort(held_t, kind="stable")
+    held_t = held_t[order]
+    held_suffix = np.concatenate([np.cumsum(held_r[order][::-1])[::-1], [0.0]])
 
-    def spread(t: float) -> float:
+    def passes(t: float) -> bool:
         total = work
-        for n, rank_seconds, best in varying:
+        held = float(held_suffix[np.searchsorted(held_t, t / 2, side="right")])
+        for n, sizes, rank_seconds, best in varying:
             # first ring size whose time is within t (best is the running minimum)
             k = min(int(np.searchsorted(-best, -t, side="left")), len(best) - 1)
             total += n * float(rank_seconds[k])
-        return total / sizer.num_ranks
+            if best[k] > t / 2:
+                held += n * float(sizes[k])
+        return total / n_ranks <= t and held <= n_ranks
 
     lo = floor
-    if spread(lo) <= lo:
+    if passes(lo):
         return lo
-    hi = spread(lo)
-    while spread(hi) > hi:
+    hi = 2 * max(lo, work / n_ranks, 1e-12)
+    while not passes(hi):
         hi *= 2
+        if hi > 1e12:  # more big work than ranks at any T: fall back to the spread test alone
+            return max(floor, work / n_ranks)
     while hi - lo > 1e-4 * hi:
         mid = 0.5 * (lo + hi)
-        if spread(mid) > mid:
-            lo = mid
-        else:
+        if passes(mid):
             hi = mid
+        else:
+            lo = mid
     return hi
 
 
-def plan_ring_sizes(
-    seq_lens: Sequence[int], sizer: RingSizer, balanced: bool
-) -> tuple[dict[int, Shard], float | None]:
-    """Shards of every sequence longer than the capacity, and the target time (None for
-    the memory floor alone, as hdp-naive uses)."""
+def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | None) -> dict[int, Shard]:
+    """Shards of every sequence longer than the capacity: the memory floor when ``target``
+    is None (as hdp-naive uses), else the smallest ring within ``target``."""
     lens = np.asarray(seq_lens, dtype=np.int64)
-    long_ids = np.flatnonzero(lens > sizer.capacity)
-    target = balanced_target(lens, sizer) if balanced else None
     shards = {}
-    for i in long_ids:
+    for i in np.flatnonzero(lens > sizer.capacity).tolist():
         s = int(lens[i])
         d, r, _ = sizer.size(s, target)
-        shards[int(i)] = Shard(int(i), s, d, r)
-    return shards, target
+        shards[i] = Shard(i, s, d, r)
+    return shards
 
 
 # ----------------------------------------------------------------------------- packing

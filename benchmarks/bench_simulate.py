@@ -1,0 +1,129 @@
+"""Step time of the four strategies on the brief's headline setup, against the project's goals.
+
+    PYTHONPATH=. python benchmarks/bench_simulate.py [--dataset byted|github] [--steps 5]
+        [--gpus 1024] [--context 2M] [--capacity 8K] [--tokens 32M] [--json OUT] [--plot OUT.png]
+
+LLaMA-7B (analytic cost model, H100 nodes of 8), 1024 GPUs (TP 1, PP 1), 2M context, 8K
+capacity, 32M-token Byted-like batches: every step, each strategy plans the same batch and
+the simulator costs every plan with the same cost model (``megatron_bytescale/sim``). Prints
+median step time over the steps, each as a ratio to static and to the lower bound (all
+FLOPs spread perfectly over all GPUs), the planner's wall time, and the goals:
+
+* hdp-balanced at least 3x faster than static,
+* hdp-balanced ahead of megatron-dcp,
+* hdp-balanced within 1.15x of the lower bound,
+
+each checked on every step (batches differ from step to step), plus a per-step table with
+the batch's lower bound (LB) and the critical path of its longest sequence (CP: that
+sequence alone on its best ring; no plan can beat max(LB, CP)).
+
+Static's plans are large (every sequence split over CP=256 ranks: ~10^6 pieces), so a step
+takes ~1 minute of CPU here; only the first step's plans are validated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_bytescale.sim.simulate import SimConfig, format_table, run  # noqa: E402
+from megatron_bytescale.units import format_size, parse_size  # noqa: E402
+
+GOALS = (
+    ("hdp-balanced >= 3x faster than static", lambda r: r["static"]["step_time_s"] / r["hdp-balanced"]["step_time_s"] >= 3.0),
+    ("hdp-balanced ahead of megatron-dcp", lambda r: r["hdp-balanced"]["step_time_s"] < r["megatron-dcp"]["step_time_s"]),
+    ("hdp-balanced within 1.15x of the lower bound", lambda r: r["hdp-balanced"]["x_lower_bound"] <= 1.15),
+)
+
+
+def goal_verdicts(steps: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each goal checked on every step's figures (the batches differ from step to step)."""
+    out = {}
+    for text, check in GOALS:
+        try:
+            met = [bool(check(step)) for step in steps]
+        except KeyError:  # a strategy it needs did not run
+            out[text] = {"met_steps": None, "steps": len(steps)}
+            continue
+        out[text] = {"met_steps": sum(met), "steps": len(steps), "per_step": met}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-7b")
+    ap.add_argument("--hardware", default="h100")
+    ap.add_argument("--gpus", type=int, default=1024)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--context", default="2M")
+    ap.add_argument("--capacity", default="8K")
+    ap.add_argument("--tokens", default="32M", help="global batch tokens")
+    ap.add_argument("--dataset", default="byted")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args()
+
+    cfg = SimConfig(
+        gpus=args.gpus,
+        context=parse_size(args.context, "context"),
+        capacity=parse_size(args.capacity, "capacity"),
+        global_batch_tokens=parse_size(args.tokens, "tokens"),
+        model=args.model,
+        hardware=args.hardware,
+        tp=args.tp,
+        pp=args.pp,
+        dataset=args.dataset,
+        steps=args.steps,
+        seed=args.seed,
+    )
+    report = run(cfg)
+    results = report.medians()
+    print(
+        f"{cfg.model}, {report.cluster.describe()}, context {args.context}, capacity {args.capacity}, "
+        f"{args.tokens} tokens/step, {cfg.dataset}-like, medians over {cfg.steps} steps (seed {cfg.seed})"
+    )
+    print(format_table(report))
+    print()
+    names = [n for n in cfg.strategies if n in report.steps]
+    steps = [{n: report.steps[n][i] for n in names} for i in range(cfg.steps) if all(len(report.steps[n]) > i for n in names)]
+    print("per step (seconds; LB = lower bound, CP = critical path of the longest sequence):")
+    print(f"{'step':>4}{'seqs':>6}{'longest':>9}{'LB':>8}{'CP':>8}" + "".join(f"{n:>14}" for n in names) + f"{'bal/LB':>8}")
+    for i, step in enumerate(steps):
+        any_m = next(iter(step.values()))
+        bal = step.get("hdp-balanced", {}).get("x_lower_bound")
+        print(
+            f"{i:>4}{report.batch_stats[i][0]:>6}{format_size(report.batch_stats[i][1]):>9}{any_m['lower_bound_s']:>8.2f}"
+            f"{any_m['critical_path_s']:>8.2f}" + "".join(f"{step[n]['step_time_s']:>14.2f}" for n in names)
+            + (f"{bal:>8.3f}" if bal else "")
+        )
+    print()
+    goals = goal_verdicts(steps)
+    for text, v in goals.items():
+        if v["met_steps"] is None:
+            print(f"n/a   {text}")
+        else:
+            print(f"{'MET ' if v['met_steps'] == v['steps'] else 'MISS'}  {text}: met in {v['met_steps']} of {v['steps']} steps")
+    if args.json:
+        data = report.to_json()
+        data["goals"] = goals
+        data["per_step"] = steps
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot and report.timelines:
+        from megatron_bytescale.sim.plot import plot_timelines
+
+        plot_timelines(report.timelines, args.plot, lower_bound=report.lower_bound_first,
+                       title=f"{cfg.model}, {report.cluster.describe()}, {args.context} context, first step")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

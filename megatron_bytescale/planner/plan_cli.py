@@ -1,0 +1,162 @@
+"""``bytescale plan``: plan one step for a batch of sequence lengths and show it per rank.
+
+    bytescale plan --model llama-7b --gpus 64 --capacity 8K --lengths 1K,300K,4K,9K
+    bytescale plan --model llama-7b --gpus 1024 --capacity 8K --lengths-file lens.txt --json plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..units import format_size, parse_size
+from .cost_model import CostModel
+from .plan import MicroBatch, Plan
+from .planner import BALANCE_MODES, PlannerConfig, plan_step
+from .specs import HardwareSpec, ModelSpec
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model name (configs/models) or a Megatron .args file")
+    p.add_argument("--hardware", default="h100", help="hardware name (configs/hardware) or a YAML file [h100]")
+    p.add_argument("--profile", help="a measured cost-model profile (YAML/JSON); replaces the analytic model")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size [1]")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size [1]")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job; HDP ranks = gpus / (tp * pp)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node [the hardware spec's]")
+    p.add_argument("--capacity", required=True, help="tokens per micro-batch per rank without offloading, e.g. 8K")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--lengths", help="comma-separated sequence lengths, e.g. 1K,300K,4096")
+    src.add_argument("--lengths-file", help="a file with one positive integer (a sequence length) per line")
+    p.add_argument("--context", default="2M", help="longest sequence allowed [2M]")
+    p.add_argument("--cut", action="store_true", help="cut sequences longer than --context to the context")
+    p.add_argument("--balance", default="dp", choices=BALANCE_MODES, help="balance scheduler mode [dp]")
+    p.add_argument("--slack", type=float, default=0.05, help="balance slack, a fraction of the max time [0.05]")
+    p.add_argument("--no-offload", action="store_true", help="never offload activations")
+    p.add_argument("--json", help="write the plan JSON here")
+    p.add_argument("--max-rows", type=int, default=64, help="ranks shown in the table [64]; 0 shows all")
+
+
+def parse_lengths(text: str) -> list[int]:
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise ConfigError("--lengths is empty: give comma-separated lengths, e.g. --lengths 1K,300K")
+    return [parse_size(t, f"sequence length {t.strip()!r} in --lengths") for t in items]
+
+
+def read_lengths_file(path: str | Path) -> list[int]:
+    """One positive integer per line; blank lines are skipped."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read lengths file {path}: {exc.strerror or exc}") from None
+    lengths = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        item = line.strip()
+        if not item:
+            continue
+        if not item.isdigit() or int(item) <= 0:
+            raise ConfigError(f"{path}, line {lineno}: expected one positive integer (a sequence length), got {item!r}")
+        lengths.append(int(item))
+    if not lengths:
+        raise ConfigError(f"{path}: no sequence lengths found; write one positive integer per line")
+    return lengths
+
+
+def apply_context(lengths: Sequence[int], context: int, cut: bool) -> list[int]:
+    longer = [i for i, s in enumerate(lengths) if s > context]
+    if longer and not cut:
+        i = longer[0]
+        raise ConfigError(
+            f"sequence {i} has {lengths[i]} tokens, longer than the {format_size(context)} context "
+            f"({len(longer)} such); raise --context or pass --cut to cut them to the context"
+        )
+    return [min(s, context) for s in lengths]
+
+
+def describe_micro_batch(mb: MicroBatch, rank: int) -> str:
+    parts = []
+    for p in mb.pieces:
+        ranges = "".join(f"[{a}:{b})" for a, b in p.ranges)
+        if p.is_distributed:
+            parts.append(f"s{p.seq_id}{ranges} ring {p.ring_size}#{p.ring_index(rank)}")
+        else:
+            parts.append(f"s{p.seq_id}{ranges}")
+    text = " + ".join(parts)
+    if mb.offload_ratio > 0:
+        text += f" (offload {mb.offload_ratio:.2f})"
+    return text
+
+
+def format_table(plan: Plan, max_rows: int) -> str:
+    est = plan.meta.get("est_rank_time_s") or [0.0] * plan.num_ranks
+    tokens = plan.tokens_per_rank()
+    rows = range(plan.num_ranks) if max_rows <= 0 else range(min(plan.num_ranks, max_rows))
+    lines = [f"{'rank':>5} {'mbs':>4} {'tokens':>8} {'est s':>8}  micro-batches (pieces as seq[start:end))"]
+    for r in rows:
+        mbs = plan.ranks[r]
+        desc = " | ".join(describe_micro_batch(mb, r) for mb in mbs) or "-"
+        lines.append(f"{r:>5} {len(mbs):>4} {tokens[r]:>8} {est[r]:>8.2f}  {desc}")
+    if len(rows) < plan.num_ranks:
+        lines.append(f"... {plan.num_ranks - len(rows)} more ranks (--max-rows 0 shows all)")
+    return "\n".join(lines)
+
+
+def format_summary(plan: Plan) -> str:
+    m = plan.meta
+    est = np.asarray(m.get("est_rank_time_s") or [0.0])
+    rings = ", ".join(f"{n}x{size}" for size, n in m.get("ring_sizes", {}).items()) or "none"
+    return "\n".join(
+        [
+            f"strategy {m.get('strategy')} (balance {m.get('balance')}), {plan.num_ranks} HDP ranks, "
+            f"{len(plan.seq_lens)} sequences, {sum(plan.seq_lens)} tokens, capacity {plan.capacity}",
+            f"long sequences (count x ring size): {rings}; offloaded: {m.get('offloaded_sequences', 0)}",
+            f"estimated step: max {est.max():.2f} s, mean {est.mean():.2f} s (max/mean {est.max() / max(est.mean(), 1e-12):.3f}); "
+            f"compute bound {m.get('compute_bound_s', 0.0):.2f} s; planned in {m.get('plan_time_s', 0.0) * 1e3:.1f} ms",
+        ]
+    )
+
+
+def build_cost(args) -> CostModel:
+    if args.profile:
+        return CostModel.from_profile(args.profile)
+    return CostModel.analytic(ModelSpec.load(args.model), HardwareSpec.load(args.hardware), tp=args.tp, pp=args.pp)
+
+
+def hdp_shape(gpus: int, tp: int, pp: int, gpus_per_node: int) -> tuple[int, int]:
+    """(HDP ranks, HDP ranks per node): TP shards share a node first (Megatron's rank order)."""
+    if gpus <= 0 or tp <= 0 or pp <= 0 or gpus_per_node <= 0:
+        raise ConfigError(f"--gpus, --tp, --pp and --gpus-per-node must be positive, got {gpus}, {tp}, {pp}, {gpus_per_node}")
+    if gpus % (tp * pp):
+        raise ConfigError(f"--gpus {gpus} does not divide by TP x PP = {tp * pp}; use a multiple of {tp * pp} GPUs")
+    return gpus // (tp * pp), max(1, gpus_per_node // tp)
+
+
+def main(args) -> int:
+    per_node = args.gpus_per_node or HardwareSpec.load(args.hardware).gpus_per_node
+    num_ranks, ranks_per_node = hdp_shape(args.gpus, args.tp, args.pp, per_node)
+    cost = build_cost(args)
+    capacity = parse_size(args.capacity, "--capacity")
+    context = parse_size(args.context, "--context")
+    lengths = parse_lengths(args.lengths) if args.lengths else read_lengths_file(args.lengths_file)
+    lengths = apply_context(lengths, context, args.cut)
+    config = PlannerConfig(
+        num_ranks=num_ranks,
+        capacity=capacity,
+        ranks_per_node=ranks_per_node,
+        balance=args.balance,
+        slack=args.slack,
+        offload=not args.no_offload,
+        pipeline_stages=args.pp,
+    )
+    plan = plan_step(lengths, config, cost).validate()
+    print(format_table(plan, args.max_rows))
+    print(format_summary(plan))
+    if args.json:
+        plan.to_json(args.json)
+        print(f"plan written to {args.json}")
+    return 0

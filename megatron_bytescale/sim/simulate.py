@@ -1,0 +1,252 @@
+"""``bytescale simulate``: compare strategies on a simulated cluster, step by step.
+
+Every step draws one global batch of sequence lengths (a synthetic workload or a lengths
+file), each strategy plans it, and the timeline engine costs every plan with the same cost
+model on the same cluster. Reported figures are medians over the steps; the Gantt chart
+shows the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ..data.workloads import lengths_from_file, read_lengths_file, sample_lengths
+from ..errors import ConfigError
+from ..planner.cost_model import CostModel
+from ..planner.specs import HardwareSpec, ModelSpec
+from ..units import format_size, parse_size
+from .cluster import Cluster
+from .static_cp import StrategyError
+from .strategies import STRATEGIES, StrategyInput, make_plan, parse_strategies
+from .timeline import Timeline, evaluate
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    gpus: int
+    context: int
+    capacity: int
+    global_batch_tokens: int
+    model: str = "llama-7b"
+    hardware: str = "h100"
+    tp: int = 1
+    pp: int = 1
+    gpus_per_node: int | None = None  # default: the hardware's
+    dataset: str = "byted"
+    lengths_file: str | None = None
+    strategies: tuple[str, ...] = tuple(STRATEGIES)
+    steps: int = 5
+    seed: int = 0
+    validate: str = "first"  # "first" | "all" | "none": which steps' plans to check with Plan.validate
+
+
+@dataclass
+class SimReport:
+    config: SimConfig
+    cluster: Cluster
+    cost: CostModel
+    steps: dict[str, list[dict]] = field(default_factory=dict)  # strategy -> metrics per step
+    errors: dict[str, str] = field(default_factory=dict)  # strategy -> why it produced no result
+    notes: dict[str, list[str]] = field(default_factory=dict)
+    timelines: dict[str, Timeline] = field(default_factory=dict)  # first step
+    batch_stats: list[tuple[int, int, int]] = field(default_factory=list)  # per step: sequences, longest, tokens
+    lower_bound_first: float = 0.0
+
+    def medians(self) -> dict[str, dict]:
+        out = {}
+        for name in self.config.strategies:
+            if name in self.errors:
+                out[name] = {"error": self.errors[name]}
+                continue
+            rows = self.steps.get(name, [])
+            keys = [k for k in rows[0] if all(k in r for r in rows)] if rows else []
+            out[name] = {k: float(statistics.median(r[k] for r in rows)) for k in keys}
+            if self.notes.get(name):
+                out[name]["notes"] = self.notes[name]
+        return out
+
+    def to_json(self) -> dict:
+        cfg = asdict(self.config)
+        cfg["strategies"] = list(self.config.strategies)
+        cfg["d_hdp"] = self.cluster.d_hdp
+        cfg["gpus_per_node"] = self.cluster.gpus_per_node
+        cfg["cost_model"] = asdict(self.cost)
+        return {"config": cfg, "results": self.medians()}
+
+
+def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
+    model = ModelSpec.load(cfg.model)
+    hw = HardwareSpec.load(cfg.hardware)
+    cluster = Cluster(cfg.gpus, cfg.tp, cfg.pp, cfg.gpus_per_node or hw.gpus_per_node)
+    cost = CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp)
+    if cfg.capacity <= 0 or cfg.context <= 0 or cfg.global_batch_tokens <= 0:
+        raise ConfigError("capacity, context and global batch tokens must be positive")
+    if cfg.context < cfg.capacity:
+        raise ConfigError(
+            f"context {cfg.context} is smaller than the capacity {cfg.capacity}; the capacity is what one rank "
+            "holds of a longer sequence, so give a context >= capacity"
+        )
+    if cfg.context > cfg.capacity * cluster.d_hdp:
+        raise ConfigError(
+            f"a {cfg.context}-token sequence does not fit on {cluster.d_hdp} HDP ranks of capacity {cfg.capacity}; "
+            "raise the capacity or the GPU count, or lower the context"
+        )
+    if cfg.steps <= 0:
+        raise ConfigError(f"--steps must be positive, got {cfg.steps}")
+    if cfg.validate not in ("first", "all", "none"):
+        raise ConfigError(f"--validate must be first, all or none, got {cfg.validate!r}")
+    parse_strategies(",".join(cfg.strategies))
+    return cluster, cost
+
+
+def run(cfg: SimConfig, progress: bool = True) -> SimReport:
+    cluster, cost = check_config(cfg)
+    rng = np.random.default_rng(cfg.seed)
+    pool = read_lengths_file(cfg.lengths_file) if cfg.lengths_file else None
+    report = SimReport(config=cfg, cluster=cluster, cost=cost)
+    bar = tqdm(total=cfg.steps * len(cfg.strategies), disable=not progress or cfg.steps == 1, file=sys.stderr, unit="plan")
+    for step in range(cfg.steps):
+        if pool is not None:
+            lengths = lengths_from_file(pool, cfg.global_batch_tokens, cfg.context, rng)
+        else:
+            lengths = sample_lengths(cfg.dataset, cfg.global_batch_tokens, cfg.context, rng)
+        report.batch_stats.append((len(lengths), max(lengths), sum(lengths)))
+        x = StrategyInput(lengths, cluster, cost, cfg.capacity, cfg.context)
+        this_step: dict[str, dict] = {}
+        for name in cfg.strategies:
+            bar.set_description(f"step {step + 1}/{cfg.steps} {name}")
+            if name not in report.errors:
+                try:
+                    plan = make_plan(name, x)
+                    if cfg.validate == "all" or (cfg.validate == "first" and step == 0):
+                        plan.validate()
+                    result = evaluate(plan, cluster, cost)
+                except StrategyError as exc:
+                    report.errors[name] = str(exc)
+                else:
+                    this_step[name] = result.metrics()
+                    report.steps.setdefault(name, []).append(this_step[name])
+                    for note in result.notes:
+                        report.notes.setdefault(name, [])
+                        if note not in report.notes[name]:
+                            report.notes[name].append(note)
+                    if step == 0:
+                        report.timelines[name] = result.timeline
+                        report.lower_bound_first = result.lower_bound
+            bar.update(1)
+        if "static" in this_step:  # ratios per step, then medians: batches differ from step to step
+            for m in this_step.values():
+                m["speedup_vs_static"] = this_step["static"]["step_time_s"] / m["step_time_s"]
+    bar.close()
+    return report
+
+
+def format_table(report: SimReport) -> str:
+    """Medians over the steps; ratios are taken per step, then the median."""
+    med = report.medians()
+    head = (
+        f"{'strategy':<14}{'step s':>9}{'speedup':>9}{'x LB':>7}{'x bound':>8}{'busy max':>9}{'busy avg':>9}"
+        f"{'exp.comm':>9}{'P2P TB':>8}{'offl TB':>8}{'mb max':>7}{'plan s':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for name, m in med.items():
+        if "error" in m:
+            lines.append(f"{name:<14}n/a: {m['error']}")
+            continue
+        speedup = f"{m['speedup_vs_static']:.2f}x" if "speedup_vs_static" in m else "-"
+        lines.append(
+            f"{name:<14}{m['step_time_s']:>9.2f}{speedup:>9}{m['x_lower_bound']:>7.2f}{m['x_bound']:>8.2f}"
+            f"{m['busy_max_s']:>9.2f}{m['busy_mean_s']:>9.2f}{m['exposed_comm_s']:>9.2f}"
+            f"{m['p2p_bytes'] / 1e12:>8.1f}{m['offload_bytes'] / 1e12:>8.1f}{m['microbatches_max']:>7.0f}{m['plan_time_s']:>8.2f}"
+        )
+    ok = [m for m in med.values() if "lower_bound_s" in m]
+    if ok:
+        lines.append(
+            f"lower bound LB (all FLOPs spread over all GPUs): {ok[0]['lower_bound_s']:.2f} s; critical path (longest "
+            f"sequence alone, best ring): {ok[0]['critical_path_s']:.2f} s; bound = max of the two (medians)"
+        )
+    lines.append(
+        "speedup: static step / step; busy, exposed comm: per GPU (max / mean); P2P, offload: all GPUs; exp.comm: mean"
+    )
+    for name, notes in report.notes.items():
+        for note in notes:
+            lines.append(f"note [{name}]: {note}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-7b", help="a configs/models name or a Megatron .args file")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware spec's")
+    parser.add_argument("--hardware", default="h100", help="a configs/hardware name or a YAML file")
+    parser.add_argument("--context", required=True, help="longest sequence, e.g. 2M")
+    parser.add_argument("--capacity", required=True, help="tokens per rank per micro-batch, e.g. 8K")
+    parser.add_argument("--global-batch-tokens", required=True, help="tokens per step, e.g. 32M")
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--dataset", default="byted", help="byted | github | a workload YAML (default byted)")
+    src.add_argument("--lengths-file", default=None, help="one token length per line, resampled until the batch is full")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated from {', '.join(STRATEGIES)}")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--validate", default="first", choices=["first", "all", "none"], help="which steps' plans to validate")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the config and median results as JSON")
+    parser.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart of the first step")
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        gpus=args.gpus,
+        context=parse_size(args.context, "context"),
+        capacity=parse_size(args.capacity, "capacity"),
+        global_batch_tokens=parse_size(args.global_batch_tokens, "global batch tokens"),
+        model=args.model,
+        hardware=args.hardware,
+        tp=args.tp,
+        pp=args.pp,
+        gpus_per_node=args.gpus_per_node,
+        dataset=args.dataset,
+        lengths_file=args.lengths_file,
+        strategies=tuple(parse_strategies(args.strategies)),
+        steps=args.steps,
+        seed=args.seed,
+        validate=args.validate,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    report = run(cfg)
+    source = f"lengths file {cfg.lengths_file}" if cfg.lengths_file else f"{cfg.dataset}-like batches"
+    print(
+        f"{cfg.model} on {report.cluster.describe()}; context {format_size(cfg.context)}, capacity "
+        f"{format_size(cfg.capacity)}, {format_size(cfg.global_batch_tokens)} tokens/step of {source}; "
+        f"medians over {cfg.steps} step(s)"
+    )
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        if report.timelines:
+            from .plot import plot_timelines
+
+            plot_timelines(
+                report.timelines,
+                args.plot,
+                lower_bound=report.lower_bound_first,
+                title=f"{cfg.model}, {report.cluster.describe()}, {format_size(cfg.context)} context, first step",
+            )
+            print(f"wrote {args.plot}")
+        else:
+            print("no strategy produced a timeline; nothing to plot", file=sys.stderr)
+    return 0 if report.steps else 2

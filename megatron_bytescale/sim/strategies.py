@@ -1,0 +1,96 @@
+"""The strategies the simulator compares. Each turns one global batch into a Plan, so one
+costing engine (``timeline.py``) evaluates all of them with the same cost model.
+
+* ``static``       Megatron's static DP x CP mesh (``static_cp.py``).
+* ``megatron-dcp`` Megatron's hybrid / dynamic CP: megatron-core's own BalancedCPScheduler
+                   (``megatron_dcp.py``).
+* ``hdp-sharding`` HDP rings sized to memory without offloading, no balancing: what dynamic
+                   communication alone buys (an ablation step, not one of the four headline rows).
+* ``hdp-naive``    HDP from our planner with selective offloading, no balancing
+                   (``balance="none"``): rings at the offload memory floor.
+* ``hdp-balanced`` HDP from our planner with the balance scheduler (``"dp"``; ``"pp"`` when
+                   PP > 1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..planner.cost_model import CostModel
+from ..planner.plan import Plan
+from .cluster import Cluster
+from .megatron_dcp import megatron_dcp_plan
+from .static_cp import StrategyError, static_plan
+
+
+@dataclass(frozen=True)
+class StrategyInput:
+    seq_lens: Sequence[int]
+    cluster: Cluster
+    cost: CostModel
+    capacity: int
+    context: int
+
+
+def _static(x: StrategyInput) -> Plan:
+    return static_plan(x.seq_lens, x.cluster, x.capacity, x.context, x.cost.num_layers)
+
+
+def _megatron_dcp(x: StrategyInput) -> Plan:
+    return megatron_dcp_plan(x.seq_lens, x.cluster, x.capacity, x.cost.num_layers)
+
+
+def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True) -> Callable[[StrategyInput], Plan]:
+    def make(x: StrategyInput) -> Plan:
+        try:
+            from ..planner.planner import PlannerConfig, plan_step
+        except ImportError as exc:
+            raise StrategyError(f"{name}: the HDP planner (megatron_bytescale.planner.planner) is not available: {exc}") from None
+        config = PlannerConfig(
+            num_ranks=x.cluster.d_hdp,
+            capacity=x.capacity,
+            ranks_per_node=x.cluster.hdp_per_node,
+            balance=balance_if_pp if x.cluster.pp > 1 else balance_if_dp,
+            pipeline_stages=x.cluster.pp,
+            offload=offload,
+        )
+        t0 = time.perf_counter()
+        plan = plan_step(list(x.seq_lens), config, x.cost)
+        wall = time.perf_counter() - t0
+        plan.meta = {**plan.meta, "strategy": name}
+        plan.meta.setdefault("plan_time_s", wall)
+        return plan
+
+    return make
+
+
+STRATEGIES: dict[str, Callable[[StrategyInput], Plan]] = {
+    "static": _static,
+    "megatron-dcp": _megatron_dcp,
+    "hdp-sharding": _hdp("none", "none", "hdp-sharding", offload=False),
+    "hdp-naive": _hdp("none", "none", "hdp-naive"),
+    "hdp-balanced": _hdp("dp", "pp", "hdp-balanced"),
+}
+
+
+def parse_strategies(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown or not names:
+        raise ConfigError(
+            f"unknown strategy {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(STRATEGIES)}"
+        )
+    return names
+
+
+def make_plan(name: str, x: StrategyInput) -> Plan:
+    """The strategy's Plan for one batch; StrategyError if the strategy cannot plan it."""
+    if name not in STRATEGIES:
+        parse_strategies(name)
+    return STRATEGIES[name](x)
+
+
+__all__ = ["STRATEGIES", "StrategyError", "StrategyInput", "make_plan", "parse_strategies"]

@@ -1,0 +1,481 @@
+"""Cost a Plan on a Cluster: the per-GPU timeline of one training step.
+
+Every strategy is costed here with the same ``CostModel`` and the same rules:
+
+* **Micro-batch work.** Per layer, a rank computes ``layer_time`` of its tokens: the linear
+  part ``b1 * tokens + g`` plus attention ``a1 * pairs``, where a whole sequence of ``s``
+  tokens contributes ``s^2`` pairs and a zigzag share of a ring of ``N`` contributes
+  ``s^2 / N`` (zigzag gives every ring step the same causal work). Forward takes
+  ``FORWARD_SHARE`` of it, backward the rest.
+* **Ring micro-batches.** All members start together, when the last of them is ready, and
+  run in lockstep layer by layer. In each layer the linear part runs first (the ring waits
+  for its slowest member), then the ring runs ``N`` steps; a step lasts
+  ``max(attention compute of the step, the hop that overlaps it)``. A hop moves the block
+  of KV (backward: KV + dKV) each member passes to its successor; it takes
+  ``CostModel.hop_time`` over NVLink if the two share a node and over the network if not,
+  and the step waits for the slowest hop. Forward has ``N - 1`` hops, backward ``N - 1``
+  plus a last dKV-only hop that nothing overlaps. Short sequences packed whole next to the
+  distributed pieces compute in step 0. *Exposed communication* of a member is the step
+  time its own compute does not cover because a hop is still in flight.
+* **Offloading.** A micro-batch with offload ratio ``r`` copies ``r * Act(tokens)`` bytes of
+  each of ``l - 2`` layers to the host and back; one layer's copy hides behind that layer's
+  forward+backward compute (the brief's rule ``T(s) >= r Act(s) / B``), and whatever exceeds
+  it is exposed, split between forward and backward by ``FORWARD_SHARE``.
+* **Pipelines.** Each HDP rank is one pipeline of ``pp`` stages (equal layer counts) running
+  its micro-batches with 1F1B (warm-up, steady state, cool-down); a ring micro-batch's work
+  on a stage starts when every member pipeline has reached it there. Activation transfers
+  between stages are not costed (the same omission for every strategy).
+* **Barriers.** ``plan.meta["barriers"]`` (Megatron's hybrid CP) lists, per barrier, how many
+  micro-batches each rank has finished when it enters; nobody continues until all arrive,
+  and pipelines are flushed there.
+* **Gradient reduction** and the optimizer step are left out of every strategy: they take the
+  same time whatever the plan, since every strategy reduces the same gradients over the same
+  ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import PlanError
+from ..planner.cost_model import FORWARD_SHARE, CostModel
+from ..planner.plan import MicroBatch, Plan
+from .cluster import Cluster
+
+FORWARD, BACKWARD = 0, 1
+
+
+@dataclass(frozen=True)
+class Work:
+    """One micro-batch on one pipeline stage in one direction, as one rank sees it."""
+
+    duration: float  # wall time from start to end (the same for every member of a ring)
+    compute: float  # busy computing
+    comm: float  # exposed communication: waiting for ring hops that compute does not cover
+    offload: float  # exposed PCIe copies of offloaded activations
+
+
+@dataclass(frozen=True)
+class MemberLoad:
+    """What one rank holds in one micro-batch, reduced to what the cost model needs."""
+
+    tokens: int
+    dist_tokens: int  # tokens of distributed pieces: this rank's KV block in the ring
+    dist_pairs: float  # attention pairs of distributed pieces (s^2 / N each)
+    local_pairs: float  # attention pairs of whole sequences (s^2 each)
+    offload_ratio: float
+
+    @classmethod
+    def of(cls, mb: MicroBatch) -> MemberLoad:
+        tokens = dist_tokens = 0
+        dist_pairs = local_pairs = 0.0
+        for p in mb.pieces:  # plain attribute access: static plans hold ~10^6 pieces
+            n = len(p.ring)
+            if n > 1:
+                held = 0
+                for start, end in p.ranges:
+                    held += end - start
+                dist_tokens += held
+                tokens += held
+                dist_pairs += p.seq_len * p.seq_len / n
+            else:
+                tokens += p.seq_len
+                local_pairs += p.seq_len * p.seq_len
+        return cls(tokens, dist_tokens, dist_pairs, local_pairs, mb.offload_ratio)
+
+
+def ring_key(mb: MicroBatch) -> tuple | None:
+    """(ring, distributed sequence ids) of a ring micro-batch; None if all its pieces are whole."""
+    rings = set()
+    seqs = []
+    for p in mb.pieces:
+        if len(p.ring) > 1:
+            rings.add(p.ring)
+            seqs.append(p.seq_id)
+    if not rings:
+        return None
+    if len(rings) > 1:
+        raise PlanError(f"a micro-batch's distributed pieces use {len(rings)} rings; one allowed")
+    return (next(iter(rings)), tuple(sorted(seqs)))
+
+
+def offload_exposure(load: MemberLoad, cost: CostModel, layers: int) -> tuple[float, float]:
+    """(exposed seconds per stage, bytes copied to the host per stage) of one micro-batch."""
+    if load.offload_ratio <= 0 or layers <= 2:
+        return 0.0, 0.0
+    per_layer_bytes = load.offload_ratio * cost.act_bytes(load.tokens)
+    copy = per_layer_bytes / cost.bw_offload
+    compute = cost.layer_time(load.tokens, load.dist_pairs + load.local_pairs)
+    return (layers - 2) * max(0.0, copy - compute), (layers - 2) * per_layer_bytes
+
+
+def local_work(load: MemberLoad, cost: CostModel, layers: int) -> tuple[Work, Work]:
+    t = cost.layer_time(load.tokens, load.local_pairs + load.dist_pairs) * layers
+    off, _ = offload_exposure(load, cost, layers)
+    out = []
+    for share in (FORWARD_SHARE, 1.0 - FORWARD_SHARE):
+        out.append(Work(duration=share * (t + off), compute=share * t, comm=0.0, offload=share * off))
+    return out[0], out[1]
+
+
+def ring_work(
+    ring: tuple[int, ...], loads: list[MemberLoad], cluster: Cluster, cost: CostModel, layers: int
+) -> list[tuple[Work, Work]]:
+    """(forward, backward) Work of each member (in ring order) of one ring micro-batch."""
+    n = len(ring)
+    block = np.array([ld.dist_tokens for ld in loads], dtype=float)
+    inter = np.array([not cluster.same_node(ring[i], ring[(i + 1) % n]) for i in range(n)])
+    bw = np.where(inter, cost.bw_inter_node, cost.bw_intra_node)
+    lin = np.array([cost.b1 * ld.tokens + cost.g for ld in loads])
+    attn = np.array([cost.a1 * ld.dist_pairs for ld in loads])
+    local = np.array([cost.a1 * ld.local_pairs for ld in loads])
+    off = np.array([offload_exposure(ld, cost, layers)[0] / layers for ld in loads])
+    # hop k (0 <= k < n-1): member i passes the block that started at member (i - k)
+    sender_block = block[(np.arange(n)[:, None] - np.arange(n - 1)[None, :]) % n]  # [member, hop]
+    lat = cost.p2p_latency_s
+    results = []
+    for direction, share in ((FORWARD, FORWARD_SHARE), (BACKWARD, 1.0 - FORWARD_SHARE)):
+        per_token = cost.kv_bytes_per_token + (cost.grad_bytes_per_token if direction == BACKWARD else 0.0)
+        hops = lat + (sender_block * (per_token / bw)[:, None]).max(axis=0)  # [n-1], slowest link
+        a = share * attn / n  # per step, per member
+        first = a + share * local  # step 0 also computes the whole sequences
+        step_max = np.empty(n)
+        step_max[0] = max(first.max(), hops[0])
+        step_max[1 : n - 1] = np.maximum(a.max(), hops[1:])
+        step_max[n - 1] = a.max() if n > 1 else first.max()
+        tail = 0.0
+        if direction == BACKWARD:  # the dKV accumulators travel home once more
+            tail = lat + (block[(np.arange(n) + 1) % n] * (cost.grad_bytes_per_token / bw)).max()
+        pre = share * (lin + off)
+        layer_time = pre.max() + step_max.sum() + tail
+        exposed = np.maximum(0.0, hops[0] - first) + np.maximum(0.0, hops[None, 1:] - a[:, None]).sum(axis=1) + tail
+        compute = share * (lin + attn + local)
+        for i in range(n):
+            w = Work(
+                duration=layers * layer_time,
+                compute=layers * compute[i],
+                comm=layers * exposed[i],
+                offload=layers * share * off[i],
+            )
+            if direction == FORWARD:
+                results.append([w])
+            else:
+                results[i].append(w)
+    return [(f, b) for f, b in results]
+
+
+def one_f_one_b(count: int, stages: int, stage: int) -> list[tuple[int, int]]:
+    """(direction, micro-batch index) in 1F1B order for one stage of a pipeline."""
+    warmup = min(stages - stage - 1, count)
+    order = [(FORWARD, m) for m in range(warmup)]
+    for i in range(count - warmup):
+        order.append((FORWARD, warmup + i))
+        order.append((BACKWARD, i))
+    order.extend((BACKWARD, m) for m in range(count - warmup, count))
+    return order
+
+
+@dataclass
+class Timeline:
+    """One step on every GPU. Rows are GPUs (one per TP group): row = stage * num_ranks + rank."""
+
+    step_time: float
+    num_ranks: int
+    stages: int
+    # per row: array of ops, columns start, end, direction, compute, comm, offload
+    ops: list[np.ndarray] = field(repr=False)
+    barriers: list[float] = field(default_factory=list)  # times all ranks leave each barrier
+
+    COLUMNS = ("start", "end", "direction", "compute", "comm", "offload")
+
+    def row(self, rank: int, stage: int = 0) -> np.ndarray:
+        return self.ops[stage * self.num_ranks + rank]
+
+    def totals(self, column: str) -> np.ndarray:
+        c = self.COLUMNS.index(column)
+        return np.array([ops[:, c].sum() if len(ops) else 0.0 for ops in self.ops])
+
+    @property
+    def busy(self) -> np.ndarray:
+        return self.totals("compute")
+
+    @property
+    def comm(self) -> np.ndarray:
+        return self.totals("comm")
+
+    @property
+    def offload(self) -> np.ndarray:
+        return self.totals("offload")
+
+    @property
+    def idle(self) -> np.ndarray:
+        return self.step_time - self.busy - self.comm - self.offload
+
+
+def parse_barriers(plan: Plan) -> list[list[int]]:
+    barriers = plan.meta.get("barriers", [])
+    counts = [len(mbs) for mbs in plan.ranks]
+    prev = [0] * plan.num_ranks
+    for b, entry in enumerate(barriers):
+        if len(entry) != plan.num_ranks or any(not prev[r] <= entry[r] <= counts[r] for r in range(plan.num_ranks)):
+            raise PlanError(
+                f"barrier {b} must give, for each of {plan.num_ranks} ranks, a non-decreasing count of "
+                f"micro-batches finished before it (at most the rank's micro-batches); got {entry}"
+            )
+        prev = list(entry)
+    return [list(b) for b in barriers]
+
+
+def micro_batch_work(plan: Plan, cluster: Cluster, cost: CostModel):
+    """Per rank and micro-batch: (forward Work, backward Work, coupling key or None)."""
+    layers = plan.num_layers
+    work: list[list] = [[None] * len(mbs) for mbs in plan.ranks]
+    rings: dict[tuple, dict[int, int]] = defaultdict(dict)
+    for rank, mbs in enumerate(plan.ranks):
+        for m, mb in enumerate(mbs):
+            key = ring_key(mb)
+            if key is None:
+                f, b = local_work(MemberLoad.of(mb), cost, layers)
+                work[rank][m] = (f, b, None)
+            elif rank in rings[key]:
+                raise PlanError(f"rank {rank}: the ring micro-batch of sequences {list(key[1])} appears twice")
+            else:
+                rings[key][rank] = m
+    for key, where in rings.items():
+        ring = key[0]
+        if set(where) != set(ring):
+            raise PlanError(f"ring micro-batch of sequences {list(key[1])} on ring {ring} is scheduled only on ranks {sorted(where)}")
+        loads = [MemberLoad.of(plan.ranks[r][where[r]]) for r in ring]
+        for r, (f, b) in zip(ring, ring_work(ring, loads, cluster, cost, layers)):
+            work[r][where[r]] = (f, b, key)
+    return work
+
+
+def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
+    """Run ``plan`` through the event model above; raise PlanError if it would deadlock."""
+    if plan.num_ranks != cluster.d_hdp:
+        raise PlanError(f"plan has {plan.num_ranks} ranks but the cluster has {cluster.d_hdp} HDP ranks")
+    if plan.num_layers != cost.num_layers:
+        raise PlanError(
+            f"plan counts {plan.num_layers} layers per stage, the cost model {cost.num_layers}; build both for the same PP"
+        )
+    stages = cluster.pp
+    work = micro_batch_work(plan, cluster, cost)
+    barriers = parse_barriers(plan)
+
+    durations: list[float] = []
+    preds: list[list[int]] = []
+    ring_nodes: dict[tuple, int] = {}
+    local_nodes: dict[tuple, int] = {}
+
+    def node(rank: int, stage: int, direction: int, m: int) -> int:
+        key = work[rank][m][2]
+        table, k = (local_nodes, (rank, stage, direction, m)) if key is None else (ring_nodes, (key, stage, direction))
+        nid = table.get(k)
+        if nid is None:
+            nid = len(durations)
+            table[k] = nid
+            durations.append(work[rank][m][direction].duration)
+            preds.append([])
+        return nid
+
+    last: dict[tuple[int, int], int] = {}
+    schedule: list[list[tuple[int, int, int]]] = [[] for _ in range(stages * plan.num_ranks)]  # (node, dir, m)
+    barrier_nodes: list[int] = []
+    bounds = [[0] + [b[r] for b in barriers] + [len(plan.ranks[r])] for r in range(plan.num_ranks)]
+    for seg in range(len(barriers) + 1):
+        for rank in range(plan.num_ranks):
+            lo, hi = bounds[rank][seg], bounds[rank][seg + 1]
+            for stage in range(stages):
+                row = schedule[stage * plan.num_ranks + rank]
+                for direction, i in one_f_one_b(hi - lo, stages, stage):
+                    m = lo + i
+                    nid = node(rank, stage, direction, m)
+                    p = preds[nid]
+                    if (rank, stage) in last:
+                        p.append(last[(rank, stage)])
+                    if direction == FORWARD and stage > 0:
+                        p.append(node(rank, stage - 1, FORWARD, m))
+                    elif direction == BACKWARD:
+                        p.append(node(rank, stage + 1, BACKWARD, m) if stage < stages - 1 else node(rank, stage, FORWARD, m))
+                    last[(rank, stage)] = nid
+                    row.append((nid, direction, m))
+        if seg < len(barriers):
+            bid = len(durations)
+            durations.append(0.0)
+            preds.append(sorted(set(last.values())))
+            barrier_nodes.append(bid)
+            for rank in range(plan.num_ranks):
+                for stage in range(stages):
+                    last[(rank, stage)] = bid
+
+    end = _longest_paths(durations, preds, schedule, plan.num_ranks)
+    ops = []
+    for idx, row in enumerate(schedule):
+        rank = idx % plan.num_ranks
+        arr = np.empty((len(row), len(Timeline.COLUMNS)))
+        for j, (nid, direction, m) in enumerate(row):
+            w = work[rank][m][direction]
+            arr[j] = (end[nid] - w.duration, end[nid], direction, w.compute, w.comm, w.offload)
+        ops.append(arr)
+    step_time = max((float(end.max()) if len(end) else 0.0), 0.0)
+    return Timeline(
+        step_time=step_time,
+        num_ranks=plan.num_ranks,
+        stages=stages,
+        ops=ops,
+        barriers=[float(end[b]) for b in barrier_nodes],
+    )
+
+
+def _longest_paths(durations, preds, schedule, num_ranks) -> np.ndarray:
+    """End time of every node (start = latest end among its predecessors); PlanError on a cycle."""
+    n = len(durations)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    indeg = [0] * n
+    for v, ps in enumerate(preds):
+        for u in set(ps):
+            if u != v:
+                succ[u].append(v)
+                indeg[v] += 1
+    start = [0.0] * n
+    end = np.zeros(n)
+    ready = [v for v in range(n) if indeg[v] == 0]
+    done = 0
+    while ready:
+        u = ready.pop()
+        done += 1
+        e = start[u] + durations[u]
+        end[u] = e
+        for v in succ[u]:
+            if e > start[v]:
+                start[v] = e
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                ready.append(v)
+    if done != n:
+        stuck = []
+        for idx, row in enumerate(schedule):
+            for nid, direction, m in row:
+                if indeg[nid] > 0:
+                    stuck.append(
+                        f"rank {idx % num_ranks} stage {idx // num_ranks} {'forward' if direction == FORWARD else 'backward'} "
+                        f"of micro-batch {m}"
+                    )
+                    break
+            if len(stuck) >= 5:
+                break
+        raise PlanError(
+            "the plan deadlocks: ring micro-batches wait on each other in a cycle under the 1F1B order "
+            f"(e.g. {'; '.join(stuck)}); order ring micro-batches so every member reaches them at the same "
+            "1F1B position"
+        )
+    return end
+
+
+def lower_bound(seq_lens, cluster: Cluster, cost: CostModel) -> float:
+    """Seconds a step needs if all FLOPs were spread perfectly over all GPUs and nothing else cost time:
+
+        LB = L * sum_s (a1 * s^2 + b1 * s) / (d_hdp * pp)
+
+    with ``L`` the model's layers (``cost.num_layers * pp``): the attention and linear work of
+    every sequence, whole (never split, so no ring), on one TP group at the cost model's
+    throughput, divided by the number of TP groups. No per-micro-batch overhead ``g``, no
+    communication, no offloading, no bubbles.
+    """
+    s = np.asarray(seq_lens, dtype=float)
+    work = float((cost.a1 * s * s + cost.b1 * s).sum())
+    return cost.num_layers * work / cluster.d_hdp
+
+
+def critical_path(seq_lens, cluster: Cluster, cost: CostModel) -> float:
+    """Seconds the longest sequence needs on its own, at the best ring size, by the rules above.
+
+    A lower bound no plan can beat, whatever else it runs: the sequence passes through every
+    layer (all ``pp`` stages) in lockstep on one ring of some ``N`` ranks (1 .. d_hdp, memory
+    ignored), each member holding ``s / N`` tokens; a ring larger than a node pays the
+    network for its hops. With large rings each member still receives every KV block, so the
+    time stops falling with ``N``: a 2M-token sequence cannot finish faster than its O(s)
+    ring traffic, however much compute is spread.
+    """
+    s = float(max(seq_lens))
+    n = np.arange(1, cluster.d_hdp + 1, dtype=float)
+    n = n[n <= s]
+    b = s / n
+    fs, bs = FORWARD_SHARE, 1.0 - FORWARD_SHARE
+    attn_step = cost.a1 * b * b  # per member per ring step: (s^2 / N) / N pairs
+    bw = np.where(n > cluster.hdp_per_node, cost.bw_inter_node, cost.bw_intra_node)
+    lat = cost.p2p_latency_s
+    hop_f = lat + b * cost.kv_bytes_per_token / bw
+    hop_b = lat + b * (cost.kv_bytes_per_token + cost.grad_bytes_per_token) / bw
+    tail = lat + b * cost.grad_bytes_per_token / bw
+    lin = cost.b1 * b + cost.g
+    fwd = fs * lin + np.maximum(fs * attn_step, hop_f) * (n - 1) + fs * attn_step
+    bwd = bs * lin + np.maximum(bs * attn_step, hop_b) * (n - 1) + bs * attn_step + tail
+    ring = np.where(n > 1, fwd + bwd, cost.layer_time(s))
+    return float(ring.min()) * cost.num_layers * cluster.pp
+
+
+@dataclass
+class StepResult:
+    strategy: str
+    timeline: Timeline
+    lower_bound: float
+    critical_path: float
+    p2p_bytes: float  # all GPUs together
+    p2p_bytes_max_gpu: float
+    offload_bytes: float  # all GPUs together, device to host
+    microbatches: list[int]
+    plan_time_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def metrics(self) -> dict:
+        t = self.timeline
+        busy = t.busy
+        return {
+            "step_time_s": t.step_time,
+            "lower_bound_s": self.lower_bound,
+            "critical_path_s": self.critical_path,
+            "x_lower_bound": t.step_time / self.lower_bound,
+            "x_bound": t.step_time / max(self.lower_bound, self.critical_path),
+            "busy_max_s": float(busy.max()),
+            "busy_mean_s": float(busy.mean()),
+            "idle_mean_s": float(t.idle.mean()),
+            "exposed_comm_s": float(t.comm.mean()),
+            "exposed_comm_max_s": float(t.comm.max()),
+            "exposed_offload_s": float(t.offload.mean()),
+            "p2p_bytes": self.p2p_bytes,
+            "p2p_bytes_max_gpu": self.p2p_bytes_max_gpu,
+            "offload_bytes": self.offload_bytes,
+            "microbatches_max": max(self.microbatches),
+            "microbatches_mean": float(np.mean(self.microbatches)),
+            "plan_time_s": self.plan_time_s,
+        }
+
+
+def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
+    """Simulate ``plan`` and gather the per-strategy figures."""
+    timeline = simulate(plan, cluster, cost)
+    p2p = plan.p2p_bytes_per_rank(cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers)
+    gpus_per_rank = cluster.tp * cluster.pp  # every TP shard of every stage sends its share
+    offload = 0.0
+    for mbs in plan.ranks:
+        for mb in mbs:
+            if mb.offload_ratio > 0:
+                offload += offload_exposure(MemberLoad.of(mb), cost, plan.num_layers)[1]
+    return StepResult(
+        strategy=str(plan.meta.get("strategy", "?")),
+        timeline=timeline,
+        lower_bound=lower_bound(plan.seq_lens, cluster, cost),
+        critical_path=critical_path(plan.seq_lens, cluster, cost),
+        p2p_bytes=float(sum(p2p)) * gpus_per_rank,
+        p2p_bytes_max_gpu=float(max(p2p)) if p2p else 0.0,
+        offload_bytes=offload * gpus_per_rank,
+        microbatches=[len(mbs) for mbs in plan.ranks],
+        plan_time_s=float(plan.meta.get("plan_time_s", math.nan)),
+        notes=list(plan.meta.get("notes", [])),
+    )

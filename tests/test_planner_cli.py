@@ -1,0 +1,81 @@
+import json
+import re
+
+import pytest
+
+from megatron_bytescale.cli import main
+from megatron_bytescale.planner.plan import Plan
+
+BASE = ["plan", "--model", "llama-7b", "--gpus", "16", "--capacity", "8K"]
+
+
+def test_plan_prints_a_table_and_writes_valid_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(BASE + ["--lengths", "1K,300K,4K,9K,8K,100K,70000", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "rank" in text and "micro-batches" in text
+    assert "s1[0:" in text and "ring 13#0" in text  # the 300K sequence's zigzag pieces, ring size and index
+    assert "offload" in text
+    assert "estimated step: max" in text
+    plan = Plan.from_json(out).validate()
+    assert plan.num_ranks == 16 and plan.seq_lens == (1024, 307200, 4096, 9216, 8192, 102400, 70000)
+    assert plan.meta["strategy"] == "hdp-balanced"
+
+
+def test_tp_pp_and_no_offload(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc = main(BASE + ["--tp", "2", "--pp", "2", "--lengths", "20K,2K", "--no-offload", "--balance", "none", "--json", str(out)])
+    assert rc == 0
+    plan = json.loads(out.read_text())
+    assert plan["num_ranks"] == 4 and plan["num_layers"] == 16  # 16 GPUs / (TP 2 x PP 2); 32 layers / 2 stages
+    assert plan["meta"]["strategy"] == "hdp-naive" and plan["meta"]["ranks_per_node"] == 4
+    assert all(mb["offload_ratio"] == 0 for mbs in plan["ranks"] for mb in mbs)
+
+
+def test_lengths_file(tmp_path, capsys):
+    f = tmp_path / "lens.txt"
+    f.write_text("4096\n\n131072\n  77 \n")
+    assert main(BASE + ["--lengths-file", str(f)]) == 0
+    assert "3 sequences" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("4096\n12K\n", r"lens.txt, line 2: expected one positive integer \(a sequence length\), got '12K'"),
+        ("4096\n0\n", r"lens.txt, line 2: expected one positive integer"),
+        ("1 2\n", r"lens.txt, line 1: expected one positive integer"),
+        ("\n\n", r"lens.txt: no sequence lengths found"),
+    ],
+)
+def test_malformed_lengths_file_names_file_and_line(tmp_path, capsys, content, message):
+    f = tmp_path / "lens.txt"
+    f.write_text(content)
+    assert main(BASE + ["--lengths-file", str(f)]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--lengths", "1K,3M"], r"sequence 1 has 3145728 tokens, longer than the 2M context .*pass --cut"),
+        (["--lengths", "1K,abc"], r"cannot read sequence length 'abc'"),
+        (["--lengths", "1K", "--tp", "3"], r"--gpus 16 does not divide by TP x PP = 3"),
+        (["--lengths", "4M", "--context", "4M"], r"capacity too small: sequence of 4194304 tokens needs"),
+        (["--lengths-file", "/nonexistent/lens.txt"], r"cannot read lengths file /nonexistent/lens.txt"),
+        (["--lengths", "1K", "--capacity", "0"], r"--capacity must be positive"),
+    ],
+)
+def test_errors_name_the_problem_and_the_fix(capsys, extra, message):
+    args = BASE + extra
+    if "--capacity" in extra:
+        args = [a for a in BASE if a not in ("--capacity", "8K")] + extra
+    assert main(args) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_cut_sequences_to_the_context(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(BASE + ["--lengths", "1K,3M", "--cut", "--json", str(out)]) == 0
+    assert Plan.from_json(out).seq_lens == (1024, 2 * 1024 * 1024)

@@ -1,0 +1,67 @@
+import json
+
+import pytest
+
+from megatron_bytescale.cli import main
+
+SMALL = ["simulate", "--gpus", "16", "--gpus-per-node", "4", "--context", "64K", "--capacity", "8K",
+         "--global-batch-tokens", "512K"]
+
+
+def test_simulate_prints_a_table_and_writes_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    rc = main(SMALL + ["--steps", "2", "--seed", "3", "--json", str(out), "--plot", str(png)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    for name in ("static", "megatron-dcp", "hdp-sharding", "hdp-naive", "hdp-balanced"):
+        assert name in text
+    data = json.loads(out.read_text())
+    assert data["config"]["gpus"] == 16 and data["config"]["capacity"] == 8192 and data["config"]["d_hdp"] == 16
+    keys = {"step_time_s", "lower_bound_s", "busy_max_s", "busy_mean_s", "exposed_comm_s", "p2p_bytes",
+            "offload_bytes", "microbatches_max", "plan_time_s"}
+    for name, res in data["results"].items():
+        assert keys <= set(res), name
+        assert res["step_time_s"] >= res["lower_bound_s"] > 0
+    assert data["results"]["static"]["offload_bytes"] == 0
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulate_reads_a_lengths_file(tmp_path, capsys):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(["1000", "3000", "20000", "70000"]) + "\n")
+    rc = main(SMALL + ["--steps", "1", "--strategies", "static,hdp-balanced", "--lengths-file", str(lengths)])
+    assert rc == 0
+    assert f"lengths file {lengths}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"--model": "gpt-9"}, "unknown model 'gpt-9'"),
+        ({"--gpus": "18"}, "18 GPUs do not divide by TP x PP = 1 x 4"),
+        ({"--capacity": "0"}, "capacity must be positive"),
+        ({"--context": "4K"}, "context 4096 is smaller than the capacity 8192"),
+        ({"--context": "1M"}, "does not fit on 16 HDP ranks of capacity 8192"),
+        ({"--strategies": "static,fancy"}, "unknown strategy 'fancy'"),
+        ({"--steps": "0"}, "--steps must be positive"),
+    ],
+)
+def test_simulate_errors(change, problem, capsys):
+    argv = list(SMALL)
+    if change.get("--gpus") == "18":
+        argv += ["--pp", "4"]
+    for flag, value in change.items():
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "bytescale simulate: error:" in err and problem in err
+
+
+def test_simulate_malformed_lengths_file(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("100\n-5\n")
+    assert main(SMALL + ["--lengths-file", str(bad)]) == 2
+    assert f"lengths file {bad}, line 2: length -5 must be positive" in capsys.readouterr().err
