@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("megatron_bytescale.sim.simulate", "compare static CP, Megatron dynamic CP and HDP on a simulated cluster"),
     "prepare-data": ("megatron_bytescale.data.prepare", "write a Megatron indexed dataset from source trees or text files"),
     "dataloader-bench": ("megatron_bytescale.data.bench", "time planning and delivery of the local or Ray data loader"),
+    "profile": ("megatron_bytescale.runtime.profiler", "measure the cost model's coefficients on this machine"),
 }
 
 

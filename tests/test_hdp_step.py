@@ -145,11 +145,10 @@ def _bad_step(rank, world, case):
     if case == "missing" and rank == 1:
         step = None
     if case == "disagree" and rank == 3:
-        other = mixed_plan()
-        other.meta["plan_time_s"] = 0.5  # provenance differs between ranks: still the same plan
+        # another plan, same micro-batches for this rank (plan_digest ignores meta, which
+        # holds each rank's own planning time)
+        other = Plan.from_dict({**mixed_plan().to_dict(), "capacity": 19})
         step = StepBatch(other, rank, mbs)
-        other = Plan(other.num_ranks, other.capacity + 1, other.num_layers, other.seq_lens, other.ranks)
-        step = StepBatch(other, rank, mbs)  # another capacity: a different plan
     if case == "shapes" and rank == 0:
         step.micro_batches[0].tokens = step.micro_batches[0].tokens[:-1]
     try:

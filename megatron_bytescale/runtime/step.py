@@ -54,10 +54,18 @@ _MISSING = -1  # digest sent by a rank that cannot run the step
 
 
 def plan_digest(plan) -> int:
-    """Hash of what the ranks execute (not ``meta``: planner timings differ from rank to rank)."""
-    body = {k: v for k, v in plan.to_dict().items() if k != "meta"}
-    text = json.dumps(body, separators=(",", ":"))
+    """Hash of what the ranks execute (placement), not of ``meta``: ranks that plan for
+    themselves (the local loader) record different planning times there."""
+    placement = {k: v for k, v in plan.to_dict().items() if k != "meta"}
+    text = json.dumps(placement, separators=(",", ":"), sort_keys=True)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def _collective_device(group) -> torch.device:
+    """Where this group's collectives take their tensors: NCCL only moves CUDA tensors."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def check_step_agreement(step: StepBatch | None, group) -> None:
@@ -83,7 +91,7 @@ def check_step_agreement(step: StepBatch | None, group) -> None:
             step.check()
         except PlanError as exc:
             problem = str(exc)
-    mine = torch.tensor([_MISSING if problem else plan_digest(step.plan)], dtype=torch.int64)
+    mine = torch.tensor([_MISSING if problem else plan_digest(step.plan)], dtype=torch.int64, device=_collective_device(group))
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     digests = [int(t.item()) for t in everyone]
@@ -127,7 +135,7 @@ def run_hdp_step(
     stats = StepStats()
     counter = P2PCounter()
     forward_data_store: list = []
-    total_tokens = torch.zeros([], dtype=torch.int)
+    total_tokens = torch.zeros([], dtype=torch.int, device=_collective_device(group))  # finalize_model_grads all-reduces it
     model_type = get_model_type(model)
     no_sync = config.no_sync_func or contextlib.nullcontext
     count = len(step.micro_batches)

@@ -1,0 +1,573 @@
+"""Hybrid Data Parallelism flags for Megatron-LM's ``pretrain_gpt.py``.
+
+``add_hdp_arguments(parser)`` is a Megatron ``extra_args_provider``: it adds one argument
+group in Megatron's kebab-case. ``validate_hdp_args(args)`` runs after Megatron's own
+``validate_args`` (so derived values such as ``data_parallel_size`` exist), refuses every
+flag combination HDP cannot honour with a ConfigError that names the fix, and resolves the
+defaults that depend on other flags. ``planner_config_from_args`` / ``cost_model_from_args``
+turn the validated flags into what the planner needs.
+
+Nothing here imports Megatron-LM's training package: the validator reads plain attributes,
+so it is tested with argparse and a namespace carrying the Megatron flags it reads
+(``MEGATRON_ARGS_READ`` lists them; a test checks them against Megatron's real parser).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..errors import BytescaleError, ConfigError
+from ..planner.specs import HARDWARE_DIR, HardwareSpec, ModelSpec, available
+from ..units import format_size, parse_size
+
+BALANCE_CHOICES = ("none", "dp", "pp")
+DATALOADER_CHOICES = ("local", "ray")
+DEFAULT_HARDWARE = "h100"
+
+# Megatron-LM (core_v0.16.1) attributes the validator, the translators below and pretrain_hooks
+# read, after Megatron's validate_args has run. tests/test_arguments_megatron.py checks each one
+# exists there.
+MEGATRON_ARGS_READ = (
+    "calculate_per_token_loss",
+    "context_parallel_size",
+    "hybrid_context_parallel",
+    "max_seqlen_per_dp_cp_rank",
+    "micro_batch_size",
+    "rampup_batch_size",
+    "pipeline_model_parallel_size",
+    "tensor_model_parallel_size",
+    "sequence_parallel",
+    "expert_model_parallel_size",
+    "use_megatron_fsdp",
+    "use_torch_fsdp2",
+    "cuda_graph_impl",
+    "use_legacy_models",
+    "spec",
+    "mtp_num_layers",
+    "seq_length",
+    "dataloader_type",
+    "sft",
+    "fim_data",
+    "fine_grained_activation_offloading",
+    "cpu_offloading_num_layers",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "group_query_attention",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "swiglu",
+    "num_experts",
+    "moe_router_topk",
+    "padded_vocab_size",
+    "vocab_size",
+    "multi_latent_attention",
+    "position_embedding_type",
+    "experimental_attention_variant",
+    "heterogeneous_layers_config_path",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "global_batch_size",
+    "mock_data",
+    "data_path",
+    "train_data_path",
+    "valid_data_path",
+    "test_data_path",
+    "data_args_path",
+    "per_split_data_args_path",
+    "eval_iters",
+    "skip_train",
+    "full_validation",
+    "multiple_validation_sets",
+    "transformer_impl",
+    "normalization",
+    "qk_layernorm",
+    "qk_l2_norm",
+    "seed",
+)
+# set by Megatron's validate_args rather than by a flag of the same name
+MEGATRON_DERIVED_ARGS = ("data_parallel_size", "virtual_pipeline_model_parallel_size", "world_size", "iteration")
+
+# our flags and their defaults, for "this flag does nothing without --hybrid-data-parallel"
+_HDP_DEFAULTS = {
+    "hdp_token_capacity": None,
+    "hdp_balance": None,
+    "hdp_balance_slack": 0.05,
+    "hdp_selective_offload": False,
+    "hdp_profile": None,
+    "hdp_hardware": None,
+    "hdp_dataloader": "local",
+    "hdp_ray_address": None,
+    "hdp_plan_ahead": 2,
+    "hdp_ranks_per_node": None,
+    "hdp_step_tokens": None,
+    "hdp_ray_servers": 2,
+}
+
+
+# ------------------------------------------------------------------ argparse types
+def token_count(text: str) -> int:
+    """argparse type: a positive token count with an optional K/M/G suffix (8K, 1.5M)."""
+    try:
+        return parse_size(text, "token count")
+    except BytescaleError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be positive, got 0")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+# ------------------------------------------------------------------ the flags
+def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: add the "hybrid data parallel" group; returns the parser."""
+    g = parser.add_argument_group(
+        title="hybrid data parallel",
+        description="ByteScale Hybrid Data Parallelism (megatron_bytescale): DP x CP flattened into one "
+        "dimension; each sequence runs on as many ranks as its length needs.",
+    )
+    g.add_argument(
+        "--hybrid-data-parallel",
+        action="store_true",
+        help="Train with Hybrid Data Parallelism: the DP ranks form one HDP group; each step a planner "
+        "places every sequence of the global batch on 1..HDP-size ranks (ring attention for the long "
+        "ones). Needs --calculate-per-token-loss and --micro-batch-size 1.",
+    )
+    g.add_argument(
+        "--hdp-token-capacity",
+        type=token_count,
+        default=None,
+        metavar="TOKENS",
+        help="Tokens one rank holds per micro-batch (the capacity C), e.g. 8K or 16384. Required with "
+        "--hybrid-data-parallel. Shorter sequences are packed up to C; a longer one is split over about "
+        "ceil(len / C) ranks.",
+    )
+    g.add_argument(
+        "--hdp-step-tokens",
+        type=token_count,
+        default=None,
+        metavar="TOKENS",
+        help="Tokens per training step (the global batch, summed over all HDP ranks), e.g. 4M. A step "
+        "takes whole documents (cut at --seq-length) until this budget is reached. Default: "
+        "--global-batch-size x --seq-length, the token count of a fixed-length Megatron step.",
+    )
+    g.add_argument(
+        "--hdp-balance",
+        choices=BALANCE_CHOICES,
+        default=None,
+        help="Balance scheduler: 'dp' (ranks run sequences of one length level at a time), 'pp' (each "
+        "pipeline gets micro-batches of similar length: the one for pipeline parallelism, which the HDP "
+        "step does not run yet) or 'none' (plain packing). Default: dp (pp with pipeline parallelism).",
+    )
+    g.add_argument(
+        "--hdp-balance-slack",
+        type=_fraction,
+        default=_HDP_DEFAULTS["hdp_balance_slack"],
+        metavar="FRACTION",
+        help="Balance tolerance: a rank whose estimated time is within this fraction of the slowest "
+        "rank gets no more work (default 0.05).",
+    )
+    g.add_argument(
+        "--hdp-selective-offload",
+        action="store_true",
+        help="Selective activation offloading: a rank may hold more than C tokens of a long sequence by "
+        "copying part of its activations to host memory while attention computes, so the sequence needs "
+        "fewer ranks. GPU only (CUDA streams, pinned memory).",
+    )
+    g.add_argument(
+        "--hdp-profile",
+        default=None,
+        metavar="FILE",
+        help="Cost-model profile (YAML/JSON, written by `bytescale profile` on the target GPUs). Default: "
+        "an analytic cost model from the model flags and --hdp-hardware.",
+    )
+    g.add_argument(
+        "--hdp-hardware",
+        default=None,
+        metavar="NAME|FILE",
+        help=f"Hardware spec for the analytic cost model: one of {', '.join(available(HARDWARE_DIR, '.yaml'))} "
+        f"or a YAML file (default {DEFAULT_HARDWARE}). Not used with --hdp-profile.",
+    )
+    g.add_argument(
+        "--hdp-dataloader",
+        choices=DATALOADER_CHOICES,
+        default=_HDP_DEFAULTS["hdp_dataloader"],
+        help="'local': every rank reads the step's sequence lengths and plans for itself (deterministic, "
+        "no extra processes); 'ray': Ray actors read and plan, each rank pulls only its own micro-batches "
+        "(needs the `ray` extra). Default local.",
+    )
+    g.add_argument(
+        "--hdp-ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="Address of a running Ray cluster for --hdp-dataloader ray (passed to ray.init; RAY_ADDRESS "
+        "works too). Without one, a single-rank run starts Ray itself; several ranks need a shared cluster.",
+    )
+    g.add_argument(
+        "--hdp-ray-servers",
+        type=_positive_int,
+        default=_HDP_DEFAULTS["hdp_ray_servers"],
+        metavar="N",
+        help="Ray document-server actors for --hdp-dataloader ray (each reads a shard of the documents). "
+        "Default 2.",
+    )
+    g.add_argument(
+        "--hdp-plan-ahead",
+        type=_non_negative_int,
+        default=_HDP_DEFAULTS["hdp_plan_ahead"],
+        metavar="K",
+        help="Plan (and read) this many steps ahead of training on a background thread or in the Ray "
+        "scheduler, overlapping planning with compute (0: plan each step when it starts; the Ray loader "
+        "plans at least one ahead). Default 2.",
+    )
+    g.add_argument(
+        "--hdp-ranks-per-node",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="HDP ranks that share a node (rings inside a node use the fast link in the cost model). "
+        "Default: min(data-parallel size, LOCAL_WORLD_SIZE / tensor-parallel size).",
+    )
+    return parser
+
+
+def chain_extra_args_providers(
+    *providers: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]],
+) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """One ``extra_args_provider`` that applies several (None entries are skipped), e.g.
+    ``chain_extra_args_providers(add_modelopt_args, add_hdp_arguments)``."""
+    chosen = [p for p in providers if p is not None]
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for p in chosen:
+            parser = p(parser)
+        return parser
+
+    return provider
+
+
+# ------------------------------------------------------------------ validation
+def validate_hdp_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Check HDP flags against Megatron's (after Megatron's validate_args) and resolve defaults.
+
+    Without --hybrid-data-parallel it only refuses HDP flags that would have no effect. With it,
+    it sets ``hdp_balance``, ``hdp_hardware``, ``hdp_ranks_per_node``, ``hdp_size`` and
+    ``hdp_step_tokens`` and ``dataloader_type = 'external'`` (the HDP loader hands Megatron ready
+    micro-batches).
+    """
+    if not args.hybrid_data_parallel:
+        stray = [name for name, default in _HDP_DEFAULTS.items() if getattr(args, name, default) != default]
+        if stray:
+            flags = ", ".join("--" + name.replace("_", "-") for name in stray)
+            raise ConfigError(f"{flags} only apply with --hybrid-data-parallel: add it, or drop them")
+        return args
+
+    _check_loss_and_batch(args)
+    _check_parallelism(args)
+    _check_model(args)
+    _check_data(args)
+    _check_offload(args)
+    _resolve(args)
+    _check_capacity(args)
+    return args
+
+
+def _check_loss_and_batch(args) -> None:
+    if not args.calculate_per_token_loss:
+        raise ConfigError(
+            "--hybrid-data-parallel normalises the loss by the step's global token count (ranks hold "
+            "different numbers of tokens and micro-batches): add --calculate-per-token-loss"
+        )
+    if args.micro_batch_size != 1:
+        raise ConfigError(
+            f"--hybrid-data-parallel packs each rank's micro-batch by tokens (--hdp-token-capacity), not "
+            f"by samples: use --micro-batch-size 1 (got {args.micro_batch_size})"
+        )
+    if args.rampup_batch_size is not None:
+        raise ConfigError(
+            "--rampup-batch-size is not supported with --hybrid-data-parallel (each HDP step plans one "
+            "fixed --global-batch-size of sequences): drop --rampup-batch-size"
+        )
+
+
+def _check_parallelism(args) -> None:
+    if args.context_parallel_size > 1:
+        raise ConfigError(
+            f"--context-parallel-size {args.context_parallel_size} is a static CP mesh; HDP replaces it "
+            "(every DP rank joins the rings it needs, per sequence): drop --context-parallel-size and give "
+            "those GPUs to data parallelism"
+        )
+    if args.hybrid_context_parallel or args.max_seqlen_per_dp_cp_rank is not None:
+        raise ConfigError(
+            "--hybrid-context-parallel / --max-seqlen-per-dp-cp-rank are Megatron's own dynamic CP; it "
+            "cannot run together with --hybrid-data-parallel: drop them (the HDP capacity is "
+            "--hdp-token-capacity)"
+        )
+    vpp = args.virtual_pipeline_model_parallel_size  # Megatron derives it from the three VPP flags
+    if vpp is not None and vpp > 1:
+        raise ConfigError(
+            f"virtual pipeline parallelism ({vpp} stages per rank, from --num-layers-per-virtual-pipeline-stage, "
+            "--num-virtual-stages-per-pipeline-rank or --pipeline-model-parallel-layout) is not supported "
+            "with --hybrid-data-parallel: drop it"
+        )
+    pp = args.pipeline_model_parallel_size
+    if pp > 1 and args.hdp_balance == "dp":
+        raise ConfigError(
+            f"--hdp-balance dp with --pipeline-model-parallel-size {pp}: DP-balance gives pipelines "
+            "micro-batches of different lengths back to back, so stages bubble; use --hdp-balance pp"
+        )
+    if pp > 1:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp}: the HDP step (runtime/step.py) does not run pipeline "
+            "schedules yet; use --pipeline-model-parallel-size 1 (tensor parallelism is supported)"
+        )
+    if args.overlap_grad_reduce or args.overlap_param_gather:
+        raise ConfigError(
+            "--overlap-grad-reduce / --overlap-param-gather: HDP ranks run different numbers of "
+            "micro-batches (zero included), so the gradient reduction runs once, after the last one, "
+            "and parameters are gathered without waiting on a forward pass: drop both flags"
+        )
+    if args.expert_model_parallel_size > 1:
+        raise ConfigError(
+            f"--expert-model-parallel-size {args.expert_model_parallel_size}: expert all-to-alls run once "
+            "per micro-batch across DP ranks, and HDP ranks run different numbers of micro-batches, so they "
+            "would hang; use --expert-model-parallel-size 1 (MoE layers stay supported)"
+        )
+    if args.use_megatron_fsdp or args.use_torch_fsdp2:
+        raise ConfigError(
+            "FSDP (--use-megatron-fsdp / --use-torch-fsdp2) gathers parameters once per micro-batch across "
+            "DP ranks, and HDP ranks run different numbers of micro-batches, so they would hang: use "
+            "--use-distributed-optimizer (ZeRO-1 over the HDP group) instead"
+        )
+    if args.tensor_model_parallel_size > 1 and args.sequence_parallel:
+        raise ConfigError(
+            "--sequence-parallel splits each micro-batch's tokens evenly over TP ranks, but HDP "
+            "micro-batches hold any number of tokens: drop --sequence-parallel"
+        )
+    impl = getattr(args, "cuda_graph_impl", "none")
+    if impl != "none" or getattr(args, "enable_cuda_graph", False) or getattr(args, "external_cuda_graph", False):
+        raise ConfigError(
+            "CUDA graphs need fixed shapes, and HDP micro-batches change shape every step: drop "
+            "--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph"
+        )
+
+
+def _check_model(args) -> None:
+    if args.use_legacy_models:
+        raise ConfigError("--hybrid-data-parallel needs Megatron-Core models: drop --use-legacy-models")
+    if args.spec is not None:
+        raise ConfigError(
+            f"--spec {' '.join(args.spec)}: --hybrid-data-parallel supplies its own layer spec (HDP ring "
+            "attention as the core attention): drop --spec"
+        )
+    if args.multi_latent_attention:
+        raise ConfigError(
+            "--multi-latent-attention: HDP ring attention plugs into megatron-core's SelfAttention, not MLA: drop it"
+        )
+    if args.position_embedding_type not in ("rope", "learned_absolute", "none"):
+        raise ConfigError(
+            f"--position-embedding-type {args.position_embedding_type}: HDP places each token at its true "
+            "position with rope, learned_absolute or none; use one of those"
+        )
+    if args.experimental_attention_variant is not None or args.heterogeneous_layers_config_path is not None:
+        raise ConfigError(
+            "--experimental-attention-variant / --heterogeneous-layers-config-path choose their own layer specs; "
+            "--hybrid-data-parallel needs its own (HDP core attention): drop them"
+        )
+    if args.mtp_num_layers:
+        raise ConfigError(
+            "--mtp-num-layers: multi-token prediction shifts tokens across the packed sequences of a "
+            "micro-batch, which HDP does not support: drop it"
+        )
+
+
+def _check_data(args) -> None:
+    if args.sft or args.fim_data:
+        raise ConfigError(
+            "--sft / --fim-data build their own samples; the HDP loader reads whole documents from "
+            "--data-path: drop them"
+        )
+    if args.mock_data:
+        raise ConfigError(
+            "--mock-data: the HDP loader reads real documents (variable lengths are the point); build a "
+            "dataset with `bytescale prepare-data` and pass --data-path"
+        )
+    if args.data_args_path or args.per_split_data_args_path:
+        raise ConfigError(
+            "--data-args-path / --per-split-data-args-path: the HDP loader reads one prefix from --data-path "
+            "or --train-data-path (validation from --valid-data-path): pass those instead"
+        )
+    train = args.train_data_path or args.data_path
+    if not train or len(train) != 1:
+        raise ConfigError(
+            f"--data-path {' '.join(train or [])}: --hybrid-data-parallel trains on exactly one dataset prefix "
+            "(no weighted blends); build one dataset from all sources with `bytescale prepare-data`"
+        )
+    if args.valid_data_path is not None and len(args.valid_data_path) != 1:
+        raise ConfigError("--valid-data-path: give exactly one dataset prefix")
+    if args.test_data_path:
+        raise ConfigError("--test-data-path: HDP runs no test-set evaluation; drop it (use --valid-data-path)")
+    if args.full_validation or args.multiple_validation_sets:
+        raise ConfigError(
+            "--full-validation / --multiple-validation-sets are not supported with --hybrid-data-parallel: "
+            "drop them (validation runs --eval-iters steps from --valid-data-path)"
+        )
+    if args.eval_iters > 0 and not args.valid_data_path and not args.skip_train:
+        raise ConfigError(
+            f"--eval-iters {args.eval_iters} but no --valid-data-path: HDP validates on its own dataset "
+            "prefix; pass --train-data-path TRAIN --valid-data-path VALID (instead of --data-path), or --eval-iters 0"
+        )
+    if args.dataloader_type not in (None, "single", "external"):
+        raise ConfigError(
+            f"--dataloader-type {args.dataloader_type}: the HDP loader replaces Megatron's samplers (it sets "
+            "'external' itself): drop --dataloader-type"
+        )
+    if args.hdp_dataloader != "ray" and (args.hdp_ray_address is not None or args.hdp_ray_servers != _HDP_DEFAULTS["hdp_ray_servers"]):
+        raise ConfigError("--hdp-ray-address / --hdp-ray-servers only apply with --hdp-dataloader ray: add that, or drop them")
+    if args.hdp_dataloader == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "--hdp-dataloader ray needs Ray: pip install 'megatron_bytescale[ray]' (or use --hdp-dataloader local)"
+            ) from None
+        if args.world_size > 1 and not (args.hdp_ray_address or os.environ.get("RAY_ADDRESS")):
+            raise ConfigError(
+                "--hdp-dataloader ray with several ranks needs one Ray cluster they all join: start it "
+                "(`ray start --head` on one node) and pass --hdp-ray-address HOST:PORT (or set RAY_ADDRESS)"
+            )
+
+
+def _check_offload(args) -> None:
+    if not args.hdp_selective_offload:
+        return
+    if args.fine_grained_activation_offloading or (args.cpu_offloading_num_layers or 0) > 0:
+        raise ConfigError(
+            "--hdp-selective-offload and Megatron's own activation offloading "
+            "(--fine-grained-activation-offloading / --cpu-offloading-num-layers) would both hook saved "
+            "tensors: keep one of them"
+        )
+
+
+def _resolve(args) -> None:
+    """Fill the defaults that depend on other flags."""
+    if args.hdp_token_capacity is None:
+        raise ConfigError(
+            "--hybrid-data-parallel needs --hdp-token-capacity: the tokens one rank holds per micro-batch "
+            "(for example 8K; what fits in GPU memory for this model at this TP/PP)"
+        )
+    if args.hdp_balance is None:
+        args.hdp_balance = "pp" if args.pipeline_model_parallel_size > 1 else "dp"
+    if args.hdp_profile is not None:
+        if args.hdp_hardware is not None:
+            raise ConfigError(
+                "--hdp-hardware only builds the analytic cost model; --hdp-profile replaces it: keep one"
+            )
+        if not Path(args.hdp_profile).is_file():
+            raise ConfigError(f"--hdp-profile {args.hdp_profile}: no such file (write one with `bytescale profile`)")
+    else:
+        args.hdp_hardware = args.hdp_hardware or DEFAULT_HARDWARE
+        HardwareSpec.load(args.hdp_hardware)  # unknown names and malformed files fail here, with the choices
+    args.hdp_size = args.data_parallel_size  # DP x CP with CP = 1 (checked above)
+    if args.hdp_step_tokens is None:
+        args.hdp_step_tokens = args.global_batch_size * args.seq_length
+    if args.hdp_ranks_per_node is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        if not local:
+            local = HardwareSpec.load(args.hdp_hardware).gpus_per_node if args.hdp_hardware else 8
+        args.hdp_ranks_per_node = max(1, min(args.hdp_size, local // args.tensor_model_parallel_size))
+    args.dataloader_type = "external"
+
+
+def _check_capacity(args) -> None:
+    """--seq-length is the longest sequence the loader yields; it must fit in a step and on the
+    HDP group."""
+    if args.hdp_step_tokens < args.seq_length:
+        raise ConfigError(
+            f"--hdp-step-tokens {format_size(args.hdp_step_tokens)} is below --seq-length "
+            f"{format_size(args.seq_length)}: a step must hold the longest sequence; raise it or lower --seq-length"
+        )
+    most = args.hdp_size * args.hdp_token_capacity
+    if args.seq_length > most and not args.hdp_selective_offload:
+        raise ConfigError(
+            f"--seq-length {format_size(args.seq_length)} does not fit on {args.hdp_size} HDP ranks x "
+            f"--hdp-token-capacity {format_size(args.hdp_token_capacity)} = {format_size(most)} tokens: raise "
+            "the capacity, use more data-parallel ranks, add --hdp-selective-offload, or lower --seq-length"
+        )
+
+
+# ------------------------------------------------------------------ flags -> planner inputs
+def model_spec_from_args(args) -> ModelSpec:
+    """The model shape as Megatron resolved it (kv_channels and ffn_hidden_size filled in)."""
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if args.group_query_attention and args.num_query_groups else heads
+    kv_channels = args.kv_channels or args.hidden_size // heads
+    return ModelSpec(
+        name="megatron-args",
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=kv_channels,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        vocab_size=args.padded_vocab_size or args.vocab_size or 0,
+        swiglu=bool(args.swiglu),
+        num_experts=args.num_experts or 0,
+        moe_router_topk=args.moe_router_topk if args.num_experts else 1,
+    )
+
+
+def cost_model_from_args(args):
+    """The profile if given, else the analytic model for these flags on --hdp-hardware."""
+    from ..planner.cost_model import CostModel
+
+    if args.hdp_profile is not None:
+        return CostModel.from_profile(args.hdp_profile)
+    return CostModel.analytic(
+        model_spec_from_args(args),
+        HardwareSpec.load(args.hdp_hardware or DEFAULT_HARDWARE),
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+    )
+
+
+def planner_config_from_args(args):
+    """The PlannerConfig for validated args (call validate_hdp_args first)."""
+    from ..planner.planner import PlannerConfig
+
+    return PlannerConfig(
+        num_ranks=args.hdp_size,
+        capacity=args.hdp_token_capacity,
+        ranks_per_node=args.hdp_ranks_per_node,
+        balance=args.hdp_balance,
+        slack=args.hdp_balance_slack,
+        offload=args.hdp_selective_offload,
+        pipeline_stages=args.pipeline_model_parallel_size,
+    )

@@ -1,0 +1,102 @@
+"""Run an unpatched Megatron-LM ``pretrain_gpt.py`` with the HDP hooks applied at runtime.
+
+    python -m megatron_bytescale.launch /path/to/Megatron-LM/pretrain_gpt.py <Megatron flags> \\
+        --hybrid-data-parallel --hdp-token-capacity 8K ...
+    torchrun --nproc-per-node 8 -m megatron_bytescale.launch /path/to/pretrain_gpt.py ...
+
+It does what the patch series does, without editing the checkout: ``pretrain_hooks.install()``
+(HDP validation after Megatron's validate_args; the HDP step from get_forward_backward_func),
+then it wraps ``megatron.training.pretrain`` so that the providers pretrain_gpt.py passes are
+wrapped exactly as the patches wrap them (flags, model provider, datasets provider, forward
+step with pretrain_gpt's own ``loss_func``), and runs the script as ``__main__``.
+
+What it relies on (true for core_v0.16.1; the patch series does not): pretrain_gpt.py takes
+``pretrain`` from ``megatron.training`` when it is imported, and its ``forward_step`` sees a
+module-level ``loss_func``. A script that is already patched is run as is (its own calls
+install the same hooks).
+"""
+
+from __future__ import annotations
+
+import functools
+import runpy
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..errors import ConfigError
+from . import pretrain_hooks as hooks
+
+PATCH_MARKER = "megatron_bytescale.megatron import pretrain_hooks"
+USAGE = (
+    "usage: python -m megatron_bytescale.launch PRETRAIN_GPT_PY [Megatron and --hdp-* flags]\n"
+    "Runs Megatron-LM's pretrain_gpt.py with the Hybrid Data Parallelism hooks installed at runtime "
+    "(no patching). See docs/cluster.md."
+)
+
+
+def hdp_pretrain(pretrain: Callable) -> Callable:
+    """Wrap Megatron's ``pretrain`` so its providers get the HDP hooks (idempotent)."""
+    if getattr(pretrain, "_hdp_wrapped", False):
+        return pretrain
+
+    @functools.wraps(pretrain)
+    def wrapped(
+        train_valid_test_dataset_provider,
+        model_provider,
+        model_type,
+        forward_step_func,
+        *args,
+        extra_args_provider: Optional[Callable] = None,
+        **kwargs,
+    ):
+        loss_func = getattr(forward_step_func, "__globals__", {}).get("loss_func")
+        return pretrain(
+            hooks.datasets_provider(train_valid_test_dataset_provider),
+            hooks.model_provider(model_provider),
+            model_type,
+            hooks.forward_step(forward_step_func, loss_func),
+            *args,
+            extra_args_provider=hooks.extra_args_provider(extra_args_provider),
+            **kwargs,
+        )
+
+    wrapped._hdp_wrapped = True
+    return wrapped
+
+
+def install_pretrain_wrapper() -> None:
+    """Replace ``megatron.training.pretrain`` (what pretrain_gpt.py imports) with ``hdp_pretrain``."""
+    import megatron.training as training_package
+    import megatron.training.training as training_module
+
+    training_package.pretrain = hdp_pretrain(training_package.pretrain)
+    training_module.pretrain = hdp_pretrain(training_module.pretrain)
+
+
+def run(script: str | Path, args: list[str]) -> None:
+    """Run ``script`` as ``__main__`` with ``args`` and the HDP hooks installed."""
+    path = Path(script)
+    if not path.is_file() or path.suffix != ".py":
+        raise ConfigError(f"{script}: not a Python file; give the path of Megatron-LM's pretrain_gpt.py")
+    path = path.resolve()
+    patched = PATCH_MARKER in path.read_text()
+    sys.path.insert(0, str(path.parent))  # pretrain_gpt.py imports gpt_builders, model_provider from its folder
+    hooks.install()
+    if not patched:
+        install_pretrain_wrapper()
+    sys.argv = [str(path), *args]
+    runpy.run_path(str(path), run_name="__main__")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    try:
+        run(argv[0], argv[1:])
+    except ConfigError as exc:
+        print(f"megatron_bytescale.launch: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,407 @@
+"""Megatron-LM glue: what ``pretrain_gpt.py`` calls to train with Hybrid Data Parallelism.
+
+The patch series (``patches/``) and the launcher (``python -m megatron_bytescale.launch``)
+use exactly these functions; the logic lives here, the patch only calls it. Every hook wraps
+Megatron's own function and hands control back to it unchanged unless the run was started
+with ``--hybrid-data-parallel``, so a patched checkout still trains as upstream does.
+
+==========================  ==========================================================
+Megatron's piece            HDP replacement (when --hybrid-data-parallel is set)
+==========================  ==========================================================
+extra_args_provider         ``extra_args_provider(base)``: base's flags + the HDP group
+validate_args               ``install_argument_validation()``: Megatron's checks, then
+                            ``validate_hdp_args``
+model_provider              ``model_provider(base)``: layer spec with HDP core attention
+                            (through Megatron's ``--spec`` hook), RoPE at true positions
+datasets provider           ``datasets_provider(base)``: HDP loaders; one ``StepBatch``
+                            per step and rank (``--dataloader-type external``)
+forward_step                ``forward_step(base, loss_func)``: one ``MicroBatchData`` as a
+                            packed [1, T] row; the loss stays pretrain_gpt's per-token sum
+get_forward_backward_func   ``install_forward_backward()``: ``runtime.step.hdp_forward_backward``, whose
+                            gradient reduction divides by the step's global token count
+==========================  ==========================================================
+
+The HDP group is Megatron's data-parallel group with context parallel (DP x CP, CP = 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import threading
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from ..errors import ConfigError
+from .arguments import (
+    add_hdp_arguments,
+    chain_extra_args_providers,
+    cost_model_from_args,
+    planner_config_from_args,
+    validate_hdp_args,
+)
+
+# Megatron's ``--spec MODULE NAME`` reads ``vars(MODULE)[NAME]``: the HDP model provider puts
+# the layer spec it built for this run here and points args.spec at it.
+HDP_LAYER_SPEC = None
+_SPEC_TARGET = [__name__, "HDP_LAYER_SPEC"]
+LOSS_KEY = "lm loss"  # pretrain_gpt's loss report key
+
+
+def _megatron_args():
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def hdp_enabled(args=None) -> bool:
+    args = _megatron_args() if args is None else args
+    return bool(getattr(args, "hybrid_data_parallel", False))
+
+
+def _hdp_args(args=None):
+    """Megatron's args if HDP is on (validated once, also when the yaml path skipped
+    validate_args), else None."""
+    args = _megatron_args() if args is None else args
+    if not hdp_enabled(args):
+        return None
+    if getattr(args, "hdp_size", None) is None:
+        validate_hdp_args(args)
+    return args
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# ------------------------------------------------------------------ arguments
+def extra_args_provider(base: Optional[Callable] = None) -> Callable:
+    """``pretrain(..., extra_args_provider=extra_args_provider(base))``: base's flags, then ours."""
+    return chain_extra_args_providers(base, add_hdp_arguments)
+
+
+def validate_args_then_hdp(validate_args: Callable) -> Callable:
+    """Wrap Megatron's ``validate_args(args, defaults)`` so ``validate_hdp_args`` runs right after it."""
+    if getattr(validate_args, "_hdp_wrapped", False):
+        return validate_args
+
+    @functools.wraps(validate_args)
+    def validate(args, defaults={}):  # noqa: B006 (Megatron's signature)
+        result = validate_args(args, defaults)
+        validate_hdp_args(args)
+        return result
+
+    validate._hdp_wrapped = True
+    return validate
+
+
+# ------------------------------------------------------------------ forward/backward
+def get_forward_backward_func_or_hdp(original: Callable) -> Callable:
+    """Wrap Megatron's ``get_forward_backward_func``: the HDP step when HDP is on."""
+    if getattr(original, "_hdp_wrapped", False):
+        return original
+
+    @functools.wraps(original)
+    def get_forward_backward_func(*args, **kwargs):
+        if _hdp_args() is not None:
+            return megatron_forward_backward
+        return original(*args, **kwargs)
+
+    get_forward_backward_func._hdp_wrapped = True
+    return get_forward_backward_func
+
+
+_offloaders: dict[int, Any] = {}
+
+
+def _offloader(model):
+    """One ActivationOffloader per model for --hdp-selective-offload (its layers: the decoder's)."""
+    args = _hdp_args()
+    if args is None or not args.hdp_selective_offload:
+        return None
+    chunk = model[0] if isinstance(model, list) else model
+    key = id(chunk)
+    if key not in _offloaders:
+        from ..runtime.offload import ActivationOffloader, transformer_layers
+
+        _offloaders[key] = ActivationOffloader(transformer_layers(chunk))
+    return _offloaders[key]
+
+
+def megatron_forward_backward(**kwargs) -> list:
+    """``runtime.step.hdp_forward_backward`` as Megatron's training loop calls it.
+
+    Megatron's train_step and evaluate read ``losses[0].keys()`` on every rank and then
+    all-reduce each key over the DP x CP group; a rank whose plan gives it no micro-batch this
+    step answers with zero sums for the keys it last reported, so the all-reduce still matches.
+    """
+    from ..runtime.step import hdp_forward_backward
+
+    kwargs.setdefault("offloader", _offloader(kwargs.get("model")))
+    losses = hdp_forward_backward(**kwargs)
+    if losses:
+        megatron_forward_backward.keys = tuple(losses[0].keys())
+    elif not kwargs.get("collect_non_loss_data"):
+        zeros = torch.zeros(2, dtype=torch.float32, device=_device())
+        losses = [{key: zeros.clone() for key in megatron_forward_backward.keys}]
+    return losses
+
+
+megatron_forward_backward.keys = (LOSS_KEY,)
+
+
+def install_argument_validation() -> None:
+    """``validate_hdp_args`` right after Megatron's ``validate_args`` (idempotent)."""
+    import megatron.training.initialize as initialize
+
+    initialize.validate_args = validate_args_then_hdp(initialize.validate_args)
+
+
+def install_forward_backward() -> None:
+    """The HDP step from Megatron's ``get_forward_backward_func``, for train and evaluate
+    (idempotent; runs without --hybrid-data-parallel keep Megatron's schedules)."""
+    import megatron.training.training as training
+
+    training.get_forward_backward_func = get_forward_backward_func_or_hdp(training.get_forward_backward_func)
+
+
+def install() -> None:
+    """Both runtime hooks into Megatron's training package (the launcher's entry point)."""
+    install_argument_validation()
+    install_forward_backward()
+
+
+# ------------------------------------------------------------------ model
+def hdp_layer_spec(args, config=None, vp_stage=None):
+    """The layer spec Megatron would pick for these flags, with HDP core attention."""
+    from .layer_spec import hdp_gpt_layer_spec, with_hdp_core_attention
+
+    use_te = args.transformer_impl == "transformer_engine"
+    if args.num_experts:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        if config is None:
+            from megatron.training.arguments import core_transformer_config_from_args
+
+            config = core_transformer_config_from_args(args)
+        return with_hdp_core_attention(
+            get_gpt_decoder_block_spec(
+                config, use_transformer_engine=use_te, normalization=args.normalization,
+                qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage,
+            )
+        )
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return with_hdp_core_attention(
+            get_gpt_layer_with_transformer_engine_spec(
+                qk_layernorm=args.qk_layernorm, qk_l2_norm=args.qk_l2_norm,
+            )
+        )
+    return hdp_gpt_layer_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm)
+
+
+def model_provider(base: Callable) -> Callable:
+    """Wrap pretrain_gpt's ``partial(model_provider, gpt_builder)``: under HDP the builder finds
+    our layer spec through ``args.spec`` (Megatron's own custom-spec hook, refused as a user flag
+    by validate_hdp_args) and the built model rotates q/k at each token's true position."""
+
+    @functools.wraps(base)
+    def provider(*args, **kwargs):
+        hdp = _hdp_args()
+        if hdp is None:
+            return base(*args, **kwargs)
+        global HDP_LAYER_SPEC
+        HDP_LAYER_SPEC = hdp_layer_spec(hdp, kwargs.get("config"), kwargs.get("vp_stage"))
+        hdp.spec = list(_SPEC_TARGET)
+        model = base(*args, **kwargs)
+        if hdp.position_embedding_type == "rope":  # learned positions read position_ids directly
+            from .rotary import use_true_positions
+
+            use_true_positions(model)
+        return model
+
+    return provider
+
+
+# ------------------------------------------------------------------ data
+def per_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model=None):
+    """pretrain_gpt's loss contract without its NaN/spike checks (used when no loss_func is
+    given): the masked sum, the token count, and the report Megatron all-reduces."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {LOSS_KEY: torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def hdp_forward_step(data_iterator, model, loss_func: Callable = per_token_loss):
+    """Megatron forward_step for one HDP micro-batch (``MicroBatchData``): the packed tokens as
+    one [1, T] row with their true positions and no attention mask (our core attention masks
+    documents and causality from the active layout)."""
+    data = next(data_iterator)
+    device = _device()
+    tokens = data.tokens.to(device, non_blocking=True).unsqueeze(0)
+    labels = data.labels.to(device, non_blocking=True).unsqueeze(0)
+    loss_mask = data.loss_mask.to(device, non_blocking=True).unsqueeze(0)
+    position_ids = data.positions.to(device, non_blocking=True).unsqueeze(0)
+    output = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask)
+    return output, functools.partial(loss_func, loss_mask, model=model)
+
+
+def forward_step(base: Callable, loss_func: Optional[Callable] = None) -> Callable:
+    """Wrap pretrain_gpt's ``forward_step``: HDP micro-batches go through ``hdp_forward_step``
+    with pretrain_gpt's own ``loss_func`` (per-token sums plus its NaN/spike checks)."""
+
+    @functools.wraps(base)
+    def step(data_iterator, model, *args, **kwargs):
+        if _hdp_args() is None:
+            return base(data_iterator, model, *args, **kwargs)
+        if kwargs.get("return_schedule_plan"):
+            raise ConfigError("HDP micro-batches do not support MoE schedule plans (--overlap-moe-expert-parallel-comm)")
+        # a third positional argument (checkpoint_activations_microbatch) only comes from
+        # Megatron's pipeline schedules, which HDP replaces
+        return hdp_forward_step(data_iterator, model, loss_func or per_token_loss)
+
+    return step
+
+
+class Prefetcher:
+    """Iterate ``source`` ``depth`` items ahead on a background thread (planning and reading
+    the next steps overlap training). Exceptions surface at the item that raised them."""
+
+    _END = object()
+
+    def __init__(self, source: Iterator, depth: int):
+        self._source, self._queue = source, queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hdp-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for item in self._source:
+                if not self._put((item, None)):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            self._put((None, exc))
+            return
+        self._put((self._END, None))
+
+    def _put(self, entry) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item, exc = self._queue.get()
+        if exc is not None:
+            raise exc
+        if item is self._END:
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _single_prefix(paths, flag: str) -> str:
+    """One dataset prefix from Megatron's nargs='*' data-path flags (no blends)."""
+    if isinstance(paths, str):
+        paths = [paths]
+    if not paths or len(paths) != 1:
+        raise ConfigError(
+            f"{flag} {' '.join(paths or [])}: the HDP loader reads one dataset prefix (no weighted blends); "
+            "build one dataset from all sources with `bytescale prepare-data`"
+        )
+    return paths[0]
+
+
+def hdp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True)
+
+
+def build_loader(args, prefix: str, rank: int, *, name: str = "train"):
+    """The HDP loader (local or Ray) for ``prefix`` serving HDP rank ``rank``."""
+    config, cost = planner_config_from_args(args), cost_model_from_args(args)
+    common = dict(
+        step_tokens=args.hdp_step_tokens,
+        context_length=args.seq_length,
+        seed=args.seed,
+        rank=rank,
+        cost=cost,
+        vocab_size=getattr(args, "padded_vocab_size", None) or args.vocab_size,
+    )
+    if args.hdp_dataloader == "ray":
+        from ..data.ray_loader import RayDataLoader
+
+        job = os.environ.get("SLURM_JOB_ID") or os.environ.get("MASTER_PORT", "0")
+        return RayDataLoader(
+            prefix, config, **common, num_servers=args.hdp_ray_servers, lookahead=max(1, args.hdp_plan_ahead),
+            name=f"bytescale-{job}-{name}", address=args.hdp_ray_address,
+        )
+    from ..data.local_loader import LocalDataLoader
+
+    return LocalDataLoader(prefix, config, **common)
+
+
+def fast_forward(loader, args, prefix: str, steps: int) -> None:
+    """Move a fresh loader past the first ``steps`` steps (resuming at --load's iteration).
+    Only the sample stream advances (document lengths from the index): nothing is planned or read."""
+    if steps <= 0:
+        return
+    from ..data.indexed import DocumentDataset
+    from ..data.sampler import GlobalBatchSampler, Position, loader_state
+
+    sampler = GlobalBatchSampler(
+        DocumentDataset(prefix).lengths, step_tokens=args.hdp_step_tokens, context_length=args.seq_length, seed=args.seed
+    )
+    position = Position()
+    for _ in range(steps):
+        _, position = sampler.batch(position)
+    loader.load_state_dict(loader_state(steps, position, sampler.fingerprint()))
+
+
+def hdp_data_iterators(args, rank: Optional[int] = None):
+    """(train, valid, test) iterators of ``StepBatch`` for this HDP rank: training from
+    --data-path (or --train-data-path), resumed at args.iteration; validation from
+    --valid-data-path when given; no test set."""
+    rank = hdp_rank() if rank is None else rank
+    train_prefix = _single_prefix(args.train_data_path or args.data_path, "--data-path")
+    train = build_loader(args, train_prefix, rank, name="train")
+    fast_forward(train, args, train_prefix, getattr(args, "iteration", 0))
+    train_iter: Iterator = iter(train)
+    if args.hdp_dataloader == "local" and args.hdp_plan_ahead > 0:
+        train_iter = Prefetcher(train_iter, args.hdp_plan_ahead)
+    valid_iter = None
+    if args.valid_data_path:
+        valid_iter = iter(build_loader(args, _single_prefix(args.valid_data_path, "--valid-data-path"), rank, name="valid"))
+    return train_iter, valid_iter, None
+
+
+def datasets_provider(base: Callable) -> Callable:
+    """Wrap pretrain_gpt's ``train_valid_test_datasets_provider``: under HDP it returns the HDP
+    iterators, which Megatron's ``--dataloader-type external`` passes through untouched. Every
+    rank builds its own (``is_distributed``): all TP ranks of one HDP rank read the same plan."""
+
+    @functools.wraps(base)
+    def provider(train_val_test_num_samples, *args, **kwargs):
+        hdp = _hdp_args()
+        if hdp is None:
+            return base(train_val_test_num_samples, *args, **kwargs)
+        return hdp_data_iterators(hdp)
+
+    provider.is_distributed = True
+    return provider

@@ -1,0 +1,129 @@
+# shellcheck shell=bash disable=SC2034
+# (SC2034: MODEL_ARGS, TRAIN_ARGS and ENTRY are this library's output, read by its callers.)
+# Shared by the launch scripts (train_local.sh, slurm/*.sbatch): builds, from environment
+# variables, the pretrain_gpt.py command line of an HDP run. Source it; it defines
+#   TRAIN_ARGS  - Megatron flags (model from configs/models/$MODEL.args) + HDP flags + "$@"
+#   ENTRY       - what python/torchrun runs: pretrain_gpt.py itself (patched checkout) or
+#                 "-m megatron_bytescale.launch pretrain_gpt.py" (unpatched checkout)
+# and exports PYTHONPATH and CUDA_DEVICE_MAX_CONNECTIONS. Every variable is listed in
+# docs/cluster.md; the required ones are MEGATRON_LM_DIR and DATA_PATH.
+
+HDP_REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+die() {
+    echo "error: $*" >&2
+    exit 2
+}
+
+# Megatron flags from a configs/models/<name>.args file (or a path): '#' starts a comment.
+read_model_args() {
+    local spec=$1 file line
+    local -a words
+    if [[ -f $spec ]]; then
+        file=$spec
+    elif [[ -f $HDP_REPO_ROOT/configs/models/$spec.args ]]; then
+        file=$HDP_REPO_ROOT/configs/models/$spec.args
+    else
+        local names=() f
+        for f in "$HDP_REPO_ROOT"/configs/models/*.args; do
+            f=${f##*/}
+            names+=("${f%.args}")
+        done
+        die "unknown model '$spec': use a name from configs/models/ (${names[*]}) or a path to a .args file"
+    fi
+    MODEL_ARGS=()
+    while IFS= read -r line || [[ -n $line ]]; do
+        line=${line%%#*}
+        read -ra words <<<"$line"
+        MODEL_ARGS+=("${words[@]}")
+    done <"$file"
+}
+
+# hdp_args WORLD_SIZE [extra flags...]: fill TRAIN_ARGS and ENTRY.
+hdp_args() {
+    local world_size=$1
+    shift
+    [[ -n ${MEGATRON_LM_DIR:-} ]] || die "set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1"
+    [[ -f $MEGATRON_LM_DIR/pretrain_gpt.py ]] || die "$MEGATRON_LM_DIR/pretrain_gpt.py not found: MEGATRON_LM_DIR must be a Megatron-LM checkout"
+    [[ -n ${DATA_PATH:-} ]] || die "set DATA_PATH to an indexed dataset prefix (build one with: bytescale prepare-data --output PREFIX ...)"
+
+    local tp=${TP:-1}
+    ((world_size % tp == 0)) || die "world size $world_size does not divide by TP=$tp"
+    local dp=$((world_size / tp))
+    local seq=${SEQ_LENGTH:-32768}
+
+    read_model_args "${MODEL:-llama-7b}"
+    TRAIN_ARGS=(
+        "${MODEL_ARGS[@]}"
+        --tensor-model-parallel-size "$tp"
+        --pipeline-model-parallel-size 1
+        --seq-length "$seq"
+        --max-position-embeddings "$seq"
+        --micro-batch-size 1
+        --global-batch-size "${GLOBAL_BATCH_SIZE:-$dp}"
+        --train-iters "${TRAIN_ITERS:-1000}"
+        --lr "${LR:-3e-4}"
+        --min-lr "${MIN_LR:-3e-5}"
+        --lr-decay-style cosine
+        --lr-warmup-iters "${LR_WARMUP_ITERS:-100}"
+        --weight-decay 0.1
+        --clip-grad 1.0
+        --bf16
+        --use-distributed-optimizer
+        --calculate-per-token-loss
+        --transformer-impl "${TRANSFORMER_IMPL:-transformer_engine}"
+        --tokenizer-type NullTokenizer
+        --log-interval "${LOG_INTERVAL:-10}"
+        --hybrid-data-parallel
+        --hdp-token-capacity "${HDP_TOKEN_CAPACITY:-8K}"
+        --hdp-dataloader "${HDP_DATALOADER:-local}"
+        --hdp-plan-ahead "${HDP_PLAN_AHEAD:-2}"
+    )
+    # Megatron takes either --data-path or per-split paths, not both
+    if [[ -n ${VALID_DATA_PATH:-} ]]; then
+        TRAIN_ARGS+=(--train-data-path "$DATA_PATH" --valid-data-path "$VALID_DATA_PATH"
+            --eval-iters "${EVAL_ITERS:-10}" --eval-interval "${EVAL_INTERVAL:-500}")
+    else
+        TRAIN_ARGS+=(--data-path "$DATA_PATH" --eval-iters 0)
+    fi
+    [[ -n ${HDP_STEP_TOKENS:-} ]] && TRAIN_ARGS+=(--hdp-step-tokens "$HDP_STEP_TOKENS")
+    [[ -n ${HDP_BALANCE:-} ]] && TRAIN_ARGS+=(--hdp-balance "$HDP_BALANCE")
+    [[ ${HDP_SELECTIVE_OFFLOAD:-0} == 1 ]] && TRAIN_ARGS+=(--hdp-selective-offload)
+    if [[ -n ${HDP_PROFILE:-} ]]; then
+        TRAIN_ARGS+=(--hdp-profile "$HDP_PROFILE")
+    else
+        TRAIN_ARGS+=(--hdp-hardware "${HDP_HARDWARE:-h100}")
+    fi
+    [[ -n ${HDP_RAY_ADDRESS:-} ]] && TRAIN_ARGS+=(--hdp-ray-address "$HDP_RAY_ADDRESS")
+    [[ -n ${SAVE_DIR:-} ]] && TRAIN_ARGS+=(--save "$SAVE_DIR" --save-interval "${SAVE_INTERVAL:-1000}")
+    [[ -n ${LOAD_DIR:-} ]] && TRAIN_ARGS+=(--load "$LOAD_DIR")
+    TRAIN_ARGS+=("$@")
+
+    # patched checkout (git apply patches/*.patch): run pretrain_gpt.py; otherwise the launcher
+    local mode=${HDP_MODE:-auto}
+    if [[ $mode == auto ]]; then
+        if grep -q "megatron_bytescale.megatron import pretrain_hooks" "$MEGATRON_LM_DIR/pretrain_gpt.py"; then
+            mode=patched
+        else
+            mode=launcher
+        fi
+    fi
+    case $mode in
+        patched) ENTRY=("$MEGATRON_LM_DIR/pretrain_gpt.py") ;;
+        launcher) ENTRY=(-m megatron_bytescale.launch "$MEGATRON_LM_DIR/pretrain_gpt.py") ;;
+        *) die "HDP_MODE must be auto, patched or launcher, got '$mode'" ;;
+    esac
+
+    export PYTHONPATH="$MEGATRON_LM_DIR:$HDP_REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    export CUDA_DEVICE_MAX_CONNECTIONS=1
+}
+
+# run_or_print CMD...: run it, or print it (one shell-quoted line) when DRY_RUN=1.
+run_or_print() {
+    if [[ ${DRY_RUN:-0} == 1 ]]; then
+        printf '%q ' "$@"
+        printf '\n'
+    else
+        "$@"
+    fi
+}

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One node: torchrun starts NPROC ranks of Megatron-LM's pretrain_gpt.py with HDP flags.
+#
+#   MEGATRON_LM_DIR=~/Megatron-LM DATA_PATH=data/corpus MODEL=llama-7b NPROC=8 \
+#       scripts/train_local.sh [extra Megatron/HDP flags]
+#
+# Model flags come from configs/models/$MODEL.args; every variable is in docs/cluster.md
+# (DRY_RUN=1 prints the command instead of running it). Build DATA_PATH with
+# `bytescale prepare-data`.
+set -euo pipefail
+# shellcheck source=scripts/hdp_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/hdp_env.sh"
+
+nproc=${NPROC:-8}
+hdp_args "$nproc" "$@"
+run_or_print torchrun --standalone --nproc-per-node "$nproc" "${ENTRY[@]}" "${TRAIN_ARGS[@]}"

@@ -1,0 +1,327 @@
+"""HDP flags: parsing, defaults, and one ConfigError per conflict with Megatron's flags.
+
+Megatron-LM's training package is not installed here, so Megatron's side is a namespace
+holding the values its validate_args leaves behind (defaults of core_v0.16.1, plus what a
+GPT run sets); tests/test_arguments_megatron.py checks the names against the real parser.
+"""
+
+import argparse
+import re
+
+import pytest
+
+from megatron_bytescale.errors import ConfigError
+from megatron_bytescale.megatron.arguments import (
+    MEGATRON_ARGS_READ,
+    MEGATRON_DERIVED_ARGS,
+    add_hdp_arguments,
+    chain_extra_args_providers,
+    cost_model_from_args,
+    model_spec_from_args,
+    validate_hdp_args,
+)
+from megatron_bytescale.planner.cost_model import CostModel
+from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
+
+# Megatron's values after its own validate_args, for the tiny model on 8 GPUs (TP=1, PP=1)
+MEGATRON = dict(
+    calculate_per_token_loss=True,
+    context_parallel_size=1,
+    hybrid_context_parallel=False,
+    max_seqlen_per_dp_cp_rank=None,
+    micro_batch_size=1,
+    rampup_batch_size=None,
+    pipeline_model_parallel_size=1,
+    virtual_pipeline_model_parallel_size=None,
+    tensor_model_parallel_size=1,
+    sequence_parallel=False,
+    expert_model_parallel_size=1,
+    use_megatron_fsdp=False,
+    use_torch_fsdp2=False,
+    cuda_graph_impl="none",
+    use_legacy_models=False,
+    spec=None,
+    mtp_num_layers=None,
+    seq_length=32768,
+    dataloader_type="single",
+    sft=False,
+    fim_data=False,
+    fine_grained_activation_offloading=False,
+    cpu_offloading_num_layers=0,
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    group_query_attention=True,
+    num_query_groups=2,
+    kv_channels=16,
+    ffn_hidden_size=128,
+    swiglu=True,
+    num_experts=None,
+    moe_router_topk=2,
+    padded_vocab_size=512,
+    vocab_size=512,
+    multi_latent_attention=False,
+    position_embedding_type="rope",
+    experimental_attention_variant=None,
+    heterogeneous_layers_config_path=None,
+    overlap_grad_reduce=False,
+    overlap_param_gather=False,
+    global_batch_size=16,
+    mock_data=False,
+    data_path=None,
+    train_data_path=["data/corpus"],
+    valid_data_path=["data/valid"],
+    test_data_path=None,
+    data_args_path=None,
+    per_split_data_args_path=None,
+    eval_iters=10,
+    skip_train=False,
+    full_validation=False,
+    multiple_validation_sets=False,
+    transformer_impl="transformer_engine",
+    normalization="RMSNorm",
+    qk_layernorm=False,
+    qk_l2_norm=False,
+    seed=1234,
+    data_parallel_size=8,
+    world_size=8,
+    iteration=0,
+)
+
+
+def parse(argv, **megatron):
+    """Our flags through argparse, Megatron's from the dict above (with overrides)."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_hdp_arguments(parser)
+    args = parser.parse_args(argv)
+    for name, value in {**MEGATRON, **megatron}.items():
+        setattr(args, name, value)
+    return args
+
+
+HDP = ["--hybrid-data-parallel", "--hdp-token-capacity", "8K"]
+
+
+@pytest.fixture(autouse=True)
+def _no_local_world_size(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+
+
+def test_namespace_covers_every_megatron_arg_the_validator_reads():
+    assert set(MEGATRON) == set(MEGATRON_ARGS_READ) | set(MEGATRON_DERIVED_ARGS)
+
+
+def test_defaults():
+    args = parse([])
+    assert args.hybrid_data_parallel is False
+    assert args.hdp_token_capacity is None
+    assert args.hdp_balance is None
+    assert args.hdp_balance_slack == 0.05
+    assert args.hdp_selective_offload is False
+    assert args.hdp_profile is None and args.hdp_hardware is None
+    assert args.hdp_dataloader == "local" and args.hdp_ray_address is None
+    assert args.hdp_plan_ahead == 2
+    assert args.hdp_ranks_per_node is None
+    assert args.hdp_step_tokens is None and args.hdp_ray_servers == 2
+    # off: nothing changes, Megatron's own loader stays
+    assert validate_hdp_args(args).dataloader_type == "single"
+
+
+def test_enabled_resolves_defaults():
+    args = validate_hdp_args(parse(HDP))
+    assert args.hdp_token_capacity == 8192
+    assert args.hdp_balance == "dp"
+    assert args.hdp_hardware == "h100"
+    assert args.hdp_size == 8
+    assert args.hdp_ranks_per_node == 8  # h100 nodes hold 8 GPUs
+    assert args.hdp_step_tokens == 16 * 32768  # --global-batch-size x --seq-length
+    assert args.dataloader_type == "external"
+
+
+@pytest.mark.parametrize("text,tokens", [("8K", 8192), ("16384", 16384), ("1.5K", 1536), ("2M", 2 << 20), ("4k", 4096)])
+def test_token_capacity_suffixes(text, tokens):
+    assert parse(["--hdp-token-capacity", text]).hdp_token_capacity == tokens
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--hdp-token-capacity", "8X"], "cannot read token count '8X'"),
+        (["--hdp-token-capacity", "0"], "must be positive"),
+        (["--hdp-token-capacity", "1.3"], "not a whole number"),
+        (["--hdp-balance", "tp"], "invalid choice: 'tp'"),
+        (["--hdp-balance-slack", "1.5"], r"must be in \[0, 1\)"),
+        (["--hdp-balance-slack", "-0.1"], r"must be in \[0, 1\)"),
+        (["--hdp-plan-ahead", "-1"], "must not be negative"),
+        (["--hdp-plan-ahead", "two"], "expected a whole number"),
+        (["--hdp-ranks-per-node", "0"], "must be positive"),
+        (["--hdp-ray-servers", "0"], "must be positive"),
+        (["--hdp-step-tokens", "lots"], "cannot read token count 'lots'"),
+        (["--hdp-dataloader", "spark"], "invalid choice: 'spark'"),
+    ],
+)
+def test_bad_values_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse(argv)
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_explicit_values_parse():
+    args = parse(
+        HDP
+        + [
+            "--hdp-balance", "none", "--hdp-balance-slack", "0.1", "--hdp-selective-offload",
+            "--hdp-hardware", "h200", "--hdp-plan-ahead", "0", "--hdp-ranks-per-node", "4",
+            "--hdp-step-tokens", "1M",
+        ]
+    )
+    validate_hdp_args(args)
+    assert args.hdp_step_tokens == 1 << 20
+    assert (args.hdp_balance, args.hdp_balance_slack, args.hdp_selective_offload) == ("none", 0.1, True)
+    assert (args.hdp_hardware, args.hdp_plan_ahead, args.hdp_ranks_per_node) == ("h200", 0, 4)
+
+
+def test_ranks_per_node_from_local_world_size_and_tp(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    args = validate_hdp_args(parse(HDP, tensor_model_parallel_size=2, data_parallel_size=4))
+    assert args.hdp_ranks_per_node == 4
+    # never more than the HDP group itself
+    args = validate_hdp_args(parse(HDP, tensor_model_parallel_size=2, data_parallel_size=2, seq_length=16384))
+    assert args.hdp_ranks_per_node == 2
+
+
+# one case per refused combination: (our flags, Megatron overrides, words the message must hold).
+# Each differs from the valid baseline (HDP flags + MEGATRON, see test_enabled_resolves_defaults)
+# only in the conflict it names.
+CONFLICTS = {
+    "per-token loss": (HDP, dict(calculate_per_token_loss=False), "add --calculate-per-token-loss"),
+    "micro batch": (HDP, dict(micro_batch_size=2), "use --micro-batch-size 1"),
+    "rampup": (HDP, dict(rampup_batch_size=["16", "16", "1000"]), "drop --rampup-batch-size"),
+    "static cp": (HDP, dict(context_parallel_size=2), "drop --context-parallel-size"),
+    "hybrid cp": (HDP, dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
+    "hybrid cp capacity": (HDP, dict(max_seqlen_per_dp_cp_rank=4096), "--max-seqlen-per-dp-cp-rank"),
+    "virtual pp": (HDP, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
+    "dp balance with pp": (HDP + ["--hdp-balance", "dp"], dict(pipeline_model_parallel_size=2), "use --hdp-balance pp"),
+    "pipeline parallel (step has no PP schedule yet)": (HDP + ["--hdp-balance", "pp"], dict(pipeline_model_parallel_size=2), "use --pipeline-model-parallel-size 1"),
+    "overlap grad reduce": (HDP, dict(overlap_grad_reduce=True), "drop both flags"),
+    "overlap param gather": (HDP, dict(overlap_param_gather=True), "drop both flags"),
+    "expert parallel": (HDP, dict(num_experts=8, expert_model_parallel_size=2), "--expert-model-parallel-size 1"),
+    "megatron fsdp": (HDP, dict(use_megatron_fsdp=True), "--use-distributed-optimizer"),
+    "torch fsdp2": (HDP, dict(use_torch_fsdp2=True), "--use-distributed-optimizer"),
+    "sequence parallel": (HDP, dict(tensor_model_parallel_size=2, sequence_parallel=True), "drop --sequence-parallel"),
+    "cuda graphs": (HDP, dict(cuda_graph_impl="local"), "CUDA graphs need fixed shapes"),
+    "legacy models": (HDP, dict(use_legacy_models=True), "drop --use-legacy-models"),
+    "custom spec": (HDP, dict(spec=["my.module", "my_spec"]), "drop --spec"),
+    "mtp": (HDP, dict(mtp_num_layers=1), "multi-token prediction"),
+    "mla": (HDP, dict(multi_latent_attention=True), "not MLA"),
+    "yarn": (HDP, dict(position_embedding_type="yarn"), "rope, learned_absolute or none"),
+    "attention variant": (HDP, dict(experimental_attention_variant="gated_delta_net"), "choose their own layer specs"),
+    "heterogeneous": (HDP, dict(heterogeneous_layers_config_path="h.json"), "choose their own layer specs"),
+    "mock data": (HDP, dict(mock_data=True), "bytescale prepare-data"),
+    "blend": (HDP, dict(train_data_path=["0.3", "data/a", "0.7", "data/b"]), "exactly one dataset prefix"),
+    "no data": (HDP, dict(train_data_path=None), "exactly one dataset prefix"),
+    "data args file": (HDP, dict(data_args_path="paths.txt"), "--data-args-path"),
+    "two valid sets": (HDP, dict(valid_data_path=["data/v1", "data/v2"]), "exactly one dataset prefix"),
+    "test set": (HDP, dict(test_data_path=["data/test"]), "drop it"),
+    "full validation": (HDP, dict(full_validation=True), "--full-validation"),
+    "eval without valid data": (HDP, dict(valid_data_path=None), "--valid-data-path VALID.*or --eval-iters 0"),
+    "step below seq length": (HDP + ["--hdp-step-tokens", "16K"], {}, "below --seq-length 32K"),
+    "ray servers without ray": (HDP + ["--hdp-ray-servers", "4"], {}, "--hdp-dataloader ray"),
+    "sft": (HDP, dict(sft=True), "--sft / --fim-data"),
+    "fim": (HDP, dict(fim_data=True), "--sft / --fim-data"),
+    "cyclic loader": (HDP, dict(dataloader_type="cyclic"), "drop --dataloader-type"),
+    "ray address without ray": (HDP + ["--hdp-ray-address", "ray://head:10001"], {}, "--hdp-dataloader ray"),
+    "two offloaders": (HDP + ["--hdp-selective-offload"], dict(fine_grained_activation_offloading=True), "keep one"),
+    "two offloaders (TE)": (HDP + ["--hdp-selective-offload"], dict(cpu_offloading_num_layers=2), "keep one"),
+    "no capacity": (["--hybrid-data-parallel"], {}, "needs --hdp-token-capacity"),
+    "unknown hardware": (HDP + ["--hdp-hardware", "tpu-v5"], {}, "unknown hardware 'tpu-v5'.*h100"),
+    "profile and hardware": (HDP + ["--hdp-profile", __file__, "--hdp-hardware", "h200"], {}, "keep one"),
+    "missing profile": (HDP + ["--hdp-profile", "/nonexistent/profile.yaml"], {}, "no such file"),
+    "sequence too long": (HDP, dict(seq_length=128 * 1024), r"128K.*8 HDP ranks.*64K tokens.*--hdp-selective-offload"),
+    "flag without hdp": (["--hdp-token-capacity", "8K", "--hdp-balance", "pp"], {}, "--hdp-token-capacity, --hdp-balance only apply"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFLICTS))
+def test_every_conflict_is_a_config_error(case):
+    argv, megatron, message = CONFLICTS[case]
+    with pytest.raises(ConfigError, match=message):
+        validate_hdp_args(parse(argv, **megatron))
+
+
+def test_data_path_and_no_eval_are_accepted():
+    args = validate_hdp_args(parse(HDP, data_path=["data/corpus"], train_data_path=None, valid_data_path=None, eval_iters=0))
+    assert args.dataloader_type == "external"
+
+
+def test_sequence_too_long_is_allowed_with_offload():
+    args = validate_hdp_args(parse(HDP + ["--hdp-selective-offload"], seq_length=128 * 1024))
+    assert args.hdp_selective_offload
+
+
+def test_ray_dataloader_needs_a_shared_cluster_for_several_ranks(monkeypatch):
+    pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match="--hdp-ray-address HOST:PORT"):
+        validate_hdp_args(parse(HDP + ["--hdp-dataloader", "ray"]))
+    args = validate_hdp_args(parse(HDP + ["--hdp-dataloader", "ray", "--hdp-ray-address", "head:6379"]))
+    assert args.hdp_ray_address == "head:6379"
+    args = validate_hdp_args(parse(HDP + ["--hdp-dataloader", "ray"], world_size=1, data_parallel_size=1, seq_length=8192))
+    assert args.hdp_dataloader == "ray"  # one rank may start its own Ray
+
+
+def test_ray_dataloader_refuses_cleanly_without_ray(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *a, **k):
+        if name == "ray":
+            raise ImportError("no ray")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(ConfigError, match=r"pip install 'megatron_bytescale\[ray\]'"):
+        validate_hdp_args(parse(HDP + ["--hdp-dataloader", "ray"]))
+
+
+def test_chain_extra_args_providers_keeps_both_groups():
+    def other(parser):
+        parser.add_argument("--other-flag", type=int, default=3)
+        return parser
+
+    parser = chain_extra_args_providers(other, None, add_hdp_arguments)(argparse.ArgumentParser())
+    args = parser.parse_args(["--other-flag", "5", "--hybrid-data-parallel"])
+    assert args.other_flag == 5 and args.hybrid_data_parallel
+
+
+def test_help_documents_every_flag():
+    parser = argparse.ArgumentParser()
+    add_hdp_arguments(parser)
+    text = parser.format_help()
+    for name in [a.dest for a in parser._actions if a.dest.startswith(("hdp_", "hybrid_data"))]:
+        assert "--" + name.replace("_", "-") in text
+
+
+def test_model_spec_and_cost_model_follow_the_flags():
+    args = validate_hdp_args(parse(HDP))
+    spec = model_spec_from_args(args)
+    expected = ModelSpec.load("tiny")
+    for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                  "ffn_hidden_size", "vocab_size", "swiglu", "num_experts"):
+        assert getattr(spec, field) == getattr(expected, field), field
+    cost = cost_model_from_args(args)
+    assert cost == CostModel.analytic(expected, HardwareSpec.load("h100"))
+
+
+def test_cost_model_reads_the_profile(tmp_path):
+    args = validate_hdp_args(parse(HDP))
+    profile = tmp_path / "profile.json"
+    cost_model_from_args(args).with_overrides(a1=1.25e-12).to_profile(profile, source="test")
+    args = validate_hdp_args(parse(HDP + ["--hdp-profile", str(profile)]))
+    assert cost_model_from_args(args).a1 == 1.25e-12
+
+
+def test_no_gqa_means_one_kv_head_per_query_head():
+    args = validate_hdp_args(parse(HDP, group_query_attention=False, num_query_groups=1))
+    assert model_spec_from_args(args).num_query_groups == 4

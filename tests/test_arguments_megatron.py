@@ -1,0 +1,120 @@
+"""HDP flags inside Megatron-LM's real argument system (core_v0.16.1 checkout).
+
+Runs only when MEGATRON_LM_DIR points at a Megatron-LM checkout (skipped otherwise; a skip is
+not a pass). Each check runs in a subprocess with the checkout first on PYTHONPATH: Megatron's
+parser plus add_hdp_arguments, Megatron's validate_args, then validate_hdp_args.
+Optional modules Megatron's training package imports but does not need for argument handling
+(triton, regex) are stubbed when absent, so this also runs on a CPU-only machine (where Megatron's
+validate_args cannot take its CUDA-only branches, e.g. --context-parallel-size > 1).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
+pytestmark = pytest.mark.skipif(not MEGATRON_LM_DIR, reason="set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 checkout")
+
+PRELUDE = r"""
+import json, os, re, sys
+from unittest import mock
+try:
+    import regex  # noqa: F401
+except ImportError:
+    sys.modules["regex"] = re
+for _ in range(4):
+    try:
+        from megatron.training.arguments import add_megatron_arguments, validate_args
+        break
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("triton", "triton.language"):
+            raise
+        stub = mock.MagicMock(); stub.__path__ = []; stub.__spec__ = None
+        sys.modules[exc.name] = stub
+        for name in [n for n in sys.modules if n.startswith("megatron.training")]:
+            del sys.modules[name]
+import argparse
+from megatron_bytescale.errors import ConfigError
+from megatron_bytescale.megatron.arguments import (
+    MEGATRON_ARGS_READ, MEGATRON_DERIVED_ARGS, add_hdp_arguments, validate_hdp_args)
+from megatron_bytescale.planner.specs import read_args_file
+
+def megatron_parser():
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_megatron_arguments(parser)
+    return add_hdp_arguments(parser)
+
+def validated(extra):
+    argv = read_args_file("configs/models/tiny.args") + [
+        "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
+        "--global-batch-size", "16", "--train-iters", "10", "--lr", "1e-4",
+        "--tokenizer-type", "NullTokenizer", "--bf16", "--data-path", "data/corpus", "--eval-iters", "0"] + extra
+    args = megatron_parser().parse_args(argv)
+    args.rank, args.world_size = 0, 8
+    validate_args(args, {})
+    return validate_hdp_args(args)
+"""
+
+
+def run(body: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([MEGATRON_LM_DIR, str(ROOT)]), WORLD_SIZE="8", RANK="0")
+    env.pop("LOCAL_WORLD_SIZE", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELUDE + body], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_megatron_has_every_arg_we_read_and_none_of_ours():
+    out = run(
+        """
+parser = argparse.ArgumentParser(allow_abbrev=False)
+add_megatron_arguments(parser)
+dests = {a.dest for a in parser._actions}
+options = {o for a in parser._actions for o in a.option_strings}
+ours = argparse.ArgumentParser(); add_hdp_arguments(ours)
+print(json.dumps({"missing": sorted(set(MEGATRON_ARGS_READ) - dests),
+                  "clash": sorted({o for a in ours._actions for o in a.option_strings if o not in ("-h", "--help")} & options)}))
+"""
+    )
+    assert out == {"missing": [], "clash": []}
+
+
+def test_valid_command_line_after_megatron_validation():
+    out = run(
+        """
+args = validated(["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "1K"])
+print(json.dumps({k: getattr(args, k) for k in ("hdp_size", "hdp_balance", "hdp_token_capacity", "dataloader_type")}))
+"""
+    )
+    assert out == {"hdp_size": 8, "hdp_balance": "dp", "hdp_token_capacity": 1024, "dataloader_type": "external"}
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--hybrid-data-parallel", "--hdp-token-capacity", "1K"], "add --calculate-per-token-loss"),
+        (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "1K",
+          "--micro-batch-size", "2"], "use --micro-batch-size 1"),
+        (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "1K",
+          "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], "virtual pipeline"),
+        (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "256"], "does not fit"),
+    ],
+)
+def test_conflicts_after_megatron_validation(extra, message):
+    out = run(
+        f"""
+try:
+    validated({extra!r})
+    print(json.dumps({{"error": None}}))
+except ConfigError as exc:
+    print(json.dumps({{"error": str(exc)}}))
+"""
+    )
+    assert out["error"] is not None and message in out["error"]

@@ -1,0 +1,336 @@
+"""Selective activation offloading on CPU: exact gradients, accounting, keep_last, thresholds,
+errors, pinned-memory fallback, pool reuse, and the same on several gloo ranks."""
+
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_bytescale.errors import BytescaleError
+from megatron_bytescale.local_world import run_local_world
+from megatron_bytescale.planner.specs import ModelSpec
+from megatron_bytescale.runtime import host_pool
+from megatron_bytescale.runtime.layer_stack import LayerStack
+from megatron_bytescale.runtime.offload import ActivationOffloader, _layout, check_ratio, transformer_layers
+
+RATIOS = [0.0, 0.3, 0.5, 1.0]
+TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def stack():
+    return LayerStack(ModelSpec.load("tiny"), 4, backend="torch", seed=0)
+
+
+def _run(stack, offloader=None, ratio=0.0, seed=1, backward_inside=False):
+    """Loss, gradients (parameters and input) of one micro-batch, and the offload stats."""
+    torch.manual_seed(seed)
+    x = torch.randn(TOKENS, 1, stack.spec.hidden_size, requires_grad=True)
+    stack.zero_grad(set_to_none=True)
+    if offloader is None:
+        loss = stack(x * 1.0).square().mean()
+        loss.backward()
+        stats = None
+    else:
+        with offloader.micro_batch(ratio):
+            loss = stack(x * 1.0).square().mean()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        stats = offloader.last_stats()
+    grads = [p.grad.clone() for p in stack.parameters()] + [x.grad.clone()]
+    return loss.detach(), grads, stats
+
+
+@pytest.fixture(scope="module")
+def reference(stack):
+    return _run(stack)
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_loss_and_gradients_identical_with_offloading(stack, reference, ratio, backward_inside):
+    off = ActivationOffloader(stack.layers, keep_last=2, min_tensor_bytes=0)
+    try:
+        loss, grads, stats = _run(stack, off, ratio, backward_inside=backward_inside)
+    finally:
+        off.remove()
+    ref_loss, ref_grads, _ = reference
+    assert torch.equal(loss, ref_loss)
+    assert len(grads) == len(ref_grads)
+    for got, want in zip(grads, ref_grads):
+        assert torch.equal(got, want)
+    assert stats.offloaded_bytes == stats.reloaded_bytes
+    assert (stats.offloaded_bytes > 0) == (ratio > 0)
+    assert stats.resident_bytes == 0  # backward released every saved tensor
+    assert off.pool.in_use_bytes == 0
+
+
+def test_resident_bytes_fall_as_ratio_grows(stack):
+    off = ActivationOffloader(stack.layers, keep_last=2, min_tensor_bytes=0)
+    try:
+        stats = {r: _run(stack, off, r)[2] for r in RATIOS}
+    finally:
+        off.remove()
+    peaks = [stats[r].peak_resident_bytes for r in RATIOS]
+    assert all(a > b for a, b in zip(peaks, peaks[1:])), peaks
+    base = stats[0.0]
+    layer_bytes = base.layers[0].held_bytes
+    assert all(layer.held_bytes == layer_bytes for layer in base.layers)  # identical layers
+    outside = base.outside_bytes  # the loss's square() saves the last layer's output
+    assert outside == TOKENS * stack.spec.hidden_size * 4
+    assert base.peak_resident_bytes == 4 * layer_bytes + outside
+    for r in RATIOS:
+        st = stats[r]
+        for layer in st.layers[:2]:  # offloadable: exactly r of the eligible bytes moved
+            assert layer.eligible_bytes == base.layers[0].saved_bytes
+            assert abs(layer.offloaded_bytes - r * layer.eligible_bytes) <= 4 * layer.tensors
+            assert layer.reloaded_bytes == layer.offloaded_bytes
+        assert st.achieved_ratio == pytest.approx(r, abs=1e-3)
+        assert st.late_reloads == 0  # every reload ran one layer ahead of its backward
+    # ratio 1 keeps only the two last layers' activations at the peak
+    assert stats[1.0].peak_resident_bytes == 2 * layer_bytes + outside
+
+
+@pytest.mark.parametrize("keep_last", [0, 1, 3, 4])
+def test_keep_last_layers_stay_on_the_device(stack, keep_last):
+    off = ActivationOffloader(stack.layers, keep_last=keep_last, min_tensor_bytes=0)
+    try:
+        _, _, st = _run(stack, off, 1.0)
+    finally:
+        off.remove()
+    n = len(stack.layers)
+    for layer in st.layers:
+        kept = layer.index >= n - keep_last
+        assert layer.kept_on_device == kept
+        assert (layer.offloaded_bytes == 0) == kept
+        assert (layer.held_bytes == 0) == (not kept)  # ratio 1: an offloaded layer holds nothing
+    # the topmost offloaded layer has no layer above to trigger its prefetch
+    assert (st.late_reloads > 0) == (keep_last == 0)
+
+
+class ToyLayer(nn.Module):
+    """Saves, knowingly: its input x and h (n*d each), the weight, and a tiny [n, 1] tensor."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h * torch.sigmoid(h.sum(-1, keepdim=True))
+
+
+def test_tiny_tensors_and_parameters_stay():
+    n, d = 64, 32
+    layers = nn.ModuleList([ToyLayer(d) for _ in range(3)])
+    big, tiny = n * d * 4, n * 4
+    off = ActivationOffloader(layers, keep_last=1, min_tensor_bytes=tiny + 1)
+    x = torch.randn(n, d, requires_grad=True)
+    with off.micro_batch(1.0):
+        y = x * 1.0
+        for layer in layers:
+            y = layer(y)
+    y.sum().backward()
+    st = off.last_stats()
+    for layer in st.layers:
+        assert layer.tensors == 3  # x, h, sigmoid output; the weight is not counted
+        assert layer.saved_bytes == 2 * big + tiny
+    for layer in st.layers[:2]:
+        assert layer.eligible_bytes == layer.offloaded_bytes == 2 * big  # the tiny one stayed
+    assert st.layers[2].eligible_bytes == 0
+    # keep predicate: nothing eligible when it says keep
+    off2 = ActivationOffloader(layers, keep_last=0, min_tensor_bytes=0, keep=lambda t: True)
+    with off2.micro_batch(1.0):
+        y = layers[2](layers[1](layers[0](x * 1.0)))
+    y.sum().backward()
+    assert off2.last_stats().offloaded_bytes == 0
+
+
+def test_tensors_saved_outside_the_layers_are_counted_but_never_moved():
+    layers = nn.ModuleList([ToyLayer(16) for _ in range(3)])
+    head = nn.Linear(16, 16, bias=False)
+    off = ActivationOffloader(layers, keep_last=0, min_tensor_bytes=0)
+    x = torch.randn(32, 16, requires_grad=True)
+    with off.micro_batch(1.0):
+        y = layers[2](layers[1](layers[0](x * 1.0)))
+        out = head(y)  # saves y outside the layers
+    out.sum().backward()
+    st = off.last_stats()
+    assert st.outside_bytes == 32 * 16 * 4
+    assert st.offloaded_bytes == sum(layer.saved_bytes for layer in st.layers)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, math.nan, "half"])
+def test_bad_ratio_names_the_fix(stack, bad):
+    off = ActivationOffloader(stack.layers)
+    try:
+        with pytest.raises(BytescaleError, match=r"outside \[0, 1\]|not a number"):
+            with off.micro_batch(bad):
+                pass
+    finally:
+        off.remove()
+    assert check_ratio(0) == 0.0 and check_ratio(1) == 1.0
+
+
+def test_misuse_errors(stack):
+    with pytest.raises(BytescaleError, match="needs the model's transformer layers"):
+        ActivationOffloader([])
+    with pytest.raises(BytescaleError, match="appears twice"):
+        ActivationOffloader([stack.layers[0], stack.layers[0]])
+    with pytest.raises(BytescaleError, match="keep_last must be 0 or more"):
+        ActivationOffloader(stack.layers, keep_last=-1)
+    off = ActivationOffloader(stack.layers)
+    try:
+        with pytest.raises(BytescaleError, match="no micro-batch has run yet"):
+            off.last_stats()
+        with pytest.raises(BytescaleError, match="already active"):
+            with off.micro_batch(0.5):
+                with off.micro_batch(0.5):
+                    pass
+    finally:
+        off.remove()
+    with pytest.raises(BytescaleError, match="no decoder.layers"):
+        transformer_layers(nn.Linear(2, 2))
+
+
+def test_transformer_layers_unwraps_megatron_wrappers():
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.decoder = Decoder()
+
+    class Wrapper(nn.Module):  # DDP / Float16Module keep the model in .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    gpt = GPT()
+    assert transformer_layers(Wrapper(Wrapper(gpt))) == list(gpt.decoder.layers)
+
+
+def test_pinned_memory_unavailable_falls_back_to_pageable(stack, reference, monkeypatch, caplog):
+    def no_pinning(nbytes):
+        raise RuntimeError("simulated: cudaHostAlloc failed")
+
+    monkeypatch.setattr(host_pool, "allocate_pinned", no_pinning)
+    off = ActivationOffloader(stack.layers, min_tensor_bytes=0, pin_memory=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="megatron_bytescale.runtime.host_pool"):
+            loss, grads, st = _run(stack, off, 0.5)
+    finally:
+        off.remove()
+    assert "pinned host memory is unavailable" in caplog.text and "simulated" in caplog.text
+    assert not st.pinned and off.pool.pin_failure == "simulated: cudaHostAlloc failed"
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference[1]))
+    assert caplog.text.count("pinned host memory is unavailable") == 1  # logged once, not per buffer
+
+
+def test_pinning_on_a_cpu_only_build_falls_back(caplog):
+    if torch.cuda.is_available():
+        pytest.skip("this build can pin memory")
+    pool = host_pool.HostBufferPool(pin_memory=True)
+    with caplog.at_level(logging.WARNING, logger="megatron_bytescale.runtime.host_pool"):
+        block = pool.acquire(10_000)
+    assert not pool.pinned and block.capacity >= 10_000 and "pageable" in caplog.text
+
+
+def test_host_pool_is_reused_across_micro_batches(stack):
+    off = ActivationOffloader(stack.layers, min_tensor_bytes=0)
+    try:
+        _run(stack, off, 0.5)
+        capacity, allocations = off.pool.capacity_bytes, off.pool.allocations
+        assert capacity > 0 and off.pool.in_use_bytes == 0
+        for seed in (2, 3):
+            _, _, st = _run(stack, off, 0.5, seed=seed)
+            assert st.offloaded_bytes > 0
+            assert off.pool.capacity_bytes == capacity  # no growth: the same buffers again
+            assert off.pool.allocations == allocations
+            assert off.pool.in_use_bytes == 0
+        assert off.pool.reuses >= 2 * allocations
+    finally:
+        off.remove()
+
+
+def test_host_pool_size_classes_and_cache_limit():
+    sizes = [1, 4096, 4097, 10_000, 123_457, 1 << 20, (1 << 20) + 1, 987_654_321]
+    for n in sizes:
+        c = host_pool.size_class(n)
+        assert c >= n and c <= max(host_pool.MIN_CLASS_BYTES, n * 1.125 + 4096)
+    assert host_pool.size_class(1 << 20) == 1 << 20
+    pool = host_pool.HostBufferPool(pin_memory=False, max_cached_bytes=3 * 8192)
+    blocks = [pool.acquire(8192) for _ in range(5)]
+    assert pool.capacity_bytes == 5 * 8192 and pool.in_use_bytes == 5 * 8192
+    for b in blocks:
+        pool.release(b)
+    assert pool.in_use_bytes == 0 and pool.capacity_bytes == 3 * 8192  # capped
+    again = pool.acquire(8000)
+    assert pool.reuses == 1 and again.capacity == 8192
+    assert again.view(torch.float32, 2000).shape == (2000,)
+    pool.release(again)
+    assert pool.trim() == 3 * 8192 and pool.capacity_bytes == 0
+
+
+def test_layout_classifies_saved_tensors():
+    base = torch.randn(4, 6, 8)
+    assert _layout(base) == ("dense", (48, 8, 1))
+    assert _layout(base.permute(2, 0, 1))[0] == "dense"
+    kind, stride = _layout(base[..., :4])
+    assert kind == "gapped" and stride == (24, 4, 1)
+    assert _layout(torch.randn(5, 1).expand(5, 3))[0] == "overlapping"
+
+
+# ------------------------------------------------------------------ several gloo ranks
+def _rank_offload_matches(rank, world_size, ratios):
+    """Each rank runs its own micro-batch (own data, own ratio) on megatron-core layers; the
+    all-reduced gradients must equal those of a run without offloading."""
+    import torch.distributed as dist
+
+    stack = LayerStack(ModelSpec.load("tiny"), 4, backend="megatron", seed=0)
+    torch.manual_seed(100 + rank)
+    x = torch.randn(96, 1, stack.spec.hidden_size)
+
+    def step(offloader=None):
+        stack.zero_grad(set_to_none=True)
+        if offloader is None:
+            loss = stack(x).square().mean()
+        else:
+            with offloader.micro_batch(ratios[rank]):
+                loss = stack(x).square().mean()
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in stack.parameters()])
+        dist.all_reduce(grads)
+        return loss.detach(), grads
+
+    ref_loss, ref = step()
+    off = ActivationOffloader(transformer_layers_of(stack), keep_last=2, min_tensor_bytes=0)
+    loss, got = step(off)
+    st = off.last_stats()
+    return {
+        "same_loss": bool(torch.equal(loss, ref_loss)),
+        "same_grads": bool(torch.equal(got, ref)),
+        "achieved": st.achieved_ratio,
+        "moved": st.offloaded_bytes,
+        "back": st.reloaded_bytes,
+    }
+
+
+def transformer_layers_of(stack):
+    return list(stack.layers)
+
+
+def test_offloading_on_gloo_ranks_keeps_gradients_exact():
+    ratios = [0.3, 1.0, 0.5]
+    results = run_local_world(_rank_offload_matches, 3, ratios, timeout_s=240, threads_per_rank=1)
+    for rank, res in enumerate(results):
+        assert res["same_loss"] and res["same_grads"], (rank, res)
+        assert res["achieved"] == pytest.approx(ratios[rank], abs=1e-3)
+        assert res["moved"] == res["back"] > 0

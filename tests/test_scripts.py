@@ -1,0 +1,281 @@
+"""Launch scripts (scripts/*.sh, scripts/slurm/*, scripts/gpu/smoke_pretrain_gpt.sh).
+
+Syntax (bash -n) and shellcheck (when installed; skipped otherwise) for every script, then
+behaviour with DRY_RUN=1 and stand-ins for srun / scontrol / torchrun on PATH: the command
+lines they build, the rank environment they export, and (with MEGATRON_LM_DIR set) that
+Megatron-LM's real parser and validate_args plus validate_hdp_args accept those command lines.
+"""
+
+import json
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted(
+    [*ROOT.glob("scripts/*.sh"), *ROOT.glob("scripts/slurm/*"), *ROOT.glob("scripts/gpu/*.sh")],
+    key=str,
+)
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
+
+
+def test_the_scripts_are_there():
+    names = {p.relative_to(ROOT).as_posix() for p in SCRIPTS}
+    assert {
+        "scripts/hdp_env.sh", "scripts/train_local.sh", "scripts/slurm/srun_rank_env.sh",
+        "scripts/slurm/train_srun.sbatch", "scripts/slurm/train_torchrun.sbatch", "scripts/gpu/smoke_pretrain_gpt.sh",
+    } <= names
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_bash_syntax(path):
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install shellcheck)")
+def test_shellcheck_clean():
+    proc = subprocess.run(["shellcheck", "-x", *map(str, SCRIPTS)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("path", [p for p in SCRIPTS if p.name != "hdp_env.sh"], ids=lambda p: p.name)
+def test_runnable_scripts_are_executable(path):
+    assert path.stat().st_mode & stat.S_IXUSR
+
+
+# ---------------------------------------------------------------- stand-ins
+def _tool(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def env(tmp_path):
+    """A fake Megatron-LM checkout, a PATH with stand-in scontrol/srun/torchrun/python, and
+    the variables a user sets."""
+    mlm = tmp_path / "Megatron-LM"
+    mlm.mkdir()
+    (mlm / "pretrain_gpt.py").write_text("# unpatched\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _tool(bin_dir, "scontrol", 'echo "gpu-node-07"; echo "gpu-node-08"\n')
+    # srun: drop its own options, run the command once as node 1 / task 9 of a 2x8 job
+    _tool(bin_dir, "srun", 'while [[ $1 == --* ]]; do shift; done\n'
+          'SLURM_NODEID=1 SLURM_PROCID=9 SLURM_LOCALID=1 SLURM_NTASKS=16 exec "$@"\n')
+    record = 'import json, os, sys; print(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in ' \
+             '("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")}}))'
+    _tool(bin_dir, "torchrun", f"exec {sys.executable} -c '{record}' torchrun \"$@\"\n")
+    _tool(bin_dir, "python", f"exec {sys.executable} -c '{record}' python \"$@\"\n")
+    variables = dict(
+        os.environ,
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        MEGATRON_LM_DIR=str(mlm),
+        DATA_PATH="/data/corpus",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_JOB_NODELIST="gpu-node-[07-08]",
+        SLURM_JOB_ID="4242",
+        SLURM_NTASKS_PER_NODE="8",
+        SLURM_SUBMIT_DIR=str(ROOT),
+    )
+    for name in ("MASTER_ADDR", "MASTER_PORT", "DRY_RUN", "MODEL", "TP", "HDP_MODE", "VALID_DATA_PATH"):
+        variables.pop(name, None)
+    return variables, mlm
+
+
+def run_script(script, variables, *args, check=True):
+    proc = subprocess.run(["bash", str(ROOT / script), *args], env=variables, capture_output=True, text=True, timeout=60)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def model_args(name):
+    from megatron_bytescale.planner.specs import MODEL_DIR, read_args_file
+
+    return read_args_file(MODEL_DIR / f"{name}.args")
+
+
+def after(argv, marker):
+    return argv[argv.index(marker) + 1:]
+
+
+def test_train_local_runs_torchrun_with_the_launcher(env):
+    variables, mlm = env
+    out = json.loads(run_script("scripts/train_local.sh", dict(variables, NPROC="4", MODEL="tiny"), "--seed", "7").stdout)
+    argv = out["argv"]
+    assert argv[:5] == ["torchrun", "--standalone", "--nproc-per-node", "4", "-m"]
+    assert argv[5:7] == ["megatron_bytescale.launch", str(mlm / "pretrain_gpt.py")]
+    flags = argv[7:]
+    assert flags[: len(model_args("tiny"))] == model_args("tiny")
+    for pair in (["--hybrid-data-parallel", "--hdp-token-capacity"], ["--global-batch-size", "4"],
+                 ["--data-path", "/data/corpus", "--eval-iters", "0"], ["--seed", "7"]):
+        i = flags.index(pair[0])
+        assert flags[i: i + len(pair)] == pair
+    assert "--calculate-per-token-loss" in flags and flags[-2:] == ["--seed", "7"]
+
+
+def test_a_patched_checkout_runs_pretrain_gpt_itself(env):
+    variables, mlm = env
+    (mlm / "pretrain_gpt.py").write_text("from megatron_bytescale.megatron import pretrain_hooks as hdp\n")
+    argv = json.loads(run_script("scripts/train_local.sh", dict(variables, NPROC="2")).stdout)["argv"]
+    assert argv[3:5] == ["2", str(mlm / "pretrain_gpt.py")]
+    assert "-m" not in argv
+    # HDP_MODE forces the launcher even then
+    argv = json.loads(run_script("scripts/train_local.sh", dict(variables, NPROC="2", HDP_MODE="launcher")).stdout)["argv"]
+    assert argv[4:6] == ["-m", "megatron_bytescale.launch"]
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (dict(MODEL="gpt-9"), "unknown model 'gpt-9'"),
+        (dict(DATA_PATH=""), "set DATA_PATH"),
+        (dict(MEGATRON_LM_DIR="/nonexistent"), "pretrain_gpt.py not found"),
+        (dict(TP="3", NPROC="8"), "does not divide by TP=3"),
+        (dict(HDP_MODE="fast"), "HDP_MODE must be auto, patched or launcher"),
+    ],
+)
+def test_train_local_refuses_bad_settings(env, extra, message):
+    variables, _ = env
+    proc = run_script("scripts/train_local.sh", dict(variables, **extra), check=False)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_optional_variables_become_flags(env):
+    variables, _ = env
+    settings = dict(
+        VALID_DATA_PATH="/data/valid", HDP_STEP_TOKENS="2M", HDP_BALANCE="none", HDP_SELECTIVE_OFFLOAD="1",
+        HDP_PROFILE="/p.json", HDP_DATALOADER="ray", HDP_RAY_ADDRESS="head:6379", SAVE_DIR="/ckpt", LOAD_DIR="/ckpt",
+        TP="2", NPROC="8",
+    )
+    flags = json.loads(run_script("scripts/train_local.sh", dict(variables, **settings)).stdout)["argv"]
+    text = " ".join(flags)
+    for expected in ("--train-data-path /data/corpus --valid-data-path /data/valid --eval-iters 10", "--hdp-step-tokens 2M", "--hdp-balance none",
+                     "--hdp-selective-offload", "--hdp-profile /p.json", "--hdp-dataloader ray",
+                     "--hdp-ray-address head:6379", "--save /ckpt", "--load /ckpt", "--tensor-model-parallel-size 2",
+                     "--global-batch-size 4"):
+        assert expected in text, expected
+    assert "--hdp-hardware" not in flags  # the profile replaces it
+
+
+def test_dry_run_prints_one_shell_line(env):
+    variables, mlm = env
+    out = run_script("scripts/train_local.sh", dict(variables, DRY_RUN="1", NPROC="2")).stdout.strip()
+    argv = shlex.split(out)
+    assert argv[0] == "torchrun" and str(mlm / "pretrain_gpt.py") in argv
+
+
+def test_srun_sbatch_starts_every_rank_with_its_environment(env):
+    variables, mlm = env
+    out = json.loads(run_script("scripts/slurm/train_srun.sbatch", variables).stdout)
+    assert out["env"] == {
+        "RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8",
+        "MASTER_ADDR": "gpu-node-07", "MASTER_PORT": str(20000 + 4242 % 20000),
+        "PYTHONPATH": out["env"]["PYTHONPATH"],
+    }
+    assert out["env"]["PYTHONPATH"].split(os.pathsep)[:2] == [str(mlm), str(ROOT)]
+    argv = out["argv"]
+    assert argv[:4] == ["python", "-m", "megatron_bytescale.launch", str(mlm / "pretrain_gpt.py")]
+    assert after(argv, "--global-batch-size")[0] == "16"  # 2 nodes x 8 ranks, TP 1
+
+
+def test_torchrun_sbatch_starts_one_torchrun_per_node(env):
+    variables, mlm = env
+    out = json.loads(run_script("scripts/slurm/train_torchrun.sbatch", dict(variables, GPUS_PER_NODE="4")).stdout)
+    argv = out["argv"]
+    assert argv[:11] == [
+        "torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--node-rank", "1", "--rdzv-id", "4242",
+        "--rdzv-backend", "c10d",
+    ]
+    assert argv[11:13] == ["--rdzv-endpoint", f"gpu-node-07:{20000 + 4242 % 20000}"]
+    assert argv[13:16] == ["-m", "megatron_bytescale.launch", str(mlm / "pretrain_gpt.py")]
+    assert after(argv, "--global-batch-size")[0] == "8"
+
+
+def test_srun_rank_env_reads_the_compact_tasks_per_node_form(env):
+    variables, _ = env
+    variables = dict(variables, SLURM_PROCID="3", SLURM_NTASKS="8", SLURM_LOCALID="3", SLURM_TASKS_PER_NODE="4(x2)")
+    variables.pop("SLURM_NTASKS_PER_NODE")
+    proc = subprocess.run(["bash", str(ROOT / "scripts/slurm/srun_rank_env.sh"), "python"], env=variables,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)["env"]
+    assert (got["RANK"], got["WORLD_SIZE"], got["LOCAL_RANK"], got["LOCAL_WORLD_SIZE"], got["MASTER_ADDR"]) == (
+        "3", "8", "3", "4", "gpu-node-07")
+    # outside srun it refuses
+    variables.pop("SLURM_PROCID")
+    proc = subprocess.run(["bash", str(ROOT / "scripts/slurm/srun_rank_env.sh"), "true"], env=variables,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "run this under srun" in proc.stderr
+
+
+# ---------------------------------------------------------------- against Megatron-LM
+@pytest.mark.skipif(not MEGATRON_LM_DIR, reason="set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 checkout")
+@pytest.mark.parametrize("model", ["tiny", "llama-7b"])
+def test_script_command_lines_pass_megatron_and_hdp_validation(env, model):
+    variables, _ = env
+    variables = dict(variables, MEGATRON_LM_DIR=MEGATRON_LM_DIR, MODEL=model, NPROC="8", TRANSFORMER_IMPL="local",
+                     VALID_DATA_PATH="/data/valid")
+    argv = json.loads(run_script("scripts/train_local.sh", variables).stdout)["argv"]
+    flags = argv[argv.index(str(Path(MEGATRON_LM_DIR) / "pretrain_gpt.py")) + 1:]
+    from test_arguments_megatron import PRELUDE, run
+
+    out = run(
+        f"""
+args = megatron_parser().parse_args({flags!r})
+args.rank, args.world_size = 0, 8
+validate_args(args, {{}})
+validate_hdp_args(args)
+print(json.dumps({{"hdp_size": args.hdp_size, "capacity": args.hdp_token_capacity, "step": args.hdp_step_tokens}}))
+"""
+    )
+    assert out == {"hdp_size": 8, "capacity": 8192, "step": 8 * 32768}
+
+
+# ---------------------------------------------------------------- GPU smoke script
+def test_smoke_dry_run_prints_the_patched_and_the_launcher_run(env):
+    variables, mlm = env
+    lines = run_script("scripts/gpu/smoke_pretrain_gpt.sh", dict(variables, DRY_RUN="1")).stdout.strip().splitlines()
+    patched, launcher = (shlex.split(line) for line in lines)
+    assert patched[:4] == ["torchrun", "--standalone", "--nproc-per-node", "1"]
+    assert patched[4] == str(mlm / "pretrain_gpt.py") and launcher[4:7] == ["-m", "megatron_bytescale.launch", str(mlm / "pretrain_gpt.py")]
+    assert after(patched, "--train-iters")[0] == "4" and after(launcher, "--train-iters")[0] == "6"
+    assert "--load" not in patched and after(launcher, "--load")[0] == after(patched, "--save")[0]
+    assert after(patched, "--transformer-impl")[0] == "local"
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU is present: run the smoke test itself")
+def test_smoke_refuses_to_run_without_a_gpu(env):
+    variables, _ = env
+    variables = dict(variables, PYTHON=sys.executable)
+    proc = run_script("scripts/gpu/smoke_pretrain_gpt.sh", variables, check=False)
+    assert proc.returncode != 0 and "this smoke test needs a GPU" in proc.stderr
+
+
+@pytest.mark.skipif(not MEGATRON_LM_DIR, reason="set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 checkout")
+def test_smoke_command_lines_pass_megatron_and_hdp_validation(env, tmp_path):
+    variables, _ = env
+    lines = run_script("scripts/gpu/smoke_pretrain_gpt.sh", dict(variables, DRY_RUN="1", MEGATRON_LM_DIR=MEGATRON_LM_DIR)).stdout
+    from test_arguments_megatron import run
+
+    for line in lines.strip().splitlines():
+        argv = shlex.split(line)
+        flags = argv[argv.index(str(Path(MEGATRON_LM_DIR).resolve() / "pretrain_gpt.py")) + 1:]
+        out = run(
+            f"""
+args = megatron_parser().parse_args({flags!r})
+args.rank, args.world_size = 0, 1
+validate_args(args, {{}})
+validate_hdp_args(args)
+print(json.dumps({{"hdp_size": args.hdp_size, "step": args.hdp_step_tokens, "impl": args.transformer_impl}}))
+"""
+        )
+        assert out == {"hdp_size": 1, "step": 8192, "impl": "local"}
