@@ -25,6 +25,15 @@ from megatron_bytescale.runtime.offload import ActivationOffloader
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one torch thread is faster than two fighting over a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ------------------------------------------------------------------------------- fits
 @settings(max_examples=30, deadline=None)
 @given(

@@ -1,7 +1,8 @@
 """``bytescale profile``: measure the cost model's coefficients on this machine (brief 2.8).
 
-For one transformer layer of the chosen model's shape (``layer_stack``: megatron-core's local
-spec with a flash-style core attention, or plain torch where megatron-core is missing):
+For one transformer layer of the chosen model (``layer_stack``: megatron-core's
+TransformerLayer as HDP training builds it, from the model's args file, or the same layer in
+plain torch where megatron-core is missing):
 
 * ``T(s) = a1*s^2 + b1*s + g``: forward+backward seconds over a sweep of sequence lengths,
   fitted by non-negative least squares on relative error (short and long runs weigh alike);
@@ -313,7 +314,7 @@ def build_profile(
         return {**values, "source": source, "notes": notes}
 
     torch.manual_seed(0)
-    stack = LayerStack(spec, 1, backend=backend, dtype=DTYPES[dtype_name], device=dev)
+    stack = LayerStack(model, 1, backend=backend, dtype=DTYPES[dtype_name], device=dev)
     samples = measure_layer(stack, seq_lens, repeats=repeats)
     lens = [x.seq_len for x in samples]
     a1, b1, g, r2_time = fit_layer_time(lens, [x.seconds for x in samples])
