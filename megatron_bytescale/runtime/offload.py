@@ -18,10 +18,12 @@ attributed to a layer. A tensor is *eligible* to move when all of these hold, ot
 * ``keep(tensor)`` is not true (a hook for model-specific exceptions).
 
 What is cheaper to recompute than to copy stays *by not being saved at all*: Megatron's
-activation recomputation (selective core-attention recompute, full-layer checkpointing) runs
-those regions without saving (reentrant checkpoint) or under its own saved-tensor hooks, which
-take precedence over these; the offloader never copies what is recomputed, and a profile
-measured with the same settings leaves it out of Act(s).
+activation recomputation (selective recompute modules, full-layer checkpointing) runs those
+regions without saving (reentrant checkpoint) or under its own saved-tensor hooks, which take
+precedence over these; the offloader never copies what is recomputed, and a profile measured
+with the same settings leaves it out of Act(s). (Under HDP, recomputing core attention is
+refused by ``HDPCoreAttention``: it would re-run the ring exchange; its q/k/v/out are exactly
+what offloading is for.)
 
 Exact ratio. Per layer, ``r`` is applied to the bytes of its eligible tensors with a running
 quota: at each eligible tensor the bytes still owed are ``r * (eligible bytes so far) -
