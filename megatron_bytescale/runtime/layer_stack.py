@@ -16,7 +16,6 @@ Layers take and return ``[s, b, h]`` hidden states, as Megatron's do.
 from __future__ import annotations
 
 import os
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
