@@ -301,6 +301,73 @@ def test_layout_classifies_saved_tensors():
     assert _layout(torch.randn(5, 1).expand(5, 3))[0] == "overlapping"
 
 
+# ------------------------------------------------------ the CUDA stream protocol, on CPU
+def test_cuda_copy_protocol_orders_streams_and_events(stack, reference, monkeypatch):
+    """The CUDA copy engine run against recording stand-ins for streams and events: every D2H
+    copy waits for the compute stream and protects its source with record_stream; every reload
+    waits for its own D2H and the compute stream, and the compute stream waits for each reload
+    before using it. Copies themselves are real (CPU tensors), so gradients stay exact."""
+    from megatron_bytescale.runtime import offload as offload_mod
+
+    log, ids = [], iter(range(10**6))
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event):
+            log.append(("wait_event", self.name, event.id))
+
+    class Event:
+        def __init__(self):
+            self.id = next(ids)
+
+        def record(self, stream):
+            log.append(("record", stream.name, self.id))
+
+    compute, side = Stream("compute"), iter(["d2h", "h2d"])
+    current = [compute]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream(next(side)))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: log.append(("record_stream", s.name)),
+                        raising=False)
+    off = ActivationOffloader(stack.layers, min_tensor_bytes=0)
+    off._engines[torch.device("cpu")] = offload_mod._CudaCopies(torch.device("cpu"))
+    try:
+        loss, grads, st = _run(stack, off, 0.5)
+    finally:
+        off.remove()
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference[1]))
+    d2h = [i for i, e in enumerate(log) if e[:2] == ("record", "d2h")]
+    h2d = [i for i, e in enumerate(log) if e[:2] == ("record", "h2d")]
+    assert len(d2h) == len(h2d) == sum(layer.tensors for layer in st.layers[:2])  # every tensor split
+    for i in d2h:  # each D2H: after the compute stream, source protected until the copy ran
+        assert log[i - 1] == ("wait_stream", "d2h", "compute") or log[i - 2] == ("wait_stream", "d2h", "compute")
+        assert log[i + 1] == ("record_stream", "d2h")
+    d2h_events = {log[i][2] for i in d2h}
+    waited = {}
+    for i in h2d:  # each reload: after its D2H and the compute stream
+        before = log[i - 3:i]
+        assert ("wait_stream", "h2d", "compute") in before
+        event = next(e[2] for e in before if e[:2] == ("wait_event", "h2d"))
+        assert event in d2h_events
+        waited[log[i][2]] = i
+    for ev, i in waited.items():  # the compute stream waits for each reload, later
+        assert any(e == ("wait_event", "compute", ev) for e in log[i + 1:])
+
+
 # ------------------------------------------------------------------ several gloo ranks
 def _read(seq_id, start, stop):
     return np.random.default_rng(50 + seq_id).integers(0, 512, size=stop)[start:stop]

@@ -155,7 +155,7 @@ def run_offload_check(
         total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 8 << 30
         device_budget = 0.8 * (total - 2 * weights)  # weights + gradients stay; workspace needs room
     if host_budget is None:
-        host_budget = 0.5 * _available_host_memory()
+        host_budget = 0.35 * _available_host_memory()  # torch's pinned allocator rounds up to powers of two
     rows, skipped = [], []
     for tokens in tokens_list:
         n = layers or layers_that_fit(per_token, tokens, keep_last, max_layers, device_budget, host_budget)
@@ -193,6 +193,7 @@ def _measure_ratios(stack, spec, tokens, ratios, n, keep_last, min_tensor_bytes,
     try:
         for ratio in ratios:
             row = measure_offload(stack, offloader, tokens, ratio, num_layers=n, repeats=repeats, warmup=warmup)
+            offloader.pool.trim()  # each ratio splits tensors differently: its buffers are not reused
             row["model_layers"] = spec.num_layers
             rows.append(row)
             log.info("%6d tokens, r=%.2f, %d layers: %.3f s, peak %s, resident peak %.2f GiB",
