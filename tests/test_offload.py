@@ -374,9 +374,9 @@ def _read(seq_id, start, stop):
 
 
 def _gpt_offload_matches(rank, world_size, ratios):
-    """Megatron GPTModel (HDP layer spec) on 3 gloo ranks, each with its own micro-batch and
+    """Megatron GPTModel (HDP layer spec) on 4 gloo ranks, each with its own micro-batch and
     ratio: ranks 0 and 1 share a sequence over a ring (zigzag shares, ring attention P2P in
-    forward and backward), rank 2 holds two whole sequences. The loss and the all-reduced
+    forward and backward), ranks 2 and 3 hold whole sequences. The loss and the all-reduced
     gradients must equal those of the same step without offloading, bit for bit."""
     import torch.distributed as dist
 
@@ -394,6 +394,7 @@ def _gpt_offload_matches(rank, world_size, ratios):
         0: [Piece(0, 150, zigzag_ranges(150, 2)[0], ring)],
         1: [Piece(0, 150, zigzag_ranges(150, 2)[1], ring)],
         2: [Piece(1, 50, ((0, 50),), (2,)), Piece(2, 30, ((0, 30),), (2,))],
+        3: [Piece(3, 70, ((0, 70),), (3,))],
     }[rank]
     mb = MicroBatch(tuple(pieces), offload_ratio=ratios[rank])
     data = build_micro_batch_data(mb, _read)
@@ -427,10 +428,10 @@ def _gpt_offload_matches(rank, world_size, ratios):
 
 
 def test_offloading_a_gpt_on_gloo_ranks_keeps_loss_and_gradients_exact():
-    ratios = [0.3, 1.0, 0.5]
-    results = run_local_world(_gpt_offload_matches, 3, ratios, timeout_s=240, threads_per_rank=1)
+    ratios = [0.3, 1.0, 0.5, 0.0]
+    results = run_local_world(_gpt_offload_matches, 4, ratios, timeout_s=240, threads_per_rank=1)
     for rank, res in enumerate(results):
         assert res["same_loss"] and res["same_grads"], (rank, res)
         assert res["achieved"] == pytest.approx(ratios[rank], abs=1e-3)
-        assert res["moved"] == res["back"] > 0 and res["late"] == 0
+        assert res["moved"] == res["back"] and (res["moved"] > 0) == (ratios[rank] > 0) and res["late"] == 0
         assert res["outside"] > 0  # embedding output and logits: counted, never moved

@@ -384,7 +384,7 @@ class _MicroBatchState:
             self._prefetch(layer - 1)
 
     def _prefetch(self, layer: int) -> None:
-        # backward unpacks a layer's tensors roughly in reverse order of saving: queue them so
+        # backward unpacks a layer's tensors roughly in reverse order of saving: reload in that order
         for ref in reversed(self.layers[layer].records):
             rec = ref()
             if rec is not None and rec.tensor is None and rec.block is not None:
