@@ -1,22 +1,35 @@
 """Selective activation offloading on CPU: exact gradients, accounting, keep_last, thresholds,
 errors, pinned-memory fallback, pool reuse, and the same on several gloo ranks."""
 
+import contextlib
 import logging
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from megatron_bytescale.errors import BytescaleError
-from megatron_bytescale.local_world import run_local_world
+from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.specs import ModelSpec
 from megatron_bytescale.runtime import host_pool
 from megatron_bytescale.runtime.layer_stack import LayerStack
 from megatron_bytescale.runtime.offload import ActivationOffloader, _layout, check_ratio, transformer_layers
 
+preload(["megatron_bytescale.megatron.model"])  # import megatron-core once, in the forkserver
+
 RATIOS = [0.0, 0.3, 0.5, 1.0]
 TOKENS = 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one torch thread is faster than two fighting over a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -288,49 +301,137 @@ def test_layout_classifies_saved_tensors():
     assert _layout(torch.randn(5, 1).expand(5, 3))[0] == "overlapping"
 
 
+# ------------------------------------------------------ the CUDA stream protocol, on CPU
+def test_cuda_copy_protocol_orders_streams_and_events(stack, reference, monkeypatch):
+    """The CUDA copy engine run against recording stand-ins for streams and events: every D2H
+    copy waits for the compute stream and protects its source with record_stream; every reload
+    waits for its own D2H and the compute stream, and the compute stream waits for each reload
+    before using it. Copies themselves are real (CPU tensors), so gradients stay exact."""
+    from megatron_bytescale.runtime import offload as offload_mod
+
+    log, ids = [], iter(range(10**6))
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event):
+            log.append(("wait_event", self.name, event.id))
+
+    class Event:
+        def __init__(self):
+            self.id = next(ids)
+
+        def record(self, stream):
+            log.append(("record", stream.name, self.id))
+
+    compute, side = Stream("compute"), iter(["d2h", "h2d"])
+    current = [compute]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream(next(side)))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: log.append(("record_stream", s.name)),
+                        raising=False)
+    off = ActivationOffloader(stack.layers, min_tensor_bytes=0)
+    off._engines[torch.device("cpu")] = offload_mod._CudaCopies(torch.device("cpu"))
+    try:
+        loss, grads, st = _run(stack, off, 0.5)
+    finally:
+        off.remove()
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference[1]))
+    d2h = [i for i, e in enumerate(log) if e[:2] == ("record", "d2h")]
+    h2d = [i for i, e in enumerate(log) if e[:2] == ("record", "h2d")]
+    assert len(d2h) == len(h2d) == sum(layer.tensors for layer in st.layers[:2])  # every tensor split
+    for i in d2h:  # each D2H: after the compute stream, source protected until the copy ran
+        assert log[i - 1] == ("wait_stream", "d2h", "compute") or log[i - 2] == ("wait_stream", "d2h", "compute")
+        assert log[i + 1] == ("record_stream", "d2h")
+    d2h_events = {log[i][2] for i in d2h}
+    waited = {}
+    for i in h2d:  # each reload: after its D2H and the compute stream
+        before = log[i - 3:i]
+        assert ("wait_stream", "h2d", "compute") in before
+        event = next(e[2] for e in before if e[:2] == ("wait_event", "h2d"))
+        assert event in d2h_events
+        waited[log[i][2]] = i
+    for ev, i in waited.items():  # the compute stream waits for each reload, later
+        assert any(e == ("wait_event", "compute", ev) for e in log[i + 1:])
+
+
 # ------------------------------------------------------------------ several gloo ranks
-def _rank_offload_matches(rank, world_size, ratios):
-    """Each rank runs its own micro-batch (own data, own ratio) on megatron-core layers; the
-    all-reduced gradients must equal those of a run without offloading."""
+def _read(seq_id, start, stop):
+    return np.random.default_rng(50 + seq_id).integers(0, 512, size=stop)[start:stop]
+
+
+def _gpt_offload_matches(rank, world_size, ratios):
+    """Megatron GPTModel (HDP layer spec) on 4 gloo ranks, each with its own micro-batch and
+    ratio: ranks 0 and 1 share a sequence over a ring (zigzag shares, ring attention P2P in
+    forward and backward), ranks 2 and 3 hold whole sequences. The loss and the all-reduced
+    gradients must equal those of the same step without offloading, bit for bit."""
     import torch.distributed as dist
 
-    stack = LayerStack(ModelSpec.load("tiny"), 4, backend="megatron", seed=0)
-    torch.manual_seed(100 + rank)
-    x = torch.randn(96, 1, stack.spec.hidden_size)
+    from megatron_bytescale.megatron import model, parallel
+    from megatron_bytescale.planner.plan import MicroBatch, Piece
+    from megatron_bytescale.planner.zigzag import zigzag_ranges
+    from megatron_bytescale.runtime.batch import build_micro_batch_data
+    from megatron_bytescale.runtime.context import active_micro_batch
+    from megatron_bytescale.runtime.layout import MicroBatchLayout
+
+    parallel.init_parallel()
+    gpt = model.build_gpt_model("tiny", seed=5)
+    ring = (0, 1)
+    pieces = {
+        0: [Piece(0, 150, zigzag_ranges(150, 2)[0], ring)],
+        1: [Piece(0, 150, zigzag_ranges(150, 2)[1], ring)],
+        2: [Piece(1, 50, ((0, 50),), (2,)), Piece(2, 30, ((0, 30),), (2,))],
+        3: [Piece(3, 70, ((0, 70),), (3,))],
+    }[rank]
+    mb = MicroBatch(tuple(pieces), offload_ratio=ratios[rank])
+    data = build_micro_batch_data(mb, _read)
+    layout = MicroBatchLayout.from_micro_batch(mb, rank)
 
     def step(offloader=None):
-        stack.zero_grad(set_to_none=True)
-        if offloader is None:
-            loss = stack(x).square().mean()
-        else:
-            with offloader.micro_batch(ratios[rank]):
-                loss = stack(x).square().mean()
+        gpt.zero_grad(set_to_none=True)
+        with offloader.micro_batch(mb.offload_ratio) if offloader else contextlib.nullcontext():
+            with active_micro_batch(layout, data.positions):
+                losses = gpt(data.tokens[None], None, attention_mask=None, labels=data.labels[None])
+            loss = (losses[0] * data.loss_mask).sum()
         loss.backward()
-        grads = torch.cat([p.grad.flatten() for p in stack.parameters()])
-        dist.all_reduce(grads)
+        grads = torch.cat([p.grad.flatten() for p in gpt.parameters()])
+        dist.all_reduce(grads, group=parallel.hdp_group())
         return loss.detach(), grads
 
     ref_loss, ref = step()
-    off = ActivationOffloader(transformer_layers_of(stack), keep_last=2, min_tensor_bytes=0)
+    off = ActivationOffloader(transformer_layers(gpt), keep_last=2, min_tensor_bytes=0)
     loss, got = step(off)
     st = off.last_stats()
+    parallel.destroy_parallel()
     return {
         "same_loss": bool(torch.equal(loss, ref_loss)),
         "same_grads": bool(torch.equal(got, ref)),
         "achieved": st.achieved_ratio,
         "moved": st.offloaded_bytes,
         "back": st.reloaded_bytes,
+        "late": st.late_reloads,
+        "outside": st.outside_bytes,
     }
 
 
-def transformer_layers_of(stack):
-    return list(stack.layers)
-
-
-def test_offloading_on_gloo_ranks_keeps_gradients_exact():
-    ratios = [0.3, 1.0, 0.5]
-    results = run_local_world(_rank_offload_matches, 3, ratios, timeout_s=240, threads_per_rank=1)
+def test_offloading_a_gpt_on_gloo_ranks_keeps_loss_and_gradients_exact():
+    ratios = [0.3, 1.0, 0.5, 0.0]
+    results = run_local_world(_gpt_offload_matches, 4, ratios, timeout_s=240, threads_per_rank=1)
     for rank, res in enumerate(results):
         assert res["same_loss"] and res["same_grads"], (rank, res)
         assert res["achieved"] == pytest.approx(ratios[rank], abs=1e-3)
-        assert res["moved"] == res["back"] > 0
+        assert res["moved"] == res["back"] and (res["moved"] > 0) == (ratios[rank] > 0) and res["late"] == 0
+        assert res["outside"] > 0  # embedding output and logits: counted, never moved

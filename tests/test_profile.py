@@ -4,7 +4,6 @@ check's shared logic run on CPU."""
 
 import importlib.util
 import json
-from argparse import Namespace
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -23,6 +22,15 @@ from megatron_bytescale.runtime.layer_stack import LayerStack
 from megatron_bytescale.runtime.offload import ActivationOffloader
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one torch thread is faster than two fighting over a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------------------- fits
@@ -97,7 +105,8 @@ def test_act_needs_a_layer_that_kept_everything():
 
 # -------------------------------------------------------------------- the profile file
 def test_profile_round_trips_through_cost_model(tmp_path):
-    prof = profiler.build_profile("tiny", "h800", [32, 64, 128, 256], backend="torch", repeats=1, copy_bytes=1 << 20)
+    prof = profiler.build_profile("tiny", "h800", [32, 64, 128, 256], backend="torch", repeats=1, copy_bytes=1 << 20,
+                                  pp=2)
     cost = profiler.write_profile(prof, tmp_path / "p.json")
     assert asdict(cost) == {k: v for k, v in prof.items() if k not in ("source", "notes")}
     assert cost.a2 > 0 and cost.bw_d2h > 0 and cost.bw_h2d > 0  # (timings on a shared CPU: no claim)
@@ -105,6 +114,7 @@ def test_profile_round_trips_through_cost_model(tmp_path):
     src = prof["source"]
     assert {k for k, v in src.items() if v == "measured"} == {"a1", "b1", "g", "a2", "b2", "bw_d2h", "bw_h2d"}
     assert src["bw_inter_node"].startswith("analytic") and "H800" in src["bw_inter_node"]
+    assert cost.num_layers == 2  # tiny's 4 layers over 2 pipeline stages
     assert cost.kv_bytes_per_token == CostModel.analytic(ModelSpec.load("tiny"), HardwareSpec.load("h800")).kv_bytes_per_token
     # Act(s) measured equals the held bytes the sweep recorded
     for s, act in zip(prof["notes"]["seq_lens"], prof["notes"]["act_bytes"]):
@@ -135,6 +145,8 @@ def test_profile_input_errors():
         profiler.build_profile("tiny", "h200", [32, 64, 128], dtype="int8", backend="torch")
     with pytest.raises(ConfigError, match="mixture of experts"):
         profiler.build_profile("mistral-8x7b", "h200", [32, 64, 128], backend="torch")
+    with pytest.raises(ConfigError, match="pipeline stages"):
+        profiler.build_profile("tiny", "h200", [32, 64, 128], backend="torch", pp=3)
     with pytest.raises(ConfigError, match="unknown model"):
         profiler.build_profile("gpt-9", "h200", [32, 64, 128], backend="torch")
     if not torch.cuda.is_available():

@@ -33,6 +33,17 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+def empty_host_cache() -> None:
+    """Return torch's cached, unused pinned host memory to the system (a no-op without one)."""
+    release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    release = release or getattr(torch._C, "_host_emptyCache", None)
+    if release is not None:
+        try:
+            release()
+        except RuntimeError:  # no accelerator allocator initialised
+            pass
+
+
 def allocate_pinned(nbytes: int) -> torch.Tensor:
     """Page-locked uint8 host buffer; raises RuntimeError where pinning is unavailable."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -52,8 +63,7 @@ class HostBlock:
 
     def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The first ``numel`` elements of the buffer as a 1-D tensor of ``dtype``."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        return self.buffer[:nbytes].view(dtype)
+        return self.buffer[: numel * dtype.itemsize].view(dtype)
 
 
 class HostBufferPool:
@@ -120,9 +130,13 @@ class HostBufferPool:
                 self._drop_free(self.capacity_bytes - self.max_cached_bytes)
 
     def trim(self) -> int:
-        """Drop every free buffer; return the bytes released."""
+        """Drop every free buffer; return the bytes released. Pinned buffers go back to the
+        operating system (torch's own pinned-memory cache is emptied too)."""
         with self._lock:
-            return self._drop_free(self.capacity_bytes)
+            dropped = self._drop_free(self.capacity_bytes)
+        if self._want_pinned and self.pin_failure is None:
+            empty_host_cache()
+        return dropped
 
     def _drop_free(self, target: int) -> int:
         dropped = 0

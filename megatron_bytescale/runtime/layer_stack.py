@@ -1,13 +1,14 @@
 """Stacks of transformer layers of a model's shape, for profiling and offload checks.
 
 Two backends build the same LLaMA-style layer (RMSNorm, GQA self-attention with RoPE, SwiGLU
-MLP, no biases) for a ``ModelSpec``:
+MLP, no biases) for a model of ``configs/models`` (or a ``ModelSpec``):
 
-* ``"megatron"``: megatron-core's ``TransformerLayer`` from its local spec, with a flash-style
-  core attention (``SDPACoreAttention``: torch's fused causal attention, which saves O(s) for
-  backward, as flash-attn and our ring attention do, instead of the local spec's s x s scores);
-* ``"torch"``: the same layer in plain torch, for machines without megatron-core (the GPU
-  check machine has none).
+* ``"megatron"``: megatron-core's ``TransformerLayer`` exactly as HDP training builds it
+  (``megatron.model.transformer_config`` from the model's args file, the HDP local layer spec
+  with ring attention as core attention, Megatron's RoPE table); each forward runs inside an
+  active micro-batch of one whole sequence (a ring of one: the local attention path);
+* ``"torch"``: the same layer in plain torch with torch's fused causal attention, for machines
+  without megatron-core (the GPU check machine has none).
 
 Layers take and return ``[s, b, h]`` hidden states, as Megatron's do.
 """
@@ -15,7 +16,6 @@ Layers take and return ``[s, b, h]`` hidden states, as Megatron's do.
 from __future__ import annotations
 
 import os
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,23 +53,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
 
 
-class SDPACoreAttention(nn.Module):
-    """Megatron ``core_attention`` submodule (DotProductAttention's interface) computing causal
-    attention with torch's fused kernel. Causal masking only: no attention mask, no packing."""
-
-    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
-                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
-        super().__init__()
-        self.config = config
-        self.softmax_scale = softmax_scale
-
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ConfigError("SDPACoreAttention computes plain causal attention: no packed sequences or bias")
-        return causal_attention(query, key, value, self.softmax_scale)
-
-
 class LlamaLayer(nn.Module):
     """Plain-torch transformer layer of ``spec``'s shape (same math as the Megatron backend)."""
 
@@ -104,9 +87,11 @@ class LlamaLayer(nn.Module):
 
 
 def ensure_megatron_parallel() -> None:
-    """megatron-core layers need its parallel state: a one-rank gloo world if none exists."""
+    """megatron-core layers need Megatron's parallel state: a one-rank gloo world if no world
+    exists (``bytescale profile`` run directly), then ``megatron.parallel.init_parallel()``."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
+
+    from ..megatron import parallel
 
     if not dist.is_initialized():
         from ..local_world import free_port
@@ -114,51 +99,37 @@ def ensure_megatron_parallel() -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    parallel.init_parallel()
 
 
-def megatron_config(spec: ModelSpec, num_layers: int, dtype: torch.dtype):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups,
-        kv_channels=spec.kv_channels,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        gated_linear_unit=spec.swiglu,
-        activation_func=F.silu if spec.swiglu else F.gelu,
-        normalization="RMSNorm",
-        layernorm_epsilon=NORM_EPS,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        use_cpu_initialization=True,
-    )
-
-
-def build_megatron_layers(spec: ModelSpec, num_layers: int, dtype: torch.dtype) -> list[nn.Module]:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def build_megatron_layers(model: str | ModelSpec, num_layers: int, dtype: torch.dtype):
+    """``num_layers`` HDP TransformerLayers of ``model`` and Megatron's RoPE module for them."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.spec_utils import build_module
 
+    from ..megatron.layer_spec import hdp_gpt_layer_spec
+    from ..megatron.model import load_model, transformer_config
+
     ensure_megatron_parallel()
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    config = megatron_config(spec, num_layers, dtype)
-    return [build_module(layer_spec, config=config, layer_number=i + 1) for i in range(num_layers)]
+    spec, arch = load_model(model)
+    config = transformer_config(spec, arch, dtype=dtype, num_layers=num_layers)
+    layer_spec = hdp_gpt_layer_spec(normalization=arch.normalization)
+    layers = [build_module(layer_spec, config=config, layer_number=i + 1) for i in range(num_layers)]
+    rotary = RotaryEmbedding(
+        kv_channels=spec.kv_channels, rotary_percent=arch.rotary_percent, rotary_base=arch.rotary_base,
+        use_cpu_initialization=True,
+    )
+    return layers, rotary
 
 
 class LayerStack(nn.Module):
-    """``num_layers`` transformer layers run in sequence on ``[s, b, h]`` hidden states."""
+    """``num_layers`` transformer layers of ``model`` run in sequence on ``[s, 1, h]`` hidden
+    states (one whole causal sequence)."""
 
-    def __init__(self, spec: ModelSpec, num_layers: int, backend: str = "torch",
+    def __init__(self, model: str | ModelSpec, num_layers: int, backend: str = "torch",
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0):
         super().__init__()
+        spec = model if isinstance(model, ModelSpec) else ModelSpec.load(model)
         if backend not in BACKENDS:
             raise ConfigError(f"unknown layer backend {backend!r}: choose one of {', '.join(BACKENDS)}")
         if spec.num_experts:
@@ -170,9 +141,10 @@ class LayerStack(nn.Module):
             raise ConfigError(f"a layer stack needs at least one layer, got {num_layers}")
         self.spec = spec
         self.backend = backend
+        self.rotary = None
         torch.manual_seed(seed)
-        if backend == "megatron":  # megatron initialises on the CPU (use_cpu_initialization)
-            layers: Sequence[nn.Module] = build_megatron_layers(spec, num_layers, dtype)
+        if backend == "megatron":  # megatron draws weights on the CPU (use_cpu_initialization)
+            layers, self.rotary = build_megatron_layers(model, num_layers, dtype)
         else:
             with torch.device(device):  # initialise where the layers will run: fast on a GPU
                 layers = [LlamaLayer(spec) for _ in range(num_layers)]
@@ -180,12 +152,25 @@ class LayerStack(nn.Module):
 
     def forward(self, x: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
         """Run the first ``num_layers`` layers (all by default)."""
-        freqs = rope_freqs(x.shape[0], self.spec.kv_channels, device=x.device)
-        for layer in self.layers[:num_layers]:
-            if self.backend == "megatron":
-                x, _ = layer(x, attention_mask=None, rotary_pos_emb=freqs)
-            else:
+        if self.backend == "torch":
+            freqs = rope_freqs(x.shape[0], self.spec.kv_channels, device=x.device)
+            for layer in self.layers[:num_layers]:
                 x = layer(x, rotary_pos_emb=freqs)
+            return x
+        from ..megatron import parallel
+        from ..megatron.rotary import true_position_emb
+        from ..planner.plan import MicroBatch, Piece
+        from .context import active_micro_batch
+        from .layout import MicroBatchLayout
+
+        s = x.shape[0]
+        rank = parallel.hdp_rank()
+        layout = MicroBatchLayout.from_micro_batch(MicroBatch((Piece(0, s, ((0, s),), (rank,)),)), rank)
+        positions = torch.arange(s)
+        freqs = true_position_emb(self.rotary, positions).to(x.device)
+        with active_micro_batch(layout, positions):
+            for layer in self.layers[:num_layers]:
+                x, _ = layer(x, attention_mask=None, rotary_pos_emb=freqs)
         return x
 
 

@@ -18,10 +18,12 @@ attributed to a layer. A tensor is *eligible* to move when all of these hold, ot
 * ``keep(tensor)`` is not true (a hook for model-specific exceptions).
 
 What is cheaper to recompute than to copy stays *by not being saved at all*: Megatron's
-activation recomputation (selective core-attention recompute, full-layer checkpointing) runs
-those regions without saving (reentrant checkpoint) or under its own saved-tensor hooks, which
-take precedence over these; the offloader never copies what is recomputed, and a profile
-measured with the same settings leaves it out of Act(s).
+activation recomputation (selective recompute modules, full-layer checkpointing) runs those
+regions without saving (reentrant checkpoint) or under its own saved-tensor hooks, which take
+precedence over these; the offloader never copies what is recomputed, and a profile measured
+with the same settings leaves it out of Act(s). (Under HDP, recomputing core attention is
+refused by ``HDPCoreAttention``: it would re-run the ring exchange; its q/k/v/out are exactly
+what offloading is for.)
 
 Exact ratio. Per layer, ``r`` is applied to the bytes of its eligible tensors with a running
 quota: at each eligible tensor the bytes still owed are ``r * (eligible bytes so far) -
@@ -382,7 +384,7 @@ class _MicroBatchState:
             self._prefetch(layer - 1)
 
     def _prefetch(self, layer: int) -> None:
-        # backward unpacks a layer's tensors roughly in reverse order of saving: queue them so
+        # backward unpacks a layer's tensors roughly in reverse order of saving: reload in that order
         for ref in reversed(self.layers[layer].records):
             rec = ref()
             if rec is not None and rec.tensor is None and rec.block is not None:

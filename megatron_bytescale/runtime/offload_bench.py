@@ -8,6 +8,7 @@ gradients, activations, workspace); everywhere, the offloader's own accounting
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -152,29 +153,25 @@ def run_offload_check(
     weights = sum(p.numel() * p.element_size() for p in stack.parameters())
     if device_budget is None:
         total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 8 << 30
-        device_budget = 0.6 * (total - 2 * weights)  # weights + gradients stay; workspace needs room
+        device_budget = 0.8 * (total - 2 * weights)  # weights + gradients stay; workspace needs room
     if host_budget is None:
-        host_budget = 0.5 * _available_host_memory()
+        host_budget = 0.35 * _available_host_memory()  # torch's pinned allocator rounds up to powers of two
     rows, skipped = [], []
     for tokens in tokens_list:
         n = layers or layers_that_fit(per_token, tokens, keep_last, max_layers, device_budget, host_budget)
-        if n == 0:
-            skipped.append({"tokens": tokens, "reason": f"{keep_last + 1} layers of {per_token * tokens / 2**30:.1f} GiB "
-                                                        "activations each do not fit the memory budgets"})
-            continue
-        offloader = ActivationOffloader(stack.layers[:n], keep_last=keep_last, min_tensor_bytes=min_tensor_bytes)
-        try:
-            for ratio in ratios:
-                row = measure_offload(stack, offloader, tokens, ratio, num_layers=n, repeats=repeats, warmup=warmup)
-                row["model_layers"] = spec.num_layers
-                rows.append(row)
-                log.info("%6d tokens, r=%.2f, %d layers: %.3f s, peak %s, resident peak %.2f GiB",
-                         tokens, ratio, n, row["seconds"],
-                         f"{row['peak_memory_bytes'] / 2**30:.2f} GiB" if row["peak_memory_bytes"] else "n/a",
-                         row["peak_resident_bytes"] / 2**30)
-        finally:
-            offloader.remove()
-            offloader.pool.trim()
+        while True:
+            if n <= keep_last:
+                skipped.append({"tokens": tokens, "reason": f"{keep_last + 1} layers of {per_token * tokens / 2**30:.1f} "
+                                                            "GiB activations each do not fit the memory budgets"})
+                break
+            try:
+                rows.extend(_measure_ratios(stack, spec, tokens, ratios, n, keep_last, min_tensor_bytes, repeats, warmup))
+                break
+            except torch.cuda.OutOfMemoryError:  # the estimate missed some workspace: one layer fewer
+                log.warning("%d tokens on %d layers ran out of device memory; retrying with %d", tokens, n, n - 1)
+            gc.collect()  # the failed attempt's tensors, freed with its traceback
+            torch.cuda.empty_cache()
+            n -= 1
     return {
         "model": spec.name,
         "backend": backend,
@@ -183,10 +180,30 @@ def run_offload_check(
         "keep_last": keep_last,
         "act_bytes_per_token_per_layer": per_token,
         "weights_bytes": weights,
+        "torch": torch.__version__,
         "rows": compare_to_baseline(rows),
         "skipped": skipped,
         "paper": "at 64K tokens, r=0.5 saved about 32% of memory with no throughput loss (ByteScale, 2.4)",
     }
+
+
+def _measure_ratios(stack, spec, tokens, ratios, n, keep_last, min_tensor_bytes, repeats, warmup) -> list[dict]:
+    rows = []
+    offloader = ActivationOffloader(stack.layers[:n], keep_last=keep_last, min_tensor_bytes=min_tensor_bytes)
+    try:
+        for ratio in ratios:
+            row = measure_offload(stack, offloader, tokens, ratio, num_layers=n, repeats=repeats, warmup=warmup)
+            offloader.pool.trim()  # each ratio splits tensors differently: its buffers are not reused
+            row["model_layers"] = spec.num_layers
+            rows.append(row)
+            log.info("%6d tokens, r=%.2f, %d layers: %.3f s, peak %s, resident peak %.2f GiB",
+                     tokens, ratio, n, row["seconds"],
+                     f"{row['peak_memory_bytes'] / 2**30:.2f} GiB" if row["peak_memory_bytes"] else "n/a",
+                     row["peak_resident_bytes"] / 2**30)
+    finally:
+        offloader.remove()
+        offloader.pool.trim()
+    return rows
 
 
 def _available_host_memory() -> float:

@@ -1,7 +1,8 @@
 """``bytescale profile``: measure the cost model's coefficients on this machine (brief 2.8).
 
-For one transformer layer of the chosen model's shape (``layer_stack``: megatron-core's local
-spec with a flash-style core attention, or plain torch where megatron-core is missing):
+For one transformer layer of the chosen model (``layer_stack``: megatron-core's
+TransformerLayer as HDP training builds it, from the model's args file, or the same layer in
+plain torch where megatron-core is missing):
 
 * ``T(s) = a1*s^2 + b1*s + g``: forward+backward seconds over a sweep of sequence lengths,
   fitted by non-negative least squares on relative error (short and long runs weigh alike);
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 MEASURED = "measured"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DEFAULT_SEQ_LENS = {"cpu": "256,512,1K,2K,4K", "cuda": "1K,2K,4K,8K,16K,32K"}
+DEFAULT_SEQ_LENS = {"cpu": "128,256,512,1K,2K", "cuda": "1K,2K,4K,8K,16K,32K"}
 
 
 # ------------------------------------------------------------------------------------ fitting
@@ -255,7 +256,7 @@ def measure_p2p(nbytes: int, repeats: int = 5, device: torch.device | None = Non
     latency = round_trip(1)
     one_way = round_trip(nbytes)
     bandwidth = nbytes / max(one_way - latency, 1e-9)
-    result = torch.tensor([bandwidth, latency], dtype=torch.float64)
+    result = torch.tensor([bandwidth, latency], dtype=torch.float64, device=device)  # NCCL: a device tensor
     dist.broadcast(result, 0)  # rank 0's timings are the ones written
     return float(result[0]), float(result[1])
 
@@ -272,13 +273,14 @@ def build_profile(
     copy_bytes: int | None = None,
     p2p_bytes: int = 64 << 20,
     measure_on_this_rank: bool = True,
+    pp: int = 1,
 ) -> dict:
     """Measure and return the profile mapping (CostModel fields + ``source`` + ``notes``)."""
     from .layer_stack import LayerStack, default_backend
 
     spec = ModelSpec.load(model)
     hw = HardwareSpec.load(hardware)
-    analytic = CostModel.analytic(spec, hw)
+    analytic = CostModel.analytic(spec, hw, pp=pp)  # layers per stage; the layer is measured at TP 1
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but torch sees no GPU: use --device cpu")
@@ -299,6 +301,8 @@ def build_profile(
         "torch": torch.__version__, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "layer": "one transformer layer, forward + backward, batch 1, causal attention",
         "threads": torch.get_num_threads(),
+        "tensor_parallel": 1,
+        "pipeline_stages": pp,
     }
     if backend == "megatron":  # every rank: building megatron's parallel state is collective
         from .layer_stack import ensure_megatron_parallel
@@ -313,7 +317,7 @@ def build_profile(
         return {**values, "source": source, "notes": notes}
 
     torch.manual_seed(0)
-    stack = LayerStack(spec, 1, backend=backend, dtype=DTYPES[dtype_name], device=dev)
+    stack = LayerStack(model, 1, backend=backend, dtype=DTYPES[dtype_name], device=dev)
     samples = measure_layer(stack, seq_lens, repeats=repeats)
     lens = [x.seq_len for x in samples]
     a1, b1, g, r2_time = fit_layer_time(lens, [x.seconds for x in samples])
@@ -361,6 +365,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="layer implementation (default: megatron-core where installed)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per length (best is kept)")
     parser.add_argument("--copy-bytes", default=None, help="bytes per bandwidth copy (default: 256M GPU, 64M CPU)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages: num_layers is the layers of one stage")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -387,7 +392,7 @@ def main(args: argparse.Namespace) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     profile = build_profile(
         args.model, args.hardware, seq_lens, device=device, dtype=args.dtype, backend=args.backend,
-        repeats=args.repeats, copy_bytes=copy_bytes, measure_on_this_rank=rank == 0,
+        repeats=args.repeats, copy_bytes=copy_bytes, measure_on_this_rank=rank == 0, pp=args.pp,
     )
     if rank == 0:
         cost = write_profile(profile, args.out)
