@@ -12,6 +12,7 @@ from .errors import BytescaleError
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("megatron_bytescale.demo", "train a tiny GPT under HDP on 4 CPU processes, then on the static mesh, and compare"),
     "verify": ("megatron_bytescale.verify", "check that HDP on N gloo ranks trains exactly like one rank"),
     "plan": ("megatron_bytescale.planner.plan_cli", "plan one step of HDP for a batch of sequence lengths"),
     "simulate": ("megatron_bytescale.sim.simulate", "compare static CP, Megatron dynamic CP and HDP on a simulated cluster"),

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from megatron_bytescale.errors import ConfigError, PlanError
 from megatron_bytescale.planner.plan import MicroBatch, ring_pieces, whole_piece
 from megatron_bytescale.runtime.attention_ops import (
+    CpuFlashKernel,
     TORCH_BACKEND,
     TorchBackend,
     VarlenBackend,
@@ -140,9 +141,9 @@ def ring_layouts(draw):
 
 
 @settings(max_examples=25, deadline=None)
-@given(ring_layouts(), st.integers(0, 2**16))
-def test_varlen_calls_compute_what_the_dense_mask_computes(layouts, seed):
-    varlen = VarlenBackend(CpuVarlenKernel())
+@given(ring_layouts(), st.integers(0, 2**16), st.sampled_from(["stand-in", "cpu-flash"]))
+def test_varlen_calls_compute_what_the_dense_mask_computes(layouts, seed, kernel):
+    varlen = VarlenBackend(CpuVarlenKernel() if kernel == "stand-in" else CpuFlashKernel())
     lay = layouts[0]
     pairs = [(lay.local_block, lay.local_block)] if lay.local_block.runs else []
     pairs += [(qb, kb) for qb in lay.blocks for kb in lay.blocks]
@@ -183,9 +184,12 @@ def test_non_zigzag_runs_are_refused():
 
 def test_backend_choice():
     q = torch.zeros(2, 2, 8)
-    assert get_backend("auto", q) is TORCH_BACKEND  # CPU: dense torch math
+    for name in ("auto", "flash"):  # CPU: torch's CPU flash kernels through varlen calls
+        backend = get_backend(name, q)
+        assert isinstance(backend, VarlenBackend) and isinstance(backend.kernel, CpuFlashKernel)
     assert get_backend("torch", q) is TORCH_BACKEND
-    with pytest.raises(ConfigError, match="needs CUDA"):
-        get_backend("flash", q)
+    assert get_backend("auto", q.to(torch.int32)) is TORCH_BACKEND  # no flash kernel for this dtype
+    with pytest.raises(ConfigError, match="needs CPU tensors or CUDA"):
+        get_backend("flash", q.to(torch.int32))
     with pytest.raises(ConfigError, match="unknown attention backend"):
         get_backend("triton", q)

@@ -65,7 +65,7 @@ def make_plan(seq_lens, ranks):
 
 
 # --------------------------------------------------------------- gloo rank function
-def run_plan_on_rank(rank, world_size, plan_json, seed, group_ranks=None):
+def run_plan_on_rank(rank, world_size, plan_json, seed, group_ranks=None, backend="auto"):
     """Every micro-batch of this rank, in plan order: forward, backward, errors against the reference."""
     plan = Plan.from_json(plan_json)
     group = dist.new_group(group_ranks) if group_ranks else None  # the tests' stand-in for an HDP group
@@ -80,7 +80,7 @@ def run_plan_on_rank(rank, world_size, plan_json, seed, group_ranks=None):
         layout = MicroBatchLayout.from_micro_batch(mb, hdp_rank)
         q, k, v, g = (gather(full, layout, i).float() for i in range(4))
         q, k, v = (x.requires_grad_() for x in (q, k, v))
-        out = ring_attention(q, k, v, layout, group=group, backend="auto", counter=counter)
+        out = ring_attention(q, k, v, layout, group=group, backend=backend, counter=counter)
         (out * g).sum().backward()
         errors.append(max_errors(layout, out, (q.grad, k.grad, v.grad), ref))
     return hdp_rank, errors, counter.bytes_sent
@@ -104,9 +104,10 @@ def mixed_plan():
     ])
 
 
-def test_ring_attention_matches_full_attention_over_gloo():
+@pytest.mark.parametrize("backend", ["auto", "torch"])  # CPU flash kernels, and the dense math
+def test_ring_attention_matches_full_attention_over_gloo(backend):
     plan = mixed_plan()
-    results = run_local_world(run_plan_on_rank, 4, plan.to_json(), 0, timeout_s=TIMEOUT_S)
+    results = run_local_world(run_plan_on_rank, 4, plan.to_json(), 0, None, backend, timeout_s=TIMEOUT_S)
     expected = predicted_bytes(plan)
     for hdp_rank, errors, sent in results:
         assert len(errors) == len(plan.micro_batches(hdp_rank))

@@ -13,9 +13,10 @@ None when nothing in the pair is visible. Shapes: q [Tq, hq, d], k/v [Tk, hkv, d
 hq % hkv == 0), out [Tq, hq, d], lse [Tq, hq]; results fp32.
 
 * ``TorchBackend``: dense math under the boolean visibility mask; any device and dtype.
-* ``VarlenBackend``: flash-attention varlen kernels (CUDA, fp16/bf16). Zigzag makes every
-  (query run, key run) pair of one sequence fully visible, causal, or invisible, so a block
-  pair is at most two varlen calls (``varlen_calls``).
+* ``VarlenBackend``: flash-attention kernels through varlen calls — flash-attn or torch's
+  built-in kernels on CUDA (fp16/bf16), torch's CPU flash kernels on the CPU. Zigzag makes
+  every (query run, key run) pair of one sequence fully visible, causal, or invisible, so a
+  block pair is at most two varlen calls (``varlen_calls``).
 """
 
 from __future__ import annotations
@@ -299,8 +300,59 @@ class TorchFlashKernel:
             max_q, max_k, 0.0, causal, unused, unused, scale=scale)
 
 
+class CpuFlashKernel:
+    """torch's CPU flash-attention kernels (what SDPA runs on the CPU), which also return the
+    log-sum-exp: one call per sequence span, K/V heads repeated for GQA (and their gradients
+    summed back). Exact in fp32 and far faster than the dense masked math."""
+
+    _fwd = staticmethod(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+    _bwd = staticmethod(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+
+    @staticmethod
+    def _spans(cu_q, cu_k):
+        return zip(zip(cu_q.tolist(), cu_q.tolist()[1:]), zip(cu_k.tolist(), cu_k.tolist()[1:]))
+
+    @staticmethod
+    def _heads_first(x: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+        """[T, h, d] -> [1, h * repeat, T, d] (each head repeated ``repeat`` times in place)."""
+        if repeat > 1:
+            x = x.repeat_interleave(repeat, dim=1)
+        return x.transpose(0, 1).unsqueeze(0)
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        group = q.shape[1] // k.shape[1]
+        outs, lses = [], []
+        for (qa, qe), (ka, ke) in self._spans(cu_q, cu_k):
+            o, lse = self._fwd(
+                self._heads_first(q[qa:qe]), self._heads_first(k[ka:ke], group), self._heads_first(v[ka:ke], group),
+                0.0, causal, scale=scale,
+            )
+            outs.append(o[0].transpose(0, 1))
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+        hkv, group = k.shape[1], q.shape[1] // k.shape[1]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for (qa, qe), (ka, ke) in self._spans(cu_q, cu_k):
+            gq, gk, gv = self._bwd(
+                self._heads_first(dout[qa:qe]), self._heads_first(q[qa:qe]), self._heads_first(k[ka:ke], group),
+                self._heads_first(v[ka:ke], group), self._heads_first(out[qa:qe]), lse[:, qa:qe].unsqueeze(0).contiguous(),
+                0.0, causal, scale=scale,
+            )
+            dq[qa:qe] = gq[0].transpose(0, 1)
+            dk[ka:ke] = gk[0].transpose(0, 1).reshape(ke - ka, hkv, group, -1).sum(2)
+            dv[ka:ke] = gv[0].transpose(0, 1).reshape(ke - ka, hkv, group, -1).sum(2)
+        return dq, dk, dv
+
+
+CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 def flash_kernel(q: torch.Tensor):
-    """A varlen flash kernel usable for ``q``, or None (CPU, fp32, unsupported head dim or GPU)."""
+    """A varlen flash kernel usable for ``q``, or None (unsupported dtype, head dim or GPU)."""
+    if q.device.type == "cpu":
+        return CpuFlashKernel() if q.dtype in CPU_FLASH_DTYPES else None
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return None
     if q.shape[-1] % 8 or q.shape[-1] > 256 or torch.cuda.get_device_capability(q.device)[0] < 8:
@@ -331,7 +383,7 @@ def get_backend(name: str, q: torch.Tensor):
         return VarlenBackend(kernel)
     if name == "flash":
         raise ConfigError(
-            f"attention backend 'flash' needs CUDA fp16/bf16 tensors with head dim a multiple of 8 up to 256 on an "
-            f"sm80+ GPU (got {q.dtype} on {q.device}, head dim {q.shape[-1]}); use backend='torch' or 'auto'"
+            f"attention backend 'flash' needs CPU tensors or CUDA fp16/bf16 tensors with head dim a multiple of 8 "
+            f"up to 256 on an sm80+ GPU (got {q.dtype} on {q.device}, head dim {q.shape[-1]}); use backend='torch' or 'auto'"
         )
     return TORCH_BACKEND

@@ -41,7 +41,8 @@ def ring_attention(
     """q [T, hq, d], k/v [T, hkv, d] in ``layout``'s token order -> out [T, hq, d]; differentiable.
 
     ``group``: the HDP process group the layout's ranks refer to (None: the world).
-    ``backend``: "auto" (flash kernels on CUDA fp16/bf16, else torch), "flash" or "torch".
+    ``backend``: "auto" (flash kernels: torch's on the CPU, flash-attn's on CUDA fp16/bf16;
+    else the dense torch math), "flash" or "torch" (the dense reference).
     ``counter``: adds the bytes this rank sends (forward and backward; a recomputed forward
     under activation checkpointing sends, and counts, its KV again).
     """

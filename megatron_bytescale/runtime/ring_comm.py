@@ -17,6 +17,7 @@ single-device check of the ring schedule); it never touches torch.distributed.
 from __future__ import annotations
 
 import queue
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +30,12 @@ KV_TAG, GRAD_TAG = 0, 1  # the two streams that travel round a ring: KV blocks a
 
 @dataclass
 class P2PCounter:
-    """Bytes (and messages) this rank has sent through ring exchanges."""
+    """Bytes (and messages) this rank has sent through ring exchanges, and the time it spent
+    waiting for them to complete (communication not hidden behind compute)."""
 
     bytes_sent: int = 0
     messages: int = 0
+    wait_s: float = 0.0
 
     def add(self, tensor: torch.Tensor) -> None:
         self.bytes_sent += tensor.numel() * tensor.element_size()
@@ -41,18 +44,22 @@ class P2PCounter:
     def reset(self) -> None:
         self.bytes_sent = 0
         self.messages = 0
+        self.wait_s = 0.0
 
 
 class Pending:
     """A posted exchange; ``wait()`` returns the received tensor."""
 
-    def __init__(self, works, recv: torch.Tensor):
-        self._works, self._recv = works, recv
+    def __init__(self, works, recv: torch.Tensor, counter: P2PCounter | None = None):
+        self._works, self._recv, self._counter = works, recv, counter
 
     def wait(self) -> torch.Tensor:
+        start = time.perf_counter()
         for w in self._works:
             w.wait()
         self._works = []
+        if self._counter is not None:
+            self._counter.wait_s += time.perf_counter() - start
         return self._recv
 
 
@@ -91,7 +98,7 @@ class RingComm:
         works = dist.batch_isend_irecv(ops)
         if self.counter is not None:
             self.counter.add(send)
-        return Pending(works, recv)
+        return Pending(works, recv, self.counter)
 
 
 class LocalRing:

@@ -39,7 +39,20 @@ class StepStats:
     offloaded_bytes: int = 0
     peak_resident_activation_bytes: int = 0
     compute_s: float = 0.0  # forward+backward wall time of this rank's micro-batches
-    intervals: list[tuple[float, float, bool]] = field(default_factory=list)  # (start, end, is_ring) per micro-batch
+    p2p_wait_s: float = 0.0  # time spent waiting on ring transfers (communication not hidden)
+    timings: list[MicroBatchTiming] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MicroBatchTiming:
+    """Wall-clock times (``time.perf_counter``) of one micro-batch on this rank."""
+
+    start: float
+    forward_end: float
+    end: float
+    forward_wait_s: float  # of the forward, seconds waiting on ring transfers
+    backward_wait_s: float
+    ring: bool
 
 
 _last_stats: StepStats | None = None
@@ -146,7 +159,7 @@ def run_hdp_step(
             mb = data.micro_batch
             layout = MicroBatchLayout.from_micro_batch(mb, rank)
             offload = offloader.micro_batch(mb.offload_ratio) if offloader is not None else contextlib.nullcontext()
-            start = time.perf_counter()
+            start, wait0 = time.perf_counter(), counter.wait_s
             with active_micro_batch(layout, data.positions, group=group, counter=counter), offload:
                 output_tensor, num_tokens = forward_step(
                     forward_step_func,
@@ -161,11 +174,12 @@ def run_hdp_step(
                     is_first_microbatch=check_first_val_step(first_val_step, forward_only, i == 0),
                     current_microbatch=i,
                 )
+            forward_end, wait1 = time.perf_counter(), counter.wait_s
             if not forward_only:
                 backward_step(None, output_tensor, None, model_type, config)
             end = time.perf_counter()
             total_tokens += num_tokens
-            stats.intervals.append((start, end, mb.ring is not None))
+            stats.timings.append(MicroBatchTiming(start, forward_end, end, wait1 - wait0, counter.wait_s - wait1, mb.ring is not None))
             stats.compute_s += end - start
             stats.tokens += mb.tokens
             if offloader is not None:
@@ -175,6 +189,7 @@ def run_hdp_step(
     stats.micro_batches = count
     stats.loss_tokens = int(total_tokens.item())
     stats.p2p_bytes = counter.bytes_sent
+    stats.p2p_wait_s = counter.wait_s
 
     if config.finalize_model_grads_func is not None and not forward_only:
         config.finalize_model_grads_func(

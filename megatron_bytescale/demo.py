@@ -1,0 +1,306 @@
+"""``bytescale demo``: the main job on a CPU machine, with no GPU and no network.
+
+Trains a tiny GPT (megatron-core's GPTModel with our ring attention) under HDP on 4 gloo
+processes, on a real corpus: every Python source file of the installed megatron-core, one
+document each (lengths from a few hundred to ~100K byte tokens), stored as a Megatron indexed
+dataset. Each step the planner gives every sequence its own ring, sized to its length; the
+per-step line shows the loss, tokens/s, ranks per sequence and P2P bytes. Then the same steps
+run on the static DP x CP mesh (every packed micro-batch ringed over all CP ranks) with the same
+attention code, and the two are compared in a table, a JSON file and a timeline plot of one
+measured step per strategy. Deterministic for a seed; checkpoints (model, optimizer, data
+position) every ``--checkpoint-every`` steps, and ``--resume`` continues exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from .errors import BytescaleError
+from .units import format_size, parse_size
+
+STRATEGY_NAMES = {"hdp": "HDP (balanced)", "static": "static DP x CP"}
+VOCAB = 512  # configs/models/tiny.args; the byte tokenizer's ids fit below it
+
+
+@dataclass
+class DemoConfig:
+    ranks: int = 4
+    steps: int = 30
+    capacity: int = 1024  # tokens per micro-batch per rank
+    context: int = 4096  # longest sequence: needs every rank at this capacity
+    step_tokens: int = 16384  # global batch
+    seed: int = 0
+    model: str = "tiny"
+    lr: float = 3e-3
+    out: str = "runs/demo"
+    data: str | None = None  # an indexed dataset prefix; default: built from megatron-core's sources
+    strategies: tuple[str, ...] = ("hdp", "static")
+    checkpoint_every: int = 10
+    resume: bool = False
+    plot_step: int = -1  # which step's measured timeline to plot (-1: the last)
+    timeout_s: float = 1800.0
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- corpus
+def megatron_core_sources() -> list[Path]:
+    import megatron.core
+
+    root = Path(megatron.core.__file__).resolve().parent
+    return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def ensure_corpus(prefix: Path) -> str:
+    """The demo's indexed dataset: built once from real source files, then reused."""
+    from .data.indexed import write_indexed_dataset
+    from .data.corpus import text_file_documents
+    from .data.tokenizer import ByteTokenizer
+
+    if Path(f"{prefix}.bin").exists() and Path(f"{prefix}.idx").exists():
+        return str(prefix)
+    files = megatron_core_sources()
+    if not files:
+        raise BytescaleError("no megatron-core source files found to build the demo corpus; pass --data PREFIX")
+    info = write_indexed_dataset(prefix, text_file_documents(files), ByteTokenizer(vocab_size=VOCAB), source="megatron-core sources")
+    print(f"corpus: {info.num_documents} documents (megatron-core source files), {info.num_tokens:,} tokens -> {prefix}.bin/.idx")
+    return str(prefix)
+
+
+# ------------------------------------------------------------------------ one rank
+def plan_function(strategy: str, cfg: DemoConfig, world: int):
+    from .data.planning import default_plan_fn
+    from .planner.planner import PlannerConfig
+    from .planner.specs import ModelSpec
+    from .sim.cluster import Cluster
+    from .sim.static_cp import static_plan
+
+    if strategy == "hdp":
+        return default_plan_fn(PlannerConfig(num_ranks=world, capacity=cfg.capacity, ranks_per_node=world))
+    if strategy == "static":
+        cluster = Cluster(gpus=world, gpus_per_node=world)
+        layers = ModelSpec.load(cfg.model).num_layers
+        return partial(static_plan, cluster=cluster, capacity=cfg.capacity, context=cfg.context, num_layers=layers)
+    raise BytescaleError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGY_NAMES)}")
+
+
+def checkpoint_dir(cfg: DemoConfig, strategy: str) -> Path:
+    return Path(cfg.out) / "checkpoints" / strategy
+
+
+def latest_checkpoint(cfg: DemoConfig, strategy: str) -> Path | None:
+    found = sorted(checkpoint_dir(cfg, strategy).glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    return found[-1] if found else None
+
+
+def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str):
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from .data.local_loader import LocalDataLoader
+    from .megatron import local_run
+
+    model, group = local_run.setup_model(cfg.model, seed=cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    loader = LocalDataLoader(
+        cfg.data, plan_fn=plan_function(strategy, cfg, world), step_tokens=cfg.step_tokens,
+        context_length=cfg.context, seed=cfg.seed, rank=rank, vocab_size=VOCAB,
+    )
+    start = 0
+    if cfg.resume and (ckpt := latest_checkpoint(cfg, strategy)) is not None:
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        loader.load_state_dict(state["data"])
+        start = state["step"]
+    plot_step = cfg.steps - 1 if cfg.plot_step < 0 else cfg.plot_step
+    records = []
+    bar = tqdm(total=cfg.steps, initial=start, disable=rank != 0, desc=STRATEGY_NAMES[strategy], unit="step", file=sys.stderr)
+    for step in range(start, cfg.steps):
+        dist.barrier(group)  # a common start: the step time is the slowest rank's
+        t0 = time.perf_counter()
+        batch = loader.next_step()
+        for p in model.parameters():
+            p.grad = None
+        result = local_run.run_step(batch, model, group)
+        optimizer.step()
+        dist.barrier(group)
+        seconds = time.perf_counter() - t0
+        p2p = torch.tensor([result.stats.p2p_bytes], dtype=torch.int64)
+        dist.all_reduce(p2p, group=group)
+        gathered = None
+        if step == plot_step:  # every rank's micro-batch timings, on the common step clock
+            gathered = [None] * world
+            ops = [(m.start - t0, m.forward_end - t0, m.end - t0, m.forward_wait_s, m.backward_wait_s) for m in result.stats.timings]
+            dist.all_gather_object(gathered, ops, group=group)
+        tokens = sum(batch.plan.seq_lens)
+        rings = Counter(batch.plan.ring_sizes().values())
+        record = {
+            "step": step,
+            "loss": result.loss,
+            "seconds": seconds,
+            "tokens": tokens,
+            "tokens_per_s": tokens / seconds,
+            "p2p_bytes": int(p2p.item()),
+            "sequences": len(batch.plan.seq_lens),
+            "ranks_per_sequence": dict(sorted(rings.items())),
+            "micro_batches": [len(mbs) for mbs in batch.plan.ranks],
+            "timeline": gathered,
+        }
+        records.append(record)
+        if rank == 0:
+            ring_text = " ".join(f"{n}x{size}" for size, n in record["ranks_per_sequence"].items())
+            bar.write(
+                f"  step {step + 1:>3}/{cfg.steps}  loss {result.loss:7.4f}  {record['tokens_per_s']:>8,.0f} tok/s  "
+                f"ranks/seq [{ring_text}]  P2P {format_size(record['p2p_bytes'])}B"
+            )
+            bar.update(1)
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                path = checkpoint_dir(cfg, strategy) / f"step_{step + 1}.pt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "data": loader.state_dict()}, path)
+    bar.close()
+    local_run.teardown()
+    return records if rank == 0 else None
+
+
+# ------------------------------------------------------------------------ driver
+def run_strategy(cfg: DemoConfig, strategy: str) -> list[dict]:
+    from .local_world import preload, run_local_world
+
+    preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run", "megatron_bytescale.data.local_loader"])
+    return run_local_world(_train_rank, cfg.ranks, cfg, strategy, timeout_s=cfg.timeout_s)[0]
+
+
+def summarize(records: list[dict]) -> dict:
+    if not records:
+        return {}
+    timed = records[1:] if len(records) > 2 else records  # the first step warms up caches
+    return {
+        "steps": len(records),
+        "first_loss": records[0]["loss"],
+        "final_loss": records[-1]["loss"],
+        "step_s_median": statistics.median(r["seconds"] for r in timed),
+        "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in timed),
+        "p2p_bytes_per_step_median": statistics.median(r["p2p_bytes"] for r in records),
+        "p2p_bytes_total": sum(r["p2p_bytes"] for r in records),
+    }
+
+
+def comparison_table(summaries: dict[str, dict]) -> str:
+    rows = [("", *[STRATEGY_NAMES[s] for s in summaries])]
+    fmt = {
+        "loss (first -> final)": lambda s: f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}",
+        "step time, median": lambda s: f"{s['step_s_median']:.3f} s",
+        "tokens/s, median": lambda s: f"{s['tokens_per_s_median']:,.0f}",
+        "P2P bytes per step, median": lambda s: f"{format_size(s['p2p_bytes_per_step_median'])}B",
+    }
+    for label, f in fmt.items():
+        rows.append((label, *[f(s) for s in summaries.values()]))
+    if "hdp" in summaries and "static" in summaries:
+        h, st = summaries["hdp"], summaries["static"]
+        rows.append(("HDP vs static", f"{st['step_s_median'] / h['step_s_median']:.2f}x faster",
+                     f"{st['p2p_bytes_per_step_median'] / max(h['p2p_bytes_per_step_median'], 1):.1f}x the bytes"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def plot_measured(runs: dict[str, list[dict]], path: Path) -> Path | None:
+    """One measured step per strategy as a Gantt chart: per rank, each micro-batch's forward and
+    backward, with the time spent waiting on ring transfers drawn as exposed communication."""
+    from .sim.plot import plot_timelines
+    from .sim.timeline import BACKWARD, FORWARD, Timeline
+
+    timelines = {}
+    for strategy, records in runs.items():
+        rec = next((r for r in reversed(records) if r["timeline"]), None)
+        if rec is None:
+            continue
+        ops = []
+        for timings in rec["timeline"]:
+            rows = []
+            for start, fwd_end, end, fwd_wait, bwd_wait in timings:
+                rows.append((start, fwd_end, FORWARD, fwd_end - start - fwd_wait, fwd_wait, 0.0))
+                rows.append((fwd_end, end, BACKWARD, end - fwd_end - bwd_wait, bwd_wait, 0.0))
+            ops.append(np.array(rows, dtype=float).reshape(-1, 6))
+        timelines[f"{STRATEGY_NAMES[strategy]} (measured step {rec['step'] + 1})"] = Timeline(
+            step_time=rec["seconds"], num_ranks=len(ops), stages=1, ops=ops
+        )
+    if not timelines:
+        return None
+    return plot_timelines(timelines, path, title="bytescale demo: one measured step per strategy (gloo on CPU)")
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.data is None:
+        cfg.data = ensure_corpus(out / "data" / "megatron_core_sources")
+    if cfg.context > cfg.capacity * cfg.ranks:
+        raise BytescaleError(
+            f"--context {cfg.context} needs {-(-cfg.context // cfg.capacity)} ranks at capacity {cfg.capacity}, "
+            f"but there are {cfg.ranks}: raise --capacity or --ranks, or lower --context"
+        )
+    runs = {}
+    for strategy in cfg.strategies:
+        print(f"\n{STRATEGY_NAMES[strategy]}: {cfg.ranks} gloo ranks, {cfg.steps} steps of {format_size(cfg.step_tokens)} tokens, "
+              f"capacity {format_size(cfg.capacity)}, context {format_size(cfg.context)}")
+        runs[strategy] = run_strategy(cfg, strategy)
+    summaries = {s: summarize(r) for s, r in runs.items() if r}
+    if not summaries:
+        print("nothing to do: every strategy's latest checkpoint is already at --steps")
+        return {}
+    print("\n" + comparison_table(summaries))
+    report = {"config": {k: v for k, v in asdict(cfg).items() if k != "extra"}, "summary": summaries,
+              "steps": {s: [{k: v for k, v in r.items() if k != "timeline"} for r in recs] for s, recs in runs.items()}}
+    (out / "demo.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot = plot_measured(runs, out / "timeline.png")
+    print(f"\nwrote {out / 'demo.json'}" + (f" and {plot}" if plot else ""))
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DemoConfig()
+    parser.add_argument("--ranks", type=int, default=d.ranks, help=f"gloo processes (default {d.ranks})")
+    parser.add_argument("--steps", type=int, default=d.steps, help=f"training steps per strategy (default {d.steps})")
+    parser.add_argument("--capacity", default=str(d.capacity), help=f"tokens per micro-batch per rank (default {d.capacity})")
+    parser.add_argument("--context", default=str(d.context), help=f"longest sequence; longer documents are cut (default {d.context})")
+    parser.add_argument("--step-tokens", default=str(d.step_tokens), help=f"tokens per global batch (default {d.step_tokens})")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--data", help="Megatron indexed dataset prefix (default: built from megatron-core's source files)")
+    parser.add_argument("--out", default=d.out, help=f"output folder (default {d.out})")
+    parser.add_argument("--strategies", default=",".join(d.strategies), help="hdp, static or both (default hdp,static)")
+    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints (0: none)")
+    parser.add_argument("--resume", action="store_true", help="continue each strategy from its latest checkpoint")
+
+
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    unknown = [s for s in strategies if s not in STRATEGY_NAMES]
+    if unknown or not strategies:
+        raise BytescaleError(f"unknown strategy {unknown or '(none)'}; choose from {', '.join(STRATEGY_NAMES)}")
+    if args.ranks < 1 or args.steps < 1:
+        raise BytescaleError("--ranks and --steps must be at least 1")
+    return DemoConfig(
+        ranks=args.ranks, steps=args.steps, capacity=parse_size(args.capacity, "--capacity"),
+        context=parse_size(args.context, "--context"), step_tokens=parse_size(args.step_tokens, "--step-tokens"),
+        seed=args.seed, lr=args.lr, out=args.out, data=args.data, strategies=strategies,
+        checkpoint_every=args.checkpoint_every, resume=args.resume,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    run_demo(config_from_args(args))
+    return 0
