@@ -6,9 +6,23 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
 
 from .errors import BytescaleError
+
+# megatron-core announces at import that GPU-only extras are missing; on CPU that is expected.
+# PYTHONWARNINGS carries the filter into the processes the commands spawn.
+QUIET = ("Transformer Engine and Apex are not installed", "Apex is not installed")
+
+
+def quiet_optional_backend_warnings() -> None:
+    for message in QUIET:
+        warnings.filterwarnings("ignore", message=message)
+    extra = ",".join(f"ignore:{m}" for m in QUIET)
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), extra)))
+
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -42,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in SUBCOMMANDS:
         parser.error(f"unknown command {argv[0]!r}; choose one of {', '.join(SUBCOMMANDS)}")
     name, rest = argv[0], argv[1:]
+    quiet_optional_backend_warnings()
     module_name, help_text = SUBCOMMANDS[name]
     module = importlib.import_module(module_name)
     sub = argparse.ArgumentParser(prog=f"bytescale {name}", description=help_text)

@@ -29,6 +29,7 @@ from .errors import BytescaleError
 from .units import format_size, parse_size
 
 STRATEGY_NAMES = {"hdp": "HDP (balanced)", "static": "static DP x CP"}
+CPU_PROFILE = Path(__file__).resolve().parent / "configs" / "profiles" / "tiny-cpu.json"
 VOCAB = 512  # configs/models/tiny.args; the byte tokenizer's ids fit below it
 
 
@@ -41,6 +42,7 @@ class DemoConfig:
     step_tokens: int = 16384  # global batch
     seed: int = 0
     model: str = "tiny"
+    profile: str = str(CPU_PROFILE)  # the planner's cost model: measured on a 2-core CPU machine with gloo
     lr: float = 3e-3
     out: str = "runs/demo"
     data: str | None = None  # an indexed dataset prefix; default: built from megatron-core's sources
@@ -79,13 +81,15 @@ def ensure_corpus(prefix: Path) -> str:
 # ------------------------------------------------------------------------ one rank
 def plan_function(strategy: str, cfg: DemoConfig, world: int):
     from .data.planning import default_plan_fn
+    from .planner.cost_model import CostModel
     from .planner.planner import PlannerConfig
     from .planner.specs import ModelSpec
     from .sim.cluster import Cluster
     from .sim.static_cp import static_plan
 
     if strategy == "hdp":
-        return default_plan_fn(PlannerConfig(num_ranks=world, capacity=cfg.capacity, ranks_per_node=world))
+        cost = CostModel.from_profile(cfg.profile)
+        return default_plan_fn(PlannerConfig(num_ranks=world, capacity=cfg.capacity, ranks_per_node=world), cost)
     if strategy == "static":
         cluster = Cluster(gpus=world, gpus_per_node=world)
         layers = ModelSpec.load(cfg.model).num_layers
@@ -109,8 +113,10 @@ def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str):
 
     from .data.local_loader import LocalDataLoader
     from .megatron import local_run
+    from .runtime.offload import ActivationOffloader, transformer_layers
 
     model, group = local_run.setup_model(cfg.model, seed=cfg.seed)
+    offloader = ActivationOffloader(transformer_layers(model))  # applies each micro-batch's planned ratio
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     loader = LocalDataLoader(
         cfg.data, plan_fn=plan_function(strategy, cfg, world), step_tokens=cfg.step_tokens,
@@ -132,12 +138,12 @@ def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str):
         batch = loader.next_step()
         for p in model.parameters():
             p.grad = None
-        result = local_run.run_step(batch, model, group)
+        result = local_run.run_step(batch, model, group, offloader=offloader)
         optimizer.step()
         dist.barrier(group)
         seconds = time.perf_counter() - t0
-        p2p = torch.tensor([result.stats.p2p_bytes], dtype=torch.int64)
-        dist.all_reduce(p2p, group=group)
+        moved = torch.tensor([result.stats.p2p_bytes, result.stats.offloaded_bytes], dtype=torch.int64)
+        dist.all_reduce(moved, group=group)
         gathered = None
         if step == plot_step:  # every rank's micro-batch timings, on the common step clock
             gathered = [None] * world
@@ -151,7 +157,8 @@ def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str):
             "seconds": seconds,
             "tokens": tokens,
             "tokens_per_s": tokens / seconds,
-            "p2p_bytes": int(p2p.item()),
+            "p2p_bytes": int(moved[0]),
+            "offloaded_bytes": int(moved[1]),
             "sequences": len(batch.plan.seq_lens),
             "ranks_per_sequence": dict(sorted(rings.items())),
             "micro_batches": [len(mbs) for mbs in batch.plan.ranks],
@@ -162,7 +169,7 @@ def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str):
             ring_text = " ".join(f"{n}x{size}" for size, n in record["ranks_per_sequence"].items())
             bar.write(
                 f"  step {step + 1:>3}/{cfg.steps}  loss {result.loss:7.4f}  {record['tokens_per_s']:>8,.0f} tok/s  "
-                f"ranks/seq [{ring_text}]  P2P {format_size(record['p2p_bytes'])}B"
+                f"ranks/seq [{ring_text}]  P2P {format_size(record['p2p_bytes'])}B  offloaded {format_size(record['offloaded_bytes'])}B"
             )
             bar.update(1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
@@ -279,6 +286,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-tokens", default=str(d.step_tokens), help=f"tokens per global batch (default {d.step_tokens})")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--profile", default=d.profile, help="the HDP planner's cost-model profile (default: measured tiny-on-CPU)")
     parser.add_argument("--data", help="Megatron indexed dataset prefix (default: built from megatron-core's source files)")
     parser.add_argument("--out", default=d.out, help=f"output folder (default {d.out})")
     parser.add_argument("--strategies", default=",".join(d.strategies), help="hdp, static or both (default hdp,static)")
@@ -296,7 +304,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     return DemoConfig(
         ranks=args.ranks, steps=args.steps, capacity=parse_size(args.capacity, "--capacity"),
         context=parse_size(args.context, "--context"), step_tokens=parse_size(args.step_tokens, "--step-tokens"),
-        seed=args.seed, lr=args.lr, out=args.out, data=args.data, strategies=strategies,
+        seed=args.seed, lr=args.lr, profile=args.profile, out=args.out, data=args.data, strategies=strategies,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
     )
 
