@@ -116,17 +116,18 @@ def order_runs(
     if not safe:
         result.deadlock = _deadlock_of(result.runs, stages)
         return result
-    best = min(safe, key=lambda o: _step_estimate(o, stages, ring_time))  # first of equals
+    best = min(safe, key=lambda o: max(rank_estimates(o, stages, ring_time)))  # first of equals
     best.unaligned = result.unaligned
     return best
 
 
-def _step_estimate(ordered: Ordered, stages: int, ring_time: dict[int, float]) -> float:
-    """The longest rank: its finish plus the 1F1B fill and drain, (p - 1) x its longest micro-batch."""
-    return max(
+def rank_estimates(ordered: Ordered, stages: int, ring_time: dict[int, float]) -> list[float]:
+    """Estimated seconds per rank: its finish plus the 1F1B fill and drain, ``(p - 1)`` x its
+    longest micro-batch (a ring counts its slowest member's time)."""
+    return [
         clock + (stages - 1) * max((x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run), default=0.0)
         for clock, run in zip(ordered.clock, ordered.runs)
-    )
+    ]
 
 
 def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):

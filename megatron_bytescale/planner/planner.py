@@ -18,7 +18,8 @@ because a ring member that carries extra tokens holds up every other member of i
 With ``pipeline_stages > 1`` (every mode) each ring micro-batch then takes one slot on all
 its members, so that 1F1B cannot deadlock (``pipeline_order.py``): members run some of
 their local micro-batches before or after a ring instead, or split a pack, and only if they
-have none left take one from another rank.
+have none left take one from another rank. A batch with too little short work to fill the
+slots may get its rings reordered, or placed again (``meta["pipeline_order"]`` says which).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..errors import ConfigError, PlanError
 from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
-from .pipeline_order import Item, LocalBatch, order_runs
+from .pipeline_order import Item, LocalBatch, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
 from .plan import MicroBatch, Piece, Plan, ring_pieces, whole_piece
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
@@ -122,11 +123,12 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
     # is done). With pipelines each ring also takes one slot on all its members
     # (pipeline_order.py), else 1F1B could deadlock.
     stages = config.pipeline_stages
+    ring_time = {u: units[u].time for u in assignment.members}
     ordered = order_runs(
         _rank_items(lens, units, assignment, config.capacity, cost),
         [u for u in assignment.order if u in assignment.members],
         assignment.members,
-        {u: units[u].time for u in assignment.members},
+        ring_time,
         stages,
         _splitter(lens, cost),
         placer.ranks_per_node,
@@ -138,13 +140,7 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
             "little short work to fill the gaps: add short sequences, use fewer pipeline stages, or raise the capacity"
         )
     ranks = _build(lens, units, ordered.members or assignment.members, ordered.runs)
-    # plus the 1F1B fill and drain: (p - 1) x the rank's longest micro-batch
-    est = np.array(
-        [
-            c + (stages - 1) * max((units[x].time if isinstance(x, int) else x.time for x in run), default=0.0)
-            for c, run in zip(ordered.clock, ordered.runs)
-        ]
-    )
+    est = np.array(rank_estimates(ordered, stages, ring_time))
 
     plan = Plan(
         num_ranks=config.num_ranks,
