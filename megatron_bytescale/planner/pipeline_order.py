@@ -134,8 +134,8 @@ def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
     """Place every ring again so that all its members have run the same number of rings
     before it; local micro-batches run after a rank's last ring. Rings go largest first,
     each to the least-loaded ranks at one level (a ring that fits a node, inside one node),
-    so the level a ring leaves has at least as many ranks as every later ring needs.
-    Returns the runs, the new members and the ring order, or None."""
+    so the level its members reach holds at least as many ranks as any later ring needs
+    (node bounds aside: then None). Returns the runs, the new members and the ring order."""
     n = len(runs)
     locals_ = [[x for x in run if isinstance(x, LocalBatch)] for run in runs]
     load = np.array([sum(x.time for x in batches) for batches in locals_])  # locals run last, but count
