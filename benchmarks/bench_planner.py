@@ -1,13 +1,14 @@
 """Planner speed and balance on a Byted-like global batch.
 
-    PYTHONPATH=. python benchmarks/bench_planner.py [--gpus 16384] [--tokens 32M] [--json OUT]
+    PYTHONPATH=. python benchmarks/bench_planner.py [--gpus 16384] [--pp 1] [--tokens 32M] [--json OUT]
 
 Plans one step (LLaMA-7B analytic cost model on H100, C = 8K, 2M context) on one core
 (OMP/MKL/OpenBLAS threads = 1) several times and reports the median wall time of
 ``plan_step`` (goal: under 1 s for 16,384 GPUs), then the balance of the plan: estimated
 max / mean per-rank time, and the max against the compute bound (all FLOPs spread perfectly
 over all ranks) and against the fastest the longest ring can possibly run. CPU time is
-printed beside wall time: on a shared machine it is the steadier figure.
+printed beside wall time: on a shared machine it is the steadier figure. With ``--pp P`` the
+GPUs form ``gpus / P`` HDP ranks, each a pipeline of P stages (LLaMA's layers split P ways).
 
 Lengths: ``megatron_bytescale/data/workloads.py``'s ``sample_lengths("byted", ...)`` (the
 simulator helper's generator) when it is installed, else ``byted_like_lengths`` below, a
@@ -140,18 +141,21 @@ def describe_batch(lengths: list[int]) -> dict:
 
 
 def run(args) -> dict:
-    cost = CostModel.analytic(ModelSpec.load(args.model), HardwareSpec.load(args.hardware))
+    cost = CostModel.analytic(ModelSpec.load(args.model), HardwareSpec.load(args.hardware), pp=args.pp)
+    if args.gpus % args.pp:
+        raise SystemExit(f"--gpus {args.gpus} does not divide into --pp {args.pp} stages")
+    ranks = args.gpus // args.pp
     capacity = parse_size(args.capacity, "capacity")
     context = parse_size(args.context, "context")
     total = parse_size(args.tokens, "tokens")
     lengths, source = batch_lengths(args.workload, total, context, args.seed)
-    out = {"model": args.model, "hardware": args.hardware, "gpus": args.gpus, "capacity": capacity,
+    out = {"model": args.model, "hardware": args.hardware, "gpus": args.gpus, "pp": args.pp, "capacity": capacity,
            "context": context, "workload": source, "batch": describe_batch(lengths), "results": {}}
-    sizer = RingSizer(capacity, cost, True, args.gpus, 8)
+    sizer = RingSizer(capacity, cost, True, ranks, 8, args.pp)
     critical = max(sizer.fastest(s) for s in set(lengths) if s > capacity)
     print(f"batch ({source}): {out['batch']}")
     for balance in args.balance:
-        config = PlannerConfig(num_ranks=args.gpus, capacity=capacity, balance=balance)
+        config = PlannerConfig(num_ranks=ranks, capacity=capacity, balance=balance, pipeline_stages=args.pp)
         times, cpu = [], []
         for _ in range(args.repeat):
             t0, c0 = time.perf_counter(), time.process_time()
@@ -193,6 +197,7 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpus", type=int, default=16384)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages: HDP ranks = gpus / pp")
     p.add_argument("--tokens", default="32M")
     p.add_argument("--capacity", default="8K")
     p.add_argument("--context", default="2M")

@@ -7,6 +7,7 @@ from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.estimate import finish_times, rank_times
 from megatron_bytescale.planner.offload_policy import copy_hides
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
+from megatron_bytescale.planner.sharding import memory_floor
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
 
 from planner_cases import small_cost
@@ -156,6 +157,47 @@ def test_naive_balances_tokens(llama):
     # differ by at most one micro-batch
     assert tokens.max() - tokens.min() <= largest
     assert plan.meta["target_time_s"] is None  # rings at the memory floor: no time target
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_naive_rings_sit_at_the_memory_floor_with_or_without_offload(offload, llama):
+    # offload=False is the simulator's hdp-sharding ablation: rings of ceil(s / C), nothing
+    # offloaded, micro-batches given out by tokens; offload=True is hdp-naive
+    lens = byted_like_small(np.random.default_rng(4))
+    config = PlannerConfig(num_ranks=128, capacity=8192, balance="none", offload=offload)
+    plan = plan_step(lens, config, llama).validate()
+    sizes = plan.ring_sizes()
+    long_ids = [i for i, s in enumerate(lens) if s > 8192]
+    for i in long_ids:
+        assert sizes[i] == memory_floor(lens[i], 8192, llama, offload, 128).ranks
+    ratios = {mb.offload_ratio for mbs in plan.ranks for mb in mbs}
+    if offload:  # offloading shrinks the rings of the longest sequences
+        assert max(ratios) > 0 and all(sizes[i] < -(-lens[i] // 8192) for i in long_ids[:4])
+    else:
+        assert ratios == {0.0} and all(sizes[i] == -(-lens[i] // 8192) for i in long_ids)
+        tokens = np.array(plan.tokens_per_rank())
+        assert tokens.max() - tokens.min() <= max(mb.tokens for mbs in plan.ranks for mb in mbs)
+    assert plan.meta["strategy"] == "hdp-naive" and plan.meta["offload"] is offload
+    assert plan.meta["target_time_s"] is None
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("offload", [False, True])
+def test_naive_and_sharding_plans_run_through_pipelines(pp, offload):
+    # the simulator's GitHub case that deadlocked under 1F1B (hdp-sharding, PP=2)
+    from megatron_bytescale.data.workloads import sample_lengths
+    from megatron_bytescale.sim.cluster import Cluster
+    from megatron_bytescale.sim.timeline import simulate
+
+    cost = CostModel.analytic(ModelSpec.load("llama-7b"), HardwareSpec.load("h100"), pp=pp)
+    lens = sample_lengths("github", 512 * 1024, 64 * 1024, rng=2)
+    cluster = Cluster(32, pp=pp, gpus_per_node=4)
+    config = PlannerConfig(cluster.d_hdp, 8192, cluster.hdp_per_node, balance="none", offload=offload, pipeline_stages=pp)
+    plan = plan_step(lens, config, cost).validate()
+    simulate(plan, cluster, cost)  # raises PlanError if the plan deadlocks
+    if not offload:  # still at the memory floor, nothing offloaded, even if rings were placed again
+        assert all(plan.ring_sizes()[i] == -(-s // 8192) for i, s in enumerate(lens) if s > 8192)
+        assert {mb.offload_ratio for mbs in plan.ranks for mb in mbs} == {0.0}
 
 
 def test_pipeline_stages_count_in_the_estimate(llama):

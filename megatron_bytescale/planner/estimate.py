@@ -5,8 +5,11 @@
 * A ring micro-batch adds the ring communication that compute does not hide. Per layer a
   ring of N runs N attention steps; steps 2..N wait for one hop each (forward: KV; backward:
   KV and dKV). A step costs ``max(attention of one step, hop)``, so the exposed part is
-  ``(N - 1) * max(0, hop - step)`` for forward and for backward. The slowest link sets the
-  pace of a synchronous ring, so a ring that crosses nodes runs at the inter-node bandwidth.
+  ``(N - 1) * max(0, hop - step)`` for forward and for backward. After the last backward
+  step the dK/dV accumulators travel home in one more hop that no compute overlaps (the
+  N-th of ``Plan.p2p_bytes_per_rank``'s N backward dKV hops): it is exposed whole. The
+  slowest link sets the pace of a synchronous ring, so a ring that crosses nodes runs at
+  the inter-node bandwidth.
 * With ``pipeline_stages = p > 1`` a rank (one pipeline) takes
   ``sum(micro-batch times) + (p - 1) * max(micro-batch time)`` (1F1B fill and drain).
 """
@@ -20,6 +23,13 @@ from .plan import MicroBatch
 from .zigzag import rank_tokens
 
 
+def dkv_home_time(cost: CostModel, block_tokens: float, inter_node: bool) -> float:
+    """Seconds per layer of the backward's last hop: the dK/dV accumulators of a block go
+    home to its owner once all members have added to them; nothing overlaps it."""
+    bw = cost.bw_inter_node if inter_node else cost.bw_intra_node
+    return cost.p2p_latency_s + block_tokens * cost.grad_bytes_per_token / bw
+
+
 def exposed_ring_time(cost: CostModel, pairs: float, block_tokens: float, ring_size: int, inter_node: bool) -> float:
     """Seconds per layer that ring hops add beyond compute, for one member.
 
@@ -31,7 +41,7 @@ def exposed_ring_time(cost: CostModel, pairs: float, block_tokens: float, ring_s
     step = cost.a1 * pairs / ring_size
     fwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=False) - FORWARD_SHARE * step)
     bwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=True) - (1.0 - FORWARD_SHARE) * step)
-    return (ring_size - 1) * (fwd + bwd)
+    return (ring_size - 1) * (fwd + bwd) + dkv_home_time(cost, block_tokens, inter_node)
 
 
 def ring_share_time(cost: CostModel, seq_len: int, ring_size: int, inter_node: bool) -> float:

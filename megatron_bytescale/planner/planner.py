@@ -1,7 +1,7 @@
 """plan_step: one training step's HDP plan from the global batch's sequence lengths.
 
     shard (ring sizes, offload ratios) -> units of work -> balance (which rank, which order)
-    -> pack each rank's short sequences into micro-batches -> Plan
+    -> pack each rank's short sequences into micro-batches -> order them (pipelines) -> Plan
 
 Strategies (``Plan.meta["strategy"]``):
 
@@ -14,6 +14,12 @@ Strategies (``Plan.meta["strategy"]``):
 In ``hdp-balanced`` short sequences stay separate until their rank is known, then are packed
 best-fit between that rank's ring micro-batches; they are not packed beside ring shares,
 because a ring member that carries extra tokens holds up every other member of its ring.
+
+With ``pipeline_stages > 1`` (every mode) each ring micro-batch then takes one slot on all
+its members, so that 1F1B cannot deadlock (``pipeline_order.py``): members run some of
+their local micro-batches before or after a ring instead, or split a pack, and only if they
+have none left take one from another rank. A batch with too little short work to fill the
+slots may get its rings reordered, or placed again (``meta["pipeline_order"]`` says which).
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PlanError
 from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
+from .pipeline_order import Item, LocalBatch, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
 from .plan import MicroBatch, Piece, Plan, ring_pieces, whole_piece
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
@@ -112,8 +119,28 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
             if base is None or step <= (1 + config.slack) * base:
                 break
     _, shards, target, units, assignment, scale = best
-    ranks, times, ring_at = _micro_batches(lens, units, assignment, config.capacity, cost)
-    est = _finish_times(times, ring_at, assignment, units, config.pipeline_stages)
+    # Rings start when their last member reaches them (a member is held until the slowest
+    # is done). With pipelines each ring also takes one slot on all its members
+    # (pipeline_order.py), else 1F1B could deadlock.
+    stages = config.pipeline_stages
+    ring_time = {u: units[u].time for u in assignment.members}
+    ordered = order_runs(
+        _rank_items(lens, units, assignment, config.capacity, cost),
+        [u for u in assignment.order if u in assignment.members],
+        assignment.members,
+        ring_time,
+        stages,
+        _splitter(lens, cost),
+        placer.ranks_per_node,
+    )
+    if ordered.deadlock:
+        raise PlanError(
+            f"no 1F1B order without deadlock found for {stages} pipeline stages: {len(ordered.unaligned)} ring "
+            f"micro-batches could not take one slot on all their members ({ordered.deadlock}); the batch has too "
+            "little short work to fill the gaps: add short sequences, use fewer pipeline stages, or raise the capacity"
+        )
+    ranks = _build(lens, units, ordered.members or assignment.members, ordered.runs)
+    est = np.array(rank_estimates(ordered, stages, ring_time))
 
     plan = Plan(
         num_ranks=config.num_ranks,
@@ -139,6 +166,17 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
         "est_rank_time_s": est.tolist(),
         "ring_sizes": {str(k): v for k, v in sorted(ring_hist.items())},
         "offloaded_sequences": sum(1 for s in shards.values() if s.ratio > 0),
+        # how making the order safe for 1F1B changed the schedule's (all 0 without pipelines)
+        "pipeline_order": {
+            "pulled": ordered.pulled,
+            "deferred": ordered.deferred,
+            "splits": ordered.splits,
+            "moved": ordered.moved,
+            "reordered_rings": ordered.reordered,
+            "unaligned_rings": len(ordered.unaligned),
+            "slot_search": ordered.searched,
+            "rings_placed_again": ordered.members is not None,
+        },
         "plan_time_s": time.perf_counter() - t0,
     }
     return plan
@@ -221,94 +259,85 @@ def _naive_packs(
 
 
 # --------------------------------------------------------------------- micro-batches
-def _micro_batches(lens, units: list[Unit], assignment: Assignment, capacity: int, cost: CostModel):
-    """Each rank's micro-batches in run order, their estimated seconds (a ring member counts
-    the ring's whole time: it is held until the slowest member is done), and for each rank
-    the position of each ring unit in its list.
+def _rank_items(lens, units: list[Unit], assignment: Assignment, capacity: int, cost: CostModel) -> list[list[Item]]:
+    """Each rank's work in run order: ring unit indices and local micro-batches.
 
     Short sequences are packed best-fit within each stretch between two of the rank's ring
     or long micro-batches, so the rank still reaches each ring when the schedule expects."""
     l = cost.num_layers
-    pieces_of: dict[int, dict[int, Piece]] = {}
-    for u, ring in assignment.members.items():
-        sid = units[u].seq_ids[0]
-        pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring)))
 
-    def pack(stretch: list[int], rank: int, mbs: list, times: list) -> None:
-        if len(stretch) == 1:
-            i = stretch[0]
-            mbs.append(MicroBatch((whole_piece(i, lens[i], rank),)))
-            times.append(l * cost.layer_time(lens[i]))
-            return
-        if sum(lens[i] for i in stretch) <= capacity:
-            bins = [stretch]
-        else:
+    def pack(stretch: list[int], items: list) -> None:
+        if len(stretch) > 1 and sum(lens[i] for i in stretch) > capacity:
             bins = pack_best_fit([(i, lens[i]) for i in stretch], capacity)
+        else:
+            bins = [stretch]
         for b in bins:
-            mbs.append(MicroBatch(tuple(whole_piece(i, lens[i], rank) for i in b)))
-            times.append(l * cost.layer_time(sum(lens[i] for i in b), sum(lens[i] * lens[i] for i in b)))
+            items.append(LocalBatch(tuple(b), 0.0, l * _pack_time(lens, b, cost)))
 
-    ranks = []
-    all_times: list[list[float]] = []
-    ring_at: list[dict[int, int]] = []
-    for rank, run in enumerate(assignment.runs):
-        mbs: list[MicroBatch] = []
-        times: list[float] = []
-        where: dict[int, int] = {}
+    out = []
+    for run in assignment.runs:
+        items: list[Item] = []
         stretch: list[int] = []
         for u in run:
             unit = units[u]
-            kind = unit.kind
-            if kind == "short":
+            if unit.kind == "short":
                 stretch.append(unit.seq_ids[0])
                 continue
             if stretch:
-                pack(stretch, rank, mbs, times)
+                pack(stretch, items)
                 stretch = []
-            if kind == "ring":
-                where[u] = len(mbs)
-                piece = pieces_of[u][rank]
-                if unit.fillers:
-                    slot = assignment.members[u].index(rank)
-                    extra = tuple(whole_piece(i, lens[i], rank) for i in unit.fillers[slot])
-                    mbs.append(MicroBatch((piece,) + extra, unit.ratio))
-                else:
-                    mbs.append(MicroBatch((piece,), unit.ratio))
-                times.append(unit.time)  # held until the ring's slowest member is done
-            elif kind == "long":
-                sid = unit.seq_ids[0]
-                mbs.append(MicroBatch((whole_piece(sid, lens[sid], rank),), unit.ratio))
-                times.append(unit.time)
-            else:  # pack
-                mbs.append(MicroBatch(tuple(whole_piece(i, lens[i], rank) for i in unit.seq_ids)))
-                times.append(unit.time)
+            if unit.kind == "ring":
+                items.append(u)
+            else:  # a long sequence alone, or an hdp-naive pack
+                items.append(LocalBatch(unit.seq_ids, unit.ratio, unit.time))
         if stretch:
-            pack(stretch, rank, mbs, times)
+            pack(stretch, items)
+        out.append(items)
+    return out
+
+
+def _pack_time(lens, seq_ids, cost: CostModel) -> float:
+    """Seconds per layer of whole sequences packed into one micro-batch."""
+    if len(seq_ids) == 1:
+        return cost.layer_time(lens[seq_ids[0]])
+    return cost.layer_time(sum(lens[i] for i in seq_ids), sum(lens[i] * lens[i] for i in seq_ids))
+
+
+def _splitter(lens, cost: CostModel):
+    """Split a pack into two micro-batches of about equal tokens (to fill a pipeline slot)."""
+
+    def split(batch: LocalBatch) -> tuple[LocalBatch, LocalBatch]:
+        halves: tuple[list[int], list[int]] = ([], [])
+        tokens = [0, 0]
+        for i in sorted(batch.seq_ids, key=lambda i: (-lens[i], i)):
+            k = 0 if tokens[0] <= tokens[1] else 1
+            halves[k].append(i)
+            tokens[k] += lens[i]
+        return tuple(LocalBatch(tuple(h), batch.ratio, cost.num_layers * _pack_time(lens, h, cost)) for h in halves)
+
+    return split
+
+
+def _build(lens, units: list[Unit], members: dict[int, tuple[int, ...]], runs: list[list[Item]]) -> tuple:
+    """The plan's micro-batches from each rank's ordered items."""
+    pieces_of: dict[int, dict[int, Piece]] = {}
+    for u, ring in members.items():
+        sid = units[u].seq_ids[0]
+        pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring)))
+    ranks = []
+    for rank, items in enumerate(runs):
+        mbs = []
+        for x in items:
+            if isinstance(x, LocalBatch):
+                mbs.append(MicroBatch(tuple(whole_piece(i, lens[i], rank) for i in x.seq_ids), x.ratio))
+                continue
+            unit = units[x]
+            piece = pieces_of[x][rank]
+            if unit.fillers:
+                slot = members[x].index(rank)
+                extra = tuple(whole_piece(i, lens[i], rank) for i in unit.fillers[slot])
+                mbs.append(MicroBatch((piece,) + extra, unit.ratio))
+            else:
+                mbs.append(MicroBatch((piece,), unit.ratio))
         ranks.append(tuple(mbs))
-        all_times.append(times)
-        ring_at.append(where)
-    return tuple(ranks), all_times, ring_at
-
-
-def _finish_times(times, ring_at, assignment: Assignment, units: list[Unit], stages: int) -> np.ndarray:
-    """Estimated finish of each rank running its micro-batches in order, each ring starting
-    when its last member reaches it (rings in global order: the order every rank keeps),
-    plus the 1F1B fill and drain, ``(p - 1) x`` the rank's longest micro-batch."""
-    n = len(times)
-    clock = [0.0] * n
-    pos = [0] * n
-    for u in assignment.order:
-        ring = assignment.members.get(u)
-        if ring is None:
-            continue
-        for r in ring:  # each member first runs what it has before the ring
-            stop = ring_at[r][u]
-            clock[r] += sum(times[r][pos[r] : stop])
-            pos[r] = stop + 1
-        end = max(clock[r] for r in ring) + units[u].time
-        for r in ring:
-            clock[r] = end
-    est = np.empty(n)
-    for r in range(n):
-        est[r] = clock[r] + sum(times[r][pos[r] :]) + (stages - 1) * max(times[r], default=0.0)
-    return est
+    return tuple(ranks)

@@ -60,7 +60,9 @@ def ring_times(cost: CostModel, seq_len: int, ring_sizes: np.ndarray, ranks_per_
     step = cost.a1 * pairs / d
     hop_f = cost.p2p_latency_s + share * cost.kv_bytes_per_token / bw
     hop_b = cost.p2p_latency_s + share * (cost.kv_bytes_per_token + cost.grad_bytes_per_token) / bw
+    home = cost.p2p_latency_s + share * cost.grad_bytes_per_token / bw  # the last dKV hop, never hidden
     exposed = (d - 1) * (np.maximum(0.0, hop_f - FORWARD_SHARE * step) + np.maximum(0.0, hop_b - (1 - FORWARD_SHARE) * step))
+    exposed += home
     exposed[ring_sizes <= 1] = 0.0
     return cost.num_layers * (per_layer + exposed)
 

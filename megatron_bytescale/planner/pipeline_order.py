@@ -1,0 +1,525 @@
+"""Order each rank's micro-batches so that ring micro-batches cannot deadlock under 1F1B.
+
+Without pipelines a rank runs its micro-batches one after another, so ring micro-batches only
+need the same relative order on every member (``Plan.validate`` rule 5). With ``p > 1``
+stages each rank runs 1F1B, which interleaves forwards of later micro-batches with backwards
+of earlier ones by *index*: on stage ``k``, forward ``i`` precedes backward ``j`` iff
+``i <= j + p - 1 - k``, whatever the rank's micro-batch count. Give every ring a *slot* and
+every rank an offset, and put each ring at index ``slot - offset`` on each member: then every
+rank's 1F1B order, shifted by its offset, is a restriction of the order of one long pipeline,
+so no cycle can form (the brief's rule, "the same index on every member", is offset 0). A
+rank's micro-batches fill consecutive slots: a gap between two of its rings must be filled
+with its own local micro-batches, never an empty one (``sim.timeline`` shows what goes wrong
+otherwise: a member waits in a forward for a partner that waits in a backward).
+
+``order_runs(stages > 1)`` takes each rank's work in schedule order and gives rings slots:
+
+1. In schedule order (``_aligned``). Of the slots all members can reach by running some of
+   their local micro-batches first, a ring takes the largest whose estimated start is no
+   later than the schedule's: members fill the time they would wait for their partners, and
+   no ring starts later than planned. A rank that has not run a ring yet may start at any
+   slot. A ring whose members lack local work waits while one of the next ``LOOKAHEAD``
+   rings goes first; if none can, members split their packs in two, then take the last
+   (shortest) local micro-batch of the most loaded rank that has one to spare.
+2. Only when no rank has local work left can a ring miss its slot. Then the shortest
+   estimated step among the orders that are safe wins: the same pass keeping local work
+   for later slots instead of filling waits; either pass if 1F1B runs through it anyway
+   (``find_pipeline_deadlock``, the simulator's model); slots from the ring structure alone
+   (``_slot_search``); the rings placed again level by level (``_place_by_level``), for
+   placements that admit no safe order at all (three rings on three ranks, each pair
+   sharing a rank, nothing else to run). ``Ordered.deadlock`` is set if none is safe.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+import numpy as np
+
+FORWARD, BACKWARD = 0, 1
+LOOKAHEAD = 16  # rings of the schedule tried for the next slot before local work moves between ranks
+
+
+@dataclass(eq=False)
+class LocalBatch:
+    """A micro-batch of whole sequences on one rank (whichever rank it ends up on)."""
+
+    seq_ids: tuple[int, ...]
+    ratio: float
+    time: float  # estimated seconds on one stage
+
+
+Item = int | LocalBatch  # a ring unit's index, or a local micro-batch
+Splitter = Callable[[LocalBatch], tuple[LocalBatch, LocalBatch]]
+
+
+@dataclass
+class Ordered:
+    runs: list[list[Item]]  # per rank, in run order
+    clock: list[float]  # estimated finish per rank (no pipeline fill and drain)
+    pulled: int = 0  # local micro-batches run before a ring instead of after it
+    deferred: int = 0  # local micro-batches run after a ring instead of before it
+    splits: int = 0  # packs split in two to fill a slot
+    moved: int = 0  # local micro-batches given to another rank to fill a slot
+    reordered: int = 0  # rings run before an earlier ring of the schedule, to take one slot
+    unaligned: list[int] = field(default_factory=list)  # rings the schedule-order pass could not give one slot
+    searched: bool = False  # the slots came from the time-blind search over the ring structure
+    members: dict[int, tuple[int, ...]] | None = None  # new ring members, if the rings had to be placed again
+    deadlock: str | None = None  # set when no order safe for 1F1B was found
+
+
+def order_runs(
+    runs: Sequence[Sequence[Item]],
+    ring_order: Sequence[int],
+    members: dict[int, tuple[int, ...]],
+    ring_time: dict[int, float],
+    stages: int = 1,
+    split: Splitter | None = None,
+    ranks_per_node: int = 1,
+    lookahead: int = LOOKAHEAD,
+) -> Ordered:
+    """Each rank's items in run order, and the estimated finish of each rank when every ring
+    starts as soon as its last member reaches it. ``runs[r]`` holds ``r``'s rings in
+    ``ring_order``. With ``stages > 1`` the order is made safe for 1F1B (see above);
+    ``Ordered.deadlock`` says why if no safe order was found."""
+    if stages <= 1:
+        return _in_schedule_order(runs, ring_order, members, ring_time)
+    result = _aligned(runs, ring_order, members, ring_time, split, lookahead)
+    if not result.unaligned:
+        return result
+    # Local work ran out: some rings could not take one slot. The candidates, of which the
+    # shortest estimated step wins: the same pass keeping local work for later slots rather
+    # than filling waits; either order if 1F1B runs through it anyway; slots from the ring
+    # structure alone; and, if the placement admits no safe order (three rings on three
+    # ranks, each pair sharing a rank, nothing else to run), the rings placed again.
+    safe = []
+    frugal = _aligned(runs, ring_order, members, ring_time, split, lookahead, frugal=True)
+    for candidate in (result, frugal):
+        if not candidate.unaligned or _deadlock_of(candidate.runs, stages) is None:
+            safe.append(candidate)
+    for order in (ring_order, sorted(ring_order, key=lambda u: -len(members[u]))):
+        placed = _slot_search(runs, order, members, split)
+        if placed is not None and _deadlock_of(placed[0], stages) is None:
+            runs_by_slot, slots = placed
+            again = _in_schedule_order(runs_by_slot, sorted(slots, key=slots.get), members, ring_time)
+            again.searched = True
+            safe.append(again)
+    placed = _place_by_level(runs, ring_order, members, ring_time, ranks_per_node)
+    if placed is not None and _deadlock_of(placed[0], stages) is None:
+        runs_by_level, new_members, order = placed
+        again = _in_schedule_order(runs_by_level, order, new_members, ring_time)
+        again.members = new_members
+        safe.append(again)
+    if not safe:
+        result.deadlock = _deadlock_of(result.runs, stages)
+        return result
+    best = min(safe, key=lambda o: max(rank_estimates(o, stages, ring_time)))  # first of equals
+    best.unaligned = result.unaligned
+    return best
+
+
+def rank_estimates(ordered: Ordered, stages: int, ring_time: dict[int, float]) -> list[float]:
+    """Estimated seconds per rank: its finish plus the 1F1B fill and drain, ``(p - 1)`` x its
+    longest micro-batch (a ring counts its slowest member's time)."""
+    return [
+        clock + (stages - 1) * max((x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run), default=0.0)
+        for clock, run in zip(ordered.clock, ordered.runs)
+    ]
+
+
+def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
+    """Place every ring again so that all its members have run the same number of rings
+    before it; local micro-batches run after a rank's last ring. Rings go largest first,
+    each to the least-loaded ranks at one level (a ring that fits a node, inside one node),
+    so the level its members reach holds at least as many ranks as any later ring needs
+    (node bounds aside: then None). Returns the runs, the new members and the ring order."""
+    n = len(runs)
+    locals_ = [[x for x in run if isinstance(x, LocalBatch)] for run in runs]
+    load = np.array([sum(x.time for x in batches) for batches in locals_])  # locals run last, but count
+    level = np.zeros(n, dtype=np.int64)
+    rings: list[list[int]] = [[] for _ in range(n)]
+    new_members: dict[int, tuple[int, ...]] = {}
+    order = sorted(ring_order, key=lambda u: -len(members[u]))  # stable: schedule order among equals
+    rpn = max(1, min(ranks_per_node, n))
+    nodes = [np.arange(k, min(k + rpn, n)) for k in range(0, n, rpn)]
+    for u in order:
+        size = len(members[u])
+        best = None
+        for lv in np.unique(level).tolist():
+            if size > rpn:  # whole nodes of this level first, then the fullest part-nodes
+                parts = [node[level[node] == lv] for node in nodes]
+                parts = sorted((p for p in parts if p.size), key=lambda p: (-p.size, float(load[p].max()), int(p[0])))
+                picks = [np.concatenate(parts)[:size]] if sum(p.size for p in parts) >= size else []
+            else:  # inside one node: its least-loaded ranks of this level
+                picks = []
+                for node in nodes:
+                    cand = node[level[node] == lv]
+                    if cand.size >= size:
+                        picks.append(cand[np.lexsort((cand, load[cand]))[:size]])
+            for chosen in picks:
+                chosen = np.sort(chosen)
+                key = (float(load[chosen].max()), float(load[chosen].max() * size - load[chosen].sum()), lv)
+                if best is None or key < best[0]:
+                    best = (key, chosen)
+        if best is None:
+            return None
+        chosen = best[1]
+        new_members[u] = tuple(chosen.tolist())
+        load[chosen] = load[chosen].max() + ring_time[u]
+        level[chosen] += 1
+        for r in chosen.tolist():
+            rings[r].append(u)
+    return [rings[r] + locals_[r] for r in range(n)], new_members, order
+
+
+def _deadlock_of(runs: Sequence[Sequence[Item]], stages: int) -> str | None:
+    return find_pipeline_deadlock([[None if isinstance(x, LocalBatch) else x for x in run] for run in runs], stages)
+
+
+def _in_schedule_order(runs, ring_order, members, ring_time) -> Ordered:
+    n = len(runs)
+    state = _State([list(run) for run in runs], [[] for _ in range(n)], [0.0] * n, [None] * n, None, ring_time)
+    result = Ordered(state.out, state.clock)
+    for u in ring_order:
+        ring = members[u]
+        state.place(u, ring, {r: state.natural(r, u) for r in ring}, ring_time[u], result)
+    state.finish()
+    return result
+
+
+def _aligned(runs, ring_order, members, ring_time, split, lookahead, frugal: bool = False) -> Ordered:
+    n = len(runs)
+    state = _State([list(run) for run in runs], [[] for _ in range(n)], [0.0] * n, [None] * n, split, ring_time, frugal)
+    result = Ordered(state.out, state.clock)
+    pending = list(ring_order)
+    while pending:
+        # the first ring (in schedule order) that can take one slot from what its members
+        # have; if none of the next few can, the first takes local work from other ranks
+        for k, u in enumerate(pending[:lookahead]):
+            take = state.aligned_take(u, members[u], result, borrow=False)
+            if take is not None:
+                break
+        else:
+            k, u = 0, pending[0]
+            take = state.aligned_take(u, members[u], result, borrow=True)
+            if take is None:  # no local work left anywhere: this ring cannot be aligned
+                result.unaligned.append(u)
+                take = state.unaligned_take(u, members[u])
+        result.reordered += k > 0
+        del pending[k]
+        state.place(u, members[u], take, ring_time[u], result)
+    state.finish()
+    return result
+
+
+def _slot_search(runs, order, members, split: Splitter | None):
+    """Slots for rings from the ring structure alone: each ring, in ``order``, takes the slot
+    that opens the fewest gaps on its members: after or before the slots a member holds, or
+    in one of its gaps. A rank's gaps must be filled by its own local micro-batches (packs
+    may be split); the rest run after its last ring. Returns the runs in slot order and the
+    slots, or None."""
+    n = len(runs)
+    locals_ = [[x for x in run if isinstance(x, LocalBatch)] for run in runs]
+    supply = [sum(len(x.seq_ids) for x in batches) if split else len(batches) for batches in locals_]
+    used: list[dict[int, int]] = [{} for _ in range(n)]
+    span: list[tuple[int, int] | None] = [None] * n
+    slots: dict[int, int] = {}
+
+    def fits(r: int, lo: int, hi: int, count: int) -> bool:
+        return hi - lo + 1 - count <= supply[r]
+
+    for u in order:
+        ring = members[u]
+        cands = set()
+        for r in ring:
+            if span[r] is not None:
+                lo, hi = span[r]
+                cands.update((lo - 1, hi + 1))
+                cands.update(v for v in range(lo + 1, hi) if v not in used[r])
+        best = None
+        for v in sorted(cands or {0}, reverse=True):  # ties: the latest slot, as the schedule runs
+            cost = 0
+            for r in ring:
+                if span[r] is None:
+                    continue
+                if v in used[r]:
+                    break
+                lo, hi = min(span[r][0], v), max(span[r][1], v)
+                if not fits(r, lo, hi, len(used[r]) + 1):
+                    break
+                cost += (hi - lo) - (span[r][1] - span[r][0]) - 1
+            else:
+                if best is None or cost < best[0]:
+                    best = (cost, v)
+        if best is None:
+            return None
+        v = best[1]
+        slots[u] = v
+        for r in ring:
+            used[r][v] = u
+            span[r] = (v, v) if span[r] is None else (min(span[r][0], v), max(span[r][1], v))
+
+    out = []
+    for r in range(n):
+        batches = list(locals_[r])
+        if span[r] is None:
+            out.append(batches)
+            continue
+        lo, hi = span[r]
+        holes = hi - lo + 1 - len(used[r])
+        while len(batches) < holes and split is not None and any(len(x.seq_ids) > 1 for x in batches):
+            big = max((x for x in batches if len(x.seq_ids) > 1), key=lambda x: (len(x.seq_ids), x.time))
+            _replace(batches, big, list(split(big)))
+        run: list[Item] = []
+        for v in range(lo, hi + 1):
+            if v in used[r]:
+                run.append(used[r][v])
+            elif batches:
+                run.append(batches.pop(0))
+        out.append(run + batches)
+    return out, slots
+
+
+@dataclass
+class _State:
+    queues: list[list[Item]]  # per rank: what is left, in schedule order
+    out: list[list[Item]]  # per rank: placed, in run order
+    clock: list[float]  # per rank: estimated end of what is placed
+    offset: list[int | None]  # per rank: slot of out[r][0]; None until its first ring fixes it
+    split: Splitter | None
+    ring_time: dict[int, float]
+    frugal: bool = False  # keep local work for later slots: run no more of it before a ring than needed
+
+    def finish(self) -> None:
+        """What is left of every queue (local micro-batches) runs after the last ring."""
+        for r, q in enumerate(self.queues):
+            for x in q:
+                self.out[r].append(x)
+                self.clock[r] += x.time
+            q.clear()
+
+    def locals_of(self, r: int) -> list[LocalBatch]:
+        return [x for x in self.queues[r] if isinstance(x, LocalBatch)]
+
+    def natural(self, r: int, u: int) -> int:
+        """Local micro-batches the schedule puts before ring ``u`` on rank ``r``."""
+        q = self.queues[r]
+        return sum(1 for x in q[: q.index(u)] if isinstance(x, LocalBatch))
+
+    def cursor(self, r: int) -> int:
+        return self.offset[r] + len(self.out[r])
+
+    def aligned_take(self, u: int, ring, result: Ordered, borrow: bool) -> dict[int, int] | None:
+        """Local micro-batches each member runs before ring ``u`` so that the ring takes one
+        slot on all of them, or None if the members do not have enough."""
+        fixed = [r for r in ring if self.offset[r] is not None]
+        cands = {r: self.locals_of(r) for r in ring}
+        lo = max((self.cursor(r) for r in fixed), default=0)
+        shorts = {r: lo - self.cursor(r) - len(cands[r]) for r in fixed}
+        own = {r: sum(len(x.seq_ids) - 1 for x in cands[r]) if self.split else 0 for r in fixed}
+        missing = sum(max(0, k - own[r]) for r, k in shorts.items())
+        if missing and (not borrow or missing > self._spare(ring, lo)):
+            return None  # not even by splitting packs (or borrowing): leave everything as it is
+        for r, short in shorts.items():
+            if short > 0:
+                short = self._split_own(r, short, cands, result)
+            if short > 0 and borrow:
+                short = self._borrow(r, short, u, ring, lo, cands, result)
+            if short > 0:
+                return None
+        prefix = {r: list(accumulate((x.time for x in cands[r]), initial=self.clock[r])) for r in ring}
+        planned = max(prefix[r][self.natural(r, u)] for r in ring)  # start without alignment
+        slack = planned * (1 + 1e-12)
+        take = {}
+        if fixed:
+            hi = min(self.cursor(r) + len(cands[r]) for r in fixed)
+
+            def start(slot: int) -> float:
+                return max(prefix[r][slot - self.cursor(r)] for r in fixed)
+
+            # start(slot) never falls as the slot rises: the largest slot whose start is no
+            # later than planned (bisection over [lo, hi]), else the earliest start possible
+            a, b = lo, hi
+            if not self.frugal and start(lo) <= slack:
+                while a < b:
+                    mid = (a + b + 1) // 2
+                    if start(mid) <= slack:
+                        a = mid
+                    else:
+                        b = mid - 1
+            for r in fixed:
+                take[r] = a - self.cursor(r)
+            slack = max(slack, start(a))
+        for r in ring:  # a member without rings yet may start at any slot: it fills the wait
+            if r not in take:
+                take[r] = 0 if self.frugal else bisect_right(prefix[r], slack) - 1
+        return take
+
+    def _spare(self, ring, lo: int) -> int:
+        """Local micro-batches other ranks could give to the members of a ring at slot ``lo``."""
+        members = set(ring)
+        spare = 0
+        for q, queue in enumerate(self.queues):
+            batches = [x for x in queue if isinstance(x, LocalBatch)]
+            have = len(batches)
+            if q in members and self.offset[q] is not None:
+                have -= max(0, lo - self.cursor(q))
+            if have > 0:
+                spare += have + (sum(len(x.seq_ids) - 1 for x in batches) if self.split else 0)
+        return spare
+
+    def unaligned_take(self, u: int, ring) -> dict[int, int]:
+        fixed = [r for r in ring if self.offset[r] is not None]
+        lo = max((self.cursor(r) for r in fixed), default=0)
+        return {r: min(len(self.locals_of(r)), max(0, lo - self.cursor(r))) if r in fixed else 0 for r in ring}
+
+    def place(self, u: int, ring, take: dict[int, int], seconds: float, result: Ordered) -> None:
+        start = 0.0
+        for r in ring:
+            q = self.queues[r]
+            nat = self.natural(r, u)
+            result.pulled += max(0, take[r] - nat)
+            result.deferred += max(0, nat - take[r])
+            chosen = self.locals_of(r)[: take[r]]
+            gone = {id(x) for x in chosen}
+            self.queues[r] = [x for x in q if (id(x) not in gone if isinstance(x, LocalBatch) else x != u)]
+            for x in chosen:
+                self.out[r].append(x)
+                self.clock[r] += x.time
+            start = max(start, self.clock[r])
+        fixed = [r for r in ring if self.offset[r] is not None]
+        slot = max((self.cursor(r) for r in fixed), default=0)
+        end = start + seconds
+        for r in ring:
+            if self.offset[r] is None:
+                self.offset[r] = slot - len(self.out[r])
+            self.out[r].append(u)
+            self.clock[r] = end
+
+    def _split_own(self, r: int, short: int, cands, result: Ordered) -> int:
+        """Split ``r``'s own packs in two until it has ``short`` more micro-batches."""
+        while short > 0 and self.split is not None:
+            packs = [x for x in cands[r] if len(x.seq_ids) > 1]
+            if not packs:
+                break
+            big = max(packs, key=lambda x: (len(x.seq_ids), x.time))
+            halves = list(self.split(big))
+            _replace(cands[r], big, halves)
+            _replace(self.queues[r], big, halves)
+            result.splits += 1
+            short -= 1
+        return short
+
+    def _borrow(self, r: int, short: int, u: int, ring, lo: int, cands, result: Ordered) -> int:
+        """Take local micro-batches for ``r`` from the most loaded ranks that have some to
+        spare (a ring member keeps what it needs to reach ``lo`` itself)."""
+        members = set(ring)
+        while short > 0:
+            donor, spare, most = None, 0, -1.0
+            for q in range(len(self.queues)):
+                if q == r:
+                    continue
+                batches = self.locals_of(q)
+                have = len(batches)
+                if q in members and self.offset[q] is not None:
+                    have -= max(0, lo - self.cursor(q))
+                load = self.clock[q] + sum(x.time if isinstance(x, LocalBatch) else self.ring_time[x] for x in self.queues[q])
+                if have > 0 and load > most:
+                    donor, spare, most = q, have, load
+            if donor is None:
+                return short
+            last = self.locals_of(donor)[-1]  # the shortest: the schedule runs long work first
+            if spare == 1 and self.split is not None and len(last.seq_ids) > 1:
+                keep, gift = self.split(last)  # the donor keeps half of its only pack
+                _replace(self.queues[donor], last, [keep])
+                result.splits += 1
+            else:
+                gift = last
+                _replace(self.queues[donor], last, [])
+            if donor in members:
+                cands[donor] = self.locals_of(donor)
+            self.queues[r].insert(self.queues[r].index(u), gift)  # r runs all it has before the ring
+            cands[r] = self.locals_of(r)
+            result.moved += 1
+            short -= 1
+        return short
+
+
+def _replace(items: list, old, new: list) -> None:
+    i = next(i for i, x in enumerate(items) if x is old)
+    items[i : i + 1] = new
+
+
+# ------------------------------------------------------------------------- checking
+def one_f_one_b(count: int, stages: int, stage: int) -> list[tuple[int, int]]:
+    """(direction, micro-batch index) in 1F1B order on one stage of a ``stages``-deep pipeline."""
+    warmup = min(stages - stage - 1, count)
+    order = [(FORWARD, m) for m in range(warmup)]
+    for i in range(count - warmup):
+        order.append((FORWARD, warmup + i))
+        order.append((BACKWARD, i))
+    order.extend((BACKWARD, m) for m in range(count - warmup, count))
+    return order
+
+
+def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages: int) -> str | None:
+    """None if ranks running 1F1B over ``stages`` stages always make progress, else a
+    description of where they get stuck. ``ring_keys[r][m]``: the ring micro-batch that rank
+    ``r``'s micro-batch ``m`` belongs to (shared by its members), or None for local work."""
+    node_of: dict[tuple, int] = {}
+    succ: list[list[int]] = []
+    indeg: list[int] = []
+
+    def node(key) -> int:
+        v = node_of.get(key)
+        if v is None:
+            v = node_of[key] = len(succ)
+            succ.append([])
+            indeg.append(0)
+        return v
+
+    def edge(a: int, b: int) -> None:
+        succ[a].append(b)
+        indeg[b] += 1
+
+    chains = []  # per rank and stage: (node, direction, micro-batch) in 1F1B order
+    for r, keys in enumerate(ring_keys):
+
+        def op(stage: int, direction: int, m: int) -> int:
+            k = keys[m]
+            return node(("local", r, m, stage, direction) if k is None else ("ring", k, stage, direction))
+
+        for stage in range(stages):
+            prev = None
+            chain = []
+            for direction, m in one_f_one_b(len(keys), stages, stage):
+                v = op(stage, direction, m)
+                if prev is not None:
+                    edge(prev, v)
+                if direction == FORWARD and stage > 0:
+                    edge(op(stage - 1, FORWARD, m), v)
+                elif direction == BACKWARD:
+                    edge(op(stage + 1, BACKWARD, m) if stage < stages - 1 else op(stage, FORWARD, m), v)
+                prev = v
+                chain.append((v, direction, m))
+            chains.append((r, stage, chain))
+    ready = [v for v, d in enumerate(indeg) if d == 0]
+    done = 0
+    while ready:
+        v = ready.pop()
+        done += 1
+        for w in succ[v]:
+            indeg[w] -= 1
+            if indeg[w] == 0:
+                ready.append(w)
+    if done == len(succ):
+        return None
+    stuck = []
+    for r, stage, chain in chains:
+        first = next(((d, m) for v, d, m in chain if indeg[v] > 0), None)
+        if first is not None:
+            stuck.append(f"rank {r} stage {stage} {'forward' if first[0] == FORWARD else 'backward'} of micro-batch {first[1]}")
+    return f"{len(succ) - done} pipeline operations wait in a cycle, e.g. {'; '.join(stuck[:3])}"

@@ -1,0 +1,87 @@
+"""The planner's time estimate against the simulator's timeline (``sim.timeline``) on small
+plans without pipelines: both cost a ring the same way, the final dKV hop included."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from megatron_bytescale.planner.estimate import dkv_home_time, exposed_ring_time, ring_share_time
+from megatron_bytescale.planner.planner import PlannerConfig, plan_step
+from megatron_bytescale.planner.sharding import ring_times
+from megatron_bytescale.sim.cluster import Cluster
+from megatron_bytescale.sim.timeline import simulate
+
+from planner_cases import small_cost
+
+
+@st.composite
+def small_plans(draw, balances=("none", "dp", "pp")):
+    rpn = draw(st.sampled_from([1, 2, 3, 4]))
+    num_ranks = rpn * draw(st.integers(1, 3))
+    capacity = draw(st.integers(20, 200))
+    short = draw(st.lists(st.integers(1, capacity), max_size=25))
+    long = draw(st.lists(st.integers(capacity + 1, capacity * num_ranks), min_size=1, max_size=3)) if num_ranks > 1 else []
+    lens = short + long or [capacity]
+    config = PlannerConfig(
+        num_ranks=num_ranks,
+        capacity=capacity,
+        ranks_per_node=rpn,
+        balance=draw(st.sampled_from(balances)),
+        offload=draw(st.booleans()),
+    )
+    return lens, config
+
+
+def comm_cost(num_layers=4, **changes):
+    # slow links, so that ring hops (and the last dKV hop) are a visible part of the step
+    return small_cost(num_layers=num_layers, bw_intra_node=1e8, bw_inter_node=1e7, **changes)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_plans(balances=("dp", "pp")))
+def test_estimate_equals_the_simulated_step_when_hops_do_not_depend_on_block_sizes(case):
+    # The estimate sizes every hop by the largest share (shares differ by a token); with
+    # hops that cost latency only, the two models must agree exactly.
+    lens, config = case
+    cost = comm_cost(kv_bytes_per_token=0.0, grad_bytes_per_token=0.0, p2p_latency_s=2e-3)
+    plan = plan_step(lens, config, cost).validate()
+    timeline = simulate(plan, Cluster(config.num_ranks, gpus_per_node=config.ranks_per_node), cost)
+    assert plan.meta["est_time_max_s"] == pytest.approx(timeline.step_time, rel=1e-9)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_plans(), st.sampled_from([1e3, 1e6, 1e12]))
+def test_estimate_never_undercuts_the_simulated_step(case, bw_offload):
+    # Sizing hops by the largest share, and (hdp-naive) not hiding hop 0 behind the short
+    # sequences packed beside a ring share, only ever overestimates.
+    lens, config = case
+    cost = comm_cost(bw_offload=bw_offload)
+    plan = plan_step(lens, config, cost).validate()
+    timeline = simulate(plan, Cluster(config.num_ranks, gpus_per_node=config.ranks_per_node), cost)
+    assert timeline.step_time <= plan.meta["est_time_max_s"] * (1 + 1e-9)
+
+
+def test_ring_alone_matches_the_simulator_including_the_last_dkv_hop():
+    # 800 tokens over a ring of 4 at the memory floor (C = 200, no offload): equal shares of 200
+    cost = comm_cost()
+    config = PlannerConfig(num_ranks=4, capacity=200, ranks_per_node=4, balance="none", offload=False)
+    plan = plan_step([800], config, cost).validate()
+    assert plan.ring_sizes() == {0: 4}
+    timeline = simulate(plan, Cluster(4, gpus_per_node=4), cost)
+    assert plan.meta["est_time_max_s"] == pytest.approx(timeline.step_time, rel=1e-12)
+    # the home hop is a visible part of it: 4 layers of (latency + 200 tokens of dKV over NVLink)
+    home = dkv_home_time(cost, 200, inter_node=False)
+    assert home == pytest.approx(1e-6 + 200 * 200.0 / 1e8)
+    assert cost.num_layers * home > 1e-3 * timeline.step_time
+    without_home = ring_share_time(cost, 800, 4, False) - cost.num_layers * home
+    assert without_home < timeline.step_time * (1 - 1e-3)
+
+
+def test_every_ring_pays_the_home_hop_even_when_compute_hides_the_others():
+    # attention so slow that every overlapped hop hides: only the home hop is exposed
+    cost = small_cost(a1=1.0)
+    for inter in (False, True):
+        assert exposed_ring_time(cost, 1e6, 50, 4, inter) == pytest.approx(dkv_home_time(cost, 50, inter))
+    assert exposed_ring_time(cost, 1e6, 50, 1, False) == 0.0  # no ring, no hops
+    times = ring_times(cost, 400, np.arange(1, 9), ranks_per_node=4)
+    assert times[1:] == pytest.approx([ring_share_time(cost, 400, d, d > 4) for d in range(2, 9)], rel=1e-12)
