@@ -43,10 +43,9 @@ import numpy as np
 
 from ..errors import PlanError
 from ..planner.cost_model import FORWARD_SHARE, CostModel
+from ..planner.pipeline_order import BACKWARD, FORWARD, one_f_one_b
 from ..planner.plan import MicroBatch, Plan
 from .cluster import Cluster
-
-FORWARD, BACKWARD = 0, 1
 
 
 @dataclass(frozen=True)
@@ -166,17 +165,6 @@ def ring_work(
             else:
                 results[i].append(w)
     return [(f, b) for f, b in results]
-
-
-def one_f_one_b(count: int, stages: int, stage: int) -> list[tuple[int, int]]:
-    """(direction, micro-batch index) in 1F1B order for one stage of a pipeline."""
-    warmup = min(stages - stage - 1, count)
-    order = [(FORWARD, m) for m in range(warmup)]
-    for i in range(count - warmup):
-        order.append((FORWARD, warmup + i))
-        order.append((BACKWARD, i))
-    order.extend((BACKWARD, m) for m in range(count - warmup, count))
-    return order
 
 
 @dataclass
