@@ -71,6 +71,7 @@ hdp_args() {
         --bf16
         --use-distributed-optimizer
         --calculate-per-token-loss
+        --attention-dropout 0.0
         --transformer-impl "${TRANSFORMER_IMPL:-transformer_engine}"
         --tokenizer-type NullTokenizer
         --log-interval "${LOG_INTERVAL:-10}"

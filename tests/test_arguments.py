@@ -25,6 +25,7 @@ from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
 
 # Megatron's values after its own validate_args, for the tiny model on 8 GPUs (TP=1, PP=1)
 MEGATRON = dict(
+    attention_dropout=0.0,
     calculate_per_token_loss=True,
     context_parallel_size=1,
     hybrid_context_parallel=False,
@@ -213,6 +214,7 @@ CONFLICTS = {
     "legacy models": (HDP, dict(use_legacy_models=True), "drop --use-legacy-models"),
     "custom spec": (HDP, dict(spec=["my.module", "my_spec"]), "drop --spec"),
     "mtp": (HDP, dict(mtp_num_layers=1), "multi-token prediction"),
+    "attention dropout": (HDP, dict(attention_dropout=0.1), "add --attention-dropout 0.0"),
     "mla": (HDP, dict(multi_latent_attention=True), "not MLA"),
     "yarn": (HDP, dict(position_embedding_type="yarn"), "rope, learned_absolute or none"),
     "attention variant": (HDP, dict(experimental_attention_variant="gated_delta_net"), "choose their own layer specs"),

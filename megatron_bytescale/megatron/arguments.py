@@ -31,6 +31,7 @@ DEFAULT_HARDWARE = "h100"
 # read, after Megatron's validate_args has run. tests/test_arguments_megatron.py checks each one
 # exists there.
 MEGATRON_ARGS_READ = (
+    "attention_dropout",
     "calculate_per_token_loss",
     "context_parallel_size",
     "hybrid_context_parallel",
@@ -400,6 +401,11 @@ def _check_model(args) -> None:
         raise ConfigError(
             "--experimental-attention-variant / --heterogeneous-layers-config-path choose their own layer specs; "
             "--hybrid-data-parallel needs its own (HDP core attention): drop them"
+        )
+    if getattr(args, "attention_dropout", 0.0):
+        raise ConfigError(
+            f"--attention-dropout {args.attention_dropout}: HDP ring attention merges blocks of a sequence "
+            "computed on different ranks and applies no dropout to them: add --attention-dropout 0.0"
         )
     if args.mtp_num_layers:
         raise ConfigError(
