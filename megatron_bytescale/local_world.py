@@ -48,16 +48,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, timeout_s, threads, args, kwargs, results):
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
+def _child(payload, rank, world_size, port, timeout_s, threads, env, results):
+    # The forkserver's environment dates from its start. Set the caller's (as of the launch: a
+    # Ray session, a flag set since) before unpickling the function, whose module imports may
+    # read it (Ray fixes its authentication mode at import).
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
     try:
+        fn, args, kwargs = pickle.loads(payload)
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
@@ -89,10 +94,9 @@ def run_local_world(
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     results = ctx.Queue()
     port = free_port()
+    payload = pickle.dumps((fn, args, kwargs))
     procs = [
-        ctx.Process(
-            target=_child, args=(fn, r, world_size, port, timeout_s, threads, args, kwargs, results), daemon=True
-        )
+        ctx.Process(target=_child, args=(payload, r, world_size, port, timeout_s, threads, dict(os.environ), results), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
