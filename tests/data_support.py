@@ -16,7 +16,9 @@ from megatron_bytescale.data.indexed import write_indexed_dataset
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
 # Small real distributions installed with the test dependencies (pytest pulls these in).
-SMALL_PACKAGES = ["cycler", "iniconfig", "pluggy", "six", "packaging"]
+# installed wherever the tests run: matplotlib needs cycler, pytest iniconfig, pluggy and packaging,
+# torch typing_extensions
+SMALL_PACKAGES = ["cycler", "iniconfig", "pluggy", "typing_extensions", "packaging"]
 
 
 def build_corpus(tmp_path: Path, packages=SMALL_PACKAGES, name: str = "corpus") -> str:
