@@ -1,10 +1,33 @@
-"""One entry point for both loaders: ``make_loader("local" | "ray", data_path, planner_config, ...)``."""
+"""What both loaders share, and one entry point for them:
+``make_loader("local" | "ray", data_path, planner_config, ...)``."""
 
 from __future__ import annotations
 
 from ..errors import ConfigError
 
 MODES = ("local", "ray")
+
+
+class StepLoader:
+    """The stepping API of both loaders; a subclass provides ``batch(rank)`` (this step, for
+    ``rank``, without advancing) and ``advance()``, and sets ``self.rank`` (or None)."""
+
+    rank: int | None = None
+
+    def next_step(self, rank: int | None = None):
+        batch = self.batch(rank)
+        self.advance()
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next_step()
+
+    def _rank(self, rank: int | None) -> int:
+        rank = self.rank if rank is None else rank
+        if rank is None:
+            raise ConfigError("which rank? pass rank= to the loader or to batch()/next_step()")
+        return rank
 
 
 def make_loader(mode: str, data_path, planner_config=None, **kwargs):

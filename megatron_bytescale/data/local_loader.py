@@ -24,11 +24,12 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .indexed import DocumentDataset
+from .loader import StepLoader
 from .planning import PlanFn, StepBatch, StepPlan, StepPlanner, default_plan_fn, deliver
 from .sampler import GlobalBatchSampler, Position, loader_state, restore_state
 
 
-class LocalDataLoader:
+class LocalDataLoader(StepLoader):
     def __init__(
         self,
         data_path: str | Path,
@@ -79,21 +80,6 @@ class LocalDataLoader:
     def advance(self) -> None:
         sp = self.step_plan()
         self.step, self.position, self._current = sp.step + 1, sp.end, None
-
-    def next_step(self, rank: int | None = None) -> StepBatch:
-        batch = self.batch(rank)
-        self.advance()
-        return batch
-
-    def __iter__(self):
-        while True:
-            yield self.next_step()
-
-    def _rank(self, rank: int | None) -> int:
-        rank = self.rank if rank is None else rank
-        if rank is None:
-            raise ConfigError("which rank? pass rank= to the loader or to batch()/next_step()")
-        return rank
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

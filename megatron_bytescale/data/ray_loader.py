@@ -40,6 +40,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ..errors import BytescaleError, ConfigError
 from .indexed import DocumentDataset, dataset_prefix
+from .loader import StepLoader
 from .planning import PlanFn, StepBatch, StepPlan, StepPlanner, default_plan_fn, deliver, rank_token_ranges
 from .sampler import GlobalBatchSampler, Position, loader_state, restore_state
 
@@ -201,7 +202,7 @@ class PlanScheduler:
 
 
 # --------------------------------------------------------------------------- client
-class RayDataLoader:
+class RayDataLoader(StepLoader):
     """One training rank's view of the remote dataloader (same API as LocalDataLoader)."""
 
     def __init__(
@@ -333,21 +334,6 @@ class RayDataLoader:
         self.step, self.position, self._current = sp.step + 1, sp.end, None
         for key in [k for k in self._pending if k[0] < self.step]:
             self._pending.pop(key).cancel()
-
-    def next_step(self, rank: int | None = None) -> StepBatch:
-        batch = self.batch(rank)
-        self.advance()
-        return batch
-
-    def __iter__(self):
-        while True:
-            yield self.next_step()
-
-    def _rank(self, rank: int | None) -> int:
-        rank = self.rank if rank is None else rank
-        if rank is None:
-            raise ConfigError("which rank? pass rank= to the loader or to batch()/next_step()")
-        return rank
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from graphlib import CycleError, TopologicalSorter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -272,23 +273,13 @@ class Plan:
                 )
         # Deadlock freedom: the "runs before" relation between ring micro-batches on each rank
         # must be acyclic (then the lowest unfinished one can always make progress).
-        succ: dict[tuple, set[tuple]] = defaultdict(set)
-        indeg: dict[tuple, int] = {k: 0 for k in members_of}
+        before: dict[tuple, set[tuple]] = {k: set() for k in members_of}
         for keys in ring_keys.values():
             for a, b in zip(keys, keys[1:]):
-                if b not in succ[a]:
-                    succ[a].add(b)
-                    indeg[b] += 1
-        ready = [k for k, d in indeg.items() if d == 0]
-        done = 0
-        while ready:
-            k = ready.pop()
-            done += 1
-            for nxt in succ[k]:
-                indeg[nxt] -= 1
-                if indeg[nxt] == 0:
-                    ready.append(nxt)
-        if done != len(indeg):
+                before[b].add(a)
+        try:
+            tuple(TopologicalSorter(before).static_order())
+        except CycleError:
             errors.append("ring micro-batches are ordered inconsistently across ranks: P2P would deadlock")
         return errors
 
