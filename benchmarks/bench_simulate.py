@@ -1,7 +1,7 @@
 """Step time of the four strategies on the brief's headline setup, against the project's goals.
 
     PYTHONPATH=. python benchmarks/bench_simulate.py [--dataset byted|github] [--steps 5]
-        [--gpus 1024] [--context 2M] [--capacity 8K] [--tokens 32M] [--json OUT] [--plot OUT.png]
+        [any other `bytescale simulate` flag, e.g. --gpus 2048] [--json OUT] [--plot OUT.png]
 
 LLaMA-7B (analytic cost model, H100 nodes of 8), 1024 GPUs (TP 1, PP 1), 2M context, 8K
 capacity, 32M-token Byted-like batches: every step, each strategy plans the same batch and
@@ -30,8 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_bytescale.sim.simulate import SimConfig, format_table, run  # noqa: E402
-from megatron_bytescale.units import format_size, parse_size  # noqa: E402
+from megatron_bytescale.sim.simulate import add_arguments, config_from_args, format_table, run  # noqa: E402
+from megatron_bytescale.units import format_size  # noqa: E402
+
+# the headline setup; flags given on the command line come later and win
+HEADLINE = ["--model", "llama-7b", "--hardware", "h100", "--gpus", "1024", "--context", "2M", "--capacity", "8K",
+            "--global-batch-tokens", "32M"]
 
 GOALS = (
     ("hdp-balanced >= 3x faster than static", lambda r: r["static"]["step_time_s"] / r["hdp-balanced"]["step_time_s"] >= 3.0),
@@ -55,39 +59,14 @@ def goal_verdicts(steps: list[dict[str, dict]]) -> dict[str, dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llama-7b")
-    ap.add_argument("--hardware", default="h100")
-    ap.add_argument("--gpus", type=int, default=1024)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--context", default="2M")
-    ap.add_argument("--capacity", default="8K")
-    ap.add_argument("--tokens", default="32M", help="global batch tokens")
-    ap.add_argument("--dataset", default="byted")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None)
-    args = ap.parse_args()
-
-    cfg = SimConfig(
-        gpus=args.gpus,
-        context=parse_size(args.context, "context"),
-        capacity=parse_size(args.capacity, "capacity"),
-        global_batch_tokens=parse_size(args.tokens, "tokens"),
-        model=args.model,
-        hardware=args.hardware,
-        tp=args.tp,
-        pp=args.pp,
-        dataset=args.dataset,
-        steps=args.steps,
-        seed=args.seed,
-    )
+    add_arguments(ap)
+    args = ap.parse_args(HEADLINE + sys.argv[1:])
+    cfg = config_from_args(args)
     report = run(cfg)
     results = report.medians()
     print(
         f"{cfg.model}, {report.cluster.describe()}, context {args.context}, capacity {args.capacity}, "
-        f"{args.tokens} tokens/step, {cfg.dataset}-like, medians over {cfg.steps} steps (seed {cfg.seed})"
+        f"{args.global_batch_tokens} tokens/step, {cfg.dataset}-like, medians over {cfg.steps} steps (seed {cfg.seed})"
     )
     print(format_table(report))
     print()
