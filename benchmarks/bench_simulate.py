@@ -63,7 +63,6 @@ def main() -> int:
     args = ap.parse_args(HEADLINE + sys.argv[1:])
     cfg = config_from_args(args)
     report = run(cfg)
-    results = report.medians()
     print(
         f"{cfg.model}, {report.cluster.describe()}, context {args.context}, capacity {args.capacity}, "
         f"{args.global_batch_tokens} tokens/step, {cfg.dataset}-like, medians over {cfg.steps} steps (seed {cfg.seed})"

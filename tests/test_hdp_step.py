@@ -8,7 +8,6 @@ whole on a single rank. Loss and every gradient must agree in fp32.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece

@@ -6,7 +6,6 @@ and Megatron's parallel state never leak into the pytest process.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -335,7 +334,6 @@ def _bad_inputs(rank, world):
 
     from megatron_bytescale.megatron import model, parallel
     from megatron_bytescale.megatron.core_attention import check_config
-    from megatron_bytescale.planner.specs import ModelSpec
 
     errors = {}
 

@@ -226,7 +226,7 @@ def test_script_command_lines_pass_megatron_and_hdp_validation(env, model):
                      VALID_DATA_PATH="/data/valid")
     argv = json.loads(run_script("scripts/train_local.sh", variables).stdout)["argv"]
     flags = argv[argv.index(str(Path(MEGATRON_LM_DIR) / "pretrain_gpt.py")) + 1:]
-    from test_arguments_megatron import PRELUDE, run
+    from test_arguments_megatron import run
 
     out = run(
         f"""
