@@ -79,9 +79,10 @@ def _rank_main(rank, world, model, tp, seed, plan_json, offload):
     step = StepBatch(plan, hdp, [build_micro_batch_data(mb, read) for mb in plan.micro_batches(hdp)])
     offloader = None
     if offload:
-        from .runtime.offload import ActivationOffloader
+        from .runtime.offload import ActivationOffloader, transformer_layers
 
-        offloader = ActivationOffloader(gpt.decoder.layers)
+        # every saved tensor may move, however small: the check is that moving changes nothing
+        offloader = ActivationOffloader(transformer_layers(gpt), min_tensor_bytes=0)
     result = local_run.run_step(step, gpt, group, offloader=offloader)
     out = {
         "loss": result.loss,
@@ -205,6 +206,8 @@ def main(args: argparse.Namespace) -> int:
         f"  P2P bytes          : HDP {report['p2p_bytes']:,} (plan predicts {report['p2p_bytes_predicted']:,})  "
         f"static DPxCP (CP={report['static_cp']}) {report['p2p_bytes_static']:,}"
     )
+    if args.offload_ratio is not None:
+        print(f"  offloaded bytes    : {report['offloaded_bytes']:,} (ratio {args.offload_ratio} on every ring micro-batch)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     for f in failures:

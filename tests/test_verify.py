@@ -1,0 +1,62 @@
+"""``bytescale verify``: HDP on N gloo ranks against one rank and the static mesh, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_bytescale import cli
+from megatron_bytescale.errors import BytescaleError
+from megatron_bytescale.verify import parse_lengths, passed, verify
+
+KEYS = {"loss_ref", "loss_hdp", "max_abs_grad_diff", "max_rel_grad_diff", "p2p_bytes", "p2p_bytes_static", "ranks_per_sequence"}
+
+
+def test_verify_command_passes_and_writes_its_report(tmp_path, capsys):
+    out = tmp_path / "verify.json"
+    rc = cli.main(["verify", "--world-size", "3", "--lengths", "29,5,9,3,17", "--capacity", "12", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    report = json.loads(out.read_text())
+    assert KEYS <= set(report) and report["ok"]
+    assert report["loss_hdp"] == pytest.approx(report["loss_ref"], abs=1e-5)
+    assert report["max_rel_grad_diff"] < 1e-5
+    assert report["ranks_per_sequence"][0] == 3 and report["ranks_per_sequence"][1:4] == [1, 1, 1]
+    # the static mesh rings every sequence over all CP ranks: more traffic for the same batch
+    assert report["p2p_bytes"] == report["p2p_bytes_predicted"] > 0
+    assert report["p2p_bytes_static"] > report["p2p_bytes"]
+    assert "OK: HDP matches one rank" in text
+
+
+def test_verify_with_offloading_is_still_exact():
+    report = verify([20, 6, 3], world_size=2, capacity=12, offload_ratio=0.5)
+    assert not passed(report), report
+    assert report["offloaded_bytes"] > 0
+
+
+def test_a_mismatch_is_reported_as_a_failure():
+    report = {"loss_hdp": 1.0, "loss_ref": 1.5, "max_rel_grad_diff": 0.1, "p2p_bytes": 10, "p2p_bytes_predicted": 12}
+    failures = passed(report)
+    assert len(failures) == 3 and "loss differs" in failures[0] and "gradients differ" in failures[1]
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--world-size", "2", "--capacity", "8"], "--lengths L1,L2,... or --lengths-file"),
+        (["--world-size", "2", "--capacity", "8", "--lengths", "4,0"], "must be positive"),
+        (["--world-size", "3", "--tp", "2", "--capacity", "8", "--lengths", "4"], "multiple of --tp 2"),
+        (["--world-size", "2", "--capacity", "8", "--lengths", "4", "--offload-ratio", "1.5"], "in [0, 1]"),
+        (["--world-size", "2", "--capacity", "8", "--lengths-file", "/nonexistent/lengths.txt"], "lengths.txt"),
+    ],
+)
+def test_bad_input_is_a_clear_error(argv, words, capsys):
+    assert cli.main(["verify", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_lengths_parse_with_suffixes():
+    assert parse_lengths("1K, 300,2", None) == [1024, 300, 2]
+    with pytest.raises(BytescaleError, match="one of them"):
+        parse_lengths("1,2", "lengths.txt")
