@@ -39,7 +39,7 @@ from megatron_bytescale.planner.sharding import RingSizer  # noqa: E402
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec  # noqa: E402
 from megatron_bytescale.units import parse_size  # noqa: E402
 
-# Byted (brief section 3): ~80% of samples <= 4K; samples >= 128K are ~1% of samples and hold
+# Byted (docs/design.md, section 3): ~80% of samples <= 4K; samples >= 128K are ~1% of samples and hold
 # 44.3% of tokens; > 256K hold 37%; the ~0.05% of samples at the full context hold 12.1%.
 # Each band: (low, high, share of samples, share of tokens); lengths inside a band follow a
 # truncated power law whose exponent is solved so the band's mean gives its token share.

@@ -1,4 +1,4 @@
-"""Step time of the four strategies on the brief's headline setup, against the project's goals.
+"""Step time of the strategies on the headline setup (docs/design.md), against the project's goals.
 
     PYTHONPATH=. python benchmarks/bench_simulate.py [--dataset byted|github] [--steps 5]
         [any other `bytescale simulate` flag, e.g. --gpus 2048] [--json OUT] [--plot OUT.png]

@@ -86,14 +86,14 @@ def test_offload_lowers_ranks_only_when_the_copy_hides():
     assert fast.ranks == 2 and fast.ratio == 1.0
 
 
-def test_exact_r_min_differs_from_the_briefs_closed_form():
-    # s = 9K, C = 8K, l = 32: the brief's r_min = l*C / ((l-2)*s) = 0.95, but 0.12 already
+def test_exact_r_min_differs_from_the_designs_closed_form():
+    # s = 9K, C = 8K, l = 32: the design's r_min = l*C / ((l-2)*s) = 0.95, but 0.12 already
     # fits the sequence on one rank; we take the exact smallest ratio (documented choice)
     cost = small_cost(bw_offload=1e12, num_layers=32)
     d = decide(9216, 8192, cost, True)
-    brief_r_min = 32 * 8192 / (30 * 9216)
+    design_r_min = 32 * 8192 / (30 * 9216)
     assert d.ranks == 1
-    assert 0.1 < d.ratio < 0.15 < brief_r_min
+    assert 0.1 < d.ratio < 0.15 < design_r_min
 
 
 def test_two_layers_never_offload():

@@ -6,7 +6,7 @@ from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
 
-# the design brief's table: layers, heads, KV groups, hidden, experts, top-k
+# the design's table (docs/design.md, section 3): layers, heads, KV groups, hidden, experts, top-k
 BRIEF = {
     "llama-7b": (32, 32, 8, 4096, 0, 1),
     "llama-13b": (40, 40, 8, 5120, 0, 1),
@@ -18,7 +18,7 @@ BRIEF = {
 
 
 @pytest.mark.parametrize("name", sorted(BRIEF))
-def test_model_configs_match_the_brief(name):
+def test_model_configs_match_the_design(name):
     m = ModelSpec.load(name)
     got = (m.num_layers, m.num_attention_heads, m.num_query_groups, m.hidden_size, m.num_experts, m.active_experts)
     assert got == BRIEF[name]

@@ -14,18 +14,18 @@ K, M = 1024, 1024 * 1024
 
 
 @pytest.mark.parametrize("name", ["byted", "github"])
-def test_generated_batches_reproduce_the_briefs_statistics(name):
+def test_generated_batches_reproduce_the_design_statistics(name):
     # ~1-2M samples: the 2M point mass (0.05% of Byted samples) is then seen ~1000 times,
     # so each target's stated tolerance is several standard deviations wide
     lengths = sample_lengths(name, 16 * 1024 * M, 2 * M, rng=0)
     workload = Workload.load(name)
     assert len(workload.targets) >= 2
     for target, measured, ok in check_targets(workload, lengths):
-        assert ok, f"{name}: {target.describe()} is {measured:.4f}, brief says {target.value} +- {target.tol}"
+        assert ok, f"{name}: {target.describe()} is {measured:.4f}, design says {target.value} +- {target.tol}"
 
 
-def test_byted_targets_are_the_briefs_numbers():
-    # guard against the file's targets drifting from the brief's statistics
+def test_byted_targets_are_the_designs_numbers():
+    # guard against the file's targets drifting from the design's statistics
     stated = {(t.kind, t.min, t.above, t.max): t.value for t in Workload.load("byted").targets}
     assert stated[("samples", None, None, 4 * K)] == 0.80
     assert stated[("tokens", 128 * K, None, None)] == 0.443

@@ -1,4 +1,4 @@
-"""Remote data loading on Ray (brief 2.7): servers read, one scheduler plans, ranks pull.
+"""Remote data loading on Ray (design 2.7): servers read, one scheduler plans, ranks pull.
 
 * :class:`DocumentServer` actors (``num_servers``) each own the documents ``d`` with
   ``d % num_servers == k``: they open the indexed dataset, publish their documents' lengths

@@ -9,7 +9,7 @@ The synthetic mixes live in ``configs/workloads/<name>.yaml`` as segments: withi
 ``[lo, hi]`` the length density is proportional to ``s^-alpha`` (``lo == hi``: a point
 mass), and ``token_share`` is the share of all tokens the segment holds. A segment's share
 of *samples* follows as ``token_share / mean`` (normalised), so the files state the design
-brief's token statistics directly. Each file also lists the brief's statistics as
+design's token statistics directly. Each file also lists the design's statistics as
 ``targets``; ``check_targets`` measures them on a drawn batch.
 """
 
@@ -68,7 +68,7 @@ def _moment(lo: float, hi: float, k: float) -> float:
 
 @dataclass(frozen=True)
 class Target:
-    """One statistic the brief states: the share of samples or tokens in a length range."""
+    """One statistic the design states: the share of samples or tokens in a length range."""
 
     kind: str  # "samples" | "tokens"
     value: float

@@ -1,4 +1,4 @@
-"""Megatron's parallel groups under HDP (brief 2.1).
+"""Megatron's parallel groups under HDP (design 2.1).
 
 HDP flattens Megatron's DP x CP mesh into one dimension: the HDP group *is* Megatron's
 data-parallel group with context parallel (``get_data_parallel_group(with_context_parallel=

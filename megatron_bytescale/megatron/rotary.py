@@ -1,4 +1,4 @@
-"""RoPE at each token's true position inside its own sequence (brief 2.3).
+"""RoPE at each token's true position inside its own sequence (design 2.3).
 
 Under HDP a rank's micro-batch is a packed row of pieces: whole short sequences (positions
 0..s-1) and zigzag chunks of long ones (a chunk of a sequence starting at 50,000 has

@@ -1,4 +1,4 @@
-"""The balance scheduler: which rank runs which work, in which order (brief 2.6).
+"""The balance scheduler: which rank runs which work, in which order (design 2.6).
 
 Work comes as units: a ring (``ring_size`` ranks at once, each busy ``time`` seconds), an
 offloaded long sequence on one rank, or a short sequence / packed micro-batch on one rank.
@@ -12,13 +12,13 @@ The sharding decisions inside the units (ring sizes, offload ratios) are kept.
    * ``dp`` (DP-balance) takes from the first non-empty (longest) bucket, one unit at a
      time, to the least-loaded rank. That rank is always more than ``delta`` below the
      maximum unless every rank is within ``delta`` of it, and then every rank is eligible
-     and the least-loaded one still goes first, so this is the brief's rule at its finest
+     and the least-loaded one still goes first, so this is the design's rule at its finest
      grain (longest-processing-time first): all ranks run one length level at a time.
    * ``pp`` (PP-balance) gives the least-loaded rank a run: the bucket's next unit and the
      following ones of the same bucket while the rank stays below the level (``delta``
      above an even spread of all work), so each pipeline runs blocks of micro-batches of
      one length level and 1F1B bubbles appear only where the level changes. (Taking the
-     buckets strictly in turn, as the brief words it, left long units for the end, where
+     buckets strictly in turn, as the design words it, left long units for the end, where
      they overshot the maximum: 1.3-2.2x max/mean on a Byted-like batch, against 1.001.)
    * ``tokens`` (hdp-naive) balances token counts instead of time, as static DP does.
 

@@ -1,4 +1,4 @@
-"""The cost model every planning and simulation decision is made with (brief 2.4, 2.8).
+"""The cost model every planning and simulation decision is made with (design 2.4, 2.8).
 
 Per transformer layer on one rank (one TP shard):
 

@@ -1,9 +1,9 @@
-"""Selective activation offloading: how many ranks a long sequence needs (brief 2.4).
+"""Selective activation offloading: how many ranks a long sequence needs (design 2.4).
 
 A rank may hold ``t`` tokens of one micro-batch at offload ratio ``r`` when
 ``t * resident_fraction(r, l) <= C``: the same rule ``Plan.validate()`` checks, so the
 planner and the validator always agree on capacity (capacity is counted in tokens; with a
-profile whose ``b2`` is not zero the brief's byte form differs by that constant only).
+profile whose ``b2`` is not zero the design's byte form differs by that constant only).
 
 A sequence of ``s`` tokens on a ring of ``D`` ranks puts at most ``ceil(s / D)`` tokens on
 one rank (zigzag shares differ by at most one token). For each ``D`` the smallest ratio
@@ -17,9 +17,9 @@ Two decisions, stated once here and tested:
   activations over its own PCIe link while computing its own share, so the constraint is
   ``layer_time(t, s^2 / D) >= r * act_bytes(t) / min(B_d2h, B_h2d)`` for every member's
   share ``t`` (``floor(s/D)`` or ``ceil(s/D)``)
-  (the brief's ``T(s) >= r * Act(s) / B`` with both sides taken for one rank's share; the
+  (the design's ``T(s) >= r * Act(s) / B`` with both sides taken for one rank's share; the
   two forms differ only by the per-micro-batch constants ``g`` and ``b2``).
-* **r_min is exact**: the brief's ``r_min = l*Act(C) / ((l-2)*Act(s))`` is the ratio that
+* **r_min is exact**: the design's ``r_min = l*Act(C) / ((l-2)*Act(s))`` is the ratio that
   frees one capacity's worth of tokens, which is more than needed to save a rank when
   ``s / C`` is not whole (for s = 9K, C = 8K, l = 32 it asks 0.95 where 0.12 already fits the
   sequence on one rank). We use the exact smallest ratio that saves a rank under the

@@ -7,7 +7,7 @@ of earlier ones by *index*: on stage ``k``, forward ``i`` precedes backward ``j`
 ``i <= j + p - 1 - k``, whatever the rank's micro-batch count. Give every ring a *slot* and
 every rank an offset, and put each ring at index ``slot - offset`` on each member: then every
 rank's 1F1B order, shifted by its offset, is a restriction of the order of one long pipeline,
-so no cycle can form (the brief's rule, "the same index on every member", is offset 0). A
+so no cycle can form (the design's rule, "the same index on every member", is offset 0). A
 rank's micro-batches fill consecutive slots: a gap between two of its rings must be filled
 with its own local micro-batches, never an empty one (``sim.timeline`` shows what goes wrong
 otherwise: a member waits in a forward for a partner that waits in a backward).

@@ -24,7 +24,7 @@ PLAN_FORMAT_VERSION = 1
 
 
 def resident_fraction(offload_ratio: float, num_layers: int) -> float:
-    """Share of a micro-batch's activations that stays on the device (brief 2.4).
+    """Share of a micro-batch's activations that stays on the device (design 2.4).
 
     The last two layers always stay; of the other ``l - 2`` layers a fraction ``r`` moves
     to host memory. A rank may then hold ``C / resident_fraction`` tokens.

@@ -1,4 +1,4 @@
-"""Data-aware sharding: how many ranks each sequence gets, and best-fit packing (brief 2.1).
+"""Data-aware sharding: how many ranks each sequence gets, and best-fit packing (design 2.1).
 
 * A sequence of ``s <= C`` tokens runs whole on one rank.
 * A longer sequence gets a ring of ``D`` ranks, any size from 1 to ``d_hdp`` (never rounded

@@ -1,4 +1,4 @@
-"""Per-sequence zigzag split of one sequence over a ring of N ranks (brief 2.3).
+"""Per-sequence zigzag split of one sequence over a ring of N ranks (design 2.3).
 
 The sequence is cut into 2N chunks; rank i holds chunks i and 2N-1-i, so every rank gets the
 same causal attention work. Any length is exact: when ``seq_len`` does not divide by 2N the

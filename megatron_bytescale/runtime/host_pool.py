@@ -1,4 +1,4 @@
-"""Reusable host buffers for offloaded activations (brief 2.4: "cached pinned buffers").
+"""Reusable host buffers for offloaded activations (design 2.4: "cached pinned buffers").
 
 Pinned (page-locked) host memory is what lets a device-to-host copy run asynchronously on a
 side stream; allocating it is slow (it maps and locks pages), so buffers are kept and reused

@@ -1,4 +1,4 @@
-"""Selective activation offloading (brief 2.4).
+"""Selective activation offloading (design 2.4).
 
 Activations are used first-in-last-out across layers: layer 0's are saved first and needed
 last. So during forward a fraction ``r`` of each layer's saved tensors is copied to host memory

@@ -90,7 +90,7 @@ def compare_to_baseline(rows: Sequence[dict]) -> list[dict]:
                 row["memory_saved"] = 1.0 - row["peak_memory_bytes"] / b["peak_memory_bytes"]
                 act, act0 = (r["peak_memory_bytes"] - r["baseline_memory_bytes"] for r in (row, b))
                 row["activation_memory_saved"] = 1.0 - act / act0 if act0 > 0 else 0.0
-        # what the same ratio keeps on a full pipeline stage (brief 2.4's D(s) formula)
+        # what the same ratio keeps on a full pipeline stage (design 2.4's D(s) formula)
         row["full_model_resident_fraction"] = resident_fraction(row["achieved_ratio"], row["model_layers"]) \
             if "model_layers" in row else None
         out.append(row)

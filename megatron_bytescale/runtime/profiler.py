@@ -1,4 +1,4 @@
-"""``bytescale profile``: measure the cost model's coefficients on this machine (brief 2.8).
+"""``bytescale profile``: measure the cost model's coefficients on this machine (design 2.8).
 
 For one transformer layer of the chosen model (``layer_stack``: megatron-core's
 TransformerLayer as HDP training builds it, from the model's args file, or the same layer in

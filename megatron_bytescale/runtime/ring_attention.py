@@ -1,7 +1,7 @@
 """Exact document-causal attention over one micro-batch; distributed pieces go round their ring.
 
 Local sequences (ring of one) are attended here. Distributed sequences are zigzag-split over
-the micro-batch's ring of N ranks (brief 2.3); each member holds one block of them (see
+the micro-batch's ring of N ranks (design 2.3); each member holds one block of them (see
 ``layout``) and only its KV heads travel:
 
 * forward: N steps; at each the member attends its queries to the KV block it holds, merges

@@ -5,7 +5,7 @@ Megatron's ``forward_backward_func``), the CPU demo, ``bytescale verify`` and th
 Each micro-batch goes through megatron-core's own ``forward_step`` / ``backward_step`` with the
 micro-batch's layout active, so the user's ``forward_step_func`` and loss function are used
 unchanged. The loss is a per-token sum; the gradient reduction divides by the step's global
-token count (all-reduced over the HDP group, brief 2.5), so gradients do not depend on how
+token count (all-reduced over the HDP group, design 2.5), so gradients do not depend on how
 tokens were assigned to ranks. A rank may run any number of micro-batches, zero included: it
 still joins the gradient reduction.
 """

@@ -1,4 +1,4 @@
-"""Megatron's static DP x CP mesh as a Plan (the baseline of the brief, section 1).
+"""Megatron's static DP x CP mesh as a Plan (the baseline of the design, section 1).
 
 * **CP degree**: the smallest divisor of ``d_hdp`` that is at least ``ceil(context / C)``,
   so the longest sequence the run must fit (the context) fits at capacity ``C`` per rank.

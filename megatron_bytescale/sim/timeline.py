@@ -19,7 +19,7 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   time its own compute does not cover because a hop is still in flight.
 * **Offloading.** A micro-batch with offload ratio ``r`` copies ``r * Act(tokens)`` bytes of
   each of ``l - 2`` layers to the host and back; one layer's copy hides behind that layer's
-  forward+backward compute (the brief's rule ``T(s) >= r Act(s) / B``), and whatever exceeds
+  forward+backward compute (the design's rule ``T(s) >= r Act(s) / B``), and whatever exceeds
   it is exposed, split between forward and backward by ``FORWARD_SHARE``.
 * **Pipelines.** Each HDP rank is one pipeline of ``pp`` stages (equal layer counts) running
   its micro-batches with 1F1B (warm-up, steady state, cool-down); a ring micro-batch's work

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU check of selective activation offloading (brief 2.4), single GPU, under 10 minutes.
+"""GPU check of selective activation offloading (design 2.4), single GPU, under 10 minutes.
 
 For 16K / 64K / 128K tokens and offload ratios 0, 0.5, 1 on a LLaMA-7B-shaped stack of
 transformer layers (bf16; as many layers as fit, at most --max-layers, at least keep_last + 1
