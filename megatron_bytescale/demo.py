@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
@@ -51,7 +51,6 @@ class DemoConfig:
     resume: bool = False
     plot_step: int = -1  # which step's measured timeline to plot (-1: the last)
     timeout_s: float = 1800.0
-    extra: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------- corpus
@@ -269,7 +268,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         print("nothing to do: every strategy's latest checkpoint is already at --steps")
         return {}
     print("\n" + comparison_table(summaries))
-    report = {"config": {k: v for k, v in asdict(cfg).items() if k != "extra"}, "summary": summaries,
+    report = {"config": asdict(cfg), "summary": summaries,
               "steps": {s: [{k: v for k, v in r.items() if k != "timeline"} for r in recs] for s, recs in runs.items()}}
     (out / "demo.json").write_text(json.dumps(report, indent=2) + "\n")
     plot = plot_measured(runs, out / "timeline.png")

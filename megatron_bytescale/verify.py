@@ -141,8 +141,9 @@ def verify(
     ref = run_plan(one_rank_plan(lengths, spec.num_layers), model=model, tp=tp, seed=seed)
     mesh = run_plan(static, model=model, tp=tp, seed=seed)
 
-    kv = 2 * (spec.num_query_groups // tp) * spec.kv_channels * FP32_BYTES  # fp32 activations on CPU
-    predicted = plan.p2p_bytes_per_rank(kv, 2 * (spec.num_query_groups // tp) * spec.kv_channels * FP32_BYTES, spec.num_layers)
+    # K and V travel in the activations' dtype (fp32 on CPU), dK/dV accumulators always in fp32
+    kv = 2 * (spec.num_query_groups // tp) * spec.kv_channels * FP32_BYTES
+    predicted = plan.p2p_bytes_per_rank(kv, kv, spec.num_layers)
     measured = [o["p2p_bytes"] for o in hdp[::tp]]
     max_abs, max_rel = grad_diffs(hdp, ref)
     sizes = plan.ring_sizes()

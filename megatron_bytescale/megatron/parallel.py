@@ -8,7 +8,7 @@ a rank holds the ranks with the same TP and PP coordinates, so a ring runs among
 that hold the same attention-head shard (Megatron's default order "tp-cp-ep-dp-pp": TP ranks
 are adjacent, e.g. world 4 with TP 2 gives TP groups {0,1},{2,3} and HDP groups {0,2},{1,3}).
 
-Ring members are named by HDP rank (0..hdp_world_size-1); ``hdp_global_rank`` translates.
+Ring members are named by HDP rank (0..hdp_world_size-1); ring_comm translates them to global ranks.
 """
 
 from __future__ import annotations
@@ -81,14 +81,6 @@ def hdp_rank() -> int:
 
 def hdp_world_size() -> int:
     return dist.get_world_size(hdp_group())
-
-
-def hdp_global_rank(rank: int) -> int:
-    """Global rank of HDP rank ``rank`` in this rank's HDP group."""
-    size = hdp_world_size()
-    if not 0 <= rank < size:
-        raise ConfigError(f"HDP rank {rank} is outside this HDP group of {size} ranks")
-    return dist.get_global_rank(hdp_group(), rank)
 
 
 def destroy_parallel() -> None:

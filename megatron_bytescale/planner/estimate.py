@@ -52,11 +52,6 @@ def ring_share_time(cost: CostModel, seq_len: int, ring_size: int, inter_node: b
     return cost.num_layers * per_layer
 
 
-def sequence_time(cost: CostModel, seq_len: int) -> float:
-    """Seconds of one whole sequence on one rank, without the per-micro-batch overhead ``g``."""
-    return cost.num_layers * (cost.a1 * seq_len * seq_len + cost.b1 * seq_len)
-
-
 def micro_batch_time(cost: CostModel, mb: MicroBatch, inter_node: bool = False) -> float:
     """Seconds of one micro-batch on one member (every member of a ring takes the same time
     up to one token, except for the whole sequences packed next to the ring's pieces)."""

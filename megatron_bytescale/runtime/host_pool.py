@@ -152,11 +152,6 @@ class HostBufferPool:
         self.capacity_bytes -= dropped
         return dropped
 
-    @property
-    def free_bytes(self) -> int:
-        with self._lock:
-            return sum(size * len(blocks) for size, blocks in self._free.items())
-
     def __repr__(self) -> str:
         kind = "pinned" if self._pinned else "pageable"
         return (
