@@ -75,7 +75,7 @@ def default_dataset() -> str:
 
 
 def run_bench(args) -> dict:
-    from ..data.loader import make_loader
+    from ..data.loader_factory import make_loader
     from ..data.planning import SamplesDigest
     from ..planner.cost_model import CostModel
     from ..planner.planner import PlannerConfig
