@@ -111,15 +111,20 @@ class Plan:
         return [sum(mb.tokens for mb in mbs) for mbs in self.ranks]
 
     def p2p_bytes_per_rank(
-        self, kv_bytes_per_token: float, grad_bytes_per_token: float, num_layers: int, backward: bool = True
+        self, kv_bytes_per_token: float, grad_bytes_per_token: float, num_layers: int, backward: bool = True,
+        recomputed_layers: int = 0,
     ) -> list[float]:
         """Bytes each rank sends in ring attention, as the runtime's ring passes do.
 
         Per layer and ring micro-batch of N members whose KV blocks hold T_0..T_{N-1} tokens,
         member i sends in forward every block but its successor's (N-1 hops:
         ``(sum T - T_{i+1}) * kv``); backward re-sends the same KV and passes the dKV
-        accumulator of every block once (N hops: ``sum T * grad``).
+        accumulator of every block once (N hops: ``sum T * grad``). Each of the
+        ``recomputed_layers`` (activation recompute of attention) runs its forward, and so
+        its forward hops, once more during backward.
         """
+        if not 0 <= recomputed_layers <= num_layers:
+            raise PlanError(f"recomputed_layers={recomputed_layers} must be between 0 and num_layers={num_layers}")
         sent = [0.0] * self.num_ranks
         blocks: dict[tuple, list[int]] = {}  # every member of a ring micro-batch sees the same blocks
         for rank, mbs in enumerate(self.ranks):
@@ -140,7 +145,7 @@ class Plan:
                 i = ring.index(rank)
                 kv = (sum(block) - block[(i + 1) % n]) * kv_bytes_per_token
                 per_layer = kv + (kv + sum(block) * grad_bytes_per_token if backward else 0.0)
-                sent[rank] += per_layer * num_layers
+                sent[rank] += per_layer * num_layers + (kv * recomputed_layers if backward else 0.0)
         return sent
 
     # --------------------------------------------------------------- invariants

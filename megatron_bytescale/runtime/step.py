@@ -176,7 +176,10 @@ def run_hdp_step(
                 )
             forward_end, wait1 = time.perf_counter(), counter.wait_s
             if not forward_only:
-                backward_step(None, output_tensor, None, model_type, config)
+                # Activation recompute re-runs layer forwards here, ring attention included: the
+                # layout is active again (and its recomputed KV hops are counted), offloading not.
+                with active_micro_batch(layout, data.positions, group=group, counter=counter):
+                    backward_step(None, output_tensor, None, model_type, config)
             end = time.perf_counter()
             total_tokens += num_tokens
             stats.timings.append(MicroBatchTiming(start, forward_end, end, wait1 - wait0, counter.wait_s - wait1, mb.ring is not None))
