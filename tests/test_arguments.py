@@ -84,6 +84,10 @@ MEGATRON = dict(
     qk_layernorm=False,
     qk_l2_norm=False,
     seed=1234,
+    recompute_granularity=None,
+    recompute_method=None,
+    recompute_num_layers=None,
+    recompute_modules=None,
     data_parallel_size=8,
     world_size=8,
     iteration=0,
@@ -327,3 +331,16 @@ def test_cost_model_reads_the_profile(tmp_path):
 def test_no_gqa_means_one_kv_head_per_query_head():
     args = validate_hdp_args(parse(HDP, group_query_attention=False, num_query_groups=1))
     assert model_spec_from_args(args).num_query_groups == 4
+
+
+def test_activation_recompute_is_accepted_and_costed():
+    for flags in (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+        dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    ):
+        args = validate_hdp_args(parse(HDP, **flags))
+        cost = cost_model_from_args(args)
+        assert cost.recomputed_attention_layers > 0, flags
+    block = cost_model_from_args(validate_hdp_args(parse(HDP, recompute_granularity="full", recompute_method="block", recompute_num_layers=2)))
+    assert (block.recomputed_layers, block.activation_layers) == (2, 2)

@@ -89,6 +89,10 @@ MEGATRON_ARGS_READ = (
     "qk_layernorm",
     "qk_l2_norm",
     "seed",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "recompute_modules",
 )
 # set by Megatron's validate_args rather than by a flag of the same name
 MEGATRON_DERIVED_ARGS = ("data_parallel_size", "virtual_pipeline_model_parallel_size", "world_size", "iteration")
@@ -551,16 +555,21 @@ def model_spec_from_args(args) -> ModelSpec:
 
 
 def cost_model_from_args(args):
-    """The profile if given, else the analytic model for these flags on --hdp-hardware."""
+    """The profile if given, else the analytic model for these flags on --hdp-hardware; either
+    way under the run's activation recompute flags (a profile is measured without recompute)."""
     from ..planner.cost_model import CostModel
 
     if args.hdp_profile is not None:
-        return CostModel.from_profile(args.hdp_profile)
-    return CostModel.analytic(
-        model_spec_from_args(args),
-        HardwareSpec.load(args.hdp_hardware or DEFAULT_HARDWARE),
-        tp=args.tensor_model_parallel_size,
-        pp=args.pipeline_model_parallel_size,
+        cost = CostModel.from_profile(args.hdp_profile)
+    else:
+        cost = CostModel.analytic(
+            model_spec_from_args(args),
+            HardwareSpec.load(args.hdp_hardware or DEFAULT_HARDWARE),
+            tp=args.tensor_model_parallel_size,
+            pp=args.pipeline_model_parallel_size,
+        )
+    return cost.with_recompute(
+        args.recompute_granularity, args.recompute_method, args.recompute_num_layers, args.recompute_modules
     )
 
 

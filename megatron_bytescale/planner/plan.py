@@ -91,6 +91,14 @@ class Plan:
     seq_lens: tuple[int, ...]
     ranks: tuple[tuple[MicroBatch, ...], ...]
     meta: dict = field(default_factory=dict)  # provenance: strategy, planner time, ...
+    # layers recomputed whole (--recompute-granularity full): they keep no activations, so
+    # capacity and offloading concern the other num_layers - recomputed_layers
+    recomputed_layers: int = 0
+
+    @property
+    def activation_layers(self) -> int:
+        """Layers per stage that keep their activations for backward (what offloading applies to)."""
+        return self.num_layers - self.recomputed_layers
 
     # ------------------------------------------------------------------ queries
     def micro_batches(self, rank: int) -> tuple[MicroBatch, ...]:
@@ -167,6 +175,8 @@ class Plan:
             errors.append(f"plan has {len(self.ranks)} rank lists for {self.num_ranks} ranks")
         if self.capacity <= 0:
             errors.append(f"capacity must be positive, got {self.capacity}")
+        if not 0 <= self.recomputed_layers <= self.num_layers:
+            errors.append(f"recomputed_layers={self.recomputed_layers} outside [0, num_layers={self.num_layers}]")
         for sid, s in enumerate(self.seq_lens):
             if s <= 0:
                 errors.append(f"sequence {sid} has length {s}; lengths must be positive")
@@ -186,7 +196,7 @@ class Plan:
                     errors.append(f"{where}: offload ratio {mb.offload_ratio} outside [0, 1]")
                 if not mb.pieces:
                     errors.append(f"{where}: empty micro-batch")
-                resident = mb.tokens * resident_fraction(mb.offload_ratio, self.num_layers)
+                resident = mb.tokens * resident_fraction(mb.offload_ratio, self.activation_layers)
                 if resident > limit:
                     errors.append(
                         f"{where}: {mb.tokens} tokens at offload ratio {mb.offload_ratio:.3f} keep "
@@ -290,7 +300,9 @@ class Plan:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
+        extra = {"recomputed_layers": self.recomputed_layers} if self.recomputed_layers else {}
         return {
+            **extra,
             "version": PLAN_FORMAT_VERSION,
             "num_ranks": self.num_ranks,
             "capacity": self.capacity,
@@ -340,6 +352,7 @@ class Plan:
                 seq_lens=seq_lens,
                 ranks=ranks,
                 meta=dict(data.get("meta", {})),
+                recomputed_layers=int(data.get("recomputed_layers", 0)),
             )
         except PlanError:
             raise
