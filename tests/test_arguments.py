@@ -65,8 +65,6 @@ MEGATRON = dict(
     position_embedding_type="rope",
     experimental_attention_variant=None,
     heterogeneous_layers_config_path=None,
-    overlap_grad_reduce=False,
-    overlap_param_gather=False,
     global_batch_size=16,
     mock_data=False,
     data_path=None,
@@ -208,8 +206,6 @@ CONFLICTS = {
     "virtual pp": (HDP, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
     "dp balance with pp": (HDP + ["--hdp-balance", "dp"], dict(pipeline_model_parallel_size=2), "use --hdp-balance pp"),
     "pipeline parallel (step has no PP schedule yet)": (HDP + ["--hdp-balance", "pp"], dict(pipeline_model_parallel_size=2), "use --pipeline-model-parallel-size 1"),
-    "overlap grad reduce": (HDP, dict(overlap_grad_reduce=True), "drop both flags"),
-    "overlap param gather": (HDP, dict(overlap_param_gather=True), "drop both flags"),
     "expert parallel": (HDP, dict(num_experts=8, expert_model_parallel_size=2), "--expert-model-parallel-size 1"),
     "megatron fsdp": (HDP, dict(use_megatron_fsdp=True), "--use-distributed-optimizer"),
     "torch fsdp2": (HDP, dict(use_torch_fsdp2=True), "--use-distributed-optimizer"),
@@ -344,3 +340,7 @@ def test_activation_recompute_is_accepted_and_costed():
         assert cost.recomputed_attention_layers > 0, flags
     block = cost_model_from_args(validate_hdp_args(parse(HDP, recompute_granularity="full", recompute_method="block", recompute_num_layers=2)))
     assert (block.recomputed_layers, block.activation_layers) == (2, 2)
+
+
+def test_overlapped_gradient_reduction_and_param_gather_are_accepted():
+    validate_hdp_args(parse(HDP, overlap_grad_reduce=True, overlap_param_gather=True))

@@ -70,8 +70,6 @@ MEGATRON_ARGS_READ = (
     "position_embedding_type",
     "experimental_attention_variant",
     "heterogeneous_layers_config_path",
-    "overlap_grad_reduce",
-    "overlap_param_gather",
     "global_batch_size",
     "mock_data",
     "data_path",
@@ -353,12 +351,8 @@ def _check_parallelism(args) -> None:
             f"--pipeline-model-parallel-size {pp}: the HDP step (runtime/step.py) does not run pipeline "
             "schedules yet; use --pipeline-model-parallel-size 1 (tensor parallelism is supported)"
         )
-    if args.overlap_grad_reduce or args.overlap_param_gather:
-        raise ConfigError(
-            "--overlap-grad-reduce / --overlap-param-gather: HDP ranks run different numbers of "
-            "micro-batches (zero included), so the gradient reduction runs once, after the last one, "
-            "and parameters are gathered without waiting on a forward pass: drop both flags"
-        )
+    # --overlap-grad-reduce / --overlap-param-gather are supported (runtime.grad_sync says how
+    # ranks with different numbers of micro-batches launch the same buckets in the same order).
     if args.expert_model_parallel_size > 1:
         raise ConfigError(
             f"--expert-model-parallel-size {args.expert_model_parallel_size}: expert all-to-alls run once "

@@ -51,6 +51,19 @@ def make_finalize_grads(group=None):
 #   ``in_order_launch`` holds a bucket that is ready before its predecessors until they go.
 #   (Backward finishes buckets slightly out of order, e.g. 0, 1, 2, 4, 3 for the tiny GPT, and
 #   collectives pair up by issue order across ranks.)
+#
+# --overlap-param-gather (distributed optimizer): Megatron dispatches each bucket's parameter
+# all-gather from the forward pre-hooks of the step's first forward, one bucket after another;
+# a rank with no micro-batch has no forward and would never join them. So the HDP step
+# dispatches every bucket's all-gather itself when the step starts, in bucket order on every
+# rank (Megatron's aligned param gather, ``align_param_gather``, which it uses for pipeline
+# schedules: the pre-hooks then only wait), and a rank with no micro-batch waits for them there.
+
+
+def overlaps_param_gather(model) -> bool:
+    """Is ``model`` a Megatron DDP (distributed optimizer) that overlaps its param all-gather?"""
+    config = getattr(model, "ddp_config", None)
+    return bool(config is not None and config.use_distributed_optimizer and config.overlap_param_gather)
 
 
 def overlaps_grad_reduce(model) -> bool:
@@ -108,14 +121,25 @@ def in_order_launch(model) -> InOrderLaunch | None:
 
 
 class StepGradSync:
-    """Which of one rank's micro-batches reduces its gradients during backward, and the
-    explicit launch for ranks where none does (``runtime.step`` calls these three)."""
+    """One rank's overlapped communication in one step (``runtime.step`` calls this at the
+    start, ``backward`` around each backward, ``launch_rest`` before finalize_model_grads):
+    the parameter all-gathers, which micro-batch reduces gradients during backward, and the
+    explicit launch for ranks where none does."""
 
     def __init__(self, model, micro_batches, forward_only: bool = False):
         self.model = model
         self.launcher = None if forward_only else in_order_launch(model)
         last_is_local = bool(micro_batches) and micro_batches[-1].ring is None
         self.sync_index = len(micro_batches) - 1 if self.launcher is not None and last_is_local else None
+        if not forward_only and overlaps_param_gather(model):
+            self._gather_params(idle=not micro_batches)
+
+    def _gather_params(self, idle: bool) -> None:
+        self.model.ddp_config.align_param_gather = True  # the pre-hooks wait; we dispatch
+        self.model.start_param_sync()  # every bucket, in bucket order, asynchronously
+        if idle:  # no forward will wait for them
+            for g in self.model.bucket_groups + self.model.expert_parallel_bucket_groups:
+                g.finish_param_sync(skip_next_bucket_dispatch=True)
 
     @contextlib.contextmanager
     def backward(self, index: int):
