@@ -54,6 +54,7 @@ class CostModel:
     p2p_latency_s: float = 2e-5
     flops_per_token_linear: float = 0.0  # informational: FLOPs/token/layer outside attention
     flops_per_token_pair: float = 0.0  # informational: FLOPs per causal query-key pair per layer
+    grad_bytes_per_gpu: float = 0.0  # fp32 gradients one GPU reduces over its HDP group per step (0: unknown)
     recomputed_layers: int = 0  # k: layers recomputed whole (keep no activations)
     recomputed_attention_layers: int = 0  # m >= k: layers whose attention forward (and ring) runs twice
 
@@ -121,6 +122,10 @@ class CostModel:
         # fc1 output, fc2 input); no dropout masks, no s^2 scores (flash-style attention)
         act = BF16_BYTES * ((2 * h + 2 * q + 2 * kv) + experts * (2 * h + mlp_mats * f))
         kv_heads_per_shard = max(1, model.num_query_groups // tp)
+        # parameters per GPU: its TP shard of its stage's layers, plus an even share of the
+        # input embedding and output layer (first and last stage hold them)
+        layer_params = h * (q + 2 * kv) + q * h + max(1, model.num_experts) * mlp_mats * h * f + 2 * h
+        params = (model.num_layers * layer_params + 2 * model.vocab_size * h) / (tp * pp)
         kv_shard = kv_heads_per_shard * model.kv_channels
         return cls(
             a1=3 * pair / 2 / flops,
@@ -138,6 +143,7 @@ class CostModel:
             p2p_latency_s=hw.p2p_latency_s,
             flops_per_token_linear=3 * linear / tp,
             flops_per_token_pair=3 * pair / 2 / tp,
+            grad_bytes_per_gpu=FP32_BYTES * params,
         )
 
     # -------------------------------------------------------------- profiles

@@ -32,9 +32,10 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
 * **Barriers.** ``plan.meta["barriers"]`` (Megatron's hybrid CP) lists, per barrier, how many
   micro-batches each rank has finished when it enters; nobody continues until all arrive,
   and pipelines are flushed there.
-* **Gradient reduction** and the optimizer step are left out of every strategy: they take the
-  same time whatever the plan, since every strategy reduces the same gradients over the same
-  ranks.
+* **Gradient reduction** and the optimizer step are left out of the step time of every
+  strategy: every strategy reduces the same gradients over the same ranks. What of the
+  reduction stays exposed, with and without ``--overlap-grad-reduce``, is reported beside it
+  (``sim.grad_reduction``): that depends on how each plan ends.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ..planner.cost_model import FORWARD_SHARE, CostModel
 from ..planner.pipeline_order import BACKWARD, FORWARD, one_f_one_b
 from ..planner.plan import MicroBatch, Plan
 from .cluster import Cluster
+from .grad_reduction import exposed_reduction
 
 
 @dataclass(frozen=True)
@@ -438,6 +440,8 @@ class StepResult:
     microbatches: list[int]
     plan_time_s: float
     notes: list[str] = field(default_factory=list)
+    grad_reduce_s: float = 0.0  # exposed gradient reduction after the step (sim.grad_reduction)
+    grad_reduce_overlap_s: float = 0.0  # the same with --overlap-grad-reduce
 
     def metrics(self) -> dict:
         t = self.timeline
@@ -457,6 +461,8 @@ class StepResult:
             "p2p_bytes": self.p2p_bytes,
             "p2p_bytes_max_gpu": self.p2p_bytes_max_gpu,
             "offload_bytes": self.offload_bytes,
+            "exposed_grad_reduce_s": self.grad_reduce_s,
+            "exposed_grad_reduce_overlap_s": self.grad_reduce_overlap_s,
             "microbatches_max": max(self.microbatches),
             "microbatches_mean": float(np.mean(self.microbatches)),
             "plan_time_s": self.plan_time_s,
@@ -477,6 +483,8 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
             if mb.offload_ratio > 0:
                 offload += offload_exposure(MemberLoad.of(mb), cost, plan.num_layers)[1]
     return StepResult(
+        grad_reduce_s=exposed_reduction(plan, timeline, cost, cluster, overlap=False),
+        grad_reduce_overlap_s=exposed_reduction(plan, timeline, cost, cluster, overlap=True),
         strategy=str(plan.meta.get("strategy", "?")),
         timeline=timeline,
         lower_bound=lower_bound(plan.seq_lens, cluster, cost),

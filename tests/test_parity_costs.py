@@ -1,4 +1,5 @@
-"""Activation recompute in the cost model, the offload policy, the planner and the simulator."""
+"""Costing what Megatron parity under HDP changes: activation recompute (cost model, offload
+policy, planner, simulator) and the exposed gradient reduction with and without overlap."""
 
 import pytest
 
@@ -93,3 +94,30 @@ def test_simulator_puts_the_recomputed_forward_and_its_hops_in_backward():
     # P2P bytes: the forward KV hop again (4 tokens x 1 byte) on each member
     more = evaluate(plan, Cluster(2), cost.with_recompute("full", "uniform", 1)).p2p_bytes
     assert more == evaluate(plan, Cluster(2), cost).p2p_bytes + 2 * 4
+
+
+def test_exposed_gradient_reduction_with_and_without_overlap():
+    from megatron_bytescale.sim.grad_reduction import allreduce_time, exposed_reduction
+
+    # rank 0: local 6 tokens then the ring; rank 1: the ring then local 10 tokens (last: local)
+    r0, r1 = ring_pieces(0, 8, (0, 1))
+    plan = Plan(num_ranks=2, capacity=100, num_layers=1, seq_lens=(8, 6, 10),
+                ranks=((MicroBatch((whole_piece(1, 6, 0),)), MicroBatch((r0,))),
+                       (MicroBatch((r1,)), MicroBatch((whole_piece(2, 10, 1),))))).validate()
+    cost = _cost(grad_bytes_per_gpu=10.0)  # NVLink 1000 B/s: all-reduce over 2 ranks 2*1/2*10/1000 = 10 ms
+    cluster = Cluster(2)
+    t = simulate(plan, cluster, cost)
+    total = allreduce_time(cost, cluster)
+    assert total == pytest.approx(10 * MS)
+    assert exposed_reduction(plan, t, cost, cluster, overlap=False) == pytest.approx(total)
+    # rank 1 ends last (f); its last backward (B * 10 ms) launches its buckets as it goes; rank 0
+    # (ring last) launches when its ring micro-batch ends, earlier: the reduction streams from
+    # the later of the two launches
+    f = float(t.row(1)[:, 1].max())
+    launch0, launch1 = float(t.row(0)[:, 1].max()), f - B * 10 * MS
+    assert launch0 < launch1
+    expected = max(launch1 + total, f + total / 8) - f
+    assert expected == pytest.approx(total - B * 10 * MS)
+    got = exposed_reduction(plan, t, cost, cluster, overlap=True)
+    assert got == pytest.approx(expected) and got < total
+    assert evaluate(plan, cluster, cost).metrics()["exposed_grad_reduce_overlap_s"] == pytest.approx(got)
