@@ -35,7 +35,6 @@ MEGATRON = dict(
     pipeline_model_parallel_size=1,
     virtual_pipeline_model_parallel_size=None,
     tensor_model_parallel_size=1,
-    sequence_parallel=False,
     expert_model_parallel_size=1,
     use_megatron_fsdp=False,
     use_torch_fsdp2=False,
@@ -209,7 +208,6 @@ CONFLICTS = {
     "expert parallel": (HDP, dict(num_experts=8, expert_model_parallel_size=2), "--expert-model-parallel-size 1"),
     "megatron fsdp": (HDP, dict(use_megatron_fsdp=True), "--use-distributed-optimizer"),
     "torch fsdp2": (HDP, dict(use_torch_fsdp2=True), "--use-distributed-optimizer"),
-    "sequence parallel": (HDP, dict(tensor_model_parallel_size=2, sequence_parallel=True), "drop --sequence-parallel"),
     "cuda graphs": (HDP, dict(cuda_graph_impl="local"), "CUDA graphs need fixed shapes"),
     "legacy models": (HDP, dict(use_legacy_models=True), "drop --use-legacy-models"),
     "custom spec": (HDP, dict(spec=["my.module", "my_spec"]), "drop --spec"),
@@ -344,3 +342,7 @@ def test_activation_recompute_is_accepted_and_costed():
 
 def test_overlapped_gradient_reduction_and_param_gather_are_accepted():
     validate_hdp_args(parse(HDP, overlap_grad_reduce=True, overlap_param_gather=True))
+
+
+def test_sequence_parallelism_with_tp_is_accepted():
+    validate_hdp_args(parse(HDP, tensor_model_parallel_size=2, sequence_parallel=True))

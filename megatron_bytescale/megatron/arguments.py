@@ -40,7 +40,6 @@ MEGATRON_ARGS_READ = (
     "rampup_batch_size",
     "pipeline_model_parallel_size",
     "tensor_model_parallel_size",
-    "sequence_parallel",
     "expert_model_parallel_size",
     "use_megatron_fsdp",
     "use_torch_fsdp2",
@@ -365,11 +364,8 @@ def _check_parallelism(args) -> None:
             "DP ranks, and HDP ranks run different numbers of micro-batches, so they would hang: use "
             "--use-distributed-optimizer (ZeRO-1 over the HDP group) instead"
         )
-    if args.tensor_model_parallel_size > 1 and args.sequence_parallel:
-        raise ConfigError(
-            "--sequence-parallel splits each micro-batch's tokens evenly over TP ranks, but HDP "
-            "micro-batches hold any number of tokens: drop --sequence-parallel"
-        )
+    # --sequence-parallel is supported: the HDP step pads each micro-batch to a multiple of TP
+    # (runtime/padding.py).
     impl = getattr(args, "cuda_graph_impl", "none")
     if impl != "none" or getattr(args, "enable_cuda_graph", False) or getattr(args, "external_cuda_graph", False):
         raise ConfigError(

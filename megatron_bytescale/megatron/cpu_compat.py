@@ -11,6 +11,9 @@ What running GPTModel forward+backward (+ DDP grad sync) on CPU needed:
 
 * ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()``;
 * Megatron DDP allocates its param/grad buffers on ``torch.cuda.current_device()``;
+* sequence parallelism's all-gather / reduce-scatter allocate their outputs on
+  ``torch.cuda.current_device()`` (megatron-core's torch norm refuses sequence parallelism:
+  ``layer_spec.SequenceParallelTorchNorm`` takes its place, not a patch);
 * the MoE router moves its gating weight to ``torch.cuda.current_device()`` every forward;
 * ``model_parallel_cuda_manual_seed`` stores CUDA generator states in the RNG tracker;
 * activation recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA generator
@@ -25,8 +28,7 @@ What running GPTModel forward+backward (+ DDP grad sync) on CPU needed:
 
 Not covered (they stay CUDA-only): Megatron's optimizers (``MixedPrecisionOptimizer``,
 ``DistributedOptimizer``, ``clip_grads``: CUDA tensors and ``torch.cuda.*Tensor`` type checks
-throughout), sequence parallelism (the local spec refuses it without Apex: torch norms cannot shard; and
-MoE with TP > 1 requires it), CUDA graphs, Transformer Engine, fused kernels.
+throughout), CUDA graphs, Transformer Engine, fused kernels.
 """
 
 from __future__ import annotations
@@ -75,6 +77,11 @@ ALLOCATE_ON_CPU = (
     "megatron.core.distributed.param_and_grad_buffer",
     # the MoE router moves its gating weight to the current CUDA device in every forward.
     "megatron.core.transformer.moe.router",
+    # sequence parallelism: the all-gather / reduce-scatter outputs (and the global memory
+    # buffer they may come from) are allocated on the current CUDA device.
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.utils",
 )
 
 

@@ -13,15 +13,23 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
-def make_finalize_grads(group=None):
+def make_finalize_grads(group=None, tp_group=None):
     """A ``finalize_model_grads_func`` for a TransformerConfig: sum gradients over ``group``
-    and divide by the all-reduced token count."""
+    and divide by the all-reduced token count. Under sequence parallelism the gradients of the
+    weights marked ``sequence_parallel`` (norms: each TP rank saw its share of the tokens) are
+    first summed over ``tp_group``, as Megatron's ``finalize_model_grads`` does."""
 
     def finalize(models, num_tokens, pg_collection=None, force_all_reduce=False):  # noqa: ARG001
         params = [p for m in models for p in m.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:  # a rank with no micro-batches still contributes zeros
                 p.grad = torch.zeros_like(p)
+        shared = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+        if shared and tp_group is not None and dist.get_world_size(tp_group) > 1:
+            flat = _flatten_dense_tensors(shared)
+            dist.all_reduce(flat, group=tp_group)
+            for g, reduced in zip(shared, _unflatten_dense_tensors(flat, shared)):
+                g.copy_(reduced)
         grads = [p.grad for p in params]
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=group)

@@ -26,6 +26,7 @@ from .batch import StepBatch
 from .context import active_micro_batch
 from .grad_sync import StepGradSync
 from .layout import MicroBatchLayout
+from .padding import pad_micro_batch, sequence_parallel_multiple
 from .ring_comm import P2PCounter
 
 
@@ -157,10 +158,12 @@ def run_hdp_step(
     # gradient reduction happens in finalize_model_grads, identically on every rank; with
     # --overlap-grad-reduce a local last micro-batch reduces during its backward (grad_sync).
     sync = StepGradSync(model, [d.micro_batch for d in step.micro_batches], forward_only)
+    multiple = sequence_parallel_multiple(config)  # sequence parallelism: tokens padded to TP
     with no_sync():
         for i, data in enumerate(step.micro_batches):
             mb = data.micro_batch
             layout = MicroBatchLayout.from_micro_batch(mb, rank)
+            data, layout = pad_micro_batch(data, layout, multiple)
             offload = offloader.micro_batch(mb.offload_ratio) if offloader is not None else contextlib.nullcontext()
             start, wait0 = time.perf_counter(), counter.wait_s
             with active_micro_batch(layout, data.positions, group=group, counter=counter), offload:
