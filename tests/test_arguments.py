@@ -35,6 +35,7 @@ MEGATRON = dict(
     pipeline_model_parallel_size=1,
     virtual_pipeline_model_parallel_size=None,
     tensor_model_parallel_size=1,
+    sequence_parallel=False,
     expert_model_parallel_size=1,
     use_megatron_fsdp=False,
     use_torch_fsdp2=False,
@@ -344,5 +345,10 @@ def test_overlapped_gradient_reduction_and_param_gather_are_accepted():
     validate_hdp_args(parse(HDP, overlap_grad_reduce=True, overlap_param_gather=True))
 
 
-def test_sequence_parallelism_with_tp_is_accepted():
-    validate_hdp_args(parse(HDP, tensor_model_parallel_size=2, sequence_parallel=True))
+def test_sequence_parallelism_with_tp_is_accepted_and_divides_activations():
+    with_sp = cost_model_from_args(validate_hdp_args(parse(HDP, tensor_model_parallel_size=2, sequence_parallel=True)))
+    without = cost_model_from_args(validate_hdp_args(parse(HDP, tensor_model_parallel_size=2)))
+    one = cost_model_from_args(validate_hdp_args(parse(HDP)))
+    assert with_sp.a2 == pytest.approx(one.a2 / 2)  # every activation divided by TP
+    # tiny (h 64, q 64, kv 32, f 128, SwiGLU): whole 4h = 256, sharded 2q+2kv+3f = 576 elements
+    assert without.a2 == pytest.approx(2 * (256 + 576 / 2)) and without.a2 > with_sp.a2

@@ -40,6 +40,7 @@ MEGATRON_ARGS_READ = (
     "rampup_batch_size",
     "pipeline_model_parallel_size",
     "tensor_model_parallel_size",
+    "sequence_parallel",
     "expert_model_parallel_size",
     "use_megatron_fsdp",
     "use_torch_fsdp2",
@@ -557,6 +558,7 @@ def cost_model_from_args(args):
             HardwareSpec.load(args.hdp_hardware or DEFAULT_HARDWARE),
             tp=args.tensor_model_parallel_size,
             pp=args.pipeline_model_parallel_size,
+            sequence_parallel=bool(args.sequence_parallel) or args.tensor_model_parallel_size == 1,
         )
     return cost.with_recompute(
         args.recompute_granularity, args.recompute_method, args.recompute_num_layers, args.recompute_modules

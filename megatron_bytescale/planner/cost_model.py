@@ -101,9 +101,13 @@ class CostModel:
 
     # ---------------------------------------------------------- construction
     @classmethod
-    def analytic(cls, model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1) -> CostModel:
+    def analytic(
+        cls, model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1, sequence_parallel: bool = True
+    ) -> CostModel:
         """Coefficients from FLOP and byte counts (bf16 weights and activations, flash-style
-        attention with no s^2 activations, sequence parallelism dividing activations by TP)."""
+        attention with no s^2 activations). With ``sequence_parallel`` (Megatron's companion of
+        TP) every activation is divided by TP; without it the four hidden-size activations per
+        layer (both norms' inputs, the QKV and fc1 inputs) stay whole on every TP rank."""
         if tp <= 0 or pp <= 0:
             raise ConfigError(f"TP and PP must be positive, got TP={tp}, PP={pp}")
         if model.num_layers % pp:
@@ -120,7 +124,8 @@ class CostModel:
         # activation elements kept per token: attention block (norm input, QKV input, Q, K, V,
         # attention output = projection input) and each active MLP (norm input, fc1 input,
         # fc1 output, fc2 input); no dropout masks, no s^2 scores (flash-style attention)
-        act = BF16_BYTES * ((2 * h + 2 * q + 2 * kv) + experts * (2 * h + mlp_mats * f))
+        act_whole = BF16_BYTES * (2 * h + experts * 2 * h)  # what sequence parallelism shards
+        act_heads = BF16_BYTES * ((2 * q + 2 * kv) + experts * mlp_mats * f)  # sharded by TP anyway
         kv_heads_per_shard = max(1, model.num_query_groups // tp)
         # parameters per GPU: its TP shard of its stage's layers, plus an even share of the
         # input embedding and output layer (first and last stage hold them)
@@ -131,7 +136,7 @@ class CostModel:
             a1=3 * pair / 2 / flops,
             b1=3 * linear / flops,
             g=hw.layer_overhead_s,
-            a2=act / tp,
+            a2=(act_whole + act_heads) / tp if sequence_parallel else act_whole + act_heads / tp,
             b2=0.0,
             num_layers=model.num_layers // pp,
             kv_bytes_per_token=2 * kv_shard * BF16_BYTES,
