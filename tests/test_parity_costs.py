@@ -121,3 +121,7 @@ def test_exposed_gradient_reduction_with_and_without_overlap():
     got = exposed_reduction(plan, t, cost, cluster, overlap=True)
     assert got == pytest.approx(expected) and got < total
     assert evaluate(plan, cluster, cost).metrics()["exposed_grad_reduce_overlap_s"] == pytest.approx(got)
+
+    # static CP's rings run on their own CP group: every rank launches during its last backward
+    static = exposed_reduction(plan, t, cost, cluster, overlap=True, hdp_rule=False)
+    assert static == pytest.approx(max(f - B * 10 * MS + total, f + total / 8) - f) and static <= got

@@ -14,6 +14,9 @@ group spans nodes, NVLink otherwise).
   in one order on every rank, so the reduction streams from the moment the last rank
   launches, ``L``, and ends at ``max(L + T, F + T / buckets)`` (``F``: when the last rank's
   compute ends; its final bucket cannot go before). Exposed: that end minus ``F``.
+* Static CP and Megatron's dynamic CP run their rings on the CP group, apart from the
+  data-parallel reduction, so there (``hdp_rule=False``) every rank launches during its last
+  backward, ring or not.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def allreduce_time(cost: CostModel, cluster: Cluster) -> float:
 
 
 def exposed_reduction(
-    plan: Plan, timeline: Timeline, cost: CostModel, cluster: Cluster, overlap: bool, buckets: int = DEFAULT_BUCKETS
+    plan: Plan, timeline: Timeline, cost: CostModel, cluster: Cluster, overlap: bool, buckets: int = DEFAULT_BUCKETS,
+    hdp_rule: bool = True,
 ) -> float:
     """Seconds of gradient reduction after the slowest rank's compute, per stage, worst stage."""
     total = allreduce_time(cost, cluster)
@@ -57,8 +61,8 @@ def exposed_reduction(
                 continue
             last = ops[ops[:, 1].argmax()]  # the op that ends last: the last micro-batch's backward
             finish.append(float(last[1]))
-            local_last = plan.ranks[rank][-1].ring is None
-            launch.append(float(last[0]) if overlap and local_last else float(last[1]))
+            early = plan.ranks[rank][-1].ring is None or not hdp_rule
+            launch.append(float(last[0]) if overlap and early else float(last[1]))
         f = max(finish)
         end = max(max(launch) + total, f + total / buckets) if overlap else f + total
         worst = max(worst, end - f)

@@ -482,10 +482,12 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         for mb in mbs:
             if mb.offload_ratio > 0:
                 offload += offload_exposure(MemberLoad.of(mb), cost, plan.num_layers)[1]
+    strategy = str(plan.meta.get("strategy", "?"))
+    hdp = strategy not in ("static", "megatron-dcp")  # their rings run on a CP group of their own
     return StepResult(
         grad_reduce_s=exposed_reduction(plan, timeline, cost, cluster, overlap=False),
-        grad_reduce_overlap_s=exposed_reduction(plan, timeline, cost, cluster, overlap=True),
-        strategy=str(plan.meta.get("strategy", "?")),
+        grad_reduce_overlap_s=exposed_reduction(plan, timeline, cost, cluster, overlap=True, hdp_rule=hdp),
+        strategy=strategy,
         timeline=timeline,
         lower_bound=lower_bound(plan.seq_lens, cluster, cost),
         critical_path=critical_path(plan.seq_lens, cluster, cost),
