@@ -41,6 +41,7 @@ def exposed_ring_time(cost: CostModel, pairs: float, block_tokens: float, ring_s
     step = cost.a1 * pairs / ring_size
     fwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=False) - FORWARD_SHARE * step)
     bwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=True) - (1.0 - FORWARD_SHARE) * step)
+    fwd *= 1.0 + cost.recompute_attention_share  # a recomputed attention runs its forward ring again
     return (ring_size - 1) * (fwd + bwd) + dkv_home_time(cost, block_tokens, inter_node)
 
 

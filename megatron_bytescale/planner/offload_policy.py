@@ -85,7 +85,7 @@ def share_pairs(seq_len: int, ring_size: int) -> float:
 def ratio_for_ranks(seq_len: int, ring_size: int, capacity: int, cost: CostModel) -> float | None:
     """Smallest ratio that fits ``seq_len`` on ``ring_size`` ranks with the copy hidden, or None."""
     share = -(-seq_len // ring_size)
-    r = ratio_for_share(share, capacity, cost.num_layers)
+    r = ratio_for_share(share, capacity, cost.activation_layers)
     if r is None:
         return None
     # every member must hide its copy: shares differ by one token, and the condition is
@@ -104,13 +104,13 @@ def ranks_without_offload(seq_len: int, capacity: int) -> int:
 def decide(seq_len: int, capacity: int, cost: CostModel, offload: bool = True) -> OffloadDecision:
     """D(s) and r for one sequence: the fewest ranks, then the smallest ratio reaching them.
 
-    Offloading is off when ``offload`` is False, when the model has at most two layers per
-    stage, or when no ratio that saves a rank hides its copy (then r = 0, D = ceil(s / C)).
+    Offloading is off when ``offload`` is False, when at most two layers per stage keep
+    their activations (the others recomputed), or when no ratio that saves a rank hides its copy (then r = 0, D = ceil(s / C)).
     """
     d0 = ranks_without_offload(seq_len, capacity)
-    if not offload or d0 <= 1 or cost.num_layers <= 2:
+    if not offload or d0 <= 1 or cost.activation_layers <= 2:  # recomputed layers keep nothing to offload
         return OffloadDecision(d0, 0.0)
-    d1 = -(-seq_len // max_tokens(capacity, 1.0, cost.num_layers))
+    d1 = -(-seq_len // max_tokens(capacity, 1.0, cost.activation_layers))
     # Scan up from the fewest ranks any ratio allows; the first ring size whose smallest
     # ratio hides is D(s). (No monotonicity is assumed, so the answer is exact for any
     # profile; the scan is short: it stops at once whenever offloading at r = 1 hides.)

@@ -148,6 +148,7 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
         num_layers=cost.num_layers,
         seq_lens=lens,
         ranks=ranks,
+        recomputed_layers=cost.recomputed_layers,
     )
     ring_hist = Counter(s.ring_size for s in shards.values())
     plan.meta = {

@@ -176,6 +176,10 @@ def format_table(report: SimReport) -> str:
     lines.append(
         "speedup: static step / step; busy, exposed comm: per GPU (max / mean); P2P, offload: all GPUs; exp.comm: mean"
     )
+    reduce = [f"{n} {m['exposed_grad_reduce_s']:.2f} -> {m['exposed_grad_reduce_overlap_s']:.2f}"
+              for n, m in med.items() if "exposed_grad_reduce_s" in m]
+    if reduce:
+        lines.append("exposed gradient reduction after the step, s (without -> with --overlap-grad-reduce): " + "; ".join(reduce))
     for name, notes in report.notes.items():
         for note in notes:
             lines.append(f"note [{name}]: {note}")

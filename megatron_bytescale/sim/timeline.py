@@ -21,6 +21,10 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   each of ``l - 2`` layers to the host and back; one layer's copy hides behind that layer's
   forward+backward compute (the design's rule ``T(s) >= r Act(s) / B``), and whatever exceeds
   it is exposed, split between forward and backward by ``FORWARD_SHARE``.
+* **Activation recompute** (``CostModel.with_recompute``): in backward, each recomputed layer
+  first runs its forward again: the attention part (with its ring steps and forward hops,
+  exposed as in forward) in ``m`` of ``l`` layers, the linear part in ``k``; recomputed layers
+  keep nothing, so offloading concerns ``cost.activation_layers`` of them.
 * **Pipelines.** Each HDP rank is one pipeline of ``pp`` stages (equal layer counts) running
   its micro-batches with 1F1B (warm-up, steady state, cool-down); a ring micro-batch's work
   on a stage starts when every member pipeline has reached it there. Activation transfers
@@ -28,9 +32,10 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
 * **Barriers.** ``plan.meta["barriers"]`` (Megatron's hybrid CP) lists, per barrier, how many
   micro-batches each rank has finished when it enters; nobody continues until all arrive,
   and pipelines are flushed there.
-* **Gradient reduction** and the optimizer step are left out of every strategy: they take the
-  same time whatever the plan, since every strategy reduces the same gradients over the same
-  ranks.
+* **Gradient reduction** and the optimizer step are left out of the step time of every
+  strategy: every strategy reduces the same gradients over the same ranks. What of the
+  reduction stays exposed, with and without ``--overlap-grad-reduce``, is reported beside it
+  (``sim.grad_reduction``): that depends on how each plan ends.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from ..planner.cost_model import FORWARD_SHARE, CostModel
 from ..planner.pipeline_order import BACKWARD, FORWARD, one_f_one_b
 from ..planner.plan import MicroBatch, Plan
 from .cluster import Cluster
+from .grad_reduction import exposed_reduction
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,9 @@ def ring_key(mb: MicroBatch) -> tuple | None:
 
 
 def offload_exposure(load: MemberLoad, cost: CostModel, layers: int) -> tuple[float, float]:
-    """(exposed seconds per stage, bytes copied to the host per stage) of one micro-batch."""
+    """(exposed seconds per stage, bytes copied to the host per stage) of one micro-batch;
+    layers recomputed whole keep nothing to copy."""
+    layers -= cost.recomputed_layers
     if load.offload_ratio <= 0 or layers <= 2:
         return 0.0, 0.0
     per_layer_bytes = load.offload_ratio * cost.act_bytes(load.tokens)
@@ -113,11 +121,13 @@ def offload_exposure(load: MemberLoad, cost: CostModel, layers: int) -> tuple[fl
 
 
 def local_work(load: MemberLoad, cost: CostModel, layers: int) -> tuple[Work, Work]:
-    t = cost.layer_time(load.tokens, load.local_pairs + load.dist_pairs) * layers
+    pairs = load.local_pairs + load.dist_pairs
+    redo = cost.recompute_time(load.tokens, pairs) * layers  # recomputed forwards: in backward
+    t = cost.layer_time(load.tokens, pairs) * layers - redo
     off, _ = offload_exposure(load, cost, layers)
     out = []
-    for share in (FORWARD_SHARE, 1.0 - FORWARD_SHARE):
-        out.append(Work(duration=share * (t + off), compute=share * t, comm=0.0, offload=share * off))
+    for share, extra in ((FORWARD_SHARE, 0.0), (1.0 - FORWARD_SHARE, redo)):
+        out.append(Work(duration=share * (t + off) + extra, compute=share * t + extra, comm=0.0, offload=share * off))
     return out[0], out[1]
 
 
@@ -137,6 +147,9 @@ def ring_work(
     sender_block = block[(np.arange(n)[:, None] - np.arange(n - 1)[None, :]) % n]  # [member, hop]
     lat = cost.p2p_latency_s
     results = []
+    redo_attn = cost.recompute_attention_share  # m / l: forward ring pass again in backward
+    redo_lin = cost.recomputed_layers / layers if layers else 0.0  # k / l
+    fwd_ring = fwd_exposed = fwd_compute = None
     for direction, share in ((FORWARD, FORWARD_SHARE), (BACKWARD, 1.0 - FORWARD_SHARE)):
         per_token = cost.kv_bytes_per_token + (cost.grad_bytes_per_token if direction == BACKWARD else 0.0)
         hops = lat + (sender_block * (per_token / bw)[:, None]).max(axis=0)  # [n-1], slowest link
@@ -153,6 +166,13 @@ def ring_work(
         layer_time = pre.max() + step_max.sum() + tail
         exposed = np.maximum(0.0, hops[0] - first) + np.maximum(0.0, hops[None, 1:] - a[:, None]).sum(axis=1) + tail
         compute = share * (lin + attn + local)
+        if direction == FORWARD:
+            fwd_ring, fwd_exposed = step_max.sum(), exposed
+            fwd_compute = FORWARD_SHARE * (attn + local), FORWARD_SHARE * lin
+        elif redo_attn:  # activation recompute: the forward again, before this backward
+            layer_time += redo_attn * fwd_ring + redo_lin * (FORWARD_SHARE * lin).max()
+            exposed = exposed + redo_attn * fwd_exposed
+            compute = compute + redo_attn * fwd_compute[0] + redo_lin * fwd_compute[1]
         for i in range(n):
             w = Work(
                 duration=layers * layer_time,
@@ -420,6 +440,8 @@ class StepResult:
     microbatches: list[int]
     plan_time_s: float
     notes: list[str] = field(default_factory=list)
+    grad_reduce_s: float = 0.0  # exposed gradient reduction after the step (sim.grad_reduction)
+    grad_reduce_overlap_s: float = 0.0  # the same with --overlap-grad-reduce
 
     def metrics(self) -> dict:
         t = self.timeline
@@ -439,6 +461,8 @@ class StepResult:
             "p2p_bytes": self.p2p_bytes,
             "p2p_bytes_max_gpu": self.p2p_bytes_max_gpu,
             "offload_bytes": self.offload_bytes,
+            "exposed_grad_reduce_s": self.grad_reduce_s,
+            "exposed_grad_reduce_overlap_s": self.grad_reduce_overlap_s,
             "microbatches_max": max(self.microbatches),
             "microbatches_mean": float(np.mean(self.microbatches)),
             "plan_time_s": self.plan_time_s,
@@ -448,15 +472,22 @@ class StepResult:
 def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
     """Simulate ``plan`` and gather the per-strategy figures."""
     timeline = simulate(plan, cluster, cost)
-    p2p = plan.p2p_bytes_per_rank(cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers)
+    p2p = plan.p2p_bytes_per_rank(
+        cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers,
+        recomputed_layers=cost.recomputed_attention_layers,
+    )
     gpus_per_rank = cluster.tp * cluster.pp  # every TP shard of every stage sends its share
     offload = 0.0
     for mbs in plan.ranks:
         for mb in mbs:
             if mb.offload_ratio > 0:
                 offload += offload_exposure(MemberLoad.of(mb), cost, plan.num_layers)[1]
+    strategy = str(plan.meta.get("strategy", "?"))
+    hdp = strategy not in ("static", "megatron-dcp")  # their rings run on a CP group of their own
     return StepResult(
-        strategy=str(plan.meta.get("strategy", "?")),
+        grad_reduce_s=exposed_reduction(plan, timeline, cost, cluster, overlap=False),
+        grad_reduce_overlap_s=exposed_reduction(plan, timeline, cost, cluster, overlap=True, hdp_rule=hdp),
+        strategy=strategy,
         timeline=timeline,
         lower_bound=lower_bound(plan.seq_lens, cluster, cost),
         critical_path=critical_path(plan.seq_lens, cluster, cost),
