@@ -523,3 +523,17 @@ def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages:
         if first is not None:
             stuck.append(f"rank {r} stage {stage} {'forward' if first[0] == FORWARD else 'backward'} of micro-batch {first[1]}")
     return f"{len(succ) - done} pipeline operations wait in a cycle, e.g. {'; '.join(stuck[:3])}"
+
+
+def plan_ring_keys(plan) -> list[list[tuple | None]]:
+    """Per rank and micro-batch of ``plan``: the ring micro-batch it belongs to, named the same
+    on every member ((ring, distributed sequence ids)), or None for local work."""
+    return [[(mb.ring, mb.distributed_seq_ids) if mb.ring is not None else None for mb in mbs] for mbs in plan.ranks]
+
+
+def plan_pipeline_deadlock(plan, stages: int) -> str | None:
+    """None if every pipeline running ``plan``'s micro-batches through 1F1B over ``stages``
+    stages always makes progress; else where they get stuck (``find_pipeline_deadlock``)."""
+    if stages <= 1:
+        return None
+    return find_pipeline_deadlock(plan_ring_keys(plan), stages)
