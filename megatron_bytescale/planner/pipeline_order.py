@@ -80,15 +80,20 @@ def order_runs(
     split: Splitter | None = None,
     ranks_per_node: int = 1,
     lookahead: int = LOOKAHEAD,
+    fallback: bool = True,
 ) -> Ordered:
     """Each rank's items in run order, and the estimated finish of each rank when every ring
     starts as soon as its last member reaches it. ``runs[r]`` holds ``r``'s rings in
     ``ring_order``. With ``stages > 1`` the order is made safe for 1F1B (see above);
-    ``Ordered.deadlock`` says why if no safe order was found."""
+    ``Ordered.deadlock`` says why if no safe order was found. ``fallback=False`` skips the
+    searches of step 2 (slow on large plans): rings left unaligned then set ``deadlock``."""
     if stages <= 1:
         return _in_schedule_order(runs, ring_order, members, ring_time)
     result = _aligned(runs, ring_order, members, ring_time, split, lookahead)
     if not result.unaligned:
+        return result
+    if not fallback:
+        result.deadlock = f"{len(result.unaligned)} ring micro-batches could not take one slot on all their members"
         return result
     # Local work ran out: some rings could not take one slot. The candidates, of which the
     # shortest estimated step wins: the same pass keeping local work for later slots rather
