@@ -107,7 +107,9 @@ def _pipelined(rank, world, plans_json, weights):
     from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
     from megatron_bytescale.runtime.offload import ActivationOffloader, transformer_layers
 
-    model, group = local_run.setup_model("tiny", pp=PP, seed=SEED)
+    # deallocate_pipeline_outputs: as Megatron-LM trains (outputs freed once sent, backward
+    # through the C++ engine)
+    model, group = local_run.setup_model("tiny", pp=PP, seed=SEED, deallocate_pipeline_outputs=True)
     names = _global_names(model)
     with torch.no_grad():
         for n, p in model.named_parameters():
