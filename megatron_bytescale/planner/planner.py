@@ -201,13 +201,15 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     ``rank_estimates``). The sum hardly depends on ring sizes, the bubble falls with the
     longest share: larger rings than ``balanced_target`` (sized as if a share ran alone for
     p x its stage time) pay until their communication or the lack of short work to align
-    them eats the gain. So targets go down from that one, each is ordered for 1F1B and
-    estimated in full, and the shortest deadlock-free estimate wins; the search stops once
-    two targets in a row did no better, or the rings stop changing (all at their fastest)."""
+    them eats the gain, and not monotonically (which rings share ranks changes with the
+    sizes). So every target of ``PIPELINE_RETARGET`` below that one is ordered for 1F1B and
+    estimated in full (``rank_estimates``: the pipelines run together, as the simulator
+    runs them), and the shortest deadlock-free estimate wins; targets that change no ring
+    are skipped."""
     stages = config.pipeline_stages
     sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, stages)
     base = balanced_target(np.asarray(lens), sizer)
-    best, worse, previous = None, 0, None
+    best, previous = None, None
     for scale in PIPELINE_RETARGET:
         target = base * scale
         shards = plan_ring_sizes(lens, sizer, target)
@@ -221,11 +223,7 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
         ring_time = {u: units[u].time for u in assignment.members}
         step = float("inf") if ordered.deadlock else max(rank_estimates(ordered, stages, ring_time), default=0.0)
         if best is None or step < best[0]:
-            best, worse = (step, shards, target, units, assignment, scale, ordered), 0
-        else:
-            worse += 1
-            if worse >= 2:
-                break
+            best = (step, shards, target, units, assignment, scale, ordered)
     step, shards, target, units, assignment, scale, ordered = best
     if ordered.deadlock:  # no candidate aligned every ring: the searches of order_runs, on the first
         ordered = _order(lens, units, assignment, config, cost, placer)
