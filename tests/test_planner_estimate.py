@@ -114,3 +114,20 @@ def test_sum_plus_bubble_is_not_the_1f1b_makespan_of_uneven_micro_batches():
 
     assert pipeline_time([6, 4, 6], 2) == 22
     assert one_f_one_b_time([6, 4, 6], 2) == pytest.approx(24)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_plans(balances=("none", "pp")), st.sampled_from([2, 4]))
+def test_pipelined_estimate_equals_the_simulated_step(case, p):
+    """With pipelines the estimate runs every pipeline's 1F1B together, rings starting on a
+    stage when all their members are ready there: the simulator's step, when ring hops cost
+    (next to) nothing (the estimate splits a ring's exposed hops between forward and
+    backward by FORWARD_SHARE, the simulator by where they occur)."""
+    from dataclasses import replace
+
+    lens, config = case
+    config = replace(config, pipeline_stages=p)
+    cost = comm_cost(kv_bytes_per_token=0.0, grad_bytes_per_token=0.0, p2p_latency_s=1e-12)
+    plan = plan_step(lens, config, cost).validate()
+    timeline = simulate(plan, Cluster(config.num_ranks * p, pp=p, gpus_per_node=config.ranks_per_node), cost)
+    assert plan.meta["est_time_max_s"] == pytest.approx(timeline.step_time, rel=1e-6)
