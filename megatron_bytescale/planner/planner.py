@@ -45,6 +45,7 @@ BALANCE_MODES = ("none", "dp", "pp")
 RETARGET = (1.0, 1.1, 1.2, 0.85, 1.35, 0.7, 1.5)  # target scales tried while the step overshoots the target
 # With pipelines, target scales tried from the top down (see _pipeline_candidates)
 PIPELINE_RETARGET = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.13, 0.09, 0.06)
+PIPELINE_ORDERED = 4  # of those, how many are ordered for 1F1B and estimated in full
 
 
 @dataclass(frozen=True)
@@ -202,14 +203,14 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     longest share: larger rings than ``balanced_target`` (sized as if a share ran alone for
     p x its stage time) pay until their communication or the lack of short work to align
     them eats the gain, and not monotonically (which rings share ranks changes with the
-    sizes). So every target of ``PIPELINE_RETARGET`` below that one is ordered for 1F1B and
-    estimated in full (``rank_estimates``: the pipelines run together, as the simulator
-    runs them), and the shortest deadlock-free estimate wins; targets that change no ring
-    are skipped."""
+    sizes). So the targets of ``PIPELINE_RETARGET`` below that one are scheduled, the best
+    ``PIPELINE_ORDERED`` by the scheduler's bound are ordered for 1F1B and estimated in full
+    (``rank_estimates``: the pipelines run together, as the simulator runs them), and the
+    shortest deadlock-free estimate wins; targets that change no ring are skipped."""
     stages = config.pipeline_stages
     sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, stages)
     base = balanced_target(np.asarray(lens), sizer)
-    best, previous = None, None
+    candidates, previous = [], None
     for scale in PIPELINE_RETARGET:
         target = base * scale
         shards = plan_ring_sizes(lens, sizer, target)
@@ -219,6 +220,11 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
         previous = sizes
         units = _units(lens, shards, config, cost, placer.ranks_per_node)
         assignment = schedule(units, placer, config.balance, config.slack, stages)
+        candidates.append((float(assignment.key.max()), shards, target, units, assignment, scale))
+    # Ordering for 1F1B is the slow part: only the candidates the scheduler's own bound
+    # (sum + (p - 1) x max per rank) ranks best are ordered and estimated in full.
+    best = None
+    for _, shards, target, units, assignment, scale in sorted(candidates, key=lambda c: c[0])[:PIPELINE_ORDERED]:
         ordered = _order(lens, units, assignment, config, cost, placer, fallback=False)
         ring_time = {u: units[u].time for u in assignment.members}
         step = float("inf") if ordered.deadlock else max(rank_estimates(ordered, stages, ring_time), default=0.0)
