@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
-from ..planner.pipeline_order import BACKWARD, FORWARD, one_f_one_b
+from ..planner.pipeline_order import FORWARD, one_f_one_b
 
 MAX_DIMS = 4  # shape header: [ndim, d0, .., d3]
 SHAPE_TAG, DATA_TAG = 0, 1
