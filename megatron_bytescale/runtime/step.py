@@ -8,6 +8,12 @@ unchanged. The loss is a per-token sum; the gradient reduction divides by the st
 token count (all-reduced over the HDP group, design 2.5), so gradients do not depend on how
 tokens were assigned to ranks. A rank may run any number of micro-batches, zero included: it
 still joins the gradient reduction.
+
+With pipeline parallelism each HDP rank is a pipeline: its stages receive the same StepBatch
+and run its micro-batches through 1F1B (``runtime.pipeline``), ring attention joining the same
+stage of the other pipelines (the HDP group of a stage). The loss and the token count come from
+the last stage; ``finalize_model_grads`` takes the count to every stage and sums tied
+embedding gradients between the first and last stage, as Megatron's does.
 """
 
 from __future__ import annotations
