@@ -19,6 +19,14 @@ sequence alone on its best ring; no plan can beat max(LB, CP)).
 
 Static's plans are large (every sequence split over CP=256 ranks: ~10^6 pieces), so a step
 takes ~1 minute of CPU here; only the first step's plans are validated.
+
+Pipeline parallelism (``--pipeline-grid``): the same batches on 8,192 GPUs with TP 8 and
+PP 2 or 4, for LLaMA-70B and Mistral-8x22B (static, hdp-naive, hdp-balanced = PP-balance),
+one row per model and PP size: medians of the step, of hdp-balanced's ratio to static and
+to the lower bound (and to max(lower bound, critical path)), and of the planner's own
+estimate against the simulated step.
+
+    PYTHONPATH=. python benchmarks/bench_simulate.py --pipeline-grid [--dataset github] [--steps 2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -57,7 +65,57 @@ def goal_verdicts(steps: list[dict[str, dict]]) -> dict[str, dict]:
     return out
 
 
+# the pipeline rows: (model, PP) on 8,192 GPUs with TP 8
+PIPELINE_GRID = (("llama-70b", 2), ("llama-70b", 4), ("mistral-8x22b", 2), ("mistral-8x22b", 4))
+PIPELINE_FLAGS = ["--gpus", "8192", "--tp", "8", "--strategies", "static,hdp-naive,hdp-balanced"]
+
+
+def _median(values):
+    values = sorted(values)
+    n = len(values)
+    return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+
+
+def pipeline_grid(argv: list[str]) -> int:
+    """One row per (model, PP): medians over the steps of each strategy's step and of
+    hdp-balanced's ratios (taken per step, as the main table does)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    ap.add_argument("--pipeline-grid", action="store_true")
+    rows = []
+    for model, pp in PIPELINE_GRID:
+        args = ap.parse_args(HEADLINE + PIPELINE_FLAGS + argv + ["--model", model, "--pp", str(pp)])
+        cfg = config_from_args(args)
+        report = run(cfg)
+        st = report.steps
+        per_step = list(zip(st["static"], st["hdp-naive"], st["hdp-balanced"]))
+        rows.append({
+            "model": model, "pp": pp, "dataset": cfg.dataset, "steps": len(per_step), "gpus": cfg.gpus, "tp": cfg.tp,
+            "static_s": _median([s["step_time_s"] for s, _, _ in per_step]),
+            "naive_s": _median([n["step_time_s"] for _, n, _ in per_step]),
+            "balanced_s": _median([b["step_time_s"] for _, _, b in per_step]),
+            "balanced_vs_static": _median([s["step_time_s"] / b["step_time_s"] for s, _, b in per_step]),
+            "balanced_x_lb": _median([b["x_lower_bound"] for _, _, b in per_step]),
+            "balanced_x_bound": _median([b["x_bound"] for _, _, b in per_step]),
+            "estimate_vs_sim": _median([b["planner_estimate_s"] / b["step_time_s"] for _, _, b in per_step]),
+            "plan_s": _median([b["plan_time_s"] for _, _, b in per_step]),
+        })
+        r = rows[-1]
+        print(
+            f"{model:<14} PP {pp}  static {r['static_s']:7.2f}  naive {r['naive_s']:7.2f}  balanced {r['balanced_s']:7.2f}"
+            f"  vs static {r['balanced_vs_static']:5.2f}x  x LB {r['balanced_x_lb']:5.2f}  x bound {r['balanced_x_bound']:5.2f}"
+            f"  estimate/sim {r['estimate_vs_sim']:5.3f}  plan {r['plan_s']:5.2f} s",
+            flush=True,
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main() -> int:
+    if "--pipeline-grid" in sys.argv[1:]:
+        return pipeline_grid(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     args = ap.parse_args(HEADLINE + sys.argv[1:])

@@ -18,6 +18,7 @@ from megatron_bytescale.megatron.arguments import (
     chain_extra_args_providers,
     cost_model_from_args,
     model_spec_from_args,
+    planner_config_from_args,
     validate_hdp_args,
 )
 from megatron_bytescale.planner.cost_model import CostModel
@@ -184,6 +185,14 @@ def test_explicit_values_parse():
     assert (args.hdp_hardware, args.hdp_plan_ahead, args.hdp_ranks_per_node) == ("h200", 0, 4)
 
 
+def test_pipeline_parallel_is_accepted_with_pp_balance():
+    args = validate_hdp_args(parse(HDP, pipeline_model_parallel_size=2, data_parallel_size=4))
+    assert args.hdp_balance == "pp"  # the default with pipelines
+    assert planner_config_from_args(args).pipeline_stages == 2
+    args = validate_hdp_args(parse(HDP + ["--hdp-balance", "pp"], pipeline_model_parallel_size=4, data_parallel_size=2, seq_length=16384))
+    assert (args.hdp_balance, args.hdp_size) == ("pp", 2)
+
+
 def test_ranks_per_node_from_local_world_size_and_tp(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     args = validate_hdp_args(parse(HDP, tensor_model_parallel_size=2, data_parallel_size=4))
@@ -205,7 +214,6 @@ CONFLICTS = {
     "hybrid cp capacity": (HDP, dict(max_seqlen_per_dp_cp_rank=4096), "--max-seqlen-per-dp-cp-rank"),
     "virtual pp": (HDP, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
     "dp balance with pp": (HDP + ["--hdp-balance", "dp"], dict(pipeline_model_parallel_size=2), "use --hdp-balance pp"),
-    "pipeline parallel (step has no PP schedule yet)": (HDP + ["--hdp-balance", "pp"], dict(pipeline_model_parallel_size=2), "use --pipeline-model-parallel-size 1"),
     "expert parallel": (HDP, dict(num_experts=8, expert_model_parallel_size=2), "--expert-model-parallel-size 1"),
     "megatron fsdp": (HDP, dict(use_megatron_fsdp=True), "--use-distributed-optimizer"),
     "torch fsdp2": (HDP, dict(use_torch_fsdp2=True), "--use-distributed-optimizer"),

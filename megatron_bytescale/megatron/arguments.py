@@ -186,8 +186,8 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         choices=BALANCE_CHOICES,
         default=None,
         help="Balance scheduler: 'dp' (ranks run sequences of one length level at a time), 'pp' (each "
-        "pipeline gets micro-batches of similar length: the one for pipeline parallelism, which the HDP "
-        "step does not run yet) or 'none' (plain packing). Default: dp (pp with pipeline parallelism).",
+        "pipeline gets micro-batches of similar length: the one for pipeline parallelism) or 'none' "
+        "(plain packing). Default: dp (pp with pipeline parallelism).",
     )
     g.add_argument(
         "--hdp-balance-slack",
@@ -345,11 +345,6 @@ def _check_parallelism(args) -> None:
         raise ConfigError(
             f"--hdp-balance dp with --pipeline-model-parallel-size {pp}: DP-balance gives pipelines "
             "micro-batches of different lengths back to back, so stages bubble; use --hdp-balance pp"
-        )
-    if pp > 1:
-        raise ConfigError(
-            f"--pipeline-model-parallel-size {pp}: the HDP step (runtime/step.py) does not run pipeline "
-            "schedules yet; use --pipeline-model-parallel-size 1 (tensor parallelism is supported)"
         )
     # --overlap-grad-reduce / --overlap-param-gather are supported (runtime.grad_sync says how
     # ranks with different numbers of micro-batches launch the same buckets in the same order).

@@ -28,14 +28,21 @@ class StepResult:
     stats: StepStats
 
 
-def setup_model(model: str = "tiny", *, tp: int = 1, seed: int = 0, **config_overrides):
-    """Parallel state on the initialised gloo world, then the GPT with our attention and a
-    token-normalised gradient reduction over the HDP group. Returns (model, hdp_group)."""
+def setup_model(model: str = "tiny", *, tp: int = 1, pp: int = 1, seed: int = 0, **config_overrides):
+    """Parallel state on the initialised gloo world, then the GPT (this rank's pipeline stage)
+    with our attention and a token-normalised gradient reduction over the HDP group.
+    Returns (model, hdp_group)."""
+    from megatron.core import parallel_state
+
     cpu_compat.install()
-    group = parallel.init_parallel(tp=tp)
+    group = parallel.init_parallel(tp=tp, pp=pp)
     gpt = build_gpt_model(model, seed=seed, **config_overrides)
     gpt.config.calculate_per_token_loss = True
-    gpt.config.finalize_model_grads_func = make_finalize_grads(group, parallel_state.get_tensor_model_parallel_group())
+    pipeline = parallel_state.get_pipeline_model_parallel_group() if pp > 1 else None
+    embedding = parallel_state.get_embedding_group() if pp > 1 and parallel_state.is_rank_in_embedding_group() else None
+    gpt.config.finalize_model_grads_func = make_finalize_grads(
+        group, tp_group=parallel_state.get_tensor_model_parallel_group(), pp_group=pipeline, embedding_group=embedding
+    )
     return gpt, group
 
 
@@ -54,6 +61,8 @@ def run_step(step: StepBatch | None, model, group, *, forward_only: bool = False
     loss_sum = sum(float(d[LOSS_KEY][0]) for d in store)
     totals = torch.tensor([loss_sum, float(stats.loss_tokens)], dtype=torch.float64)
     dist.all_reduce(totals, group=group)
+    if parallel.pipeline_stages() > 1:  # the loss is on the last stage: every stage reports it
+        dist.all_reduce(totals, group=parallel.pipeline_group())
     global_tokens = int(totals[1].item())
     return StepResult(
         loss=float(totals[0] / max(global_tokens, 1)), loss_sum=loss_sum, global_tokens=global_tokens, stats=stats

@@ -83,6 +83,17 @@ def hdp_world_size() -> int:
     return dist.get_world_size(hdp_group())
 
 
+def pipeline_group() -> dist.ProcessGroup:
+    """The stages of this rank's pipeline (Megatron's pipeline-model-parallel group)."""
+    _require()
+    return parallel_state.get_pipeline_model_parallel_group()
+
+
+def pipeline_stages() -> int:
+    _require()
+    return parallel_state.get_pipeline_model_parallel_world_size()
+
+
 def destroy_parallel() -> None:
     """Forget Megatron's parallel state and RNG tracker (tests; the world itself stays)."""
     from megatron.core.tensor_parallel import random as megatron_random

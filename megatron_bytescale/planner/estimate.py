@@ -10,8 +10,12 @@
   N-th of ``Plan.p2p_bytes_per_rank``'s N backward dKV hops): it is exposed whole. The
   slowest link sets the pace of a synchronous ring, so a ring that crosses nodes runs at
   the inter-node bandwidth.
-* With ``pipeline_stages = p > 1`` a rank (one pipeline) takes
-  ``sum(micro-batch times) + (p - 1) * max(micro-batch time)`` (1F1B fill and drain).
+* With ``pipeline_stages = p > 1`` a rank (one pipeline) takes the makespan of 1F1B over
+  its micro-batches (``one_f_one_b_time``): every stage runs each micro-batch's forward
+  (``FORWARD_SHARE`` of its time) and backward in 1F1B order, a forward after the previous
+  stage's, a backward after the next stage's. ``sum + (p - 1) * max`` (``pipeline_time``,
+  what the balance scheduler keeps while it places work) is exact for equal micro-batches
+  only: a short one between long ones stalls the first stage longer.
 """
 
 from __future__ import annotations
@@ -86,14 +90,51 @@ def pipeline_time(mb_times: Sequence[float], pipeline_stages: int) -> float:
     return sum(mb_times) + (pipeline_stages - 1) * max(mb_times)
 
 
+def one_f_one_b_time(mb_times: Sequence[float], pipeline_stages: int) -> float:
+    """Seconds a pipeline of ``pipeline_stages`` equal stages takes for micro-batches of these
+    stage times under 1F1B (``pipeline_order.one_f_one_b``), nothing else waiting."""
+    from .pipeline_order import FORWARD, one_f_one_b  # pipeline_order imports this module
+
+    p, m = pipeline_stages, len(mb_times)
+    if m == 0:
+        return 0.0
+    if p <= 1:
+        return float(sum(mb_times))
+    inf = float("inf")
+    fwd = [[inf] * m for _ in range(p)]  # end of each op, inf until it ran
+    bwd = [[inf] * m for _ in range(p)]
+    orders = [one_f_one_b(m, p, k) for k in range(p)]
+    pos, clock = [0] * p, [0.0] * p
+    moved = True
+    while moved:  # run every stage as far as its inputs allow; 1F1B always completes
+        moved = False
+        for k in range(p):
+            order = orders[k]
+            while pos[k] < len(order):
+                direction, i = order[pos[k]]
+                if direction == FORWARD:
+                    ready = fwd[k - 1][i] if k > 0 else 0.0
+                else:
+                    ready = bwd[k + 1][i] if k < p - 1 else fwd[k][i]
+                if ready == inf:
+                    break
+                share = FORWARD_SHARE if direction == FORWARD else 1.0 - FORWARD_SHARE
+                end = max(clock[k], ready) + share * mb_times[i]
+                (fwd if direction == FORWARD else bwd)[k][i] = end
+                clock[k] = end
+                pos[k] += 1
+                moved = True
+    return max(clock)
+
+
 def rank_times(plan, cost: CostModel, ranks_per_node: int, pipeline_stages: int = 1) -> list[float]:
-    """Estimated busy seconds per rank (no waiting for ring partners)."""
+    """Estimated seconds per rank (no waiting for ring partners; with pipelines, 1F1B's)."""
     out = []
     for mbs in plan.ranks:
         times = [
             micro_batch_time(cost, mb, mb.ring is not None and crosses_nodes(mb.ring, ranks_per_node)) for mb in mbs
         ]
-        out.append(pipeline_time(times, pipeline_stages))
+        out.append(one_f_one_b_time(times, pipeline_stages))
     return out
 
 

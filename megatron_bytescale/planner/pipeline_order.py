@@ -39,6 +39,9 @@ from itertools import accumulate
 
 import numpy as np
 
+from .cost_model import FORWARD_SHARE
+from .estimate import one_f_one_b_time
+
 FORWARD, BACKWARD = 0, 1
 LOOKAHEAD = 16  # rings of the schedule tried for the next slot before local work moves between ranks
 
@@ -80,15 +83,20 @@ def order_runs(
     split: Splitter | None = None,
     ranks_per_node: int = 1,
     lookahead: int = LOOKAHEAD,
+    fallback: bool = True,
 ) -> Ordered:
     """Each rank's items in run order, and the estimated finish of each rank when every ring
     starts as soon as its last member reaches it. ``runs[r]`` holds ``r``'s rings in
     ``ring_order``. With ``stages > 1`` the order is made safe for 1F1B (see above);
-    ``Ordered.deadlock`` says why if no safe order was found."""
+    ``Ordered.deadlock`` says why if no safe order was found. ``fallback=False`` skips the
+    searches of step 2 (slow on large plans): rings left unaligned then set ``deadlock``."""
     if stages <= 1:
         return _in_schedule_order(runs, ring_order, members, ring_time)
     result = _aligned(runs, ring_order, members, ring_time, split, lookahead)
     if not result.unaligned:
+        return result
+    if not fallback:
+        result.deadlock = f"{len(result.unaligned)} ring micro-batches could not take one slot on all their members"
         return result
     # Local work ran out: some rings could not take one slot. The candidates, of which the
     # shortest estimated step wins: the same pass keeping local work for later slots rather
@@ -122,12 +130,20 @@ def order_runs(
 
 
 def rank_estimates(ordered: Ordered, stages: int, ring_time: dict[int, float]) -> list[float]:
-    """Estimated seconds per rank: its finish plus the 1F1B fill and drain, ``(p - 1)`` x its
-    longest micro-batch (a ring counts its slowest member's time)."""
-    return [
-        clock + (stages - 1) * max((x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run), default=0.0)
-        for clock, run in zip(ordered.clock, ordered.runs)
-    ]
+    """Estimated seconds per rank. Without pipelines: its clock (micro-batches back to back,
+    each ring starting when its last member reaches it). With pipelines: its finish when
+    every rank runs 1F1B and rings start on each stage when all members are ready there
+    (``pipelined_finish_times``; a ring counts its slowest member's time), which is how the
+    simulator runs them; an order that would deadlock gets each rank's 1F1B makespan
+    (``estimate.one_f_one_b_time``) or clock, the longer."""
+    times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
+    if stages <= 1:
+        return list(ordered.clock)
+    keys = [[None if isinstance(x, LocalBatch) else x for x in run] for run in ordered.runs]
+    finish = pipelined_finish_times(keys, times, stages)
+    if finish is not None:
+        return finish
+    return [max(clock, one_f_one_b_time(t, stages)) for clock, t in zip(ordered.clock, times)]
 
 
 def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
@@ -465,13 +481,17 @@ def one_f_one_b(count: int, stages: int, stage: int) -> list[tuple[int, int]]:
     return order
 
 
-def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages: int) -> str | None:
-    """None if ranks running 1F1B over ``stages`` stages always make progress, else a
-    description of where they get stuck. ``ring_keys[r][m]``: the ring micro-batch that rank
-    ``r``'s micro-batch ``m`` belongs to (shared by its members), or None for local work."""
+def _one_f_one_b_graph(ring_keys: Sequence[Sequence[object | None]], stages: int):
+    """The operations of every rank's 1F1B over ``stages`` stages and what each waits for:
+    the previous operation of its stage, the previous stage's forward (the next stage's
+    backward) of the same micro-batch. A ring micro-batch's operation on a stage is one node
+    shared by its members. Returns (succ, indeg, chains, owners): ``chains`` per (rank, stage)
+    lists (node, direction, micro-batch); ``owners[node]``: its (rank, micro-batch, direction)
+    for every member."""
     node_of: dict[tuple, int] = {}
     succ: list[list[int]] = []
     indeg: list[int] = []
+    owners: list[list[tuple[int, int, int]]] = []
 
     def node(key) -> int:
         v = node_of.get(key)
@@ -479,6 +499,7 @@ def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages:
             v = node_of[key] = len(succ)
             succ.append([])
             indeg.append(0)
+            owners.append([])
         return v
 
     def edge(a: int, b: int) -> None:
@@ -497,6 +518,7 @@ def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages:
             chain = []
             for direction, m in one_f_one_b(len(keys), stages, stage):
                 v = op(stage, direction, m)
+                owners[v].append((r, m, direction))
                 if prev is not None:
                     edge(prev, v)
                 if direction == FORWARD and stage > 0:
@@ -506,6 +528,14 @@ def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages:
                 prev = v
                 chain.append((v, direction, m))
             chains.append((r, stage, chain))
+    return succ, indeg, chains, owners
+
+
+def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages: int) -> str | None:
+    """None if ranks running 1F1B over ``stages`` stages always make progress, else a
+    description of where they get stuck. ``ring_keys[r][m]``: the ring micro-batch that rank
+    ``r``'s micro-batch ``m`` belongs to (shared by its members), or None for local work."""
+    succ, indeg, chains, _ = _one_f_one_b_graph(ring_keys, stages)
     ready = [v for v, d in enumerate(indeg) if d == 0]
     done = 0
     while ready:
@@ -523,3 +553,48 @@ def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages:
         if first is not None:
             stuck.append(f"rank {r} stage {stage} {'forward' if first[0] == FORWARD else 'backward'} of micro-batch {first[1]}")
     return f"{len(succ) - done} pipeline operations wait in a cycle, e.g. {'; '.join(stuck[:3])}"
+
+
+def pipelined_finish_times(
+    ring_keys: Sequence[Sequence[object | None]], times: Sequence[Sequence[float]], stages: int
+) -> list[float] | None:
+    """Estimated finish per rank when every rank runs 1F1B over ``stages`` equal stages and a
+    ring micro-batch's operation on a stage starts once all its members are ready for it
+    (then lasts its slowest member's time): the longest path through the 1F1B graph, each
+    forward ``FORWARD_SHARE`` of the micro-batch's ``times[r][m]``. None if it deadlocks."""
+    succ, indeg, _, owners = _one_f_one_b_graph(ring_keys, stages)
+    duration = [
+        max((FORWARD_SHARE if d == FORWARD else 1.0 - FORWARD_SHARE) * times[r][m] for r, m, d in own) for own in owners
+    ]
+    start = [0.0] * len(succ)
+    ready = [v for v, d in enumerate(indeg) if d == 0]
+    done = 0
+    finish = [0.0] * len(ring_keys)
+    while ready:
+        v = ready.pop()
+        done += 1
+        end = start[v] + duration[v]
+        for r, _, _ in owners[v]:
+            if end > finish[r]:
+                finish[r] = end
+        for w in succ[v]:
+            if end > start[w]:
+                start[w] = end
+            indeg[w] -= 1
+            if indeg[w] == 0:
+                ready.append(w)
+    return finish if done == len(succ) else None
+
+
+def plan_ring_keys(plan) -> list[list[tuple | None]]:
+    """Per rank and micro-batch of ``plan``: the ring micro-batch it belongs to, named the same
+    on every member ((ring, distributed sequence ids)), or None for local work."""
+    return [[(mb.ring, mb.distributed_seq_ids) if mb.ring is not None else None for mb in mbs] for mbs in plan.ranks]
+
+
+def plan_pipeline_deadlock(plan, stages: int) -> str | None:
+    """None if every pipeline running ``plan``'s micro-batches through 1F1B over ``stages``
+    stages always makes progress; else where they get stuck (``find_pipeline_deadlock``)."""
+    if stages <= 1:
+        return None
+    return find_pipeline_deadlock(plan_ring_keys(plan), stages)

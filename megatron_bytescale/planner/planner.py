@@ -35,7 +35,7 @@ from ..errors import ConfigError, PlanError
 from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
-from .pipeline_order import Item, LocalBatch, order_runs, rank_estimates
+from .pipeline_order import Item, LocalBatch, Ordered, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
 from .plan import MicroBatch, Piece, Plan, ring_pieces, whole_piece
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
@@ -43,6 +43,9 @@ from .zigzag import rank_tokens
 
 BALANCE_MODES = ("none", "dp", "pp")
 RETARGET = (1.0, 1.1, 1.2, 0.85, 1.35, 0.7, 1.5)  # target scales tried while the step overshoots the target
+# With pipelines, target scales tried from the top down (see _pipeline_candidates)
+PIPELINE_RETARGET = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.13, 0.09, 0.06)
+PIPELINE_ORDERED = 4  # of those, how many are ordered for 1F1B and estimated in full
 
 
 @dataclass(frozen=True)
@@ -97,48 +100,40 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
     lens = check_lengths(seq_lens)
     balanced = config.balance != "none"
     placer = RingPlacer(config.num_ranks, config.ranks_per_node)
-    # With pipelines, a rank that runs a ring share fills and drains its pipeline with it,
-    # so rings are sized for p x their stage time, or (cheaper in communication) 1 x.
     # The target is a bound, not a promise: rigid rings with little short work to fill the
     # gaps between them may not pack under it. Then a few rescaled targets are tried (a
     # larger one frees ranks, a smaller one cuts work finer) and the shortest step wins.
-    factors = sorted({1, config.pipeline_stages}) if balanced else [1]
-    best = None
-    for factor in factors:
-        sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, factor)
-        base = balanced_target(np.asarray(lens), sizer) if balanced else None
-        for scale in RETARGET if balanced else (1.0,):
-            target = None if base is None else base * scale
-            shards = plan_ring_sizes(lens, sizer, target)
-            units = _units(lens, shards, config, cost, placer.ranks_per_node)
-            mode = config.balance if balanced else "tokens"
-            assignment = schedule(units, placer, mode, config.slack, config.pipeline_stages)
-            step = float(assignment.key.max())
-            if best is None or step < best[0]:
-                best = (step, shards, target, units, assignment, scale)
-            if base is None or step <= (1 + config.slack) * base:
-                break
-    _, shards, target, units, assignment, scale = best
-    # Rings start when their last member reaches them (a member is held until the slowest
-    # is done). With pipelines each ring also takes one slot on all its members
-    # (pipeline_order.py), else 1F1B could deadlock.
+    # With pipelines (PP-balance) the candidates are estimated in full, 1F1B bubbles
+    # included (``_pipeline_candidates``).
     stages = config.pipeline_stages
-    ring_time = {u: units[u].time for u in assignment.members}
-    ordered = order_runs(
-        _rank_items(lens, units, assignment, config.capacity, cost),
-        [u for u in assignment.order if u in assignment.members],
-        assignment.members,
-        ring_time,
-        stages,
-        _splitter(lens, cost),
-        placer.ranks_per_node,
-    )
+    if balanced and stages > 1:
+        shards, target, units, assignment, scale, ordered = _pipeline_candidates(lens, config, cost, placer)
+    else:
+        factors = sorted({1, stages}) if balanced else [1]
+        best = None
+        for factor in factors:
+            sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, factor)
+            base = balanced_target(np.asarray(lens), sizer) if balanced else None
+            for scale in RETARGET if balanced else (1.0,):
+                target = None if base is None else base * scale
+                shards = plan_ring_sizes(lens, sizer, target)
+                units = _units(lens, shards, config, cost, placer.ranks_per_node)
+                mode = config.balance if balanced else "tokens"
+                assignment = schedule(units, placer, mode, config.slack, stages)
+                step = float(assignment.key.max())
+                if best is None or step < best[0]:
+                    best = (step, shards, target, units, assignment, scale)
+                if base is None or step <= (1 + config.slack) * base:
+                    break
+        _, shards, target, units, assignment, scale = best
+        ordered = _order(lens, units, assignment, config, cost, placer)
     if ordered.deadlock:
         raise PlanError(
             f"no 1F1B order without deadlock found for {stages} pipeline stages: {len(ordered.unaligned)} ring "
             f"micro-batches could not take one slot on all their members ({ordered.deadlock}); the batch has too "
             "little short work to fill the gaps: add short sequences, use fewer pipeline stages, or raise the capacity"
         )
+    ring_time = {u: units[u].time for u in assignment.members}
     ranks = _build(lens, units, ordered.members or assignment.members, ordered.runs)
     est = np.array(rank_estimates(ordered, stages, ring_time))
 
@@ -181,6 +176,65 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
         "plan_time_s": time.perf_counter() - t0,
     }
     return plan
+
+
+def _order(
+    lens, units, assignment: Assignment, config: PlannerConfig, cost: CostModel, placer: RingPlacer, fallback: bool = True
+) -> Ordered:
+    """Rings start when their last member reaches them (a member is held until the slowest
+    is done). With pipelines each ring also takes one slot on all its members
+    (pipeline_order.py), else 1F1B could deadlock."""
+    return order_runs(
+        _rank_items(lens, units, assignment, config.capacity, cost),
+        [u for u in assignment.order if u in assignment.members],
+        assignment.members,
+        {u: units[u].time for u in assignment.members},
+        config.pipeline_stages,
+        _splitter(lens, cost),
+        placer.ranks_per_node,
+        fallback=fallback,
+    )
+
+
+def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: RingPlacer):
+    """PP-balance's ring sizes: the target that gives the shortest estimated pipelined step.
+
+    A pipeline takes ``sum(stage times) + (p - 1) x max(stage time)`` (1F1B fill and drain,
+    ``rank_estimates``). The sum hardly depends on ring sizes, the bubble falls with the
+    longest share: larger rings than ``balanced_target`` (sized as if a share ran alone for
+    p x its stage time) pay until their communication or the lack of short work to align
+    them eats the gain, and not monotonically (which rings share ranks changes with the
+    sizes). So the targets of ``PIPELINE_RETARGET`` below that one are scheduled, the best
+    ``PIPELINE_ORDERED`` by the scheduler's bound are ordered for 1F1B and estimated in full
+    (``rank_estimates``: the pipelines run together, as the simulator runs them), and the
+    shortest deadlock-free estimate wins; targets that change no ring are skipped."""
+    stages = config.pipeline_stages
+    sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, stages)
+    base = balanced_target(np.asarray(lens), sizer)
+    candidates, previous = [], None
+    for scale in PIPELINE_RETARGET:
+        target = base * scale
+        shards = plan_ring_sizes(lens, sizer, target)
+        sizes = {k: (v.ring_size, v.ratio) for k, v in shards.items()}
+        if sizes == previous:
+            continue
+        previous = sizes
+        units = _units(lens, shards, config, cost, placer.ranks_per_node)
+        assignment = schedule(units, placer, config.balance, config.slack, stages)
+        candidates.append((float(assignment.key.max()), shards, target, units, assignment, scale))
+    # Ordering for 1F1B is the slow part: only the candidates the scheduler's own bound
+    # (sum + (p - 1) x max per rank) ranks best are ordered and estimated in full.
+    best = None
+    for _, shards, target, units, assignment, scale in sorted(candidates, key=lambda c: c[0])[:PIPELINE_ORDERED]:
+        ordered = _order(lens, units, assignment, config, cost, placer, fallback=False)
+        ring_time = {u: units[u].time for u in assignment.members}
+        step = float("inf") if ordered.deadlock else max(rank_estimates(ordered, stages, ring_time), default=0.0)
+        if best is None or step < best[0]:
+            best = (step, shards, target, units, assignment, scale, ordered)
+    step, shards, target, units, assignment, scale, ordered = best
+    if ordered.deadlock:  # no candidate aligned every ring: the searches of order_runs, on the first
+        ordered = _order(lens, units, assignment, config, cost, placer)
+    return shards, target, units, assignment, scale, ordered
 
 
 def _compute_bound(lens, cost: CostModel, num_ranks: int) -> float:

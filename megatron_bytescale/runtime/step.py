@@ -8,6 +8,12 @@ unchanged. The loss is a per-token sum; the gradient reduction divides by the st
 token count (all-reduced over the HDP group, design 2.5), so gradients do not depend on how
 tokens were assigned to ranks. A rank may run any number of micro-batches, zero included: it
 still joins the gradient reduction.
+
+With pipeline parallelism each HDP rank is a pipeline: its stages receive the same StepBatch
+and run its micro-batches through 1F1B (``runtime.pipeline``), ring attention joining the same
+stage of the other pipelines (the HDP group of a stage). The loss and the token count come from
+the last stage; ``finalize_model_grads`` takes the count to every stage and sums tied
+embedding gradients between the first and last stage, as Megatron's does.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ import torch.distributed as dist
 from ..errors import PlanError
 from .batch import StepBatch
 from .context import active_micro_batch
+from ..planner.pipeline_order import plan_pipeline_deadlock
 from .grad_sync import StepGradSync
 from .layout import MicroBatchLayout
 from .padding import pad_micro_batch, sequence_parallel_multiple
+from .pipeline import StageLink, run_one_f_one_b
 from .ring_comm import P2PCounter
 
 
@@ -42,6 +50,7 @@ class StepStats:
     peak_resident_activation_bytes: int = 0
     compute_s: float = 0.0  # forward+backward wall time of this rank's micro-batches
     p2p_wait_s: float = 0.0  # time spent waiting on ring transfers (communication not hidden)
+    pipeline_bytes: int = 0  # activations and their gradients sent to the neighbouring stages
     timings: list[MicroBatchTiming] = field(default_factory=list)
 
 
@@ -83,14 +92,18 @@ def _collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def check_step_agreement(step: StepBatch | None, group) -> None:
+def check_step_agreement(step: StepBatch | None, group, pp_group=None) -> None:
     """Every rank must hold a usable delivery of the same plan before any ring starts.
 
     Problems found on one rank (no delivery, data not matching the plan, another plan than
     its peers) would otherwise leave its ring peers waiting in P2P; one tiny all-gather of
-    plan digests makes every rank raise the same clear error instead.
+    plan digests makes every rank raise the same clear error instead. With pipelines, the
+    stages of one pipeline must also hold the same plan and HDP rank (a second all-gather over
+    ``pp_group``), and the plan's order must be free of deadlock under 1F1B. Every rank joins
+    both all-gathers before any raises, so none is left waiting in one.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    stages = dist.get_world_size(pp_group) if pp_group is not None else 1
     problem = None
     if step is None:
         problem = "no plan was delivered to this rank for this step: the data loader must give every HDP rank its StepBatch"
@@ -104,25 +117,60 @@ def check_step_agreement(step: StepBatch | None, group) -> None:
     else:
         try:
             step.check()
+            if stages > 1:
+                stuck = plan_pipeline_deadlock(step.plan, stages)
+                if stuck:
+                    raise PlanError(
+                        f"this plan's micro-batch order deadlocks under 1F1B with {stages} stages ({stuck}); "
+                        "plan with pipeline_stages set to the pipeline-parallel size"
+                    )
         except PlanError as exc:
             problem = str(exc)
-    mine = torch.tensor([_MISSING if problem else plan_digest(step.plan)], dtype=torch.int64, device=_collective_device(group))
+    device = _collective_device(group)
+    mine = torch.tensor([_MISSING if problem else plan_digest(step.plan)], dtype=torch.int64, device=device)
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     digests = [int(t.item()) for t in everyone]
-    if problem:
-        raise PlanError(f"HDP rank {rank}: {problem}")
+    verdict = None
     failed = [r for r, d in enumerate(digests) if d == _MISSING]
-    if failed:
-        raise PlanError(f"HDP ranks {failed} could not run this step (see their errors); no rank ran it")
-    if len(set(digests)) != 1:
+    if problem:
+        verdict = f"HDP rank {rank}: {problem}"
+    elif failed:
+        verdict = f"HDP ranks {failed} could not run this step (see their errors); no rank ran it"
+    elif len(set(digests)) != 1:
         by_plan: dict[int, list[int]] = {}
         for r, d in enumerate(digests):
             by_plan.setdefault(d, []).append(r)
-        raise PlanError(
+        verdict = (
             "HDP ranks disagree about this step's plan (ranks grouped by plan: "
             f"{sorted(by_plan.values())}); every rank must plan the same global batch from the same seed"
         )
+    if stages > 1:  # the verdict of every stage's HDP group, with its plan and HDP rank
+        mine = torch.tensor([int(verdict is None), digests[rank], rank], dtype=torch.int64, device=device)
+        per_stage = [torch.zeros_like(mine) for _ in range(stages)]
+        dist.all_gather(per_stage, mine, group=pp_group)
+        stage_views = [tuple(int(v) for v in t.tolist()) for t in per_stage]
+        if verdict is None and not all(ok for ok, _, _ in stage_views):
+            verdict = f"HDP rank {rank}: another stage of this pipeline could not run this step (see its errors)"
+        elif verdict is None and len(set(stage_views)) != 1:
+            verdict = (
+                f"HDP rank {rank}: the stages of this pipeline hold different plans or HDP ranks "
+                f"(ok, digest, HDP rank per stage: {stage_views}); every stage of a pipeline must get the same StepBatch"
+            )
+    if verdict is not None:
+        raise PlanError(verdict)
+
+
+def _pipeline_group(pg_collection):
+    """Megatron's pipeline group of this rank, or None without pipeline parallelism."""
+    group = getattr(pg_collection, "pp", None) if pg_collection is not None else None
+    if group is None:
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return None
+        group = parallel_state.get_pipeline_model_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
 
 
 def run_hdp_step(
@@ -139,13 +187,23 @@ def run_hdp_step(
     pg_collection=None,
 ) -> tuple[list, StepStats]:
     """Run one rank's share of a step; returns (forward_data_store, stats). ``step`` may be
-    None (nothing delivered): every rank then raises the same PlanError."""
-    from megatron.core.pipeline_parallel.schedules import backward_step, check_first_val_step, forward_step
+    None (nothing delivered): every rank then raises the same PlanError.
+
+    With pipeline parallelism this rank is one stage of its pipeline: the pipeline's
+    micro-batches run through 1F1B (``runtime.pipeline``), ring attention joins this stage of
+    the other pipelines, and the loss (and the token count) comes from the last stage."""
+    from megatron.core.pipeline_parallel.schedules import (
+        backward_step,
+        check_first_val_step,
+        deallocate_output_tensor,
+        forward_step,
+    )
     from megatron.core.utils import get_model_type
 
     global _last_stats
     rank = dist.get_rank(group)
-    check_step_agreement(step, group)
+    pp_group = _pipeline_group(pg_collection)
+    check_step_agreement(step, group, pp_group)
 
     stats = StepStats()
     counter = P2PCounter()
@@ -154,51 +212,89 @@ def run_hdp_step(
     model_type = get_model_type(model)
     no_sync = config.no_sync_func or contextlib.nullcontext
     count = len(step.micro_batches)
+    link = StageLink(pp_group, _collective_device(group))
+    last_stage = link.last
+    running: dict[int, list] = {}  # micro-batch -> [start, forward_end, forward_wait_s, offload handle]
+    active: dict[int, tuple] = {}  # micro-batch -> (layout, positions), for its backward
+    sync = StepGradSync(model, [d.micro_batch for d in step.micro_batches], forward_only)
+    multiple = sequence_parallel_multiple(config)  # sequence parallelism: tokens padded to TP
+
+    def forward(i: int, input_tensor):
+        nonlocal total_tokens
+        data = step.micro_batches[i]
+        mb = data.micro_batch
+        layout = MicroBatchLayout.from_micro_batch(mb, rank)
+        data, layout = pad_micro_batch(data, layout, multiple)
+        offload = offloader.micro_batch(mb.offload_ratio) if offloader is not None else contextlib.nullcontext()
+        start, wait0 = time.perf_counter(), counter.wait_s
+        with active_micro_batch(layout, data.positions, group=group, counter=counter), offload as handle:
+            output_tensor, num_tokens = forward_step(
+                forward_step_func,
+                iter([data]),
+                model,
+                count,
+                input_tensor,
+                forward_data_store,
+                config,
+                1,  # cp_group_size: HDP keeps Megatron's CP at 1
+                collect_non_loss_data,
+                is_first_microbatch=check_first_val_step(first_val_step, forward_only, i == 0),
+                current_microbatch=i,
+                is_last_stage=last_stage,
+            )
+        total_tokens += num_tokens
+        running[i] = [start, time.perf_counter(), counter.wait_s - wait0, handle]
+        stats.tokens += mb.tokens
+        if forward_only:
+            _record(i, None)
+        else:
+            active[i] = (layout, data.positions)
+        return output_tensor
+
+    def backward(i: int, input_tensor, output_tensor, output_grad):
+        wait0 = counter.wait_s
+        layout, positions = active.pop(i)
+        # Activation recompute re-runs layer forwards here, ring attention included: the layout
+        # is active again (and its recomputed KV hops are counted), offloading not.
+        with active_micro_batch(layout, positions, group=group, counter=counter), sync.backward(i):
+            grad = backward_step(input_tensor, output_tensor, output_grad, model_type, config)
+        _record(i, counter.wait_s - wait0)
+        return grad
+
+    def _record(i: int, backward_wait_s):
+        start, forward_end, forward_wait, handle = running.pop(i)
+        end = time.perf_counter()
+        ring = step.micro_batches[i].micro_batch.ring is not None
+        stats.timings.append(MicroBatchTiming(start, forward_end, end, forward_wait, backward_wait_s or 0.0, ring))
+        stats.compute_s += (forward_end - start) + (end - forward_end if backward_wait_s is not None else 0.0)
+        if handle is not None:
+            off = handle.stats()
+            stats.offloaded_bytes += off.offloaded_bytes
+            stats.peak_resident_activation_bytes = max(stats.peak_resident_activation_bytes, off.peak_resident_bytes)
+
+    def release(output_tensor):
+        deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
+
     # All micro-batches run under no_sync: ranks run different numbers of them, so the one
     # gradient reduction happens in finalize_model_grads, identically on every rank; with
     # --overlap-grad-reduce a local last micro-batch reduces during its backward (grad_sync).
-    sync = StepGradSync(model, [d.micro_batch for d in step.micro_batches], forward_only)
-    multiple = sequence_parallel_multiple(config)  # sequence parallelism: tokens padded to TP
     with no_sync():
-        for i, data in enumerate(step.micro_batches):
-            mb = data.micro_batch
-            layout = MicroBatchLayout.from_micro_batch(mb, rank)
-            data, layout = pad_micro_batch(data, layout, multiple)
-            offload = offloader.micro_batch(mb.offload_ratio) if offloader is not None else contextlib.nullcontext()
-            start, wait0 = time.perf_counter(), counter.wait_s
-            with active_micro_batch(layout, data.positions, group=group, counter=counter), offload:
-                output_tensor, num_tokens = forward_step(
-                    forward_step_func,
-                    iter([data]),
-                    model,
-                    count,
-                    None,
-                    forward_data_store,
-                    config,
-                    1,  # cp_group_size: HDP keeps Megatron's CP at 1
-                    collect_non_loss_data,
-                    is_first_microbatch=check_first_val_step(first_val_step, forward_only, i == 0),
-                    current_microbatch=i,
-                )
-            forward_end, wait1 = time.perf_counter(), counter.wait_s
-            if not forward_only:
-                # Activation recompute re-runs layer forwards here, ring attention included: the
-                # layout is active again (and its recomputed KV hops are counted), offloading not.
-                with active_micro_batch(layout, data.positions, group=group, counter=counter), sync.backward(i):
-                    backward_step(None, output_tensor, None, model_type, config)
-            end = time.perf_counter()
-            total_tokens += num_tokens
-            stats.timings.append(MicroBatchTiming(start, forward_end, end, wait1 - wait0, counter.wait_s - wait1, mb.ring is not None))
-            stats.compute_s += end - start
-            stats.tokens += mb.tokens
-            if offloader is not None:
-                off = offloader.last_stats()
-                stats.offloaded_bytes += off.offloaded_bytes
-                stats.peak_resident_activation_bytes = max(stats.peak_resident_activation_bytes, off.peak_resident_bytes)
+        run_one_f_one_b(
+            count,
+            link,
+            forward,
+            backward,
+            dtype=config.pipeline_dtype or config.params_dtype,
+            device=_model_device(model),
+            forward_only=forward_only,
+            release=release,
+        )
+    stats.timings.sort(key=lambda t: t.start)
     stats.micro_batches = count
     stats.loss_tokens = int(total_tokens.item())
     stats.p2p_bytes = counter.bytes_sent
     stats.p2p_wait_s = counter.wait_s
+    stats.pipeline_bytes = link.bytes_sent
 
     if config.finalize_model_grads_func is not None and not forward_only:
         sync.launch_rest()
@@ -207,6 +303,12 @@ def run_hdp_step(
         )
     _last_stats = stats
     return forward_data_store, stats
+
+
+def _model_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def hdp_forward_backward(

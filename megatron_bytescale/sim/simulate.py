@@ -133,6 +133,8 @@ def run(cfg: SimConfig, progress: bool = True) -> SimReport:
                     report.errors[name] = str(exc)
                 else:
                     this_step[name] = result.metrics()
+                    if "est_time_max_s" in plan.meta:  # the planner's own estimate of the step
+                        this_step[name]["planner_estimate_s"] = float(plan.meta["est_time_max_s"])
                     report.steps.setdefault(name, []).append(this_step[name])
                     for note in result.notes:
                         report.notes.setdefault(name, [])

@@ -1,0 +1,200 @@
+"""Pipeline parallelism under HDP: PP 2 x HDP 2 on gloo trains exactly like one rank.
+
+Four processes: two pipelines of two stages (Megatron's rank order: stage 0 holds global
+ranks 0 and 1, stage 1 ranks 2 and 3). Each pipeline runs its own micro-batches through
+1F1B; rings join the same stage of both pipelines. The reference runs every sequence whole
+on one rank without PP, from the same full weights. All cases run in one launch each way.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_bytescale.local_world import preload, run_local_world
+from megatron_bytescale.planner.pipeline_order import plan_pipeline_deadlock
+from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+
+from hdp_helpers import grads_of, read_tokens
+
+preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
+
+SEED = 5
+TOL = 2e-5
+PP = 2
+
+
+def uneven_counts_plan() -> Plan:
+    """Pipeline 0 runs four micro-batches, pipeline 1 two; both rings span the pipelines at
+    different indices (1 and 2 on pipeline 0, 0 and 1 on pipeline 1), and the first ring's
+    micro-batch offloads half of its activations."""
+    lens = (26, 19, 6, 9, 4)
+    r1 = ring_pieces(0, 26, (0, 1))
+    r2 = ring_pieces(1, 19, (1, 0))
+    ranks = (
+        (
+            MicroBatch((whole_piece(2, 6, 0),)),
+            MicroBatch((r1[0],), offload_ratio=0.5),
+            MicroBatch((r2[1], whole_piece(4, 4, 0))),
+            MicroBatch((whole_piece(3, 9, 0),)),
+        ),
+        (MicroBatch((r1[1],), offload_ratio=0.5), MicroBatch((r2[0],))),
+    )
+    return Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks).validate()
+
+
+def idle_pipeline_plan() -> Plan:
+    """Pipeline 1 has no micro-batch at all: it still joins the reduction."""
+    lens = (13, 7, 10)
+    ranks = ((MicroBatch((whole_piece(0, 13, 0),)), MicroBatch((whole_piece(1, 7, 0), whole_piece(2, 10, 0)))), ())
+    return Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks).validate()
+
+
+def deadlocking_plan() -> Plan:
+    """Valid without pipelines (rings in the same relative order), but under 1F1B stage 1 of
+    pipeline 1 waits in ring 2's forward while pipeline 0 waits in ring 1's backward."""
+    lens = (10, 12, 5)
+    r1, r2 = ring_pieces(0, 10, (0, 1)), ring_pieces(1, 12, (0, 1))
+    ranks = ((MicroBatch((r1[0],)), MicroBatch((r2[0],))), (MicroBatch((r1[1],)), MicroBatch((whole_piece(2, 5, 1),)), MicroBatch((r2[1],))))
+    return Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks).validate()
+
+
+CASES = {"uneven": uneven_counts_plan, "idle": idle_pipeline_plan}
+
+
+def one_rank_plan(lens) -> Plan:
+    ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)),)
+    return Plan(num_ranks=1, capacity=max(lens), num_layers=4, seq_lens=tuple(lens), ranks=ranks).validate()
+
+
+def _global_names(model) -> dict[str, str]:
+    """This stage's parameter names -> the names the same weights have without PP (its
+    layers are numbered from 0 on every stage; ``layer_number`` is the global one)."""
+    names = {}
+    for name, _ in model.named_parameters():
+        if name.startswith("decoder.layers."):
+            local, rest = name[len("decoder.layers.") :].split(".", 1)
+            layer = model.decoder.layers[int(local)]
+            name_global = f"decoder.layers.{layer.layer_number - 1}.{rest}"
+        else:
+            name_global = name
+        names[name] = name_global
+    return names
+
+
+def _reference(rank, world, lens_by_case):
+    from megatron_bytescale.megatron import local_run
+    from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
+
+    model, group = local_run.setup_model("tiny", seed=SEED)
+    out = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    for case, lens in lens_by_case.items():
+        plan = one_rank_plan(lens)
+        step = StepBatch(plan, 0, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(0)])
+        for p in model.parameters():
+            p.grad = None
+        result = local_run.run_step(step, model, group)
+        out[case] = {"loss": result.loss, "tokens": result.global_tokens, "grads": grads_of(model)}
+    local_run.teardown()
+    return out
+
+
+def _pipelined(rank, world, plans_json, weights):
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_bytescale.errors import PlanError
+    from megatron_bytescale.megatron import local_run
+    from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
+    from megatron_bytescale.runtime.offload import ActivationOffloader, transformer_layers
+
+    # deallocate_pipeline_outputs: as Megatron-LM trains (outputs freed once sent, backward
+    # through the C++ engine)
+    model, group = local_run.setup_model("tiny", pp=PP, seed=SEED, deallocate_pipeline_outputs=True)
+    names = _global_names(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(weights[names[n]])
+    offloader = ActivationOffloader(transformer_layers(model), keep_last=0, min_tensor_bytes=0)
+    hdp = parallel_state.get_data_parallel_rank()
+    out = {
+        "stage": parallel_state.get_pipeline_model_parallel_rank(),
+        "hdp": hdp,
+        "names": names,
+    }
+    for case, text in plans_json.items():
+        plan = Plan.from_json(text)
+        step = StepBatch(plan, hdp, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(hdp)])
+        for p in model.parameters():
+            p.grad = None
+        try:
+            result = local_run.run_step(step, model, group, offloader=offloader)
+        except PlanError as exc:
+            out[case] = {"error": str(exc)}
+            continue
+        out[case] = {
+            "loss": result.loss,
+            "tokens": result.global_tokens,
+            "mbs": result.stats.micro_batches,
+            "ring_bytes": result.stats.p2p_bytes,
+            "stage_bytes": result.stats.pipeline_bytes,
+            "offloaded": result.stats.offloaded_bytes,
+            "grads": grads_of(model),
+        }
+    offloader.remove()
+    local_run.teardown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    plans = {case: make() for case, make in CASES.items()}
+    for plan in plans.values():
+        assert plan_pipeline_deadlock(plan, PP) is None
+    assert plan_pipeline_deadlock(deadlocking_plan(), PP)
+    (ref,) = run_local_world(_reference, 1, {c: p.seq_lens for c, p in plans.items()}, timeout_s=120)
+    texts = {c: p.to_json() for c, p in plans.items()} | {"deadlock": deadlocking_plan().to_json()}
+    outs = run_local_world(_pipelined, 4, texts, ref["weights"], timeout_s=180)
+    return plans, ref, outs
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pp2_by_hdp2_equals_one_rank(runs, case):
+    plans, ref, outs = runs
+    # Megatron's order tp-cp-ep-dp-pp: the stage is the slowest-moving coordinate
+    assert [(o["stage"], o["hdp"]) for o in outs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    want = ref[case]
+    assert want["tokens"] == sum(s - 1 for s in plans[case].seq_lens)
+    worst = 0.0
+    for o in outs:
+        got = o[case]
+        assert got["tokens"] == want["tokens"]
+        assert got["loss"] == pytest.approx(want["loss"], abs=TOL)
+        assert got["mbs"] == len(plans[case].ranks[o["hdp"]])
+        for name, grad in got["grads"].items():
+            worst = max(worst, float((grad - want["grads"][o["names"][name]]).abs().max()))
+    assert worst < TOL, worst
+    # every stage of every pipeline together holds every weight once or more (nothing untested)
+    assert {o["names"][n] for o in outs for n in o[case]["grads"]} == set(want["grads"])
+
+
+def test_rings_span_pipelines_with_different_counts_and_offload(runs):
+    _, _, outs = runs
+    by = {(o["stage"], o["hdp"]): o["uneven"] for o in outs}
+    assert [by[(0, h)]["mbs"] for h in (0, 1)] == [4, 2]
+    assert all(o["ring_bytes"] > 0 for o in by.values())  # both rings ran on both stages
+    assert all(o["offloaded"] > 0 for o in by.values())  # the ring micro-batch offloaded
+    assert by[(0, 0)]["stage_bytes"] > 0 and by[(1, 1)]["stage_bytes"] > 0  # activations and gradients moved
+
+
+def test_a_pipeline_with_no_micro_batch_joins_the_reduction(runs):
+    _, _, outs = runs
+    idle = [o["idle"] for o in outs if o["hdp"] == 1]
+    assert [o["mbs"] for o in idle] == [0, 0]
+    assert all(o["stage_bytes"] == 0 and o["ring_bytes"] == 0 for o in idle)
+
+
+def test_an_order_that_deadlocks_under_1f1b_is_refused_on_every_rank(runs):
+    _, _, outs = runs
+    errors = [o["deadlock"].get("error") for o in outs]
+    assert all(e is not None for e in errors), errors
+    assert any("deadlocks under 1F1B with 2 stages" in e for e in errors), errors
