@@ -41,6 +41,11 @@ class CostModel:
     p2p_latency_s: float = 2e-5
     flops_per_token_linear: float = 0.0  # informational: FLOPs/token/layer outside attention
     flops_per_token_pair: float = 0.0  # informational: FLOPs per causal query-key pair per layer
+    # two-level attention (planner/two_level.py): the heads of one TP shard, and what the head
+    # all-to-all moves per token and layer for the queries (bf16); 0 heads: two-level off
+    q_heads: int = 0
+    kv_heads: int = 0
+    q_bytes_per_token: float = 0.0
 
     # ------------------------------------------------------------- formulas
     def layer_time(self, tokens: float, attention_pairs: float | None = None) -> float:
@@ -66,9 +71,10 @@ class CostModel:
 
     # ---------------------------------------------------------- construction
     @classmethod
-    def analytic(cls, model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1) -> CostModel:
+    def analytic(cls, model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1, dkv_bf16: bool = False) -> CostModel:
         """Coefficients from FLOP and byte counts (bf16 weights and activations, flash-style
-        attention with no s^2 activations, sequence parallelism dividing activations by TP)."""
+        attention with no s^2 activations, sequence parallelism dividing activations by TP).
+        ``dkv_bf16``: the backward's dK/dV accumulators travel in bf16 (else fp32)."""
         if tp <= 0 or pp <= 0:
             raise ConfigError(f"TP and PP must be positive, got TP={tp}, PP={pp}")
         if model.num_layers % pp:
@@ -96,7 +102,7 @@ class CostModel:
             b2=0.0,
             num_layers=model.num_layers // pp,
             kv_bytes_per_token=2 * kv_shard * BF16_BYTES,
-            grad_bytes_per_token=2 * kv_shard * FP32_BYTES,
+            grad_bytes_per_token=2 * kv_shard * (BF16_BYTES if dkv_bf16 else FP32_BYTES),
             bw_d2h=hw.bw_d2h,
             bw_h2d=hw.bw_h2d,
             bw_intra_node=hw.bw_intra_node,
@@ -104,6 +110,9 @@ class CostModel:
             p2p_latency_s=hw.p2p_latency_s,
             flops_per_token_linear=3 * linear / tp,
             flops_per_token_pair=3 * pair / 2 / tp,
+            q_heads=max(1, model.num_attention_heads // tp),
+            kv_heads=kv_heads_per_shard,
+            q_bytes_per_token=max(1, model.num_attention_heads // tp) * model.kv_channels * BF16_BYTES,
         )
 
     # -------------------------------------------------------------- profiles
