@@ -100,16 +100,20 @@ class RingSizer:
             # ranks only add hops; look a few times past that point
             per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
             comm_bound = cost.a1 * seq_len * cost.bw_inter_node / max(per_token, 1e-30)
-            comm_bound *= max(self.two_level, default=1)  # two-level: u times the compute per hop
             d_hi = min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound) + 2 * self.ranks_per_node))
+            splits_here = self.two_level if d_hi > self.ranks_per_node else []  # rings that may span nodes
+            if splits_here:  # two-level: u times the compute per hop, so larger rings still pay
+                d_hi = min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound * max(splits_here)) + 2 * self.ranks_per_node))
             sizes = np.arange(d_min, d_hi + 1)
             times = ring_times(cost, seq_len, sizes, self.ranks_per_node)
             splits = np.ones(sizes.size, dtype=np.int64)
-            for u in self.two_level:  # per ring size, the faster of the plain ring and each group size
-                t = two_level.share_times(cost, seq_len, sizes, u, self.ranks_per_node)
-                better = t < times
-                times = np.where(better, t, times)
-                splits[better] = u
+            if splits_here:  # per ring size, the fastest of the plain ring and each group size
+                t = two_level.share_times(cost, seq_len, sizes, splits_here, self.ranks_per_node)
+                k = t.argmin(axis=0)
+                best = t[k, np.arange(sizes.size)]
+                better = best < times
+                times = np.where(better, best, times)
+                splits[better] = np.asarray(splits_here)[k[better]]
             self._curves[seq_len] = (sizes, times)
             self._splits[seq_len] = splits
         return self._curves[seq_len]

@@ -41,8 +41,9 @@ def _valid(q_heads: int, kv_heads: int, u: int) -> bool:
 
 
 def valid_splits(cost: CostModel, ranks_per_node: int) -> list[int]:
-    """Group sizes two-level attention may use: 2..ranks_per_node, whole KV groups per slice."""
-    return [u for u in range(2, ranks_per_node + 1) if _valid(cost.q_heads, cost.kv_heads, u)]
+    """Group sizes two-level attention may use: divisors of ranks_per_node from 2 (so a node
+    holds whole groups), whole KV groups per head slice."""
+    return [u for u in range(2, ranks_per_node + 1) if ranks_per_node % u == 0 and _valid(cost.q_heads, cost.kv_heads, u)]
 
 
 def head_fractions(cost: CostModel, u: int) -> tuple[float, float]:
@@ -62,25 +63,30 @@ def a2a_time(cost: CostModel, tokens: float, u: int) -> float:
     return 4 * cost.p2p_latency_s + a2a_bytes(cost, tokens, u) / cost.bw_intra_node
 
 
-def share_times(cost: CostModel, seq_len: int, ring_sizes: np.ndarray, u: int, ranks_per_node: int) -> np.ndarray:
+def share_times(cost: CostModel, seq_len: int, ring_sizes: np.ndarray, u, ranks_per_node: int) -> np.ndarray:
     """Per-member seconds (all layers) of a sequence run two-level over each ring size (a
-    multiple of u, larger than a node; others inf). Follows ``sharding.ring_times``."""
-    d = ring_sizes.astype(np.float64)
-    ok = (ring_sizes % u == 0) & (ring_sizes > ranks_per_node)
+    multiple of u, larger than a node; others inf). Follows ``sharding.ring_times``.
+    ``u`` may be a list of group sizes: then one row per group size."""
+    us = np.atleast_1d(np.asarray(u, dtype=np.int64))[:, None]
+    sizes = np.asarray(ring_sizes)[None, :]
+    ok = (sizes % us == 0) & (sizes > ranks_per_node)
+    d = sizes.astype(np.float64)
     share = np.ceil(seq_len / d)
-    fq, fkv = head_fractions(cost, u)
-    m = d / u
-    pairs = float(seq_len) * seq_len / d * (u * fq)
+    fq = np.array([head_fractions(cost, int(v))[0] for v in us[:, 0]])[:, None]
+    fkv = fq  # whole KV groups per slice: the same share of the KV heads
+    m = d / us
+    pairs = float(seq_len) * seq_len / d * (us * fq)
     per_layer = cost.a1 * pairs + cost.b1 * share + cost.g
     step = cost.a1 * pairs / m
-    block = u * share * fkv  # a cross-ring block, in full-head token equivalents
+    block = us * share * fkv  # a cross-ring block, in full-head token equivalents
     bw, lat = cost.bw_inter_node, cost.p2p_latency_s
     hop_f = lat + block * cost.kv_bytes_per_token / bw
     hop_b = lat + block * (cost.kv_bytes_per_token + cost.grad_bytes_per_token) / bw
     home = np.where(m > 1, lat + block * cost.grad_bytes_per_token / bw, 0.0)
     exposed = (m - 1) * (np.maximum(0.0, hop_f - FORWARD_SHARE * step) + np.maximum(0.0, hop_b - (1 - FORWARD_SHARE) * step))
-    exposed += home + a2a_time(cost, share, u)
-    return np.where(ok, cost.num_layers * (per_layer + exposed), np.inf)
+    exposed += home + a2a_time(cost, share, us)
+    out = np.where(ok, cost.num_layers * (per_layer + exposed), np.inf)
+    return out[0] if np.ndim(u) == 0 else out
 
 
 def share_time(cost: CostModel, seq_len: int, ring_size: int, u: int, ranks_per_node: int) -> float:
