@@ -3,9 +3,13 @@ attention call per sequence: real P2P over gloo ranks, "nodes" of 2 ranks, GQA 8
 lengths divisible by nothing, group sizes that do and do not divide the KV heads; and the
 bf16 dK/dV accumulator option measured against fp32. One launch runs every case."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.local_world import run_local_world
@@ -13,7 +17,10 @@ from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole
 from megatron_bytescale.runtime.layout import MicroBatchLayout
 from megatron_bytescale.runtime.ring_attention import ring_attention
 from megatron_bytescale.runtime.ring_comm import P2PCounter
-from megatron_bytescale.runtime.two_level_attention import head_slices
+from megatron_bytescale.runtime.attention_ops import get_backend
+from megatron_bytescale.runtime.group_exchange import LocalGroup, SelfRing
+from megatron_bytescale.runtime.ring_comm import LocalRing
+from megatron_bytescale.runtime.two_level_attention import head_slices, two_level_with
 
 HQ, HKV, D = 8, 4, 8
 ATOL = 1e-5  # as tests/test_ring_attention.py
@@ -162,6 +169,51 @@ def test_bytes_sent_are_what_the_plan_predicts():
         assert res[("auto", False)][1] == expected[rank] > 0
         bf16_expected = plan.p2p_bytes_per_rank(2 * HKV * D * 4, 2 * HKV * D * 2, 1, q_bytes_per_token=HQ * D * 4)
         assert res[("auto", True)][1] == bf16_expected[rank] < expected[rank]
+
+
+# ----------------------------------------------------------------- one process, threads
+@st.composite
+def two_level_micro_batches(draw):
+    """One ring micro-batch: N members in groups of u, random lengths, whole sequences beside."""
+    u = draw(st.integers(2, 4))
+    n = u * draw(st.integers(1, 3))
+    ring = tuple(draw(st.permutations(range(n))))
+    long = draw(st.lists(st.integers(n, 5 * n + 7), min_size=1, max_size=3))
+    short = draw(st.lists(st.integers(1, 6), max_size=3))
+    shares = [ring_pieces(sid, s, ring, u) for sid, s in enumerate(long)]
+    owners = [draw(st.sampled_from(ring)) for _ in short]
+    mbs = {}
+    for idx, rank in enumerate(ring):
+        pieces = [sh[idx] for sh in shares]
+        pieces += [whole_piece(len(long) + i, s, rank) for i, (s, o) in enumerate(zip(short, owners)) if o == rank]
+        mbs[rank] = MicroBatch(tuple(draw(st.permutations(pieces))))
+    return long + short, ring, u, mbs
+
+
+@settings(max_examples=12, deadline=None)
+@given(two_level_micro_batches(), st.sampled_from(["torch", "auto"]), st.integers(0, 2**16))
+def test_threaded_two_level_matches_fused_attention(case, backend, seed):
+    """Any length, any u up to 4 (8 query / 4 KV heads: u = 3 divides neither), every member a thread."""
+    lens, ring, u, mbs = case
+    full = sequences(lens, seed)
+    ref = reference(full)
+    m = len(ring) // u
+    groups, rings = [LocalGroup(u, TIMEOUT_S) for _ in range(m)], [LocalRing(m, TIMEOUT_S) for _ in range(u)]
+
+    def member(rank):
+        layout = MicroBatchLayout.from_micro_batch(mbs[rank], rank)
+        gl = layout.groups
+        q, k, v, g = (gather(full, layout, i).float() for i in range(4))
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        cross = rings[gl.place].member(gl.group_index) if m > 1 else SelfRing()
+        out = two_level_with(q, k, v, layout, groups[gl.group_index].member(gl.place), cross, D**-0.5,
+                             get_backend(backend, q))
+        (out * g).sum().backward()
+        got = [out, q.grad, k.grad, v.grad]
+        return max((x.double() - gather(ref, layout, i)).abs().max().item() for i, x in enumerate(got))
+
+    with ThreadPoolExecutor(len(ring)) as pool:
+        assert max(pool.map(member, ring)) < ATOL
 
 
 def test_head_slices_keep_query_heads_with_their_kv_heads():

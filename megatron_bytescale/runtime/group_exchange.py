@@ -7,9 +7,13 @@ ring's ``P2PCounter``. On a cluster the group is one node, so this traffic stays
 
 ``SelfRing`` stands in for the ring across groups when there is one group only (the
 all-to-all alone then covers the sequence): it sends nothing and hands the tensor back.
+``LocalGroup`` is the exchange for group members that are threads of one process (like
+``ring_comm.LocalRing``; a single-device check), never touching torch.distributed.
 """
 
 from __future__ import annotations
+
+import queue
 
 import torch
 import torch.distributed as dist
@@ -75,3 +79,38 @@ class _Ready:
 
     def wait(self) -> torch.Tensor:
         return self._tensor
+
+
+class LocalGroup:
+    """``size`` group members in one process, one thread each, exchanging through queues."""
+
+    def __init__(self, size: int, timeout_s: float = 300.0):
+        self.size, self.timeout_s = size, timeout_s
+        self._inbox = [[queue.Queue() for _ in range(size)] for _ in range(size)]  # [receiver][sender]
+
+    def member(self, index: int, counter: P2PCounter | None = None) -> LocalGroupMember:
+        return LocalGroupMember(self, index, counter)
+
+
+class LocalGroupMember:
+    def __init__(self, hub: LocalGroup, index: int, counter: P2PCounter | None):
+        self.hub, self.index, self.size, self.counter = hub, index, hub.size, counter
+
+    def exchange(self, sends, recv_shapes, dtype, device):
+        for b in range(self.size):
+            if b != self.index:
+                self.hub._inbox[b][self.index].put(sends[b].clone())  # a copy, as a real send would be
+                if self.counter is not None:
+                    self.counter.add(sends[b])
+        recvs = [None] * self.size
+        for b in range(self.size):
+            if b == self.index:
+                continue
+            try:
+                got = self.hub._inbox[self.index][b].get(timeout=self.hub.timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"group member received nothing within {self.hub.timeout_s:.0f} s") from None
+            if tuple(got.shape) != tuple(recv_shapes[b]):
+                raise PlanError(f"group member expected a {tuple(recv_shapes[b])} block, received {tuple(got.shape)}")
+            recvs[b] = got
+        return recvs

@@ -61,6 +61,14 @@ def two_level_attention(q, k, v, layout: MicroBatchLayout, group, scale: float, 
     return _TwoLevel.apply(q, k, v, layout, exchange, ring, slices, scale, backend, grad_dtype)
 
 
+def two_level_with(q, k, v, layout: MicroBatchLayout, exchange, ring, scale: float, backend, grad_dtype=None):
+    """The same over given transports: ``exchange`` (a ``group_exchange.LocalGroup`` member, say)
+    and ``ring`` (a ``ring_comm.LocalRing`` member of the ring across groups, or ``SelfRing``);
+    differentiable. For checks with every member a thread of one process."""
+    slices = head_slices(q.shape[1], k.shape[1], layout.groups.size)
+    return _TwoLevel.apply(q, k, v, layout, exchange, ring, slices, scale, backend, grad_dtype)
+
+
 # ------------------------------------------------------------------ the head exchange
 def _heads(x: torch.Tensor, heads: tuple[int, ...]) -> torch.Tensor:
     return x.index_select(1, torch.tensor(heads, device=x.device))
