@@ -13,7 +13,9 @@ the micro-batch's ring of N ranks (design 2.3); each member holds one block of t
 
 So member i sends ``(sum T - T_{i+1})`` KV tokens forward, as many backward, and ``sum T``
 accumulator tokens: ``Plan.p2p_bytes_per_rank`` with kv bytes/token ``2*hkv*d*k.element_size()``
-and grad bytes/token ``2*hkv*d*4``. A ring of one sends nothing.
+and grad bytes/token ``2*hkv*d*4`` (``2*hkv*d*2`` with ``grad_dtype=bf16``). A ring of one sends
+nothing. A micro-batch planned two-level (``heads_split`` > 1) runs ``two_level_attention``,
+which builds on ``ring_forward``/``ring_backward`` here.
 """
 
 from __future__ import annotations
