@@ -14,12 +14,11 @@ from hypothesis import strategies as st
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.local_world import run_local_world
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
-from megatron_bytescale.runtime.layout import MicroBatchLayout
-from megatron_bytescale.runtime.ring_attention import ring_attention
-from megatron_bytescale.runtime.ring_comm import P2PCounter
 from megatron_bytescale.runtime.attention_ops import get_backend
 from megatron_bytescale.runtime.group_exchange import LocalGroup, SelfRing
-from megatron_bytescale.runtime.ring_comm import LocalRing
+from megatron_bytescale.runtime.layout import MicroBatchLayout
+from megatron_bytescale.runtime.ring_attention import ring_attention
+from megatron_bytescale.runtime.ring_comm import LocalRing, P2PCounter
 from megatron_bytescale.runtime.two_level_attention import head_slices, two_level_with
 
 HQ, HKV, D = 8, 4, 8
@@ -69,7 +68,7 @@ def four_rank_plan():
     e = ring_pieces(5, 26, r4, 3)
     f = ring_pieces(6, 19, (3, 0))
     lens = [37, 5, 23, 13, 31, 26, 19, 9]
-    at = lambda pieces, ring, r: pieces[ring.index(r)]  # noqa: E731
+    at = lambda pieces, ring, r: pieces[ring.index(r)]
     return make_plan(lens, [
         [[at(a, r1, 0), whole_piece(1, 5, 0)], [at(b, r2, 0), at(c, r2, 0)], [at(d, r2, 0)], [at(f, (3, 0), 0)]],
         [[at(a, r1, 1)], [at(c, r2, 1), at(b, r2, 1)], [at(d, r2, 1)], [at(e, r4, 1)]],
@@ -115,7 +114,7 @@ def _check(plan, results, divisible_mbs):
     q_bytes, kv_bytes = HQ * D * 4, 2 * HKV * D * 4
     for rank, res in enumerate(results):
         for backend in ("auto", "torch"):
-            errors, sent = res[(backend, False)]
+            errors, _ = res[(backend, False)]
             assert len(errors) == len(plan.micro_batches(rank))
             assert max(max(e[:4]) for e in errors) < ATOL, (rank, backend, errors)
             bf16 = res[(backend, True)][0]

@@ -63,7 +63,7 @@ def test_the_planner_chooses_two_level_per_sequence_on_whole_node_groups():
     assert u > 1 and len(ring) % u == 0 and len(ring) > 8
     for g in range(0, len(ring), u):  # every group inside one node
         assert len({r // 8 for r in ring[g:g + u]}) == 1
-    for sid, (u, ring) in splits.items():  # rings inside a node stay plain
+    for u, ring in splits.values():  # rings inside a node stay plain
         if len({r // 8 for r in ring}) == 1:
             assert u == 1
 

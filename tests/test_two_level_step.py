@@ -5,11 +5,10 @@ megatron-core's tiny GPT (4 query heads, 2 KV groups), one sequence two-level wi
 from __future__ import annotations
 
 import pytest
+from test_hdp_step import TOL, _step, max_grad_diff, reference
 
 from megatron_bytescale.local_world import run_local_world
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
-
-from test_hdp_step import TOL, _step, max_grad_diff, reference
 
 
 def two_level_plan() -> Plan:

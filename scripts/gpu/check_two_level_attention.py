@@ -31,18 +31,27 @@ import json
 import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_ring_attention import Sequences, max_errors, oracle, prepare, run_fused, run_ring, timed  # noqa: E402
+from check_ring_attention import (
+    Sequences,
+    max_errors,
+    oracle,
+    prepare,
+    run_fused,
+    run_ring,
+    timed,
+)
 
-from megatron_bytescale.planner.plan import MicroBatch, ring_pieces, whole_piece  # noqa: E402
-from megatron_bytescale.runtime.attention_ops import flash_kernel, get_backend  # noqa: E402
-from megatron_bytescale.runtime.group_exchange import LocalGroup, SelfRing  # noqa: E402
-from megatron_bytescale.runtime.ring_comm import LocalRing  # noqa: E402
-from megatron_bytescale.runtime.two_level_attention import two_level_with  # noqa: E402
+from megatron_bytescale.planner.plan import MicroBatch, ring_pieces, whole_piece
+from megatron_bytescale.runtime.attention_ops import flash_kernel, get_backend
+from megatron_bytescale.runtime.group_exchange import LocalGroup, SelfRing
+from megatron_bytescale.runtime.ring_comm import LocalRing
+from megatron_bytescale.runtime.two_level_attention import two_level_with
 
 # (name, ring size N, group size u, distributed sequence lengths, whole short sequences)
 ACCURACY_CASES = [
@@ -116,7 +125,7 @@ def accuracy(cases, hq, hkv, d, dtype, device, backends) -> list[dict]:
                    "plain_ring_err": max_errors(plain, want), "one_call_err": max_errors(fused, want),
                    "two_level_vs_plain_ring": max_errors(two, plain)}
             records.append(rec)
-            fmt = lambda e: " ".join(f"{k}={v:.2e}" for k, v in e.items())  # noqa: E731
+            fmt = lambda e: " ".join(f"{k}={v:.2e}" for k, v in e.items())
             print(f"{name:15s} N={n} u={u} {sum(lens):6d} tok {backend.name:5s} | max |err| vs fp32: two-level "
                   f"{fmt(rec['two_level_err'])} | bf16 dK/dV {fmt(rec['two_level_bf16_dkv_err'])} | plain ring "
                   f"{fmt(rec['plain_ring_err'])} | one call {fmt(rec['one_call_err'])}", flush=True)
@@ -133,14 +142,14 @@ def speed(token_counts, ring_size, splits, hq, hkv, d, dtype, device, backend_na
         seqs = Sequences([tokens], hq, hkv, d, dtype, device)
         backend = get_backend(backend_name, seqs.q)
         scale = d**-0.5
-        fused_ms = timed(lambda: run_fused(seqs, backend, scale), repeats, device)
+        fused_ms = timed(partial(run_fused, seqs, backend, scale), repeats, device)
         for u in splits:
             _, mbs = micro_batches(ring_size, u, [tokens], [])
             prepared = prepare(seqs, mbs)
             if u == 1:
-                fn = lambda: run_ring(seqs, mbs, backend, scale, prepared)  # noqa: E731
+                fn = partial(run_ring, seqs, mbs, backend, scale, prepared)
             else:
-                fn = lambda: run_two_level(mbs, prepared, backend, scale)  # noqa: E731
+                fn = partial(run_two_level, mbs, prepared, backend, scale)
             ms = timed(fn, repeats, device)
             rec = {"tokens": tokens, "ring": ring_size, "u": u, "backend": backend.name, "fused_ms": fused_ms,
                    "all_members_ms": ms, "per_rank_ms": ms / ring_size, "efficiency": fused_ms / ms}
