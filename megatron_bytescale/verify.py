@@ -65,6 +65,46 @@ def with_offload_ratio(plan: Plan, ratio: float) -> Plan:
     return replace(plan, ranks=ranks)
 
 
+def parse_two_level(text: str | None) -> tuple[int, int] | None:
+    """``--two-level SEQ[:U]`` -> (sequence index, group size; default 2)."""
+    if text is None:
+        return None
+    seq, _, u = text.partition(":")
+    try:
+        return int(seq), int(u) if u else 2
+    except ValueError:
+        raise BytescaleError(f"--two-level {text!r}: give SEQ or SEQ:U (a sequence index, a group size), e.g. 0:2") from None
+
+
+def with_two_level(plan: Plan, seq_id: int, u: int, q_heads: int, kv_heads: int) -> Plan:
+    """Run sequence ``seq_id``'s ring two-level with groups of ``u`` (and its micro-batch's
+    other ring sequences with it: one micro-batch, one ring)."""
+    if not 0 <= seq_id < len(plan.seq_lens):
+        raise BytescaleError(f"--two-level: sequence {seq_id} is not in the batch of {len(plan.seq_lens)}; give an index 0..{len(plan.seq_lens) - 1}")
+    ring = plan.ring_sizes().get(seq_id, 1)
+    if ring == 1:
+        raise BytescaleError(
+            f"--two-level: sequence {seq_id} ({plan.seq_lens[seq_id]} tokens) runs whole on one rank at capacity "
+            f"{plan.capacity}; pick a sequence longer than the capacity (or lower --capacity)"
+        )
+    if u < 2 or ring % u:
+        raise BytescaleError(f"--two-level: group size {u} must be >= 2 and divide sequence {seq_id}'s ring of {ring} ranks")
+    if q_heads % u or kv_heads % u:
+        raise BytescaleError(
+            f"--two-level: group size {u} must divide the {q_heads} query and {kv_heads} KV heads per TP rank "
+            "(so the plan's byte prediction is exact)"
+        )
+    ranks = tuple(
+        tuple(
+            replace(mb, pieces=tuple(replace(p, heads_split=u) if p.is_distributed else p for p in mb.pieces))
+            if seq_id in mb.distributed_seq_ids else mb
+            for mb in mbs
+        )
+        for mbs in plan.ranks
+    )
+    return replace(plan, ranks=ranks)
+
+
 def _rank_main(rank, world, model, tp, seed, plan_json, offload):
     """One process: one HDP step of ``plan``; returns loss, gradients and measured traffic."""
     from megatron.core import parallel_state
@@ -119,7 +159,7 @@ def grad_diffs(outs: list[dict], refs: list[dict]) -> tuple[float, float]:
 
 def verify(
     lengths: list[int], *, world_size: int, capacity: int, seed: int = 0, model: str = "tiny", tp: int = 1,
-    offload_ratio: float | None = None,
+    offload_ratio: float | None = None, two_level: tuple[int, int] | None = None,
 ) -> dict:
     if world_size < 1 or world_size % tp:
         raise BytescaleError(f"--world-size {world_size} must be a positive multiple of --tp {tp}")
@@ -131,6 +171,9 @@ def verify(
     plan = plan_step(lengths, PlannerConfig(num_ranks=ranks, capacity=capacity, ranks_per_node=ranks, offload=False), cost)
     if offload_ratio is not None:
         plan = with_offload_ratio(plan, offload_ratio)
+    q_heads, kv_heads = spec.num_attention_heads // tp, max(1, spec.num_query_groups // tp)
+    if two_level is not None:
+        plan = with_two_level(plan, *two_level, q_heads, kv_heads)
     plan.validate()
     from .sim.cluster import Cluster
     from .sim.static_cp import static_plan
@@ -143,7 +186,7 @@ def verify(
 
     # K and V travel in the activations' dtype (fp32 on CPU), dK/dV accumulators always in fp32
     kv = 2 * (spec.num_query_groups // tp) * spec.kv_channels * FP32_BYTES
-    predicted = plan.p2p_bytes_per_rank(kv, kv, spec.num_layers)
+    predicted = plan.p2p_bytes_per_rank(kv, kv, spec.num_layers, q_bytes_per_token=q_heads * spec.kv_channels * FP32_BYTES)
     measured = [o["p2p_bytes"] for o in hdp[::tp]]
     max_abs, max_rel = grad_diffs(hdp, ref)
     sizes = plan.ring_sizes()
@@ -164,6 +207,7 @@ def verify(
         "offloaded_bytes": int(sum(o["offloaded_bytes"] for o in hdp)),
         "ranks_per_sequence": [sizes[i] for i in range(len(lengths))],
         "static_cp": static.meta.get("cp"),
+        "two_level": None if two_level is None else {"seq": two_level[0], "heads_split": two_level[1]},
     }
 
 
@@ -188,6 +232,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="model config (default: tiny)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size inside each HDP rank")
     parser.add_argument("--offload-ratio", type=float, default=None, help="offload this share of every long sequence's activations")
+    parser.add_argument(
+        "--two-level", metavar="SEQ[:U]", default=None,
+        help="force two-level attention (head all-to-all in groups of U ranks, default 2, ring across groups) "
+             "on sequence SEQ's ring (an index into the lengths)",
+    )
     parser.add_argument("--json", help="write the report here")
 
 
@@ -195,7 +244,7 @@ def main(args: argparse.Namespace) -> int:
     lengths = parse_lengths(args.lengths, args.lengths_file)
     report = verify(
         lengths, world_size=args.world_size, capacity=parse_size(args.capacity, "--capacity"), seed=args.seed,
-        model=args.model, tp=args.tp, offload_ratio=args.offload_ratio,
+        model=args.model, tp=args.tp, offload_ratio=args.offload_ratio, two_level=parse_two_level(args.two_level),
     )
     failures = passed(report)
     report["ok"] = not failures
@@ -207,6 +256,9 @@ def main(args: argparse.Namespace) -> int:
         f"  P2P bytes          : HDP {report['p2p_bytes']:,} (plan predicts {report['p2p_bytes_predicted']:,})  "
         f"static DPxCP (CP={report['static_cp']}) {report['p2p_bytes_static']:,}"
     )
+    if report["two_level"] is not None:
+        tl = report["two_level"]
+        print(f"  two-level          : sequence {tl['seq']}'s ring in groups of {tl['heads_split']} (head all-to-all, ring across groups)")
     if args.offload_ratio is not None:
         print(f"  offloaded bytes    : {report['offloaded_bytes']:,} (ratio {args.offload_ratio} on every ring micro-batch)")
     if args.json:

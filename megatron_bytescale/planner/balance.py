@@ -53,6 +53,7 @@ class Unit:
     tokens: int  # tokens on the busiest member
     ratio: float = 0.0
     fillers: tuple[tuple[int, ...], ...] = ()  # per ring slot: whole sequences packed beside its share
+    heads_split: int = 1  # a ring's two-level group size: placed in whole groups on nodes
 
 
 @dataclass
@@ -143,7 +144,7 @@ def schedule(
 
     def give_ring(u: int) -> None:
         unit = units[u]
-        ring = placer.place(loads.key, unit.ring_size)
+        ring = placer.place(loads.key, unit.ring_size, unit.heads_split)
         start = float(loads.clock[ring].max())
         for r in ring.tolist():  # synchronous: every member is held until the slowest is done
             loads.run(r, start, unit.time, unit.tokens)

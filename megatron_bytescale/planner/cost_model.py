@@ -67,6 +67,11 @@ class CostModel:
     def recompute_attention_share(self) -> float:
         """m / l: the share of layers whose ring forward runs again in backward."""
         return self.recomputed_attention_layers / self.num_layers if self.num_layers else 0.0
+    # two-level attention (planner/two_level.py): the heads of one TP shard, and what the head
+    # all-to-all moves per token and layer for the queries (bf16); 0 heads: two-level off
+    q_heads: int = 0
+    kv_heads: int = 0
+    q_bytes_per_token: float = 0.0
 
     # ------------------------------------------------------------- formulas
     def layer_time(self, tokens: float, attention_pairs: float | None = None) -> float:
@@ -102,12 +107,14 @@ class CostModel:
     # ---------------------------------------------------------- construction
     @classmethod
     def analytic(
-        cls, model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1, sequence_parallel: bool = True
+        cls, model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1, sequence_parallel: bool = True,
+        dkv_bf16: bool = False,
     ) -> CostModel:
         """Coefficients from FLOP and byte counts (bf16 weights and activations, flash-style
         attention with no s^2 activations). With ``sequence_parallel`` (Megatron's companion of
         TP) every activation is divided by TP; without it the four hidden-size activations per
-        layer (both norms' inputs, the QKV and fc1 inputs) stay whole on every TP rank."""
+        layer (both norms' inputs, the QKV and fc1 inputs) stay whole on every TP rank.
+        ``dkv_bf16``: the backward's dK/dV accumulators travel in bf16 (else fp32)."""
         if tp <= 0 or pp <= 0:
             raise ConfigError(f"TP and PP must be positive, got TP={tp}, PP={pp}")
         if model.num_layers % pp:
@@ -140,7 +147,7 @@ class CostModel:
             b2=0.0,
             num_layers=model.num_layers // pp,
             kv_bytes_per_token=2 * kv_shard * BF16_BYTES,
-            grad_bytes_per_token=2 * kv_shard * FP32_BYTES,
+            grad_bytes_per_token=2 * kv_shard * (BF16_BYTES if dkv_bf16 else FP32_BYTES),
             bw_d2h=hw.bw_d2h,
             bw_h2d=hw.bw_h2d,
             bw_intra_node=hw.bw_intra_node,
@@ -149,6 +156,9 @@ class CostModel:
             flops_per_token_linear=3 * linear / tp,
             flops_per_token_pair=3 * pair / 2 / tp,
             grad_bytes_per_gpu=FP32_BYTES * params,
+            q_heads=max(1, model.num_attention_heads // tp),
+            kv_heads=kv_heads_per_shard,
+            q_bytes_per_token=max(1, model.num_attention_heads // tp) * model.kv_channels * BF16_BYTES,
         )
 
     # -------------------------------------------------------------- profiles

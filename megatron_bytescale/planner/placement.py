@@ -34,12 +34,15 @@ class RingPlacer:
         self.ranks_per_node = min(ranks_per_node, num_ranks)
         self.num_nodes = num_ranks // self.ranks_per_node
 
-    def place(self, loads: np.ndarray, ring_size: int) -> np.ndarray:
-        """Ordered global ranks of a new ring of ``ring_size`` members."""
+    def place(self, loads: np.ndarray, ring_size: int, group: int = 1) -> np.ndarray:
+        """Ordered global ranks of a new ring of ``ring_size`` members (``group`` > 1: in
+        groups of that many members of one node, consecutive in the ring: two-level)."""
         if not 1 <= ring_size <= self.num_ranks:
             raise PlanError(f"a ring of {ring_size} ranks does not fit {self.num_ranks} ranks")
         if ring_size <= self.ranks_per_node:
             return self._inside_one_node(loads, ring_size)
+        if group > 1 and ring_size % group == 0 and self.ranks_per_node % group == 0:
+            return self._in_groups(loads, ring_size, group)
         # the ring_size least-loaded ranks, ties to the lowest ranks (exact, O(N))
         threshold = np.partition(loads, ring_size - 1)[ring_size - 1]
         below = np.flatnonzero(loads < threshold)
@@ -58,3 +61,17 @@ class RingPlacer:
         node = int(np.lexsort((idle, start))[0])  # earliest start, then least idle, then lowest node
         local = np.argsort(by_node[node], kind="stable")[:ring_size]
         return np.sort(local) + node * rpn
+
+    def _in_groups(self, loads: np.ndarray, ring_size: int, group: int) -> np.ndarray:
+        """The ring_size / group least-loaded groups: each node's ranks, least-loaded first,
+        cut into groups of ``group`` (a group is as loaded as its busiest member; ties to
+        lower nodes); ordered by node, each group by rank."""
+        rpn = self.ranks_per_node
+        by_node = loads.reshape(self.num_nodes, rpn)
+        local = np.argsort(by_node, axis=1, kind="stable").reshape(self.num_nodes, rpn // group, group)
+        busiest = np.take_along_axis(by_node, local[:, :, -1], axis=1)  # [node, group]
+        flat = np.lexsort((np.arange(busiest.size), busiest.ravel()))[: ring_size // group]
+        chosen = sorted(flat.tolist())  # by node, then by load within the node
+        nodes, idx = np.divmod(np.array(chosen), rpn // group)
+        groups = np.sort(local[nodes, idx], axis=1) + (nodes * rpn)[:, None]
+        return groups.ravel()

@@ -42,6 +42,10 @@ class Piece:
     seq_len: int
     ranges: Ranges  # [start, end) token ranges of the sequence, ascending
     ring: tuple[int, ...]  # ordered HDP ranks that share the sequence; (rank,) if whole
+    # two-level attention (design 2.3, "two-level"): the ring's consecutive members in groups of
+    # ``heads_split`` (one node each) swap heads by all-to-all, so the ring proper runs across
+    # the groups with blocks ``heads_split`` times larger; 1 is the plain ring
+    heads_split: int = 1
 
     @property
     def tokens(self) -> int:
@@ -82,6 +86,11 @@ class MicroBatch:
     def distributed_seq_ids(self) -> tuple[int, ...]:
         return tuple(sorted(p.seq_id for p in self.pieces if p.is_distributed))
 
+    @property
+    def heads_split(self) -> int:
+        """The two-level group size of this micro-batch's ring (1: a plain ring or no ring)."""
+        return max((p.heads_split for p in self.pieces if p.is_distributed), default=1)
+
 
 @dataclass
 class Plan:
@@ -121,6 +130,7 @@ class Plan:
     def p2p_bytes_per_rank(
         self, kv_bytes_per_token: float, grad_bytes_per_token: float, num_layers: int, backward: bool = True,
         recomputed_layers: int = 0,
+        q_bytes_per_token: float = 0.0,
     ) -> list[float]:
         """Bytes each rank sends in ring attention, as the runtime's ring passes do.
 
@@ -130,6 +140,14 @@ class Plan:
         accumulator of every block once (N hops: ``sum T * grad``). Each of the
         ``recomputed_layers`` (activation recompute of attention) runs its forward, and so
         its forward hops, once more during backward.
+
+        Two-level (``heads_split`` u > 1, heads split evenly: u divides the query and KV
+        heads): member i = g*u + a of group g first sends its block's other head slices to
+        its group (``T_i * (q + kv) * (u-1)/u``; ``q_bytes_per_token`` is the query heads'
+        size), the ring then runs over the M = N/u groups' blocks S_g with 1/u of the heads
+        (``(sum S - S_{g+1}) * kv/u``, and ``sum S * grad/u`` when M > 1), and the output
+        goes back (``(S_g - T_i) * q/u``). Backward: ``dout`` as the queries, the ring again,
+        and dQ, dK, dV back in the inputs' dtype (``(S_g - T_i) * (q + kv)/u``).
         """
         if not 0 <= recomputed_layers <= num_layers:
             raise PlanError(f"recomputed_layers={recomputed_layers} must be between 0 and num_layers={num_layers}")
@@ -151,9 +169,21 @@ class Plan:
                                 block[j] += rank_tokens(p.seq_len, n, j)
                     blocks[key] = block
                 i = ring.index(rank)
-                kv = (sum(block) - block[(i + 1) % n]) * kv_bytes_per_token
-                per_layer = kv + (kv + sum(block) * grad_bytes_per_token if backward else 0.0)
-                sent[rank] += per_layer * num_layers + (kv * recomputed_layers if backward else 0.0)
+                u = mb.heads_split
+                if u == 1:
+                    kv = (sum(block) - block[(i + 1) % n]) * kv_bytes_per_token
+                    per_layer = kv + (kv + sum(block) * grad_bytes_per_token if backward else 0.0)
+                    recomputed = kv
+                else:
+                    m, g = n // u, i // u
+                    sup = [sum(block[h * u:(h + 1) * u]) for h in range(m)]
+                    own, q, kv_, gr = block[i], q_bytes_per_token / u, kv_bytes_per_token / u, grad_bytes_per_token / u
+                    ring_kv = (sum(sup) - sup[(g + 1) % m]) * kv_
+                    fwd = own * (u - 1) * (q + kv_) + ring_kv + (sup[g] - own) * q
+                    bwd = own * (u - 1) * q + ring_kv + (sum(sup) * gr if m > 1 else 0.0) + (sup[g] - own) * (q + kv_)
+                    per_layer = fwd + (bwd if backward else 0.0)
+                    recomputed = fwd
+                sent[rank] += per_layer * num_layers + (recomputed * recomputed_layers if backward else 0.0)
         return sent
 
     # --------------------------------------------------------------- invariants
@@ -221,6 +251,9 @@ class Plan:
                 rings = {p.ring for p in mb.pieces if p.is_distributed}
                 if len(rings) > 1:
                     errors.append(f"{where}: distributed pieces use {len(rings)} different rings; one allowed")
+                splits = {p.heads_split for p in mb.pieces if p.is_distributed}
+                if len(splits) > 1:
+                    errors.append(f"{where}: pieces use heads_split {sorted(splits)}; one micro-batch has one")
                 if mb.ring is not None:
                     keys.append((mb.ring, mb.distributed_seq_ids))
             ring_keys[rank] = keys
@@ -257,6 +290,11 @@ class Plan:
             return [f"sequence {sid}: pieces disagree about the ring: {sorted({p.ring for _, _, p in held})}"]
         if len(set(ring)) != len(ring) or not all(0 <= r < self.num_ranks for r in ring):
             return [f"sequence {sid}: ring {ring} repeats a rank or names a rank outside 0..{self.num_ranks - 1}"]
+        u = held[0][2].heads_split
+        if any(p.heads_split != u for _, _, p in held):
+            return [f"sequence {sid}: pieces disagree about heads_split: {sorted({p.heads_split for _, _, p in held})}"]
+        if u < 1 or len(ring) % u or (u > 1 and len(ring) == 1):
+            return [f"sequence {sid}: heads_split {u} does not divide its ring of {len(ring)} ranks into groups"]
         ranks_holding = sorted(r for r, _, _ in held)
         if ranks_holding != sorted(ring):
             return [f"sequence {sid}: held by ranks {ranks_holding}, ring is {ring}; each member holds one piece"]
@@ -313,7 +351,11 @@ class Plan:
                 [
                     {
                         "offload_ratio": mb.offload_ratio,
-                        "pieces": [{"seq": p.seq_id, "ranges": [list(r) for r in p.ranges], "ring": list(p.ring)} for p in mb.pieces],
+                        "pieces": [
+                            {"seq": p.seq_id, "ranges": [list(r) for r in p.ranges], "ring": list(p.ring),
+                             **({"heads_split": p.heads_split} if p.heads_split != 1 else {})}
+                            for p in mb.pieces
+                        ],
                     }
                     for mb in mbs
                 ]
@@ -336,6 +378,7 @@ class Plan:
                                 seq_len=seq_lens[int(p["seq"])],
                                 ranges=tuple((int(a), int(b)) for a, b in p["ranges"]),
                                 ring=tuple(int(r) for r in p["ring"]),
+                                heads_split=int(p.get("heads_split", 1)),
                             )
                             for p in mb["pieces"]
                         ),
@@ -380,7 +423,8 @@ def whole_piece(seq_id: int, seq_len: int, rank: int) -> Piece:
     return Piece(seq_id=seq_id, seq_len=seq_len, ranges=((0, seq_len),), ring=(rank,))
 
 
-def ring_pieces(seq_id: int, seq_len: int, ring: tuple[int, ...]) -> list[Piece]:
-    """The zigzag pieces of one sequence over ``ring``, in ring order."""
+def ring_pieces(seq_id: int, seq_len: int, ring: tuple[int, ...], heads_split: int = 1) -> list[Piece]:
+    """The zigzag pieces of one sequence over ``ring``, in ring order (``heads_split``: two-level)."""
     shares = zigzag_ranges(seq_len, len(ring))
-    return [Piece(seq_id=seq_id, seq_len=seq_len, ranges=shares[i], ring=tuple(ring)) for i in range(len(ring))]
+    return [Piece(seq_id=seq_id, seq_len=seq_len, ranges=shares[i], ring=tuple(ring), heads_split=heads_split)
+            for i in range(len(ring))]

@@ -38,6 +38,7 @@ from .estimate import exposed_ring_time, ring_share_time
 from .pipeline_order import Item, LocalBatch, Ordered, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
 from .plan import MicroBatch, Piece, Plan, ring_pieces, whole_piece
+from . import two_level
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
 from .zigzag import rank_tokens
 
@@ -134,7 +135,7 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
             "little short work to fill the gaps: add short sequences, use fewer pipeline stages, or raise the capacity"
         )
     ring_time = {u: units[u].time for u in assignment.members}
-    ranks = _build(lens, units, ordered.members or assignment.members, ordered.runs)
+    ranks = _build(lens, units, ordered.members or assignment.members, ordered.runs, placer.ranks_per_node, cost)
     est = np.array(rank_estimates(ordered, stages, ring_time))
 
     plan = Plan(
@@ -261,8 +262,12 @@ def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) 
         if sh.ring_size == 1:
             units.append(Unit("long", (sid,), 1, cost.num_layers * cost.layer_time(sh.seq_len), sh.seq_len, sh.ratio))
         else:
-            t = ring_share_time(cost, sh.seq_len, sh.ring_size, sh.ring_size > ranks_per_node)
-            units.append(Unit("ring", (sid,), sh.ring_size, t, -(-sh.seq_len // sh.ring_size), sh.ratio))
+            if sh.heads_split > 1:  # two-level: head all-to-all in each node, ring across nodes
+                t = two_level.share_time(cost, sh.seq_len, sh.ring_size, sh.heads_split, ranks_per_node)
+            else:
+                t = ring_share_time(cost, sh.seq_len, sh.ring_size, sh.ring_size > ranks_per_node)
+            units.append(Unit("ring", (sid,), sh.ring_size, t, -(-sh.seq_len // sh.ring_size), sh.ratio,
+                              heads_split=sh.heads_split))
     return units
 
 
@@ -373,12 +378,15 @@ def _splitter(lens, cost: CostModel):
     return split
 
 
-def _build(lens, units: list[Unit], members: dict[int, tuple[int, ...]], runs: list[list[Item]]) -> tuple:
-    """The plan's micro-batches from each rank's ordered items."""
+def _build(lens, units: list[Unit], members: dict[int, tuple[int, ...]], runs: list[list[Item]],
+           ranks_per_node: int = 1, cost: CostModel | None = None) -> tuple:
+    """The plan's micro-batches from each rank's ordered items (a two-level ring keeps the
+    group size its placement allows: ``two_level.realized_split``)."""
     pieces_of: dict[int, dict[int, Piece]] = {}
     for u, ring in members.items():
         sid = units[u].seq_ids[0]
-        pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring)))
+        split = two_level.realized_split(ring, units[u].heads_split, ranks_per_node, cost) if cost is not None else 1
+        pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring, heads_split=split)))
     ranks = []
     for rank, items in enumerate(runs):
         mbs = []

@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import ConfigError, PlanError
 from .cost_model import FORWARD_SHARE, CostModel
 from .offload_policy import OffloadDecision, decide, ratio_for_ranks
+from . import two_level
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Shard:
     seq_len: int
     ring_size: int
     ratio: float
+    heads_split: int = 1  # two-level group size (planner/two_level.py); 1: the plain ring
 
 
 def memory_floor(seq_len: int, capacity: int, cost: CostModel, offload: bool, num_ranks: int) -> OffloadDecision:
@@ -82,6 +84,8 @@ class RingSizer:
         self.num_ranks = num_ranks
         self.ranks_per_node = min(ranks_per_node, num_ranks)
         self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._splits: dict[int, np.ndarray] = {}  # per curve entry: its two-level group size (1: plain)
+        self.two_level = two_level.valid_splits(cost, self.ranks_per_node) if num_ranks > self.ranks_per_node else []
 
     def floor(self, seq_len: int) -> OffloadDecision:
         return memory_floor(seq_len, self.capacity, self.cost, self.offload, self.num_ranks)
@@ -97,9 +101,28 @@ class RingSizer:
             per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
             comm_bound = cost.a1 * seq_len * cost.bw_inter_node / max(per_token, 1e-30)
             d_hi = min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound) + 2 * self.ranks_per_node))
+            splits_here = self.two_level if d_hi > self.ranks_per_node else []  # rings that may span nodes
+            if splits_here:  # two-level: u times the compute per hop, so larger rings still pay
+                d_hi = min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound * max(splits_here)) + 2 * self.ranks_per_node))
             sizes = np.arange(d_min, d_hi + 1)
-            self._curves[seq_len] = (sizes, ring_times(cost, seq_len, sizes, self.ranks_per_node))
+            times = ring_times(cost, seq_len, sizes, self.ranks_per_node)
+            splits = np.ones(sizes.size, dtype=np.int64)
+            if splits_here:  # per ring size, the fastest of the plain ring and each group size
+                t = two_level.share_times(cost, seq_len, sizes, splits_here, self.ranks_per_node)
+                k = t.argmin(axis=0)
+                best = t[k, np.arange(sizes.size)]
+                better = best < times
+                times = np.where(better, best, times)
+                splits[better] = np.asarray(splits_here)[k[better]]
+            self._curves[seq_len] = (sizes, times)
+            self._splits[seq_len] = splits
         return self._curves[seq_len]
+
+    def heads_split(self, seq_len: int, ring_size: int) -> int:
+        """The two-level group size the curve chose for this ring size (1: plain ring)."""
+        sizes, _ = self.curve(seq_len)
+        k = ring_size - int(sizes[0])
+        return int(self._splits[seq_len][k]) if 0 <= k < sizes.size else 1
 
     def fastest(self, seq_len: int) -> float:
         """The least time any ring gives this sequence's members (pipeline fill included)."""
@@ -199,7 +222,7 @@ def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | N
     for i in np.flatnonzero(lens > sizer.capacity).tolist():
         s = int(lens[i])
         d, r, _ = sizer.size(s, target)
-        shards[i] = Shard(i, s, d, r)
+        shards[i] = Shard(i, s, d, r, sizer.heads_split(s, d) if target is not None else 1)
     return shards
 
 

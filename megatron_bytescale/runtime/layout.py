@@ -7,6 +7,12 @@ micro-batch's ring, and what travels round that ring is one *block* per member h
 member's distributed tokens in a canonical order: sequences by id, each sequence's zigzag
 ranges in order. Every block is derived from ``zigzag_ranges`` alone, so a receiver sizes its
 buffers and builds its masks without being sent any metadata.
+
+Two-level attention (``heads_split`` u > 1): the ring's consecutive members form groups of u
+(one node each); ``GroupLayout`` says which group this rank is in, its place there, the ring
+across groups it joins (members at the same place of every group) and each group's *group
+block*: the group's blocks merged, sequences by id, each sequence's runs by position (so a
+group block of a zigzag ring is itself zigzag: two runs per sequence).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class MicroBatchLayout:
     ring_index: int  # this rank's place in ``ring``
     blocks: tuple[TokenBlock, ...]  # every ring member's block (empty when there is no ring)
     ring_rows: Rows  # where this rank's own block sits among its tokens, in block order
+    heads_split: int = 1  # two-level group size u (1: the plain ring)
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +84,11 @@ class MicroBatchLayout:
     def block_tokens(self) -> tuple[int, ...]:
         """Tokens of each ring member's block (what each KV hop carries)."""
         return tuple(b.num_tokens for b in self.blocks)
+
+    @cached_property
+    def groups(self) -> GroupLayout:
+        """The two-level structure of this rank's ring (``heads_split`` > 1 only)."""
+        return GroupLayout.of(self.blocks, self.ring, self.ring_index, self.heads_split)
 
     @classmethod
     def from_micro_batch(cls, mb: MicroBatch, rank: int) -> MicroBatchLayout:
@@ -103,6 +115,10 @@ class MicroBatchLayout:
                 raise PlanError(f"{where} is on a ring of one but holds {p.ranges}, not the whole [0, {p.seq_len})")
         if len(rings) > 1:
             raise PlanError(f"rank {rank}: distributed pieces use rings {sorted(rings)}; a micro-batch has one ring")
+        splits = {p.heads_split for p in mb.pieces if p.is_distributed}
+        heads_split = splits.pop() if len(splits) == 1 else 1
+        if splits or (rings and (heads_split < 1 or len(next(iter(rings))) % heads_split)):
+            raise PlanError(f"rank {rank}: distributed pieces need one heads_split that divides their ring's size")
 
         # this rank's token order, and the offset of each piece in it
         offsets, seq_ids, positions, row = {}, [], [], 0
@@ -138,6 +154,51 @@ class MicroBatchLayout:
             ring_index=index,
             blocks=blocks,
             ring_rows=ring_rows,
+            heads_split=heads_split if rings else 1,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class GroupLayout:
+    """This rank's place in a two-level ring (see the module docstring)."""
+
+    size: int  # u: members per group
+    num_groups: int  # M: the ring across groups has M members
+    group_index: int  # g: this rank's group (its place in ``cross_ring``)
+    place: int  # a: this rank's place in its group (its head slice)
+    group: tuple[int, ...]  # HDP ranks of this rank's group, by place
+    cross_ring: tuple[int, ...]  # HDP ranks at place a of every group, by group
+    blocks: tuple[TokenBlock, ...]  # every group's group block (what travels the cross ring)
+    member_tokens: tuple[int, ...]  # tokens of each group member's own block, by place
+    order: torch.Tensor  # int64: group-block row r is row order[r] of the members' blocks back to back
+
+    @classmethod
+    def of(cls, blocks: tuple[TokenBlock, ...], ring: tuple[int, ...], index: int, u: int) -> GroupLayout:
+        n = len(ring)
+        if u < 2 or n % u:
+            raise PlanError(f"two-level attention needs heads_split >= 2 dividing the ring size {n}; got {u}")
+        m, g, a = n // u, index // u, index % u
+        merged, order = [], None
+        for h in range(m):
+            runs, row = [], 0  # (seq_id, start, end, row in the members' blocks back to back)
+            for b in range(u):
+                for sid, start, end in blocks[h * u + b].runs:
+                    runs.append((sid, start, end, row))
+                    row += end - start
+            runs.sort()
+            out: list[list[int]] = []
+            for sid, start, end, _ in runs:
+                if out and out[-1][0] == sid and out[-1][2] == start:
+                    out[-1][2] = end
+                else:
+                    out.append([sid, start, end])
+            merged.append(TokenBlock(tuple(tuple(r) for r in out)))
+            if h == g:
+                order = torch.cat([torch.arange(r, r + end - start) for _, start, end, r in runs])
+        return cls(
+            size=u, num_groups=m, group_index=g, place=a,
+            group=tuple(ring[g * u:(g + 1) * u]), cross_ring=tuple(ring[h * u + a] for h in range(m)),
+            blocks=tuple(merged), member_tokens=tuple(blocks[g * u + b].num_tokens for b in range(u)), order=order,
         )
 
 

@@ -13,7 +13,9 @@ the micro-batch's ring of N ranks (design 2.3); each member holds one block of t
 
 So member i sends ``(sum T - T_{i+1})`` KV tokens forward, as many backward, and ``sum T``
 accumulator tokens: ``Plan.p2p_bytes_per_rank`` with kv bytes/token ``2*hkv*d*k.element_size()``
-and grad bytes/token ``2*hkv*d*4``. A ring of one sends nothing.
+and grad bytes/token ``2*hkv*d*4`` (``2*hkv*d*2`` with ``grad_dtype=bf16``). A ring of one sends
+nothing. A micro-batch planned two-level (``heads_split`` > 1) runs ``two_level_attention``,
+which builds on ``ring_forward``/``ring_backward`` here.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def ring_attention(
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
     counter: Optional[P2PCounter] = None,
+    grad_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """q [T, hq, d], k/v [T, hkv, d] in ``layout``'s token order -> out [T, hq, d]; differentiable.
 
@@ -45,26 +48,33 @@ def ring_attention(
     else the dense torch math), "flash" or "torch" (the dense reference).
     ``counter``: adds the bytes this rank sends (forward and backward; a recomputed forward
     under activation checkpointing sends, and counts, its KV again).
+    ``grad_dtype``: the dtype the backward's dK/dV accumulators travel in (None: fp32; bf16
+    halves those bytes, each hop still adding in fp32).
+    A layout with ``heads_split`` > 1 runs two-level attention (``two_level_attention``).
     """
     check_inputs(q, k, v, layout)
-    comm = RingComm(layout.ring, layout.ring_index, group, counter) if layout.ring_size > 1 else None
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return _RingAttention.apply(q, k, v, layout, comm, scale, get_backend(backend, q))
+    if layout.heads_split > 1 and layout.blocks:
+        from .two_level_attention import two_level_attention  # noqa: PLC0415 - it builds on this module
+
+        return two_level_attention(q, k, v, layout, group, scale, get_backend(backend, q), counter, grad_dtype)
+    comm = RingComm(layout.ring, layout.ring_index, group, counter) if layout.ring_size > 1 else None
+    return _RingAttention.apply(q, k, v, layout, comm, scale, get_backend(backend, q), grad_dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, comm, scale, backend):
+    def forward(ctx, q, k, v, layout, comm, scale, backend, grad_dtype=None):
         out, lse = attention_forward(q, k, v, layout, comm, scale, backend)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (layout, comm, scale, backend)
+        ctx.args = (layout, comm, scale, backend, grad_dtype)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = attention_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: MicroBatchLayout) -> None:
@@ -114,7 +124,7 @@ def attention_forward(q, k, v, layout: MicroBatchLayout, comm, scale: float, bac
     return out, lse
 
 
-def attention_backward(dout, q, k, v, out, lse, layout: MicroBatchLayout, comm, scale: float, backend):
+def attention_backward(dout, q, k, v, out, lse, layout: MicroBatchLayout, comm, scale: float, backend, grad_dtype=None):
     """-> (dq, dk, dv) in the inputs' dtypes."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -127,7 +137,7 @@ def attention_backward(dout, q, k, v, out, lse, layout: MicroBatchLayout, comm, 
 
     if layout.blocks:
         parts = (take_rows(x, layout.ring_rows) for x in (dout, q, k, v, out, lse))
-        grads = ring_backward(*parts, layout, comm, scale, backend, side_work=local)
+        grads = ring_backward(*parts, layout, comm, scale, backend, side_work=local, grad_dtype=grad_dtype)
         for dst, g in zip((dq, dk, dv), grads):
             put_rows(dst, layout.ring_rows, g)
     else:
@@ -153,8 +163,11 @@ def ring_forward(q, k, v, layout: MicroBatchLayout, comm, scale, backend, side_w
     return out, lse  # never None: every query sees itself in its own block
 
 
-def ring_backward(dout, q, k, v, out, lse, layout: MicroBatchLayout, comm, scale, backend, side_work=None):
-    """Gradients of this member's block; dK/dV of every block come home round the ring."""
+def ring_backward(dout, q, k, v, out, lse, layout: MicroBatchLayout, comm, scale, backend, side_work=None, grad_dtype=None):
+    """Gradients of this member's block; dK/dV of every block come home round the ring.
+
+    ``grad_dtype`` (e.g. bf16): the dtype the dK/dV accumulators travel in; each hop adds its
+    contribution in fp32 and rounds once before sending on (None: fp32 all the way)."""
     n, i, blocks = comm.size, comm.index, layout.blocks
     kv = torch.stack((k, v))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -166,15 +179,16 @@ def ring_backward(dout, q, k, v, out, lse, layout: MicroBatchLayout, comm, scale
         if step == 0 and side_work is not None:
             side_work()
         res = backend.backward(dout, q, kv[0], kv[1], out, lse, blocks[i], blocks[j], scale)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device) if grad_in is None else grad_in.wait()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device) if grad_in is None else grad_in.wait().float()
         if res is not None:
             dq += res[0]
             dkv[0] += res[1]
             dkv[1] += res[2]
-        grad_in = comm.send_recv(dkv, prev_shape, GRAD_TAG)  # block j's accumulator moves on
+        send = dkv if grad_dtype is None or n == 1 else dkv.to(grad_dtype)
+        grad_in = comm.send_recv(send, prev_shape, GRAD_TAG)  # block j's accumulator moves on
         if nxt is not None:
             kv = nxt.wait()
-    dkv = grad_in.wait()  # after N hops: this member's own block, every contribution in
+    dkv = grad_in.wait().float()  # after N hops: this member's own block, every contribution in
     return dq, dkv[0], dkv[1]
 
 

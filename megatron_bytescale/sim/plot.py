@@ -25,6 +25,7 @@ COLORS = {
     "backward": "#0570b0",
     "comm": "#e34a33",
     "offload": "#fdae61",
+    "a2a": "#8856a7",  # two-level attention's head all-to-all inside the node
 }
 
 
@@ -66,13 +67,16 @@ def plot_timelines(
         bars: dict[str, list[list[tuple[float, float]]]] = {k: [] for k in COLORS}
         for y, row in enumerate(rows):
             spans = {k: [] for k in COLORS}
-            for start, _end, direction, compute, comm, offload in t.ops[row]:
+            for start, _end, direction, compute, comm, offload, *more in t.ops[row]:
+                a2a = more[0] if more else 0.0
                 kind = "forward" if int(direction) == FORWARD else "backward"
                 spans[kind].append((start, compute))
                 if comm > 0:
                     spans["comm"].append((start + compute, comm))
                 if offload > 0:
                     spans["offload"].append((start + compute + comm, offload))
+                if a2a > 0:
+                    spans["a2a"].append((start + compute + comm + offload, a2a))
             for k in COLORS:
                 bars[k].append(spans[k])
         for y in range(len(rows)):
@@ -96,7 +100,7 @@ def plot_timelines(
     if shared:
         axes[-1, 0].set_xlim(0, horizon * 1.02)
     axes[-1, 0].set_xlabel("seconds into the step" + ("" if shared else " (each panel on its own time axis)"))
-    handles = [Patch(color=c, label=k if k not in ("comm", "offload") else f"exposed {k}") for k, c in COLORS.items()]
+    handles = [Patch(color=c, label={"a2a": "exposed all-to-all"}.get(k, k if k not in ("comm", "offload") else f"exposed {k}")) for k, c in COLORS.items()]
     handles.append(Patch(facecolor="white", edgecolor="grey", label="idle"))
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
     note = "dashed: lower bound; dotted: barriers" if lower_bound else "dotted: barriers"

@@ -46,6 +46,7 @@ class SimConfig:
     steps: int = 5
     seed: int = 0
     validate: str = "first"  # "first" | "all" | "none": which steps' plans to check with Plan.validate
+    dkv_bf16: bool = False  # ring attention sends the backward's dK/dV accumulators in bf16
 
 
 @dataclass
@@ -86,7 +87,7 @@ def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
     model = ModelSpec.load(cfg.model)
     hw = HardwareSpec.load(cfg.hardware)
     cluster = Cluster(cfg.gpus, cfg.tp, cfg.pp, cfg.gpus_per_node or hw.gpus_per_node)
-    cost = CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp)
+    cost = CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp, dkv_bf16=cfg.dkv_bf16)
     if cfg.capacity <= 0 or cfg.context <= 0 or cfg.global_batch_tokens <= 0:
         raise ConfigError("capacity, context and global batch tokens must be positive")
     if cfg.context < cfg.capacity:
@@ -205,6 +206,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--validate", default="first", choices=["first", "all", "none"], help="which steps' plans to validate")
+    parser.add_argument("--dkv-bf16", action="store_true",
+                        help="cost ring attention with the backward's dK/dV accumulators sent in bf16 (fp32 by default)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the config and median results as JSON")
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart of the first step")
 
@@ -226,6 +229,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         steps=args.steps,
         seed=args.seed,
         validate=args.validate,
+        dkv_bf16=args.dkv_bf16,
     )
 
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import PlanError
+from ..planner import two_level
 from ..planner.cost_model import FORWARD_SHARE, CostModel
 from ..planner.pipeline_order import BACKWARD, FORWARD, one_f_one_b
 from ..planner.plan import MicroBatch, Plan
@@ -62,6 +63,7 @@ class Work:
     compute: float  # busy computing
     comm: float  # exposed communication: waiting for ring hops that compute does not cover
     offload: float  # exposed PCIe copies of offloaded activations
+    a2a: float = 0.0  # two-level attention's head all-to-alls inside the node (NVLink, exposed)
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,59 @@ def ring_work(
     return [(f, b) for f, b in results]
 
 
+def two_level_ring_work(
+    ring: tuple[int, ...], u: int, loads: list[MemberLoad], cluster: Cluster, cost: CostModel, layers: int
+) -> list[tuple[Work, Work]]:
+    """(forward, backward) Work of each member of a two-level ring micro-batch (groups of u).
+
+    Per layer and direction: the linear part, then the head all-to-all inside each group
+    (NVLink, nothing overlaps it: ``two_level.a2a_time``, half per direction), then the ring
+    across the M groups: M steps of a group block (u blocks, the widest head slice), hops
+    over the network when neighbouring groups sit on different nodes, and in backward the
+    dKV home hop; then the reverse all-to-all (inside the same half)."""
+    n = len(ring)
+    m = n // u
+    fq, fkv = two_level.head_fractions(cost, u) if cost.q_heads else (1.0 / u, 1.0 / u)
+    tokens = np.array([ld.dist_tokens for ld in loads], dtype=float)
+    block = tokens.reshape(m, u).sum(axis=1) * fkv  # group blocks, in full-head token equivalents
+    firsts = [ring[g * u] for g in range(m)]
+    inter = np.array([not cluster.same_node(firsts[g], firsts[(g + 1) % m]) for g in range(m)])
+    bw = np.where(inter, cost.bw_inter_node, cost.bw_intra_node)
+    lin = np.array([cost.b1 * ld.tokens + cost.g for ld in loads])
+    attn = np.array([cost.a1 * ld.dist_pairs * u * fq for ld in loads])
+    local = np.array([cost.a1 * ld.local_pairs for ld in loads])
+    off = np.array([offload_exposure(ld, cost, layers)[0] / layers for ld in loads])
+    a2a = 0.5 * two_level.a2a_time(cost, float(tokens.max()), u)  # per direction
+    sender_block = block[(np.arange(m)[:, None] - np.arange(m - 1)[None, :]) % m]  # [group, hop]
+    lat = cost.p2p_latency_s
+    results = []
+    for direction, share in ((FORWARD, FORWARD_SHARE), (BACKWARD, 1.0 - FORWARD_SHARE)):
+        per_token = cost.kv_bytes_per_token + (cost.grad_bytes_per_token if direction == BACKWARD else 0.0)
+        hops = lat + (sender_block * (per_token / bw)[:, None]).max(axis=0) if m > 1 else np.zeros(0)
+        a = share * attn / m
+        first = a + share * local
+        steps = [max(first.max(), hops[0]) if m > 1 else first.max()]
+        steps += [max(a.max(), h) for h in hops[1:]]
+        if m > 1:
+            steps.append(a.max())
+        tail = 0.0
+        if direction == BACKWARD and m > 1:
+            tail = lat + (block[(np.arange(m) + 1) % m] * (cost.grad_bytes_per_token / bw)).max()
+        layer_time = (share * (lin + off)).max() + a2a + sum(steps) + tail
+        exposed = np.full(n, tail)
+        if m > 1:
+            exposed += np.maximum(0.0, hops[0] - first) + np.maximum(0.0, hops[None, 1:] - a[:, None]).sum(axis=1)
+        compute = share * (lin + attn + local)
+        for i in range(n):
+            w = Work(duration=layers * layer_time, compute=layers * compute[i], comm=layers * exposed[i],
+                     offload=layers * share * off[i], a2a=layers * a2a)
+            if direction == FORWARD:
+                results.append([w])
+            else:
+                results[i].append(w)
+    return [(f, b) for f, b in results]
+
+
 @dataclass
 class Timeline:
     """One step on every GPU. Rows are GPUs (one per TP group): row = stage * num_ranks + rank."""
@@ -198,7 +253,7 @@ class Timeline:
     ops: list[np.ndarray] = field(repr=False)
     barriers: list[float] = field(default_factory=list)  # times all ranks leave each barrier
 
-    COLUMNS = ("start", "end", "direction", "compute", "comm", "offload")
+    COLUMNS = ("start", "end", "direction", "compute", "comm", "offload", "a2a")
 
     def row(self, rank: int, stage: int = 0) -> np.ndarray:
         return self.ops[stage * self.num_ranks + rank]
@@ -220,8 +275,13 @@ class Timeline:
         return self.totals("offload")
 
     @property
+    def a2a(self) -> np.ndarray:
+        """Exposed two-level head all-to-all (NVLink) per GPU."""
+        return self.totals("a2a")
+
+    @property
     def idle(self) -> np.ndarray:
-        return self.step_time - self.busy - self.comm - self.offload
+        return self.step_time - self.busy - self.comm - self.offload - self.a2a
 
 
 def parse_barriers(plan: Plan) -> list[list[int]]:
@@ -258,7 +318,9 @@ def micro_batch_work(plan: Plan, cluster: Cluster, cost: CostModel):
         if set(where) != set(ring):
             raise PlanError(f"ring micro-batch of sequences {list(key[1])} on ring {ring} is scheduled only on ranks {sorted(where)}")
         loads = [MemberLoad.of(plan.ranks[r][where[r]]) for r in ring]
-        for r, (f, b) in zip(ring, ring_work(ring, loads, cluster, cost, layers)):
+        u = plan.ranks[ring[0]][where[ring[0]]].heads_split
+        costed = two_level_ring_work(ring, u, loads, cluster, cost, layers) if u > 1 else ring_work(ring, loads, cluster, cost, layers)
+        for r, (f, b) in zip(ring, costed):
             work[r][where[r]] = (f, b, key)
     return work
 
@@ -328,7 +390,7 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
         arr = np.empty((len(row), len(Timeline.COLUMNS)))
         for j, (nid, direction, m) in enumerate(row):
             w = work[rank][m][direction]
-            arr[j] = (end[nid] - w.duration, end[nid], direction, w.compute, w.comm, w.offload)
+            arr[j] = (end[nid] - w.duration, end[nid], direction, w.compute, w.comm, w.offload, w.a2a)
         ops.append(arr)
     step_time = max((float(end.max()) if len(end) else 0.0), 0.0)
     return Timeline(
@@ -425,7 +487,11 @@ def critical_path(seq_lens, cluster: Cluster, cost: CostModel) -> float:
     fwd = fs * lin + np.maximum(fs * attn_step, hop_f) * (n - 1) + fs * attn_step
     bwd = bs * lin + np.maximum(bs * attn_step, hop_b) * (n - 1) + bs * attn_step + tail
     ring = np.where(n > 1, fwd + bwd, cost.layer_time(s))
-    return float(ring.min()) * cost.num_layers * cluster.pp
+    best = float(ring.min()) * cost.num_layers
+    sizes = np.arange(1, min(cluster.d_hdp, int(s)) + 1)
+    for u in two_level.valid_splits(cost, cluster.hdp_per_node) if cluster.d_hdp > cluster.hdp_per_node else []:
+        best = min(best, float(two_level.share_times(cost, int(s), sizes, u, cluster.hdp_per_node).min()))
+    return best * cluster.pp
 
 
 @dataclass
@@ -442,6 +508,7 @@ class StepResult:
     notes: list[str] = field(default_factory=list)
     grad_reduce_s: float = 0.0  # exposed gradient reduction after the step (sim.grad_reduction)
     grad_reduce_overlap_s: float = 0.0  # the same with --overlap-grad-reduce
+    two_level_rings: int = 0  # ring micro-batches run two-level
 
     def metrics(self) -> dict:
         t = self.timeline
@@ -458,6 +525,8 @@ class StepResult:
             "exposed_comm_s": float(t.comm.mean()),
             "exposed_comm_max_s": float(t.comm.max()),
             "exposed_offload_s": float(t.offload.mean()),
+            "exposed_a2a_s": float(t.a2a.mean()),
+            "two_level_rings": self.two_level_rings,
             "p2p_bytes": self.p2p_bytes,
             "p2p_bytes_max_gpu": self.p2p_bytes_max_gpu,
             "offload_bytes": self.offload_bytes,
@@ -474,7 +543,7 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
     timeline = simulate(plan, cluster, cost)
     p2p = plan.p2p_bytes_per_rank(
         cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers,
-        recomputed_layers=cost.recomputed_attention_layers,
+        recomputed_layers=cost.recomputed_attention_layers, q_bytes_per_token=cost.q_bytes_per_token,
     )
     gpus_per_rank = cluster.tp * cluster.pp  # every TP shard of every stage sends its share
     offload = 0.0
@@ -497,4 +566,5 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         microbatches=[len(mbs) for mbs in plan.ranks],
         plan_time_s=float(plan.meta.get("plan_time_s", math.nan)),
         notes=list(plan.meta.get("notes", [])),
+        two_level_rings=len({(mb.ring, mb.distributed_seq_ids) for mbs in plan.ranks for mb in mbs if mb.heads_split > 1}),
     )
