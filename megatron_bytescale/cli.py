@@ -15,7 +15,9 @@ from .errors import BytescaleError
 
 # megatron-core announces at import that GPU-only extras are missing; on CPU that is expected.
 # PYTHONWARNINGS carries the filter into the processes the commands spawn.
-QUIET = ("Transformer Engine and Apex are not installed", "Apex is not installed")
+QUIET = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+         # bf16 runs: megatron-core keeps norm weights in fp32; torch then skips its fused CPU kernel
+         "Mismatch dtype between input and weight")
 
 
 def quiet_optional_backend_warnings() -> None:
