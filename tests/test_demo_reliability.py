@@ -4,9 +4,9 @@ any rank starts, as one line)."""
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -56,8 +56,6 @@ def test_a_second_run_on_the_same_folder_is_refused_while_the_first_or_its_ranks
         with pytest.raises(BytescaleError, match=rf"^processes of a previous bytescale demo on {tmp_path} are still running"):
             run_demo(config(tmp_path, corpus, resume=True))
     finally:
-        import os
-
         os.close(fd)
 
 
