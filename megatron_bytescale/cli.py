@@ -11,7 +11,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .errors import BytescaleError
+from .errors import BytescaleError, WorkerError
 
 # megatron-core announces at import that GPU-only extras are missing; on CPU that is expected.
 # PYTHONWARNINGS carries the filter into the processes the commands spawn.
@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     except BytescaleError as exc:
         print(f"bytescale {name}: error: {exc}", file=sys.stderr)
         return 2
+    except WorkerError as exc:  # a rank failed, died or stalled; the launcher has ended the others
+        print(f"bytescale {name}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # the launcher has already ended its rank processes
         print(f"bytescale {name}: interrupted", file=sys.stderr)
         return 130

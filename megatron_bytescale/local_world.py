@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from . import errors, process_lifetime
-from .errors import BytescaleError, ConfigError
+from .errors import BytescaleError, ConfigError, WorkerError  # noqa: F401 - WorkerError is part of this API
 
 _PRELOAD = ["torch", "torch.distributed", "megatron_bytescale.planner"]
 _context = None
@@ -34,10 +34,6 @@ _context = None
 # model, gloo buffers) measured on CPU is ~350 MiB, mostly not shared with the forkserver.
 RANK_BYTES = 384 << 20
 STARTUP_S = 120.0  # a rank that has not beaten its heart once by then never started
-
-
-class WorkerError(RuntimeError):
-    """A rank raised, died or stalled; the message names the rank (and carries its traceback)."""
 
 
 def _available_memory() -> int | None:
