@@ -30,8 +30,9 @@ _PRELOAD = ["torch", "torch.distributed", "megatron_bytescale.planner"]
 _context = None
 
 
-# What one gloo rank costs: the resident memory of a tiny-model rank (torch, megatron-core, the
-# model, gloo buffers) measured on CPU is ~350 MiB, mostly not shared with the forkserver.
+# What one gloo rank costs: the proportional resident memory (PSS) of a `bytescale verify` rank
+# of the tiny model (torch, megatron-core, the model, gloo buffers) measured 290-480 MiB on CPU
+# for 700- to 16K-token sequences; larger models and batches need more than this floor.
 RANK_BYTES = 384 << 20
 STARTUP_S = 120.0  # a rank that has not beaten its heart once by then never started
 
