@@ -17,7 +17,9 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -88,7 +90,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(payload, rank, world_size, port, timeout_s, threads, env, results, heartbeat, launcher_pid):
+def _report(results, result_dir: str, rank: int, ok: bool, value) -> None:
+    """Write the outcome to a file (atomically), then post only the rank on the queue: a message
+    that small is one atomic pipe write, so a rank killed while reporting can never leave a
+    half-written message that blocks the launcher's read forever."""
+    path = os.path.join(result_dir, f"rank{rank}")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump((ok, value), f)
+    os.replace(path + ".tmp", path)
+    results.put(rank)
+
+
+def _child(payload, rank, world_size, port, timeout_s, threads, env, results, heartbeat, launcher_pid, result_dir):
     process_lifetime.die_with_launcher(launcher_pid, heartbeat, rank)
     # The forkserver's environment dates from its start. Set the caller's (as of the launch: a
     # Ray session, a flag set since) before unpickling the function, whose module imports may
@@ -111,11 +124,11 @@ def _child(payload, rank, world_size, port, timeout_s, threads, env, results, he
         out = fn(rank, world_size, *args, **kwargs)
         # Plain pickle copies tensor data; the queue's own pickler would share it through file
         # descriptors that vanish when this process exits before the parent reads them.
-        results.put((rank, True, pickle.dumps(out)))
+        _report(results, result_dir, rank, True, pickle.dumps(out))
     except BytescaleError as exc:  # bad input found inside a rank: the user sees the one line
-        results.put((rank, False, (type(exc).__name__, str(exc))))
+        _report(results, result_dir, rank, False, (type(exc).__name__, str(exc)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results.put((rank, False, traceback.format_exc()))
+        _report(results, result_dir, rank, False, traceback.format_exc())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -144,9 +157,10 @@ def run_local_world(
     port = free_port()
     payload = pickle.dumps((fn, args, kwargs))
     env = dict(os.environ)
+    result_dir = tempfile.mkdtemp(prefix="bytescale-ranks-")
     procs = [
-        ctx.Process(target=_child, args=(payload, r, world_size, port, timeout_s, threads, env, results, heartbeat, os.getpid()),
-                    daemon=True)
+        ctx.Process(target=_child, args=(payload, r, world_size, port, timeout_s, threads, env, results, heartbeat, os.getpid(),
+                                         result_dir), daemon=True)
         for r in range(world_size)
     ]
     out: dict[int, Any] = {}
@@ -163,10 +177,12 @@ def run_local_world(
                     missing = sorted(set(range(world_size)) - set(out))
                     raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s (killed)")
                 try:
-                    rank, ok, value = results.get(timeout=min(remaining, 0.5))
+                    rank = results.get(timeout=min(remaining, 0.5))
                 except queue.Empty:
                     _check_health(procs, out, heartbeat, started, heartbeat_timeout_s)
                     continue
+                with open(os.path.join(result_dir, f"rank{rank}"), "rb") as f:
+                    ok, value = pickle.load(f)
                 if not ok:
                     # A rank whose peer died fails in gloo ("connection reset"): name the dead one.
                     _name_dead_peer(procs, out, rank, value)
@@ -184,6 +200,7 @@ def run_local_world(
             for p in procs:
                 if p.pid is not None:
                     p.join(timeout=5.0)
+            shutil.rmtree(result_dir, ignore_errors=True)
     return [out[r] for r in range(world_size)]
 
 
