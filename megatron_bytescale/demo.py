@@ -120,10 +120,11 @@ def resume_point(cfg: DemoConfig, strategy: str) -> Path | None:
     from .checkpoint_io import newest_valid
 
     found = newest_valid(checkpoint_dir(cfg, strategy))
-    for line in found.report():
-        print(f"  {line}")
+    lines = found.report()
+    for line in lines[: len(found.skipped)]:
+        print(f"{STRATEGY_NAMES[strategy]}: {line}")
     if found.path is None:
-        print(f"  no valid checkpoint in {checkpoint_dir(cfg, strategy)}: starting at step 0")
+        print(f"{STRATEGY_NAMES[strategy]}: no valid checkpoint in {checkpoint_dir(cfg, strategy)}, starting at step 0")
         return None
     saved = found.state.get("config", {})
     for key, value in trained_with(cfg, strategy).items():
@@ -133,6 +134,7 @@ def resume_point(cfg: DemoConfig, strategy: str) -> Path | None:
                 f"{flag} {value} contradicts {found.path}, trained with {flag} {saved[key]}; resume with {flag} "
                 f"{saved[key]}, or start afresh in another --out"
             )
+    print(f"{STRATEGY_NAMES[strategy]}: {lines[-1]}")
     return found.path
 
 
@@ -261,10 +263,9 @@ def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str, resume_fr
 
 
 # ------------------------------------------------------------------------ driver
-def run_strategy(cfg: DemoConfig, strategy: str) -> list[dict]:
+def run_strategy(cfg: DemoConfig, strategy: str, resume_from: Path | None = None) -> list[dict]:
     from .local_world import preload, run_local_world
 
-    resume_from = resume_point(cfg, strategy) if cfg.resume else None
     preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run", "megatron_bytescale.data.local_loader"])
     return run_local_world(
         _train_rank, cfg.ranks, cfg, strategy, None if resume_from is None else str(resume_from), timeout_s=cfg.timeout_s
@@ -340,6 +341,8 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 def _run_demo(cfg: DemoConfig) -> dict:
     out = Path(cfg.out)
+    # checkpoints first: a resume that contradicts its checkpoint is refused before any other work
+    resume = {s: resume_point(cfg, s) for s in cfg.strategies} if cfg.resume else {}
     if cfg.data is None:
         cfg.data = ensure_corpus(out / "data" / "megatron_core_sources")
     check_dataset(cfg)
@@ -347,7 +350,7 @@ def _run_demo(cfg: DemoConfig) -> dict:
     for strategy in cfg.strategies:
         print(f"\n{STRATEGY_NAMES[strategy]}: {cfg.ranks} gloo ranks, {cfg.steps} steps of {format_size(cfg.step_tokens)} tokens, "
               f"capacity {format_size(cfg.capacity)}, context {format_size(cfg.context)}")
-        runs[strategy] = run_strategy(cfg, strategy)
+        runs[strategy] = run_strategy(cfg, strategy, resume.get(strategy))
     summaries = {s: summarize(r) for s, r in runs.items() if r}
     if not summaries:
         print("nothing to do: every strategy's latest checkpoint is already at --steps")
