@@ -40,3 +40,22 @@ if __name__ == "__main__":  # python lifetime_support.py PID_DIR: launch two sle
     from megatron_bytescale.local_world import run_local_world
 
     run_local_world(sleeper, 2, sys.argv[1], timeout_s=600)
+
+
+def wedged_ring_peer(rank, world):
+    """Rank 1 lives (and beats) but never sends its ring block; rank 0's ring wait must fail
+    naming its peers."""
+    import torch
+
+    from megatron_bytescale.runtime import ring_comm
+
+    ring_comm.RING_TIMEOUT_S = 2.0  # the default is 60 s
+    comm = ring_comm.RingComm((0, 1), rank)
+    if rank == 1:
+        time.sleep(6)
+        return None
+    try:
+        comm.send_recv(torch.ones(4), (4,)).wait()
+    except TimeoutError as exc:
+        return str(exc)
+    return "completed"
