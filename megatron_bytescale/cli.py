@@ -34,8 +34,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("megatron_bytescale.planner.plan_cli", "plan one step of HDP for a batch of sequence lengths"),
     "simulate": ("megatron_bytescale.sim.simulate", "compare static CP, Megatron dynamic CP and HDP on a simulated cluster"),
     "prepare-data": ("megatron_bytescale.data.prepare", "write a Megatron indexed dataset from source trees or text files"),
-    "dataloader-bench": ("megatron_bytescale.data.bench", "time planning and delivery of the local or Ray data loader"),
-    "profile": ("megatron_bytescale.runtime.profiler", "measure the cost model's coefficients on this machine"),
+    "dataloader-bench": ("megatron_bytescale.tools.dataloader_bench", "time planning and delivery of the local or Ray data loader"),
+    "profile": ("megatron_bytescale.tools.profiler", "measure the cost model's coefficients on this machine"),
 }
 
 

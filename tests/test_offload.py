@@ -14,8 +14,8 @@ from megatron_bytescale.errors import BytescaleError
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.specs import ModelSpec
 from megatron_bytescale.runtime import host_pool
-from megatron_bytescale.runtime.layer_stack import LayerStack
 from megatron_bytescale.runtime.offload import ActivationOffloader, _layout, check_ratio, transformer_layers
+from megatron_bytescale.tools.layer_stack import LayerStack
 
 preload(["megatron_bytescale.megatron.model"])  # import megatron-core once, in the forkserver
 

@@ -17,9 +17,9 @@ from megatron_bytescale.errors import BytescaleError, ConfigError
 from megatron_bytescale.local_world import run_local_world
 from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
-from megatron_bytescale.runtime import offload_bench, profiler
-from megatron_bytescale.runtime.layer_stack import LayerStack
 from megatron_bytescale.runtime.offload import ActivationOffloader
+from megatron_bytescale.tools import offload_bench, profiler
+from megatron_bytescale.tools.layer_stack import LayerStack
 
 REPO = Path(__file__).resolve().parents[1]
 

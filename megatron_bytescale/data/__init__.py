@@ -8,8 +8,9 @@ Ray remote data loaders that deliver each rank's micro-batches of a planned step
     planning.py      stream position -> StepPlan (samples + Plan); Plan -> MicroBatchData
     local_loader.py  every rank plans, reads its own tokens
     ray_loader.py    server actors read, a scheduler actor plans ahead, ranks pull shards
-    loader.py        make_loader("local" | "ray", ...)
-    prepare.py       `bytescale prepare-data`;  bench.py  `bytescale dataloader-bench`
+    loader.py        StepLoader: the stepping API both loaders share
+    loader_factory.py  make_loader("local" | "ray", ...)
+    prepare.py       `bytescale prepare-data`  (the loader benchmark is tools/dataloader_bench.py)
 
 Names are imported on first use, so importing this package stays cheap (no torch, Ray or
 megatron-core until a loader or dataset is used).
@@ -29,7 +30,7 @@ _EXPORTS = {
     "SamplesDigest": ".planning",
     "LocalDataLoader": ".local_loader",
     "RayDataLoader": ".ray_loader",
-    "make_loader": ".loader",
+    "make_loader": ".loader_factory",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,11 +1,10 @@
-"""What both loaders share, and one entry point for them:
-``make_loader("local" | "ray", data_path, planner_config, ...)``."""
+"""What both loaders share: the stepping API. The entry point that picks one,
+``make_loader("local" | "ray", ...)``, is in ``loader_factory`` (it imports both loaders,
+which import this module)."""
 
 from __future__ import annotations
 
 from ..errors import ConfigError
-
-MODES = ("local", "ray")
 
 
 class StepLoader:
@@ -28,19 +27,3 @@ class StepLoader:
         if rank is None:
             raise ConfigError("which rank? pass rank= to the loader or to batch()/next_step()")
         return rank
-
-
-def make_loader(mode: str, data_path, planner_config=None, **kwargs):
-    """A ``LocalDataLoader`` (default, no Ray) or a ``RayDataLoader``; both have the same API:
-    ``batch(rank)``, ``advance()``, ``next_step(rank)``, iteration (for the loader's own
-    ``rank``), ``state_dict()`` / ``load_state_dict()`` and ``close()``. Ray-only keyword
-    arguments (``num_servers``, ``lookahead``, ``address``, ...) are refused in local mode."""
-    if mode == "local":
-        from .local_loader import LocalDataLoader
-
-        return LocalDataLoader(data_path, planner_config, **kwargs)
-    if mode == "ray":
-        from .ray_loader import RayDataLoader
-
-        return RayDataLoader(data_path, planner_config, **kwargs)
-    raise ConfigError(f"unknown data loader mode {mode!r}; choose one of {', '.join(MODES)}")

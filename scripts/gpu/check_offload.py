@@ -13,7 +13,7 @@ is used where it is missing):
     PYTHONPATH=. python3 scripts/gpu/check_offload.py --json $OUT/offload.json
 
 Smaller trial: --tokens 4K,16K --max-layers 4. The measuring code is
-megatron_bytescale/runtime/offload_bench.py, which the CPU tests run on a tiny model.
+megatron_bytescale/tools/offload_bench.py, which the CPU tests run on a tiny model.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from megatron_bytescale.runtime.layer_stack import default_backend  # noqa: E402
-from megatron_bytescale.runtime.offload_bench import run_offload_check  # noqa: E402
+from megatron_bytescale.tools.layer_stack import default_backend  # noqa: E402
+from megatron_bytescale.tools.offload_bench import run_offload_check  # noqa: E402
 from megatron_bytescale.units import parse_size  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

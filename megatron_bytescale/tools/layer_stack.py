@@ -160,8 +160,8 @@ class LayerStack(nn.Module):
         from ..megatron import parallel
         from ..megatron.rotary import true_position_emb
         from ..planner.plan import MicroBatch, Piece
-        from .context import active_micro_batch
-        from .layout import MicroBatchLayout
+        from ..runtime.context import active_micro_batch
+        from ..runtime.layout import MicroBatchLayout
 
         s = x.shape[0]
         rank = parallel.hdp_rank()

@@ -18,8 +18,8 @@ import torch
 
 from ..planner.plan import resident_fraction
 from ..planner.specs import ModelSpec
+from ..runtime.offload import ActivationOffloader
 from .layer_stack import LayerStack
-from .offload import ActivationOffloader
 
 log = logging.getLogger(__name__)
 

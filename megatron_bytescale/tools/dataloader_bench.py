@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def default_dataset() -> str:
     """A corpus of the installed packages, built on first use."""
-    from .indexed import DocumentDataset
-    from .prepare import prepare
+    from ..data.indexed import DocumentDataset
+    from ..data.prepare import prepare
 
     prefix = DEFAULT_CACHE / "site-packages-corpus"
     try:
@@ -75,11 +75,11 @@ def default_dataset() -> str:
 
 
 def run_bench(args) -> dict:
+    from ..data.loader_factory import make_loader
+    from ..data.planning import SamplesDigest
     from ..planner.cost_model import CostModel
     from ..planner.planner import PlannerConfig
     from ..planner.specs import HardwareSpec, ModelSpec
-    from .loader import make_loader
-    from .planning import SamplesDigest
 
     if args.ranks < 1 or args.steps < 1:
         raise ConfigError(f"--ranks and --steps must be positive, got {args.ranks} and {args.steps}")
@@ -99,7 +99,7 @@ def run_bench(args) -> dict:
         common.update(num_servers=args.servers, lookahead=args.lookahead, address=args.address)
     loader = make_loader(args.mode, data, config, **common)
 
-    from .indexed import DocumentDataset
+    from ..data.indexed import DocumentDataset
 
     itemsize = DocumentDataset(data).itemsize
     digest = SamplesDigest()

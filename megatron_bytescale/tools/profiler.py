@@ -36,8 +36,8 @@ import torch
 from ..errors import BytescaleError, ConfigError
 from ..planner.cost_model import CostModel
 from ..planner.specs import HardwareSpec, ModelSpec
+from ..runtime.offload import ActivationOffloader, OffloadStats
 from ..units import format_size, parse_size
-from .offload import ActivationOffloader, OffloadStats
 
 log = logging.getLogger(__name__)
 
