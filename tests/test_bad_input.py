@@ -46,6 +46,7 @@ CASES = [
     (SIM + ["--plot", "{d}/missing/t.png"], "--plot {d}/missing/t.png: folder {d}/missing does not exist"),
     (["prepare-data", "--output", "{d}/o", "--jsonl", "{d}/bad.jsonl"], "bad.jsonl:2: not UTF-8 text (byte 13 of the line)"),
     (["prepare-data", "--output", "{d}/o", "--jsonl", "{d}/bad.jsonl", "--max-file-bytes=-1"], "--max-file-bytes -1: give the largest"),
+    (["dataloader-bench", "--mode", "ray", "--address", "127.0.0.1:1"], "--address 127.0.0.1:1: no Ray cluster answers there"),
     (["profile", "--out", "{d}/missing/p.json"], "--out {d}/missing/p.json: folder {d}/missing does not exist"),
 ]
 
