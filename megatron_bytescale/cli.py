@@ -9,12 +9,15 @@ import importlib
 import os
 import sys
 import warnings
+from pathlib import Path
 
-from .errors import BytescaleError
+from .errors import BytescaleError, WorkerError
 
 # megatron-core announces at import that GPU-only extras are missing; on CPU that is expected.
 # PYTHONWARNINGS carries the filter into the processes the commands spawn.
-QUIET = ("Transformer Engine and Apex are not installed", "Apex is not installed")
+QUIET = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+         # bf16 runs: megatron-core keeps norm weights in fp32; torch then skips its fused CPU kernel
+         "Mismatch dtype between input and weight")
 
 
 def quiet_optional_backend_warnings() -> None:
@@ -34,6 +37,27 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "dataloader-bench": ("megatron_bytescale.tools.dataloader_bench", "time planning and delivery of the local or Ray data loader"),
     "profile": ("megatron_bytescale.tools.profiler", "measure the cost model's coefficients on this machine"),
 }
+
+
+# Flags naming a file a command writes at its end: checked before the work, so a typo in the
+# folder does not cost the whole run. (command -> attributes; "*" applies to every command)
+OUTPUT_FILES = {"*": ("json", "plot"), "profile": ("out",)}
+
+
+def check_output_files(name: str, args: argparse.Namespace) -> None:
+    for attr in OUTPUT_FILES["*"] + OUTPUT_FILES.get(name, ()):
+        value = getattr(args, attr, None)
+        if not value:
+            continue
+        flag = "--" + attr.replace("_", "-")
+        path = Path(value)
+        folder = path.parent
+        if path.is_dir():
+            raise BytescaleError(f"{flag} {value} is a folder; give a file name, e.g. {path / 'out'}")
+        if not folder.is_dir():
+            raise BytescaleError(f"{flag} {value}: folder {folder} does not exist; create it first or write elsewhere")
+        if not os.access(folder, os.W_OK):
+            raise BytescaleError(f"{flag} {value}: folder {folder} is not writable; write elsewhere")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,10 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(sub)
     args = sub.parse_args(rest)
     try:
+        check_output_files(name, args)
         return int(module.main(args) or 0)
     except BytescaleError as exc:
         print(f"bytescale {name}: error: {exc}", file=sys.stderr)
         return 2
+    except WorkerError as exc:  # a rank failed, died or stalled; the launcher has ended the others
+        print(f"bytescale {name}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # the launcher has already ended its rank processes
+        print(f"bytescale {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -100,19 +101,98 @@ def checkpoint_dir(cfg: DemoConfig, strategy: str) -> Path:
     return Path(cfg.out) / "checkpoints" / strategy
 
 
-def latest_checkpoint(cfg: DemoConfig, strategy: str) -> Path | None:
-    found = sorted(checkpoint_dir(cfg, strategy).glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-    return found[-1] if found else None
+# Settings a checkpoint was trained with that a resume must share: any of them changes the run
+# that continues from it (the data order, the plan, the update). --steps may grow.
+RESUME_SETTINGS = ("ranks", "capacity", "context", "step_tokens", "seed", "model", "lr")
+FLAGS = {"step_tokens": "--step-tokens"}
 
 
-def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str):
+def trained_with(cfg: DemoConfig, strategy: str) -> dict:
+    out = {k: getattr(cfg, k) for k in RESUME_SETTINGS}
+    if strategy == "hdp":  # the planner's cost model shapes HDP's plan
+        out["profile"] = str(Path(cfg.profile).resolve())
+    return out
+
+
+def resume_point(cfg: DemoConfig, strategy: str) -> Path | None:
+    """The newest valid checkpoint of ``strategy`` (the skipped ones are reported); refuses one
+    whose settings contradict ``cfg``."""
+    from .checkpoint_io import newest_valid
+
+    found = newest_valid(checkpoint_dir(cfg, strategy))
+    lines = found.report()
+    for line in lines[: len(found.skipped)]:
+        print(f"{STRATEGY_NAMES[strategy]}: {line}")
+    if found.path is None:
+        print(f"{STRATEGY_NAMES[strategy]}: no valid checkpoint in {checkpoint_dir(cfg, strategy)}, starting at step 0")
+        return None
+    saved = found.state.get("config", {})
+    for key, value in trained_with(cfg, strategy).items():
+        if key in saved and saved[key] != value:
+            flag = FLAGS.get(key, "--" + key.replace("_", "-"))
+            raise BytescaleError(
+                f"{flag} {value} contradicts {found.path}, trained with {flag} {saved[key]}; resume with {flag} "
+                f"{saved[key]}, or start afresh in another --out"
+            )
+    print(f"{STRATEGY_NAMES[strategy]}: {lines[-1]}")
+    return found.path
+
+
+def check_inputs(cfg: DemoConfig) -> None:
+    """Every setting the ranks would trip over, checked here in the parent before any starts."""
+    from .local_world import check_world_size
+    from .planner.cost_model import CostModel
+    from .planner.specs import ModelSpec
+
+    if not math.isfinite(cfg.lr) or cfg.lr <= 0:
+        raise BytescaleError(f"--lr {cfg.lr}: the learning rate must be a positive finite number, e.g. --lr 3e-3")
+    if cfg.checkpoint_every < 0:
+        raise BytescaleError(f"--checkpoint-every {cfg.checkpoint_every}: give a number of steps, or 0 for no checkpoints")
+    check_world_size(cfg.ranks, "--ranks")
+    if cfg.context > cfg.capacity * cfg.ranks:
+        raise BytescaleError(
+            f"--context {cfg.context} needs {-(-cfg.context // cfg.capacity)} ranks at capacity {cfg.capacity}, "
+            f"but there are {cfg.ranks}: raise --capacity or --ranks, or lower --context"
+        )
+    if cfg.step_tokens < cfg.context:
+        raise BytescaleError(
+            f"--step-tokens {cfg.step_tokens} is smaller than --context {cfg.context}: a context-long document "
+            f"could never be scheduled; raise --step-tokens to at least {cfg.context} or lower --context"
+        )
+    ModelSpec.load(cfg.model)
+    if "hdp" in cfg.strategies:
+        CostModel.from_profile(cfg.profile)
+
+
+def check_dataset(cfg: DemoConfig) -> None:
+    """Open the dataset as the ranks will, and scan its token ids against the vocabulary."""
+    from .data.indexed import DocumentDataset
+    from .data.sampler import GlobalBatchSampler
+
+    ds = DocumentDataset(cfg.data, vocab_size=VOCAB)
+    GlobalBatchSampler(ds.lengths, step_tokens=cfg.step_tokens, context_length=cfg.context, seed=cfg.seed)
+    tokens = np.memmap(ds.bin_path, dtype=ds.dtype, mode="r")
+    top = int(tokens.max()) if tokens.size else 0
+    if top >= VOCAB:
+        doc = int(np.searchsorted(np.cumsum(ds.lengths), int(np.argmax(tokens >= VOCAB)), side="right"))
+        raise BytescaleError(
+            f"--data {cfg.data}: token id {top} (first in document {doc}) is outside the tiny model's vocabulary of "
+            f"{VOCAB}; tokenize with `bytescale prepare-data` (byte tokens) or another dataset"
+        )
+
+
+def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str, resume_from: str | None = None):
     import torch
     import torch.distributed as dist
     from tqdm import tqdm
 
+    from . import checkpoint_io
     from .data.local_loader import LocalDataLoader
+    from .folder_lock import hold_as_worker
     from .megatron import local_run
     from .runtime.offload import ActivationOffloader, transformer_layers
+
+    hold_as_worker(cfg.out)  # a later run of this folder refuses to start while this rank lives
 
     model, group = local_run.setup_model(cfg.model, seed=cfg.seed)
     offloader = ActivationOffloader(transformer_layers(model))  # applies each micro-batch's planned ratio
@@ -122,8 +202,8 @@ def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str):
         context_length=cfg.context, seed=cfg.seed, rank=rank, vocab_size=VOCAB,
     )
     start = 0
-    if cfg.resume and (ckpt := latest_checkpoint(cfg, strategy)) is not None:
-        state = torch.load(ckpt, weights_only=False)
+    if resume_from is not None:
+        state = checkpoint_io.load(resume_from)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         loader.load_state_dict(state["data"])
@@ -172,21 +252,24 @@ def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str):
             )
             bar.update(1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                path = checkpoint_dir(cfg, strategy) / f"step_{step + 1}.pt"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                            "data": loader.state_dict()}, path)
+                checkpoint_io.save(
+                    checkpoint_dir(cfg, strategy) / checkpoint_io.checkpoint_name(step + 1),
+                    {"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "data": loader.state_dict(), "config": trained_with(cfg, strategy)},
+                )
     bar.close()
     local_run.teardown()
     return records if rank == 0 else None
 
 
 # ------------------------------------------------------------------------ driver
-def run_strategy(cfg: DemoConfig, strategy: str) -> list[dict]:
+def run_strategy(cfg: DemoConfig, strategy: str, resume_from: Path | None = None) -> list[dict]:
     from .local_world import preload, run_local_world
 
     preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run", "megatron_bytescale.data.local_loader"])
-    return run_local_world(_train_rank, cfg.ranks, cfg, strategy, timeout_s=cfg.timeout_s)[0]
+    return run_local_world(
+        _train_rank, cfg.ranks, cfg, strategy, None if resume_from is None else str(resume_from), timeout_s=cfg.timeout_s
+    )[0]
 
 
 def summarize(records: list[dict]) -> dict:
@@ -249,20 +332,25 @@ def plot_measured(runs: dict[str, list[dict]], path: Path) -> Path | None:
 
 
 def run_demo(cfg: DemoConfig) -> dict:
+    from .folder_lock import FolderLock
+
+    check_inputs(cfg)
+    with FolderLock(cfg.out, "bytescale demo"):  # one run per --out, also against a previous run's ranks
+        return _run_demo(cfg)
+
+
+def _run_demo(cfg: DemoConfig) -> dict:
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    # checkpoints first: a resume that contradicts its checkpoint is refused before any other work
+    resume = {s: resume_point(cfg, s) for s in cfg.strategies} if cfg.resume else {}
     if cfg.data is None:
         cfg.data = ensure_corpus(out / "data" / "megatron_core_sources")
-    if cfg.context > cfg.capacity * cfg.ranks:
-        raise BytescaleError(
-            f"--context {cfg.context} needs {-(-cfg.context // cfg.capacity)} ranks at capacity {cfg.capacity}, "
-            f"but there are {cfg.ranks}: raise --capacity or --ranks, or lower --context"
-        )
+    check_dataset(cfg)
     runs = {}
     for strategy in cfg.strategies:
         print(f"\n{STRATEGY_NAMES[strategy]}: {cfg.ranks} gloo ranks, {cfg.steps} steps of {format_size(cfg.step_tokens)} tokens, "
               f"capacity {format_size(cfg.capacity)}, context {format_size(cfg.context)}")
-        runs[strategy] = run_strategy(cfg, strategy)
+        runs[strategy] = run_strategy(cfg, strategy, resume.get(strategy))
     summaries = {s: summarize(r) for s, r in runs.items() if r}
     if not summaries:
         print("nothing to do: every strategy's latest checkpoint is already at --steps")
@@ -290,7 +378,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=d.out, help=f"output folder (default {d.out})")
     parser.add_argument("--strategies", default=",".join(d.strategies), help="hdp, static or both (default hdp,static)")
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints (0: none)")
-    parser.add_argument("--resume", action="store_true", help="continue each strategy from its latest checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue each strategy from its newest valid checkpoint (the same settings; --steps may grow)")
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:

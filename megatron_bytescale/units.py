@@ -1,6 +1,8 @@
 """Token and byte counts written the way people write them: 8K, 2M, 32M (binary: K = 1024)."""
 
-from .errors import BytescaleError
+import math
+
+from .errors import BytescaleError, excerpt
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -16,16 +18,18 @@ def parse_size(text: str | int, what: str = "size") -> int:
         suffix = s[-1:] if s[-1:] in _SUFFIX and s[-1:] else ""
         number = s[: len(s) - len(suffix)]
         try:
-            value = float(number) * _SUFFIX[suffix]
+            value = float(number) * _SUFFIX[suffix] if len(number) <= 40 else math.nan
         except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value > 2**62:
             raise BytescaleError(
-                f"cannot read {what} {text!r}: write a number with an optional K/M/G suffix, e.g. 8K or 2M"
-            ) from None
+                f"cannot read {what} {excerpt(text)}: write a finite number with an optional K/M/G suffix, e.g. 8K or 2M"
+            )
         if value != int(value):
-            raise BytescaleError(f"{what} {text!r} is not a whole number of tokens/bytes")
+            raise BytescaleError(f"{what} {excerpt(text)} is not a whole number of tokens/bytes")
         value = int(value)
     if value <= 0:
-        raise BytescaleError(f"{what} must be positive, got {text!r}")
+        raise BytescaleError(f"{what} must be positive, got {excerpt(text)}")
     return value
 
 

@@ -22,6 +22,10 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYER_OF = {
     "errors": "base",
     "units": "base",
+    "lengths_file": "base",  # the sequence-lengths file reader of plan, simulate and verify
+    "process_lifetime": "base",  # workers that die with their launcher (stdlib only)
+    "folder_lock": "base",  # one run per output folder (stdlib only)
+    "checkpoint_io": "runtime",  # atomic, checksummed torch.save files
     "planner": "planner",
     "runtime": "runtime",
     "local_world": "runtime",  # starts local torch.distributed (gloo) worlds
@@ -38,7 +42,8 @@ LAYER_OF = {
 
 # Layer -> what its modules may import (of ours), and why.
 ALLOWED = {
-    "base": ({"base"}, "errors.py and units.py are shared by every layer, so they import only each other"),
+    "base": ({"base"}, "errors.py, units.py and the small stdlib-only helpers (lengths files, process lifetime, folder locks) "
+             "are shared by every layer, so they import only each other"),
     "planner": ({"base", "planner"}, "the planner is pure: it turns lengths into a Plan and knows no runtime"),
     "runtime": ({"base", "planner", "runtime"}, "the runtime executes Plans on torch.distributed, below the "
                 "Megatron glue, the data loaders and the tools that use it"),

@@ -43,10 +43,10 @@ def test_lengths_file(tmp_path, capsys):
 @pytest.mark.parametrize(
     "content, message",
     [
-        ("4096\n12K\n", r"lens.txt, line 2: expected one positive integer \(a sequence length\), got '12K'"),
-        ("4096\n0\n", r"lens.txt, line 2: expected one positive integer"),
-        ("1 2\n", r"lens.txt, line 1: expected one positive integer"),
-        ("\n\n", r"lens.txt: no sequence lengths found"),
+        ("4096\n12K\n", r"lens.txt, line 2: '12K' is not a whole number"),
+        ("4096\n0\n", r"lens.txt, line 2: length 0 must be positive"),
+        ("1 2\n", r"lens.txt, line 1: '1 2' is not a whole number"),
+        ("\n\n", r"lens.txt: holds no lengths"),
     ],
 )
 def test_malformed_lengths_file_names_file_and_line(tmp_path, capsys, content, message):
@@ -63,7 +63,7 @@ def test_malformed_lengths_file_names_file_and_line(tmp_path, capsys, content, m
         (["--lengths", "1K,abc"], r"cannot read sequence length 'abc'"),
         (["--lengths", "1K", "--tp", "3"], r"--gpus 16 does not divide by TP x PP = 3"),
         (["--lengths", "4M", "--context", "4M"], r"capacity too small: sequence of 4194304 tokens needs"),
-        (["--lengths-file", "/nonexistent/lens.txt"], r"cannot read lengths file /nonexistent/lens.txt"),
+        (["--lengths-file", "/nonexistent/lens.txt"], r"lengths file /nonexistent/lens.txt: no such file"),
         (["--lengths", "1K", "--capacity", "0"], r"--capacity must be positive"),
     ],
 )

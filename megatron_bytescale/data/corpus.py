@@ -49,11 +49,17 @@ class CorpusStats:
     files_used: int = 0
     files_skipped_binary: int = 0
     files_skipped_large: int = 0
+    files_skipped_not_utf8: int = 0  # text in another encoding (Latin-1, ...): not binary, not ours to guess
+    files_skipped_unreadable: int = 0  # permissions, I/O errors
     skipped_examples: list[str] = field(default_factory=list)
 
-    def note_skip(self, path: str, large: bool) -> None:
+    def note_skip(self, path: str, large: bool = False, why: str = "binary") -> None:
         if large:
             self.files_skipped_large += 1
+        elif why == "not-utf8":
+            self.files_skipped_not_utf8 += 1
+        elif why == "unreadable":
+            self.files_skipped_unreadable += 1
         else:
             self.files_skipped_binary += 1
         if len(self.skipped_examples) < 5:
@@ -71,6 +77,8 @@ def read_text_file(path: Path, max_file_bytes: int, stats: CorpusStats | None = 
             return None
         data = path.read_bytes()
     except OSError:
+        if stats:
+            stats.note_skip(str(path), why="unreadable")
         return None
     if b"\x00" in data:
         if stats:
@@ -80,7 +88,7 @@ def read_text_file(path: Path, max_file_bytes: int, stats: CorpusStats | None = 
         data.decode("utf-8")
     except UnicodeDecodeError:
         if stats:
-            stats.note_skip(str(path), large=False)
+            stats.note_skip(str(path), why="not-utf8")
         return None
     if stats:
         stats.files_used += 1
@@ -198,6 +206,13 @@ def jsonl_documents(paths: Iterable[str | Path], key: str = "text") -> Iterator[
             for lineno, line in enumerate(stream, 1):
                 if not line.strip():
                     continue
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ConfigError(
+                        f"{path}:{lineno}: not UTF-8 text (byte {exc.start} of the line); JSON lines must be UTF-8, "
+                        "convert the file (e.g. iconv -f latin1 -t utf-8)"
+                    ) from None
                 try:
                     record = json.loads(line)
                     text = record[key]

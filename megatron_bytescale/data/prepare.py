@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def documents_from_args(args, stats: corpus.CorpusStats):
     """(documents, description of the source, keep document names?)"""
+    if args.max_file_bytes <= 0:
+        raise ConfigError(f"--max-file-bytes {args.max_file_bytes}: give the largest file size to read, in bytes (e.g. 4194304)")
+    if args.vocab_size <= 0:
+        raise ConfigError(f"--vocab-size {args.vocab_size}: must be positive (bytes + EOD + PAD need at least 258)")
     if args.packages and args.site_packages is None:
         raise ConfigError("--packages only applies to --site-packages")
     if args.site_packages is not None:
@@ -75,6 +79,8 @@ def prepare(args) -> dict:
         "files_used": stats.files_used,
         "files_skipped_binary": stats.files_skipped_binary,
         "files_skipped_large": stats.files_skipped_large,
+        "files_skipped_not_utf8": stats.files_skipped_not_utf8,
+        "files_skipped_unreadable": stats.files_skipped_unreadable,
         "seconds": round(seconds, 2),
     }
 
@@ -86,10 +92,12 @@ def main(args) -> int:
         f"(document length min {summary['length_min']:,} / median {summary['length_median']:,} / "
         f"max {summary['length_max']:,}) in {summary['seconds']} s"
     )
-    if summary["files_used"] or summary["files_skipped_binary"] or summary["files_skipped_large"]:
+    skipped = {k: summary[f"files_skipped_{k}"] for k in ("binary", "large", "not_utf8", "unreadable")}
+    if summary["files_used"] or any(skipped.values()):
         print(
-            f"files: {summary['files_used']:,} text files used, {summary['files_skipped_binary']:,} binary and "
-            f"{summary['files_skipped_large']:,} over --max-file-bytes skipped"
+            f"files: {summary['files_used']:,} text files used, {skipped['binary']:,} binary, "
+            f"{skipped['large']:,} over --max-file-bytes, {skipped['not_utf8']:,} not UTF-8 and "
+            f"{skipped['unreadable']:,} unreadable skipped"
         )
     if summary["skipped_empty_documents"]:
         print(f"skipped {summary['skipped_empty_documents']:,} documents without text")

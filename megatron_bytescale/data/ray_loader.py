@@ -49,6 +49,30 @@ NAMESPACE = "megatron_bytescale"  # named loaders live here, visible to every jo
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 
+CONNECT_TIMEOUT_S = 10.0  # a cluster head that does not accept a TCP connection by then is not there
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail fast, naming the address, when nothing listens at a ``host:port`` Ray address
+    (``ray.init`` itself retries for minutes with only warnings). ``auto`` and ``ray://`` go to Ray."""
+    import socket
+
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ConfigError(f"--address {address!r}: give the Ray head as HOST:PORT (e.g. 10.0.0.1:6379) or 'auto'")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise ConfigError(
+            f"--address {address}: no Ray cluster answers there ({why} after at most {timeout_s:.0f} s); "
+            "start one with `ray start --head` or omit --address to start a local one"
+        ) from None
+
+
 def init_ray(address: str | None = None, num_cpus: int = 2, object_store_memory: int | None = 256 << 20) -> None:
     """Attach to the cluster at ``address``, or start a small local Ray instance (no
     dashboard); a no-op when Ray is already initialised. Local workers get this project on
@@ -56,7 +80,11 @@ def init_ray(address: str | None = None, num_cpus: int = 2, object_store_memory:
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+        check_reachable(address)
+        try:
+            ray.init(address=address, logging_level=logging.WARNING)
+        except ConnectionError as exc:  # something listens there, but it is not a Ray head
+            raise ConfigError(f"--address {address}: {exc}; is it the Ray head's GCS port (default 6379)?") from None
         return
     path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(

@@ -210,30 +210,9 @@ def sample_lengths(dataset: str, total_tokens: int, context: int, rng: Rng = Non
 
 def read_lengths_file(path: str | Path) -> np.ndarray:
     """Token lengths, one positive integer per line (blank lines and ``#`` comments skipped)."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"lengths file {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"lengths file {path}: cannot read it ({exc})") from None
-    lengths = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        body = line.split("#", 1)[0].strip()
-        if not body:
-            continue
-        try:
-            value = int(body)
-        except ValueError:
-            raise ConfigError(
-                f"lengths file {path}, line {number}: {line.strip()!r} is not a whole number; "
-                "write one positive token length per line"
-            ) from None
-        if value <= 0:
-            raise ConfigError(f"lengths file {path}, line {number}: length {value} must be positive")
-        lengths.append(value)
-    if not lengths:
-        raise ConfigError(f"lengths file {path}: holds no lengths; write one positive token length per line")
-    return np.array(lengths, dtype=np.int64)
+    from ..lengths_file import read_lengths_file as read
+
+    return np.array(read(path), dtype=np.int64)
 
 
 def lengths_from_file(lengths: np.ndarray, total_tokens: int, context: int, rng: Rng = None) -> list[int]:

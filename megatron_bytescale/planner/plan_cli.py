@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
 from ..errors import ConfigError
+from ..lengths_file import read_lengths_file
 from ..units import format_size, parse_size
 from .cost_model import CostModel
 from .plan import MicroBatch, Plan
@@ -46,25 +46,6 @@ def parse_lengths(text: str) -> list[int]:
     if not items:
         raise ConfigError("--lengths is empty: give comma-separated lengths, e.g. --lengths 1K,300K")
     return [parse_size(t, f"sequence length {t.strip()!r} in --lengths") for t in items]
-
-
-def read_lengths_file(path: str | Path) -> list[int]:
-    """One positive integer per line; blank lines are skipped."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read lengths file {path}: {exc.strerror or exc}") from None
-    lengths = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        item = line.strip()
-        if not item:
-            continue
-        if not item.isdigit() or int(item) <= 0:
-            raise ConfigError(f"{path}, line {lineno}: expected one positive integer (a sequence length), got {item!r}")
-        lengths.append(int(item))
-    if not lengths:
-        raise ConfigError(f"{path}: no sequence lengths found; write one positive integer per line")
-    return lengths
 
 
 def apply_context(lengths: Sequence[int], context: int, cut: bool) -> list[int]:
@@ -137,12 +118,12 @@ def hdp_shape(gpus: int, tp: int, pp: int, gpus_per_node: int) -> tuple[int, int
 
 
 def main(args) -> int:
-    per_node = args.gpus_per_node or HardwareSpec.load(args.hardware).gpus_per_node
+    per_node = HardwareSpec.load(args.hardware).gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
     num_ranks, ranks_per_node = hdp_shape(args.gpus, args.tp, args.pp, per_node)
     cost = build_cost(args)
     capacity = parse_size(args.capacity, "--capacity")
     context = parse_size(args.context, "--context")
-    lengths = parse_lengths(args.lengths) if args.lengths else read_lengths_file(args.lengths_file)
+    lengths = parse_lengths(args.lengths) if args.lengths is not None else read_lengths_file(args.lengths_file)
     lengths = apply_context(lengths, context, args.cut)
     config = PlannerConfig(
         num_ranks=num_ranks,

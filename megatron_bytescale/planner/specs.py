@@ -164,11 +164,18 @@ class HardwareSpec:
 def load_mapping(path: str | Path) -> dict:
     """A YAML or JSON file holding one mapping (JSON is YAML); errors name the file."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); give a YAML or JSON file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML/JSON: {exc}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(f"{path}: not valid YAML/JSON ({problem}{where}); fix the file or regenerate it") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of field: value, got {type(data).__name__}")
     return data
@@ -198,7 +205,10 @@ def _typed_fields(cls, data: dict, source: str) -> dict:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: field {name!r} must be a number, got {value!r}")
-        if value < 0 or (value == 0 and kind == "int"):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(f"{source}: field {name!r} must be a finite number, got {value!r}")
+        # a bandwidth divides a byte count: zero would be a ZeroDivisionError later
+        if value < 0 or (value == 0 and (kind == "int" or name.startswith("bw_"))):
             raise ConfigError(f"{source}: field {name!r} must be positive, got {value!r}")
         if kind == "int":
             if value != int(value):

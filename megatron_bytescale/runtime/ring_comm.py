@@ -16,9 +16,11 @@ single-device check of the ring schedule); it never touches torch.distributed.
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,10 @@ import torch.distributed as dist
 from ..errors import ConfigError, PlanError
 
 KV_TAG, GRAD_TAG = 0, 1  # the two streams that travel round a ring: KV blocks and dK/dV accumulators
+# gloo only: a ring exchange that makes no progress for this long names its peers and fails,
+# instead of gloo's whole-job timeout (10 min). Not for NCCL: a timed wait would block the CPU
+# on the GPU stream and lose the overlap.
+RING_TIMEOUT_S = float(os.environ.get("BYTESCALE_RING_TIMEOUT_S", "60"))
 
 
 @dataclass
@@ -50,13 +56,23 @@ class P2PCounter:
 class Pending:
     """A posted exchange; ``wait()`` returns the received tensor."""
 
-    def __init__(self, works, recv: torch.Tensor, counter: P2PCounter | None = None):
+    def __init__(self, works, recv: torch.Tensor, counter: P2PCounter | None = None, timeout_s: float | None = None,
+                 peers: str = ""):
         self._works, self._recv, self._counter = works, recv, counter
+        self._timeout, self._peers = timeout_s, peers
 
     def wait(self) -> torch.Tensor:
         start = time.perf_counter()
         for w in self._works:
-            w.wait()
+            if self._timeout is None:
+                w.wait()
+                continue
+            try:
+                w.wait(timeout=timedelta(seconds=self._timeout))
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                    raise
+                raise TimeoutError(f"ring exchange made no progress for {self._timeout:.0f} s: {self._peers}") from None
         self._works = []
         if self._counter is not None:
             self._counter.wait_s += time.perf_counter() - start
@@ -86,6 +102,9 @@ class RingComm:
         self.group, self.counter = group, counter
         self._next = to_global(ring[(index + 1) % self.size])
         self._prev = to_global(ring[(index - 1) % self.size])
+        self._timeout = RING_TIMEOUT_S if dist.get_backend(group) == "gloo" else None
+        self._peers = (f"ring {self.ring}: this rank (global {dist.get_rank()}) sends to global rank {self._next} and "
+                       f"receives from global rank {self._prev}; one of them is stopped, dead or stuck")
 
     def send_recv(self, send: torch.Tensor, recv_shape, tag: int = KV_TAG) -> Pending:
         """Post: send ``send`` to the successor, receive a ``recv_shape`` tensor from the predecessor."""
@@ -98,7 +117,7 @@ class RingComm:
         works = dist.batch_isend_irecv(ops)
         if self.counter is not None:
             self.counter.add(send)
-        return Pending(works, recv, self.counter)
+        return Pending(works, recv, self.counter, self._timeout, self._peers)
 
 
 class LocalRing:

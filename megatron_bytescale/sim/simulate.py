@@ -86,7 +86,7 @@ class SimReport:
 def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
     model = ModelSpec.load(cfg.model)
     hw = HardwareSpec.load(cfg.hardware)
-    cluster = Cluster(cfg.gpus, cfg.tp, cfg.pp, cfg.gpus_per_node or hw.gpus_per_node)
+    cluster = Cluster(cfg.gpus, cfg.tp, cfg.pp, hw.gpus_per_node if cfg.gpus_per_node is None else cfg.gpus_per_node)
     cost = CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp, dkv_bf16=cfg.dkv_bf16)
     if cfg.capacity <= 0 or cfg.context <= 0 or cfg.global_batch_tokens <= 0:
         raise ConfigError("capacity, context and global batch tokens must be positive")
@@ -99,6 +99,11 @@ def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
         raise ConfigError(
             f"a {cfg.context}-token sequence does not fit on {cluster.d_hdp} HDP ranks of capacity {cfg.capacity}; "
             "raise the capacity or the GPU count, or lower the context"
+        )
+    if cfg.global_batch_tokens < cfg.context:
+        raise ConfigError(
+            f"--global-batch-tokens {format_size(cfg.global_batch_tokens)} is smaller than --context {format_size(cfg.context)}: "
+            "a context-long sequence could never be in a batch; raise --global-batch-tokens or lower --context"
         )
     if cfg.steps <= 0:
         raise ConfigError(f"--steps must be positive, got {cfg.steps}")

@@ -83,6 +83,10 @@ def run_bench(args) -> dict:
 
     if args.ranks < 1 or args.steps < 1:
         raise ConfigError(f"--ranks and --steps must be positive, got {args.ranks} and {args.steps}")
+    if args.mode == "ray" and args.address:  # before the data: a dead cluster is a one-line error in seconds
+        from ..data.ray_loader import check_reachable
+
+        check_reachable(args.address)
     data = args.data or default_dataset()
     # Defaults shaped like the paper's runs: each rank runs a few micro-batches per step, and
     # the longest samples span half the ranks.

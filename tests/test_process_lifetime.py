@@ -1,0 +1,88 @@
+"""Rank processes never outlive their launcher, and a dead or stopped rank is named in seconds
+(the heartbeat limit is shortened here; the default is 30 s)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_bytescale.errors import ConfigError
+from megatron_bytescale.local_world import WorkerError, check_world_size, run_local_world
+from megatron_bytescale.process_lifetime import _alive
+
+import lifetime_support
+
+HERE = Path(__file__).resolve().parent
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def _launch_sleepers(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(HERE / "lifetime_support.py"), str(tmp_path)], env=env)
+
+    def pids():
+        files = [tmp_path / f"rank{r}" for r in range(2)]
+        if all(f.exists() and f.read_text() for f in files):
+            return [int(f.read_text()) for f in files]
+        return None
+
+    try:
+        return proc, _wait_for(pids, 90, "both ranks to start")
+    except AssertionError:
+        proc.kill()
+        raise
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_ranks_die_with_their_launcher(tmp_path, sig):
+    proc, pids = _launch_sleepers(tmp_path)
+    assert all(_alive(p) for p in pids)
+    proc.send_signal(sig)
+    proc.wait(timeout=30)
+    _wait_for(lambda: not any(_alive(p) for p in pids), 15, f"ranks {pids} to end after {sig.name}")
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143
+
+
+def test_a_stopped_rank_is_named_within_seconds():
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) stopped responding: no heartbeat"):
+        run_local_world(lifetime_support.stop_rank_one, 2, timeout_s=600, heartbeat_timeout_s=2)
+    assert time.monotonic() - t0 < 45
+
+
+def test_a_dead_rank_is_named_not_its_peers_connection_error():
+    with pytest.raises(WorkerError, match=r"^rank 1 exited with code 3 before reporting"):
+        run_local_world(lifetime_support.die_on_rank_one, 2, timeout_s=600)
+
+
+def test_a_ring_exchange_without_progress_names_its_peers():
+    message, _ = run_local_world(lifetime_support.wedged_ring_peer, 2, timeout_s=60)
+    assert message.startswith("ring exchange made no progress for 2 s: ring (0, 1): this rank (global 0) sends to global rank 1")
+
+
+def test_bad_input_found_in_a_rank_comes_back_as_its_one_line_error():
+    with pytest.raises(ConfigError, match=r"^--thing 7 is wrong; use 8$"):
+        run_local_world(lifetime_support.bad_input_in_rank, 2, timeout_s=60)
+
+
+def test_a_world_the_machine_cannot_hold_is_refused_before_any_process_starts():
+    with pytest.raises(ConfigError, match=r"--world-size 100000: this machine can hold at most \d+ local gloo ranks"):
+        check_world_size(100_000)
+    with pytest.raises(ConfigError, match="at least 1"):
+        check_world_size(0)
