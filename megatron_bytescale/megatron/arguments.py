@@ -101,6 +101,7 @@ _HDP_DEFAULTS = {
     "hdp_selective_offload": False,
     "hdp_profile": None,
     "hdp_hardware": None,
+    "hdp_host_memory_per_gpu": None,
     "hdp_dataloader": "local",
     "hdp_ray_address": None,
     "hdp_plan_ahead": 2,
@@ -215,6 +216,14 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         metavar="NAME|FILE",
         help=f"Hardware spec for the analytic cost model: one of {', '.join(available(HARDWARE_DIR, '.yaml'))} "
         f"or a YAML file (default {DEFAULT_HARDWARE}). Not used with --hdp-profile.",
+    )
+    g.add_argument(
+        "--hdp-host-memory-per-gpu",
+        type=token_count,  # the same K/M/G suffixes, read as bytes
+        default=None,
+        metavar="BYTES",
+        help="Pinned host memory per GPU the planner may fill with offloaded activations, e.g. 64G "
+        "(default: the profile's or the hardware spec's host_memory_bytes).",
     )
     g.add_argument(
         "--hdp-dataloader",
@@ -555,13 +564,16 @@ def cost_model_from_args(args):
     from ..planner.cost_model import CostModel
 
     if args.hdp_profile is not None:
-        return CostModel.from_profile(args.hdp_profile)
-    return CostModel.analytic(
-        model_spec_from_args(args),
-        HardwareSpec.load(args.hdp_hardware or DEFAULT_HARDWARE),
-        tp=args.tensor_model_parallel_size,
-        pp=args.pipeline_model_parallel_size,
-    )
+        cost = CostModel.from_profile(args.hdp_profile)
+    else:
+        cost = CostModel.analytic(
+            model_spec_from_args(args),
+            HardwareSpec.load(args.hdp_hardware or DEFAULT_HARDWARE),
+            tp=args.tensor_model_parallel_size,
+            pp=args.pipeline_model_parallel_size,
+        )
+    host = getattr(args, "hdp_host_memory_per_gpu", None)
+    return cost if host is None else cost.with_overrides(host_memory_bytes=float(host))
 
 
 def planner_config_from_args(args):

@@ -91,6 +91,9 @@ class Plan:
     seq_lens: tuple[int, ...]
     ranks: tuple[tuple[MicroBatch, ...], ...]
     meta: dict = field(default_factory=dict)  # provenance: strategy, planner time, ...
+    # token-equivalents of a micro-batch that may sit in pinned host memory (offloaded
+    # activations; see offload_policy.host_capacity); None: no host budget to check
+    host_capacity: int | None = None
 
     # ------------------------------------------------------------------ queries
     def micro_batches(self, rank: int) -> tuple[MicroBatch, ...]:
@@ -155,7 +158,9 @@ class Plan:
         4. all distributed pieces of a micro-batch share one ring, and every member of that
            ring has a micro-batch with the same ring and the same distributed sequences;
         5. ring micro-batches are ordered consistently across ranks (no P2P deadlock);
-        6. no micro-batch exceeds the capacity once its offload ratio is applied; ratios in [0, 1].
+        6. no micro-batch exceeds the capacity once its offload ratio is applied; ratios in [0, 1];
+        7. no micro-batch parks more than ``host_capacity`` token-equivalents in host memory
+           (``tokens * (1 - resident_fraction)``), when the plan has a host budget.
         """
         errors: list[str] = []
         if len(self.ranks) != self.num_ranks:
@@ -172,6 +177,7 @@ class Plan:
         holders: dict[int, list[tuple[int, int, Piece]]] = defaultdict(list)  # seq -> (rank, mb idx, piece)
         ring_keys: dict[int, list[tuple]] = {}  # rank -> ordered ring-step keys
         limit = self.capacity * (1 + 1e-9)
+        host_limit = None if self.host_capacity is None else self.host_capacity * (1 + 1e-9)
 
         for rank, mbs in enumerate(self.ranks):
             keys = []
@@ -187,6 +193,13 @@ class Plan:
                         f"{where}: {mb.tokens} tokens at offload ratio {mb.offload_ratio:.3f} keep "
                         f"{resident:.0f} token-equivalents on the device, over capacity {self.capacity}"
                     )
+                if host_limit is not None and mb.offload_ratio > 0:
+                    parked = mb.tokens * (1.0 - resident_fraction(mb.offload_ratio, self.num_layers))
+                    if parked > host_limit:
+                        errors.append(
+                            f"{where}: {mb.tokens} tokens at offload ratio {mb.offload_ratio:.3f} park "
+                            f"{parked:.0f} token-equivalents in host memory, over the host budget {self.host_capacity}"
+                        )
                 seen_here = set()
                 for p in mb.pieces:
                     if not 0 <= p.seq_id < len(self.seq_lens):
@@ -291,6 +304,7 @@ class Plan:
             "capacity": self.capacity,
             "num_layers": self.num_layers,
             "seq_lens": list(self.seq_lens),
+            "host_capacity": self.host_capacity,
             "meta": self.meta,
             "ranks": [
                 [
@@ -335,6 +349,7 @@ class Plan:
                 seq_lens=seq_lens,
                 ranks=ranks,
                 meta=dict(data.get("meta", {})),
+                host_capacity=None if data.get("host_capacity") is None else int(data["host_capacity"]),
             )
         except PlanError:
             raise

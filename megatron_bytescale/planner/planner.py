@@ -35,6 +35,7 @@ from ..errors import ConfigError, PlanError
 from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
+from .offload_policy import host_capacity
 from .pipeline_order import Item, LocalBatch, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
 from .plan import MicroBatch, Piece, Plan, ring_pieces, whole_piece
@@ -97,6 +98,8 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
     lens = check_lengths(seq_lens)
     balanced = config.balance != "none"
     placer = RingPlacer(config.num_ranks, config.ranks_per_node)
+    # pinned host memory per GPU, shared by the micro-batches a 1F1B stage holds in flight
+    host = host_capacity(cost, config.pipeline_stages)
     # With pipelines, a rank that runs a ring share fills and drains its pipeline with it,
     # so rings are sized for p x their stage time, or (cheaper in communication) 1 x.
     # The target is a bound, not a promise: rigid rings with little short work to fill the
@@ -105,7 +108,7 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
     factors = sorted({1, config.pipeline_stages}) if balanced else [1]
     best = None
     for factor in factors:
-        sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, factor)
+        sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, factor, host)
         base = balanced_target(np.asarray(lens), sizer) if balanced else None
         for scale in RETARGET if balanced else (1.0,):
             target = None if base is None else base * scale
@@ -148,6 +151,7 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
         num_layers=cost.num_layers,
         seq_lens=lens,
         ranks=ranks,
+        host_capacity=host,
     )
     ring_hist = Counter(s.ring_size for s in shards.values())
     plan.meta = {

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, PlanError
-from .cost_model import FORWARD_SHARE, CostModel
+from .cost_model import CostModel
 from .offload_policy import OffloadDecision, decide, ratio_for_ranks
 
 
@@ -38,11 +38,16 @@ class Shard:
     ratio: float
 
 
-def memory_floor(seq_len: int, capacity: int, cost: CostModel, offload: bool, num_ranks: int) -> OffloadDecision:
-    """D_mem(s) and its ratio; an error when even that needs more ranks than there are."""
-    d = decide(seq_len, capacity, cost, offload)
+def memory_floor(
+    seq_len: int, capacity: int, cost: CostModel, offload: bool, num_ranks: int, host: int | None = None
+) -> OffloadDecision:
+    """D_mem(s) and its ratio (``host``: the host budget in token-equivalents, None: none);
+    an error when even that needs more ranks than there are."""
+    d = decide(seq_len, capacity, cost, offload, host)
     if d.ranks > num_ranks:
         fixes = "raise --hdp-token-capacity, " + ("" if offload else "enable offload, ") + "or add GPUs"
+        if offload and host is not None:
+            fixes = "raise --hdp-token-capacity or the host memory per GPU, or add GPUs"
         raise ConfigError(
             f"capacity too small: sequence of {seq_len} tokens needs {d.ranks} ranks at capacity {capacity}"
             f"{' with offloading' if offload else ''}, only {num_ranks} ranks; {fixes}"
@@ -61,7 +66,7 @@ def ring_times(cost: CostModel, seq_len: int, ring_sizes: np.ndarray, ranks_per_
     hop_f = cost.p2p_latency_s + share * cost.kv_bytes_per_token / bw
     hop_b = cost.p2p_latency_s + share * (cost.kv_bytes_per_token + cost.grad_bytes_per_token) / bw
     home = cost.p2p_latency_s + share * cost.grad_bytes_per_token / bw  # the last dKV hop, never hidden
-    exposed = (d - 1) * (np.maximum(0.0, hop_f - FORWARD_SHARE * step) + np.maximum(0.0, hop_b - (1 - FORWARD_SHARE) * step))
+    exposed = (d - 1) * (np.maximum(0.0, hop_f - cost.forward_share * step) + np.maximum(0.0, hop_b - (1 - cost.forward_share) * step))
     exposed += home
     exposed[ring_sizes <= 1] = 0.0
     return cost.num_layers * (per_layer + exposed)
@@ -71,9 +76,17 @@ class RingSizer:
     """Ring size and time for each long sequence, for a given target time (cached by length)."""
 
     def __init__(
-        self, capacity: int, cost: CostModel, offload: bool, num_ranks: int, ranks_per_node: int, pipeline_stages: int = 1
+        self,
+        capacity: int,
+        cost: CostModel,
+        offload: bool,
+        num_ranks: int,
+        ranks_per_node: int,
+        pipeline_stages: int = 1,
+        host: int | None = None,
     ):
         self.capacity = capacity
+        self.host = host  # host budget per micro-batch in token-equivalents (None: unbounded)
         # a rank that runs a share alone fills and drains its pipeline with it: p times the
         # share's stage time is what the step target is compared with
         self.stages = pipeline_stages
@@ -84,7 +97,7 @@ class RingSizer:
         self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def floor(self, seq_len: int) -> OffloadDecision:
-        return memory_floor(seq_len, self.capacity, self.cost, self.offload, self.num_ranks)
+        return memory_floor(seq_len, self.capacity, self.cost, self.offload, self.num_ranks, self.host)
 
     def curve(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Candidate ring sizes (from the memory floor up to where communication dominates)
@@ -116,7 +129,7 @@ class RingSizer:
             k = int(fits[0]) if fits.size else int(np.flatnonzero(times <= times.min() * (1 + 1e-3))[0])
         for j in range(k, len(sizes)):
             d = int(sizes[j])
-            r = self.floor(seq_len).ratio if j == 0 else ratio_for_ranks(seq_len, d, self.capacity, self.cost)
+            r = self.floor(seq_len).ratio if j == 0 else ratio_for_ranks(seq_len, d, self.capacity, self.cost, self.host)
             if r is not None:
                 return d, r, float(times[j])
         d = self.floor(seq_len)  # unreachable for sane profiles: larger rings need smaller ratios

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from ..data.workloads import lengths_from_file, read_lengths_file, sample_lengths
 from ..errors import ConfigError
 from ..planner.cost_model import CostModel
+from ..planner.plan_cli import with_host_memory
 from ..planner.specs import HardwareSpec, ModelSpec
 from ..units import format_size, parse_size
 from .cluster import Cluster
@@ -46,6 +47,7 @@ class SimConfig:
     steps: int = 5
     seed: int = 0
     validate: str = "first"  # "first" | "all" | "none": which steps' plans to check with Plan.validate
+    host_memory_per_gpu: int | None = None  # bytes; default: the hardware spec's host_memory_bytes
 
 
 @dataclass
@@ -86,7 +88,7 @@ def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
     model = ModelSpec.load(cfg.model)
     hw = HardwareSpec.load(cfg.hardware)
     cluster = Cluster(cfg.gpus, cfg.tp, cfg.pp, cfg.gpus_per_node or hw.gpus_per_node)
-    cost = CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp)
+    cost = with_host_memory(CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp), cfg.host_memory_per_gpu)
     if cfg.capacity <= 0 or cfg.context <= 0 or cfg.global_batch_tokens <= 0:
         raise ConfigError("capacity, context and global batch tokens must be positive")
     if cfg.context < cfg.capacity:
@@ -195,6 +197,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--dataset", default="byted", help="byted | github | a workload YAML (default byted)")
     src.add_argument("--lengths-file", default=None, help="one token length per line, resampled until the batch is full")
+    parser.add_argument("--host-memory-per-gpu", default=None, metavar="BYTES",
+                        help="pinned host memory per GPU for offloaded activations, e.g. 64G (default: the hardware spec's)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated from {', '.join(STRATEGIES)}")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -220,6 +224,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         steps=args.steps,
         seed=args.seed,
         validate=args.validate,
+        host_memory_per_gpu=(
+            parse_size(args.host_memory_per_gpu, "--host-memory-per-gpu") if args.host_memory_per_gpu else None
+        ),
     )
 
 

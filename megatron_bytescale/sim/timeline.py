@@ -6,7 +6,7 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   part ``b1 * tokens + g`` plus attention ``a1 * pairs``, where a whole sequence of ``s``
   tokens contributes ``s^2`` pairs and a zigzag share of a ring of ``N`` contributes
   ``s^2 / N`` (zigzag gives every ring step the same causal work). Forward takes
-  ``FORWARD_SHARE`` of it, backward the rest.
+  ``forward_share`` of it (``CostModel.forward_share``), backward the rest.
 * **Ring micro-batches.** All members start together, when the last of them is ready, and
   run in lockstep layer by layer. In each layer the linear part runs first (the ring waits
   for its slowest member), then the ring runs ``N`` steps; a step lasts
@@ -18,9 +18,12 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   distributed pieces compute in step 0. *Exposed communication* of a member is the step
   time its own compute does not cover because a hop is still in flight.
 * **Offloading.** A micro-batch with offload ratio ``r`` copies ``r * Act(tokens)`` bytes of
-  each of ``l - 2`` layers to the host and back; one layer's copy hides behind that layer's
-  forward+backward compute (the design's rule ``T(s) >= r Act(s) / B``), and whatever exceeds
-  it is exposed, split between forward and backward by ``FORWARD_SHARE``.
+  each of ``l - 2`` layers to the host during the forward and back during the backward; the
+  device-to-host copy of a layer hides behind that layer's forward compute only, the
+  host-to-device copy behind its backward compute only, and whatever exceeds it is exposed
+  in that pass (``planner.offload_policy.copy_exposure``, the rule the planner plans with).
+  The bytes parked in host memory are reported per GPU (the largest micro-batch's, times
+  the micro-batches a 1F1B stage holds in flight).
 * **Pipelines.** Each HDP rank is one pipeline of ``pp`` stages (equal layer counts) running
   its micro-batches with 1F1B (warm-up, steady state, cool-down); a ring micro-batch's work
   on a stage starts when every member pipeline has reached it there. Activation transfers
@@ -42,7 +45,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import PlanError
-from ..planner.cost_model import FORWARD_SHARE, CostModel
+from ..planner.cost_model import CostModel
+from ..planner.offload_policy import copy_exposure, host_bytes
 from ..planner.pipeline_order import BACKWARD, FORWARD, one_f_one_b
 from ..planner.plan import MicroBatch, Plan
 from .cluster import Cluster
@@ -102,23 +106,23 @@ def ring_key(mb: MicroBatch) -> tuple | None:
     return (next(iter(rings)), tuple(sorted(seqs)))
 
 
-def offload_exposure(load: MemberLoad, cost: CostModel, layers: int) -> tuple[float, float]:
-    """(exposed seconds per stage, bytes copied to the host per stage) of one micro-batch."""
+def offload_exposure(load: MemberLoad, cost: CostModel, layers: int) -> tuple[float, float, float]:
+    """(exposed forward seconds, exposed backward seconds, bytes copied to the host), per
+    stage, of one micro-batch: ``copy_exposure`` for each of the ``l - 2`` offloaded layers."""
     if load.offload_ratio <= 0 or layers <= 2:
-        return 0.0, 0.0
-    per_layer_bytes = load.offload_ratio * cost.act_bytes(load.tokens)
-    copy = per_layer_bytes / cost.bw_offload
-    compute = cost.layer_time(load.tokens, load.dist_pairs + load.local_pairs)
-    return (layers - 2) * max(0.0, copy - compute), (layers - 2) * per_layer_bytes
+        return 0.0, 0.0, 0.0
+    fwd, bwd = copy_exposure(cost, load.tokens, load.dist_pairs + load.local_pairs, load.offload_ratio)
+    return (layers - 2) * fwd, (layers - 2) * bwd, host_bytes(cost, load.tokens, load.offload_ratio, layers)
 
 
 def local_work(load: MemberLoad, cost: CostModel, layers: int) -> tuple[Work, Work]:
     t = cost.layer_time(load.tokens, load.local_pairs + load.dist_pairs) * layers
-    off, _ = offload_exposure(load, cost, layers)
-    out = []
-    for share in (FORWARD_SHARE, 1.0 - FORWARD_SHARE):
-        out.append(Work(duration=share * (t + off), compute=share * t, comm=0.0, offload=share * off))
-    return out[0], out[1]
+    off_f, off_b, _ = offload_exposure(load, cost, layers)
+    f = cost.forward_share
+    return (
+        Work(duration=f * t + off_f, compute=f * t, comm=0.0, offload=off_f),
+        Work(duration=(1.0 - f) * t + off_b, compute=(1.0 - f) * t, comm=0.0, offload=off_b),
+    )
 
 
 def ring_work(
@@ -132,12 +136,14 @@ def ring_work(
     lin = np.array([cost.b1 * ld.tokens + cost.g for ld in loads])
     attn = np.array([cost.a1 * ld.dist_pairs for ld in loads])
     local = np.array([cost.a1 * ld.local_pairs for ld in loads])
-    off = np.array([offload_exposure(ld, cost, layers)[0] / layers for ld in loads])
+    exposure = [offload_exposure(ld, cost, layers) for ld in loads]
+    off_by_dir = {FORWARD: np.array([e[0] / layers for e in exposure]), BACKWARD: np.array([e[1] / layers for e in exposure])}
     # hop k (0 <= k < n-1): member i passes the block that started at member (i - k)
     sender_block = block[(np.arange(n)[:, None] - np.arange(n - 1)[None, :]) % n]  # [member, hop]
     lat = cost.p2p_latency_s
     results = []
-    for direction, share in ((FORWARD, FORWARD_SHARE), (BACKWARD, 1.0 - FORWARD_SHARE)):
+    for direction, share in ((FORWARD, cost.forward_share), (BACKWARD, 1.0 - cost.forward_share)):
+        off = off_by_dir[direction]  # exposed copy seconds per layer in this pass
         per_token = cost.kv_bytes_per_token + (cost.grad_bytes_per_token if direction == BACKWARD else 0.0)
         hops = lat + (sender_block * (per_token / bw)[:, None]).max(axis=0)  # [n-1], slowest link
         a = share * attn / n  # per step, per member
@@ -149,7 +155,7 @@ def ring_work(
         tail = 0.0
         if direction == BACKWARD:  # the dKV accumulators travel home once more
             tail = lat + (block[(np.arange(n) + 1) % n] * (cost.grad_bytes_per_token / bw)).max()
-        pre = share * (lin + off)
+        pre = share * lin + off
         layer_time = pre.max() + step_max.sum() + tail
         exposed = np.maximum(0.0, hops[0] - first) + np.maximum(0.0, hops[None, 1:] - a[:, None]).sum(axis=1) + tail
         compute = share * (lin + attn + local)
@@ -158,7 +164,7 @@ def ring_work(
                 duration=layers * layer_time,
                 compute=layers * compute[i],
                 comm=layers * exposed[i],
-                offload=layers * share * off[i],
+                offload=layers * off[i],
             )
             if direction == FORWARD:
                 results.append([w])
@@ -394,7 +400,7 @@ def critical_path(seq_lens, cluster: Cluster, cost: CostModel) -> float:
     n = np.arange(1, cluster.d_hdp + 1, dtype=float)
     n = n[n <= s]
     b = s / n
-    fs, bs = FORWARD_SHARE, 1.0 - FORWARD_SHARE
+    fs, bs = cost.forward_share, 1.0 - cost.forward_share
     attn_step = cost.a1 * b * b  # per member per ring step: (s^2 / N) / N pairs
     bw = np.where(n > cluster.hdp_per_node, cost.bw_inter_node, cost.bw_intra_node)
     lat = cost.p2p_latency_s
@@ -417,6 +423,7 @@ class StepResult:
     p2p_bytes: float  # all GPUs together
     p2p_bytes_max_gpu: float
     offload_bytes: float  # all GPUs together, device to host
+    host_bytes_max_gpu: float  # pinned host memory the busiest GPU needs for offloaded activations
     microbatches: list[int]
     plan_time_s: float
     notes: list[str] = field(default_factory=list)
@@ -439,6 +446,7 @@ class StepResult:
             "p2p_bytes": self.p2p_bytes,
             "p2p_bytes_max_gpu": self.p2p_bytes_max_gpu,
             "offload_bytes": self.offload_bytes,
+            "host_bytes_max_gpu": self.host_bytes_max_gpu,
             "microbatches_max": max(self.microbatches),
             "microbatches_mean": float(np.mean(self.microbatches)),
             "plan_time_s": self.plan_time_s,
@@ -451,10 +459,15 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
     p2p = plan.p2p_bytes_per_rank(cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers)
     gpus_per_rank = cluster.tp * cluster.pp  # every TP shard of every stage sends its share
     offload = 0.0
+    host_max = 0.0
     for mbs in plan.ranks:
+        parked = []
         for mb in mbs:
             if mb.offload_ratio > 0:
-                offload += offload_exposure(MemberLoad.of(mb), cost, plan.num_layers)[1]
+                parked.append(offload_exposure(MemberLoad.of(mb), cost, plan.num_layers)[2])
+        offload += sum(parked)
+        # 1F1B: stage 0 holds up to pp micro-batches' activations before its first backward
+        host_max = max(host_max, sum(sorted(parked, reverse=True)[: cluster.pp]))
     return StepResult(
         strategy=str(plan.meta.get("strategy", "?")),
         timeline=timeline,
@@ -463,6 +476,7 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         p2p_bytes=float(sum(p2p)) * gpus_per_rank,
         p2p_bytes_max_gpu=float(max(p2p)) if p2p else 0.0,
         offload_bytes=offload * gpus_per_rank,
+        host_bytes_max_gpu=host_max,
         microbatches=[len(mbs) for mbs in plan.ranks],
         plan_time_s=float(plan.meta.get("plan_time_s", math.nan)),
         notes=list(plan.meta.get("notes", [])),
