@@ -373,11 +373,27 @@ class Plan:
             raise PlanError(f"plan is not valid JSON: {exc}") from None
 
 
+def _piece(seq_id: int, seq_len: int, ranges: Ranges, ring: tuple[int, ...]) -> Piece:
+    """``Piece(...)`` without the frozen dataclass's per-field ``object.__setattr__``: a
+    plan for 16K ranks builds ~10^5 pieces, and this is three times faster (same object)."""
+    p = _new_object(Piece)
+    d = p.__dict__
+    d["seq_id"] = seq_id
+    d["seq_len"] = seq_len
+    d["ranges"] = ranges
+    d["ring"] = ring
+    return p
+
+
+_new_object = object.__new__
+
+
 def whole_piece(seq_id: int, seq_len: int, rank: int) -> Piece:
-    return Piece(seq_id=seq_id, seq_len=seq_len, ranges=((0, seq_len),), ring=(rank,))
+    return _piece(seq_id, seq_len, ((0, seq_len),), (rank,))
 
 
 def ring_pieces(seq_id: int, seq_len: int, ring: tuple[int, ...]) -> list[Piece]:
     """The zigzag pieces of one sequence over ``ring``, in ring order."""
     shares = zigzag_ranges(seq_len, len(ring))
-    return [Piece(seq_id=seq_id, seq_len=seq_len, ranges=shares[i], ring=tuple(ring)) for i in range(len(ring))]
+    ring = tuple(ring)
+    return [_piece(seq_id, seq_len, share, ring) for share in shares]
