@@ -52,29 +52,29 @@ class RingPlacer:
         return np.sort(np.concatenate([below, tied]))
 
     def _node_order(self, loads: np.ndarray) -> np.ndarray:
-        """Each node's loads, ascending (``num_nodes x ranks_per_node``)."""
+        """Each node's loads, ascending, as ``ranks_per_node x num_nodes`` (row ``k``: every
+        node's ``k+1``-th smallest load, contiguous)."""
         by_node = loads.reshape(self.num_nodes, self.ranks_per_node)
         if self._seen is None or self._seen.shape != loads.shape:
-            self._sorted = np.sort(by_node, axis=1)
+            self._sorted = np.ascontiguousarray(np.sort(by_node, axis=1).T)
             self._seen = loads.copy()
             return self._sorted
         changed = np.flatnonzero(loads != self._seen)
         if changed.size:
-            nodes = np.unique(changed // self.ranks_per_node)
-            self._sorted[nodes] = np.sort(by_node[nodes], axis=1)
+            nodes = changed // self.ranks_per_node  # repeats are harmless: the same rows again
+            self._sorted[:, nodes] = np.sort(by_node[nodes], axis=1).T
             self._seen[changed] = loads[changed]
         return self._sorted
 
     def _inside_one_node(self, loads: np.ndarray, ring_size: int) -> np.ndarray:
         rpn = self.ranks_per_node
         ordered = self._node_order(loads)
-        start = ordered[:, ring_size - 1]  # the ring starts when its last member is free
+        start = ordered[ring_size - 1]  # per node: the ring starts when its last member is free
         # earliest start, then least idle (ring_size * start - the members' loads), then lowest node
-        candidates = np.flatnonzero(start == start.min())
-        if candidates.size == 1:
-            node = int(candidates[0])
-        else:
-            idle = ring_size * start[candidates] - ordered[candidates, :ring_size].sum(axis=1)
+        node = int(start.argmin())
+        if np.count_nonzero(start == start[node]) > 1:
+            candidates = np.flatnonzero(start == start[node])
+            idle = ring_size * start[candidates] - ordered[:ring_size, candidates].sum(axis=0)
             node = int(candidates[np.argmin(idle)])
         local = np.argsort(loads[node * rpn : (node + 1) * rpn], kind="stable")[:ring_size]
         return np.sort(local) + node * rpn
