@@ -117,6 +117,31 @@ class _Loads:
                 return r
             heapq.heappop(heap)  # stale: the rank was given work since
 
+    def give_least(self, seconds: float, tokens: int) -> int:
+        """``least()``, ``run(r, clock[r], ...)`` and ``push(r)`` in one: the hot path of the
+        DP balance (one call per short sequence, ~5 x 10^4 a step at 16K ranks)."""
+        heap, stamp = self.heap, self.stamp
+        while True:
+            _, r, s = heap[0]
+            if s == stamp[r]:
+                break
+            heapq.heappop(heap)
+        clock = self.clock[r] + seconds  # it starts at once: no idle time
+        self.clock[r] = clock
+        total = self.tokens[r] + tokens
+        self.tokens[r] = total
+        peak = self.peak[r]
+        if seconds > peak:
+            self.peak[r] = peak = seconds
+        k = total if self.by_tokens else clock + self.bubble * peak
+        self.last_key[r] = k
+        self._dirty.append(r)
+        if k > self.top:
+            self.top = k
+        stamp[r] = s = s + 1
+        heapq.heapreplace(heap, (k, r, s))
+        return r
+
     def push(self, r: int) -> None:
         entry = (self.last_key[r], r, self.stamp[r])
         if self.heap and self.heap[0][1] == r:  # its old entry, stale now: one sift instead of pop + push
@@ -179,10 +204,12 @@ def schedule(
     if mode in ("dp", "tokens"):
         for bucket in buckets:  # the first non-empty bucket, its longest unit first
             for u in bucket:
-                if units[u].ring_size > 1:
+                unit = units[u]
+                if unit.ring_size > 1:
                     give_ring(u)
                 else:
-                    give_one(u, loads.least())
+                    runs[loads.give_least(unit.time, unit.tokens)].append(u)
+                    given.append(u)
         return Assignment(runs, members, np.array(loads.clock), loads.key, np.array(loads.idle), len(buckets), given)
 
     # pp: the same order, in runs: the least-loaded rank takes the next unit and goes on
