@@ -40,7 +40,7 @@ from .estimate import exposed_ring_time, ring_share_time
 from .offload_policy import host_capacity
 from .pipeline_order import Item, LocalBatch, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
-from .plan import MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_piece
+from .plan import Piece, Plan, micro_batch, ring_pieces, whole_piece
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
 from .zigzag import rank_tokens
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..data.workloads import lengths_from_file, read_lengths_file, sample_lengths
+from ..data.workloads import lengths_from_file, read_lengths_file, sample_lengths, training_batches
 from ..errors import ConfigError
 from ..planner.cost_model import CostModel
 from ..planner.plan_cli import with_host_memory
@@ -118,32 +118,6 @@ def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
         raise ConfigError(f"--validate must be first, all or none, got {cfg.validate!r}")
     parse_strategies(",".join(cfg.strategies))
     return cluster, cost
-
-
-def training_batches(prefix: str, step_tokens: int, context: int, seed: int):
-    """The sequence lengths of the global batches training on ``prefix`` would see, step by
-    step (the HDP loaders' sampler: documents in the seeded epoch order, cut at ``context``,
-    ``step_tokens`` per step), and a description of the dataset."""
-    from ..data.indexed import DocumentDataset
-    from ..data.sampler import GlobalBatchSampler, Position
-
-    docs = DocumentDataset(prefix)
-    sampler = GlobalBatchSampler(docs.lengths, step_tokens=step_tokens, context_length=context, seed=seed)
-    info = {
-        "prefix": docs.prefix,
-        "documents": len(docs),
-        "tokens": docs.num_tokens,
-        "longest_document": int(docs.lengths.max()),
-        "documents_over_context": int((docs.lengths > context).sum()),
-    }
-
-    def steps():
-        position = Position()
-        while True:
-            samples, position = sampler.batch(position)
-            yield [s.length for s in samples]
-
-    return steps(), info
 
 
 def run(cfg: SimConfig, progress: bool = True) -> SimReport:

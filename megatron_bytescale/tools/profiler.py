@@ -432,7 +432,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--host-memory-per-gpu", default=None, metavar="BYTES",
                         help="pinned host memory per GPU for offloaded activations, e.g. 64G "
-                             f"(default: --host-memory-share of this host's RAM over its GPUs)")
+                             "(default: --host-memory-share of this host's RAM over its GPUs)")
     parser.add_argument("--host-memory-share", type=float, default=HOST_MEMORY_SHARE,
                         help=f"share of host RAM offloading may pin, all GPUs together (default {HOST_MEMORY_SHARE})")
     parser.add_argument("--pin-probe", default="1G", help="bytes pinned once on a GPU host to check pinning works (1G)")
