@@ -65,8 +65,6 @@ MEGATRON = dict(
     position_embedding_type="rope",
     experimental_attention_variant=None,
     heterogeneous_layers_config_path=None,
-    overlap_grad_reduce=False,
-    overlap_param_gather=False,
     global_batch_size=16,
     mock_data=False,
     data_path=None,
@@ -84,6 +82,10 @@ MEGATRON = dict(
     qk_layernorm=False,
     qk_l2_norm=False,
     seed=1234,
+    recompute_granularity=None,
+    recompute_method=None,
+    recompute_num_layers=None,
+    recompute_modules=None,
     data_parallel_size=8,
     world_size=8,
     iteration=0,
@@ -204,12 +206,9 @@ CONFLICTS = {
     "virtual pp": (HDP, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
     "dp balance with pp": (HDP + ["--hdp-balance", "dp"], dict(pipeline_model_parallel_size=2), "use --hdp-balance pp"),
     "pipeline parallel (step has no PP schedule yet)": (HDP + ["--hdp-balance", "pp"], dict(pipeline_model_parallel_size=2), "use --pipeline-model-parallel-size 1"),
-    "overlap grad reduce": (HDP, dict(overlap_grad_reduce=True), "drop both flags"),
-    "overlap param gather": (HDP, dict(overlap_param_gather=True), "drop both flags"),
     "expert parallel": (HDP, dict(num_experts=8, expert_model_parallel_size=2), "--expert-model-parallel-size 1"),
     "megatron fsdp": (HDP, dict(use_megatron_fsdp=True), "--use-distributed-optimizer"),
     "torch fsdp2": (HDP, dict(use_torch_fsdp2=True), "--use-distributed-optimizer"),
-    "sequence parallel": (HDP, dict(tensor_model_parallel_size=2, sequence_parallel=True), "drop --sequence-parallel"),
     "cuda graphs": (HDP, dict(cuda_graph_impl="local"), "CUDA graphs need fixed shapes"),
     "legacy models": (HDP, dict(use_legacy_models=True), "drop --use-legacy-models"),
     "custom spec": (HDP, dict(spec=["my.module", "my_spec"]), "drop --spec"),
@@ -340,3 +339,29 @@ def test_host_memory_flag_overrides_the_budget(tmp_path):
     assert cost_model_from_args(args).host_memory_bytes == float(2 << 30)  # the flag wins over the profile
     with pytest.raises(ConfigError, match="--hdp-host-memory-per-gpu only apply with --hybrid-data-parallel"):
         validate_hdp_args(parse(["--hdp-host-memory-per-gpu", "64G"]))
+
+
+def test_activation_recompute_is_accepted_and_costed():
+    for flags in (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+        dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    ):
+        args = validate_hdp_args(parse(HDP, **flags))
+        cost = cost_model_from_args(args)
+        assert cost.recomputed_attention_layers > 0, flags
+    block = cost_model_from_args(validate_hdp_args(parse(HDP, recompute_granularity="full", recompute_method="block", recompute_num_layers=2)))
+    assert (block.recomputed_layers, block.activation_layers) == (2, 2)
+
+
+def test_overlapped_gradient_reduction_and_param_gather_are_accepted():
+    validate_hdp_args(parse(HDP, overlap_grad_reduce=True, overlap_param_gather=True))
+
+
+def test_sequence_parallelism_with_tp_is_accepted_and_divides_activations():
+    with_sp = cost_model_from_args(validate_hdp_args(parse(HDP, tensor_model_parallel_size=2, sequence_parallel=True)))
+    without = cost_model_from_args(validate_hdp_args(parse(HDP, tensor_model_parallel_size=2)))
+    one = cost_model_from_args(validate_hdp_args(parse(HDP)))
+    assert with_sp.a2 == pytest.approx(one.a2 / 2)  # every activation divided by TP
+    # tiny (h 64, q 64, kv 32, f 128, SwiGLU): whole 4h = 256, sharded 2q+2kv+3f = 576 elements
+    assert without.a2 == pytest.approx(2 * (256 + 576 / 2)) and without.a2 > with_sp.a2

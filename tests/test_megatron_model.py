@@ -352,8 +352,6 @@ def _bad_inputs(rank, world):
     spec, arch = model.load_model("tiny")
     config = model.transformer_config(spec, arch)
     expect("dropout", lambda: check_config(dataclasses.replace(config, attention_dropout=0.1)), ConfigError)
-    full_recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    expect("recompute", lambda: check_config(dataclasses.replace(config, **full_recompute)), ConfigError)
     learned = dataclasses.replace(arch, position_embedding_type="learned_absolute")
     expect("learned_positions", lambda: model.transformer_config(spec, learned), ConfigError)
     three_heads = dataclasses.replace(spec, num_attention_heads=3, num_query_groups=3, kv_channels=16)
@@ -381,7 +379,6 @@ def test_bad_configurations_and_inputs_name_the_fix():
         "tp_not_dividing": "does not divide",
         "other_sizes": "destroy_parallel",
         "dropout": "--attention-dropout 0.0",
-        "recompute": "recompute",
         "learned_positions": "--position-embedding-type rope",
         "heads_vs_tp": "split over tp",
         "moe_tp": "sequence parallelism",

@@ -70,8 +70,6 @@ MEGATRON_ARGS_READ = (
     "position_embedding_type",
     "experimental_attention_variant",
     "heterogeneous_layers_config_path",
-    "overlap_grad_reduce",
-    "overlap_param_gather",
     "global_batch_size",
     "mock_data",
     "data_path",
@@ -89,6 +87,10 @@ MEGATRON_ARGS_READ = (
     "qk_layernorm",
     "qk_l2_norm",
     "seed",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "recompute_modules",
 )
 # set by Megatron's validate_args rather than by a flag of the same name
 MEGATRON_DERIVED_ARGS = ("data_parallel_size", "virtual_pipeline_model_parallel_size", "world_size", "iteration")
@@ -358,12 +360,8 @@ def _check_parallelism(args) -> None:
             f"--pipeline-model-parallel-size {pp}: the HDP step (runtime/step.py) does not run pipeline "
             "schedules yet; use --pipeline-model-parallel-size 1 (tensor parallelism is supported)"
         )
-    if args.overlap_grad_reduce or args.overlap_param_gather:
-        raise ConfigError(
-            "--overlap-grad-reduce / --overlap-param-gather: HDP ranks run different numbers of "
-            "micro-batches (zero included), so the gradient reduction runs once, after the last one, "
-            "and parameters are gathered without waiting on a forward pass: drop both flags"
-        )
+    # --overlap-grad-reduce / --overlap-param-gather are supported (runtime.grad_sync says how
+    # ranks with different numbers of micro-batches launch the same buckets in the same order).
     if args.expert_model_parallel_size > 1:
         raise ConfigError(
             f"--expert-model-parallel-size {args.expert_model_parallel_size}: expert all-to-alls run once "
@@ -376,11 +374,8 @@ def _check_parallelism(args) -> None:
             "DP ranks, and HDP ranks run different numbers of micro-batches, so they would hang: use "
             "--use-distributed-optimizer (ZeRO-1 over the HDP group) instead"
         )
-    if args.tensor_model_parallel_size > 1 and args.sequence_parallel:
-        raise ConfigError(
-            "--sequence-parallel splits each micro-batch's tokens evenly over TP ranks, but HDP "
-            "micro-batches hold any number of tokens: drop --sequence-parallel"
-        )
+    # --sequence-parallel is supported: the HDP step pads each micro-batch to a multiple of TP
+    # (runtime/padding.py).
     impl = getattr(args, "cuda_graph_impl", "none")
     if impl != "none" or getattr(args, "enable_cuda_graph", False) or getattr(args, "external_cuda_graph", False):
         raise ConfigError(
@@ -560,7 +555,8 @@ def model_spec_from_args(args) -> ModelSpec:
 
 
 def cost_model_from_args(args):
-    """The profile if given, else the analytic model for these flags on --hdp-hardware."""
+    """The profile if given, else the analytic model for these flags on --hdp-hardware; either
+    way under the run's activation recompute flags (a profile is measured without recompute)."""
     from ..planner.cost_model import CostModel
 
     if args.hdp_profile is not None:
@@ -571,7 +567,11 @@ def cost_model_from_args(args):
             HardwareSpec.load(args.hdp_hardware or DEFAULT_HARDWARE),
             tp=args.tensor_model_parallel_size,
             pp=args.pipeline_model_parallel_size,
+            sequence_parallel=bool(args.sequence_parallel) or args.tensor_model_parallel_size == 1,
         )
+    cost = cost.with_recompute(
+        args.recompute_granularity, args.recompute_method, args.recompute_num_layers, args.recompute_modules
+    )
     host = getattr(args, "hdp_host_memory_per_gpu", None)
     return cost if host is None else cost.with_overrides(host_memory_bytes=float(host))
 

@@ -10,6 +10,11 @@ the active micro-batch's layout (``runtime.context``), not from a mask tensor.
 With TP each rank holds its heads' shard (heads / TP query heads, their KV groups); the ring
 runs among the HDP ranks with the same TP rank (``parallel.hdp_group()``), so only that
 shard's KV travels.
+
+Activation recompute (``--recompute-granularity full``, or selective with ``core_attn``)
+re-runs this forward during backward, inside the micro-batch's backward: the HDP step makes
+the layout active again there, and every ring member recomputes the same layers in the same
+(reverse) order, so the recomputed KV hops pair up like the first ones and are counted again.
 """
 
 from __future__ import annotations
@@ -36,15 +41,6 @@ def check_config(config: TransformerConfig) -> None:
         raise ConfigError(
             f"HDP replaces Megatron's context parallelism (context_parallel_size={config.context_parallel_size}): "
             "use --context-parallel-size 1; long sequences get their rings from the plan"
-        )
-    recomputes_attention = config.recompute_granularity == "full" or (
-        config.recompute_granularity == "selective" and "core_attn" in (config.recompute_modules or [])
-    )
-    if recomputes_attention:
-        raise ConfigError(
-            "activation recompute would re-run ring attention (and its P2P exchange) during backward, "
-            "outside the micro-batch's ring schedule: drop --recompute-granularity full / the core_attn "
-            "recompute module (HDP offloads activations instead)"
         )
 
 

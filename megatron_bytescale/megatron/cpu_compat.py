@@ -11,8 +11,13 @@ What running GPTModel forward+backward (+ DDP grad sync) on CPU needed:
 
 * ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()``;
 * Megatron DDP allocates its param/grad buffers on ``torch.cuda.current_device()``;
+* sequence parallelism's all-gather / reduce-scatter allocate their outputs on
+  ``torch.cuda.current_device()`` (megatron-core's torch norm refuses sequence parallelism:
+  ``layer_spec.SequenceParallelTorchNorm`` takes its place, not a patch);
 * the MoE router moves its gating weight to ``torch.cuda.current_device()`` every forward;
 * ``model_parallel_cuda_manual_seed`` stores CUDA generator states in the RNG tracker;
+* activation recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA generator
+  state around the recomputed forward (the CPU state and the tracker's streams it keeps too);
 * the MoE router names ``te_general_gemm`` that megatron-core only defines when Transformer
   Engine is installed (a NameError on GPUs without TE too: that one fix applies everywhere);
 * the local ``DotProductAttention`` builds its mask on CUDA: not patched, HDP replaces core
@@ -23,9 +28,7 @@ What running GPTModel forward+backward (+ DDP grad sync) on CPU needed:
 
 Not covered (they stay CUDA-only): Megatron's optimizers (``MixedPrecisionOptimizer``,
 ``DistributedOptimizer``, ``clip_grads``: CUDA tensors and ``torch.cuda.*Tensor`` type checks
-throughout), activation recompute (``tensor_parallel.checkpoint`` saves CUDA RNG states),
-sequence parallelism (the local spec refuses it without Apex: torch norms cannot shard; and
-MoE with TP > 1 requires it), CUDA graphs, Transformer Engine, fused kernels.
+throughout), CUDA graphs, Transformer Engine, fused kernels.
 """
 
 from __future__ import annotations
@@ -74,6 +77,11 @@ ALLOCATE_ON_CPU = (
     "megatron.core.distributed.param_and_grad_buffer",
     # the MoE router moves its gating weight to the current CUDA device in every forward.
     "megatron.core.transformer.moe.router",
+    # sequence parallelism: the all-gather / reduce-scatter outputs (and the global memory
+    # buffer they may come from) are allocated on the current CUDA device.
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.utils",
 )
 
 
@@ -118,6 +126,16 @@ def _initialize_cpu_rng_tracker(*unused, force_reset: bool = False, **unused_kw)
         megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
+def _no_cuda_rng_state(*unused, **unused_kw) -> torch.Tensor:
+    """Replacement for megatron-core's ``_get_cuda_rng_state`` on CPU: there is no CUDA
+    generator; the CPU generator and the tracker's streams are saved beside it anyway."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(*unused, **unused_kw) -> None:
+    """Replacement for megatron-core's ``_set_cuda_rng_state`` on CPU: nothing to restore."""
+
+
 def _define_names_missing_without_te() -> None:
     """megatron-core 0.16.1's MoE router tests ``te_general_gemm is not None`` but only defines
     the name when Transformer Engine imports (NameError otherwise, on CPU and on GPUs without
@@ -150,5 +168,9 @@ def install() -> bool:
                 megatron_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker
             ):
                 _initialize_cpu_rng_tracker(force_reset=True)
+            # tensor_parallel.checkpoint (activation recompute) brackets the recomputed forward
+            # with the CUDA generator state; on CPU that state does not exist.
+            megatron_random._get_cuda_rng_state = _no_cuda_rng_state
+            megatron_random._set_cuda_rng_state = _set_no_cuda_rng_state
         _installed = True
         return not cuda_in_use()

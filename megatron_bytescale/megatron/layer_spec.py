@@ -17,6 +17,7 @@ import copy
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+import torch
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ..errors import ConfigError
@@ -51,15 +52,38 @@ def with_hdp_core_attention(spec):
     return spec
 
 
+class SequenceParallelTorchNorm:
+    """torch's LayerNorm / RMSNorm as a megatron-core norm that runs under sequence parallelism.
+
+    megatron-core's torch norm (``WrappedTorchNorm``, the local spec's norm without Apex)
+    refuses ``sequence_parallel``; a norm needs nothing but per-token math there, and its
+    weights marked ``sequence_parallel`` so that ``finalize_model_grads`` sums their gradients
+    over the TP ranks (each saw only its share of the tokens), as for Apex's norms."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        kind = config.normalization
+        if kind not in ("LayerNorm", "RMSNorm") or config.layernorm_zero_centered_gamma:
+            raise ConfigError(f"sequence parallelism on the local spec takes LayerNorm or RMSNorm without zero-centred gamma, got {kind}")
+        norm = (torch.nn.RMSNorm if kind == "RMSNorm" else torch.nn.LayerNorm)(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
 def hdp_gpt_layer_spec(
     num_experts: int | None = None,
     moe_grouped_gemm: bool = False,
     qk_layernorm: bool = False,
     normalization: str = "RMSNorm",
     qk_l2_norm: bool = False,
-) -> ModuleSpec:
-    """megatron-core's local GPT layer spec with HDP ring attention as core attention."""
-    return with_hdp_core_attention(
+    sequence_parallel: bool = False,
+    num_layers: int | None = None,
+) -> ModuleSpec | TransformerBlockSubmodules:
+    """megatron-core's local GPT layer spec with HDP ring attention as core attention. With
+    ``sequence_parallel``: the decoder block spec for ``num_layers`` layers with
+    ``SequenceParallelTorchNorm`` in every norm slot (the final norm included)."""
+    spec = with_hdp_core_attention(
         get_gpt_layer_local_spec(
             num_experts=num_experts,
             moe_grouped_gemm=moe_grouped_gemm,
@@ -68,3 +92,10 @@ def hdp_gpt_layer_spec(
             qk_l2_norm=qk_l2_norm,
         )
     )
+    if not sequence_parallel:
+        return spec
+    if num_layers is None:
+        raise ConfigError("hdp_gpt_layer_spec(sequence_parallel=True) builds the block spec: pass num_layers")
+    spec.submodules.input_layernorm = SequenceParallelTorchNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelTorchNorm)

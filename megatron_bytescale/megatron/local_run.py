@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from ..runtime.batch import StepBatch
 from ..runtime.grad_sync import make_finalize_grads
@@ -34,7 +35,7 @@ def setup_model(model: str = "tiny", *, tp: int = 1, seed: int = 0, **config_ove
     group = parallel.init_parallel(tp=tp)
     gpt = build_gpt_model(model, seed=seed, **config_overrides)
     gpt.config.calculate_per_token_loss = True
-    gpt.config.finalize_model_grads_func = make_finalize_grads(group)
+    gpt.config.finalize_model_grads_func = make_finalize_grads(group, parallel_state.get_tensor_model_parallel_group())
     return gpt, group
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..errors import ConfigError
@@ -135,7 +136,7 @@ def transformer_config(
     if spec.num_experts and tp > 1 and not fields.get("sequence_parallel"):
         raise ConfigError(
             f"model {spec.name!r}: megatron-core runs MoE with tp={tp} only with sequence parallelism; pass "
-            "sequence_parallel=True (the local spec needs Apex norms for it) or use tp=1"
+            "sequence_parallel=True or use tp=1"
         )
     return TransformerConfig(**fields)
 
@@ -172,7 +173,8 @@ def build_gpt_model(
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=hdp_gpt_layer_spec(
-            num_experts=spec.num_experts or None, normalization=arch.normalization
+            num_experts=spec.num_experts or None, normalization=arch.normalization,
+            sequence_parallel=config.sequence_parallel, num_layers=get_num_layers_to_build(config),
         ),
         vocab_size=padded_vocab_size(spec.vocab_size, arch.make_vocab_size_divisible_by, tp),
         max_sequence_length=max_sequence_length,

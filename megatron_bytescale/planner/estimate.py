@@ -44,6 +44,7 @@ def exposed_ring_time(cost: CostModel, pairs: float, block_tokens: float, ring_s
     step = cost.a1 * pairs / ring_size
     fwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=False) - cost.forward_share * step)
     bwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=True) - (1.0 - cost.forward_share) * step)
+    fwd *= 1.0 + cost.recompute_attention_share  # a recomputed attention runs its forward ring again
     return (ring_size - 1) * (fwd + bwd) + dkv_home_time(cost, block_tokens, inter_node)
 
 
@@ -81,9 +82,10 @@ def micro_batch_time(cost: CostModel, mb: MicroBatch, inter_node: bool = False) 
 def offload_time(cost: CostModel, tokens: float, pairs: float, ratio: float) -> float:
     """Seconds the copies of an offloaded micro-batch add beyond compute, all ``l - 2``
     offloaded layers of the stage (``copy_exposure``: 0 whenever the planner chose ``ratio``)."""
-    if ratio <= 0 or cost.num_layers <= 2:
+    layers = cost.activation_layers  # recomputed layers keep nothing to copy
+    if ratio <= 0 or layers <= 2:
         return 0.0
-    return (cost.num_layers - 2) * sum(copy_exposure(cost, tokens, pairs, ratio))
+    return (layers - 2) * sum(copy_exposure(cost, tokens, pairs, ratio))
 
 
 def crosses_nodes(ring: Sequence[int], ranks_per_node: int) -> bool:

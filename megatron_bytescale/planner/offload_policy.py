@@ -62,7 +62,7 @@ def host_capacity(cost: CostModel, in_flight: int = 1) -> int | None:
     is ``l * a2 * t * (1 - resident_fraction(r, l))``: so the budget in tokens is
     ``host_memory_bytes / (in_flight * l * a2)`` (the per-micro-batch ``b2`` is left out, as
     in the device capacity)."""
-    per_token = in_flight * cost.num_layers * cost.a2
+    per_token = in_flight * cost.activation_layers * cost.a2  # recomputed layers park nothing
     if math.isinf(cost.host_memory_bytes) or per_token <= 0:
         return None
     return int(cost.host_memory_bytes // per_token)
@@ -75,7 +75,7 @@ def host_tokens(tokens: float, ratio: float, num_layers: int) -> float:
 
 def host_bytes(cost: CostModel, tokens: float, ratio: float, layers: int | None = None) -> float:
     """Bytes one micro-batch parks in host memory: ratio r of each of ``l - 2`` layers."""
-    layers = cost.num_layers if layers is None else layers
+    layers = cost.activation_layers if layers is None else layers
     if ratio <= 0 or layers <= 2:
         return 0.0
     return (layers - 2) * ratio * cost.act_bytes(tokens)
@@ -141,7 +141,7 @@ def ratio_for_ranks(
     """Smallest ratio that fits ``seq_len`` on ``ring_size`` ranks with the copy hidden and
     the host budget ``host`` (token-equivalents) kept, or None."""
     share = -(-seq_len // ring_size)
-    r = ratio_for_share(share, capacity, cost.num_layers, host)
+    r = ratio_for_share(share, capacity, cost.activation_layers, host)
     if r is None:
         return None
     # every member must hide its copy: shares differ by one token, and the condition is
@@ -162,14 +162,15 @@ def decide(
 ) -> OffloadDecision:
     """D(s) and r for one sequence: the fewest ranks, then the smallest ratio reaching them.
 
-    Offloading is off when ``offload`` is False, when the model has at most two layers per
-    stage, or when no ratio that saves a rank hides its copy and fits the host budget
-    ``host`` (token-equivalents per micro-batch; then r = 0, D = ceil(s / C)).
+    Offloading is off when ``offload`` is False, when at most two layers per stage keep
+    their activations (the others recomputed), or when no ratio that saves a rank hides its
+    copy and fits the host budget ``host`` (token-equivalents per micro-batch; then r = 0,
+    D = ceil(s / C)).
     """
     d0 = ranks_without_offload(seq_len, capacity)
-    if not offload or d0 <= 1 or cost.num_layers <= 2 or host == 0:
+    if not offload or d0 <= 1 or cost.activation_layers <= 2 or host == 0:  # recomputed layers keep nothing
         return OffloadDecision(d0, 0.0)
-    most = max_tokens(capacity, 1.0, cost.num_layers)
+    most = max_tokens(capacity, 1.0, cost.activation_layers)
     if host is not None:
         most = min(most, capacity + host)  # device and host together hold every token once
     d1 = -(-seq_len // most)

@@ -94,6 +94,14 @@ class Plan:
     # token-equivalents of a micro-batch that may sit in pinned host memory (offloaded
     # activations; see offload_policy.host_capacity); None: no host budget to check
     host_capacity: int | None = None
+    # layers recomputed whole (--recompute-granularity full): they keep no activations, so
+    # capacity and offloading concern the other num_layers - recomputed_layers
+    recomputed_layers: int = 0
+
+    @property
+    def activation_layers(self) -> int:
+        """Layers per stage that keep their activations for backward (what offloading applies to)."""
+        return self.num_layers - self.recomputed_layers
 
     # ------------------------------------------------------------------ queries
     def micro_batches(self, rank: int) -> tuple[MicroBatch, ...]:
@@ -114,15 +122,20 @@ class Plan:
         return [sum(mb.tokens for mb in mbs) for mbs in self.ranks]
 
     def p2p_bytes_per_rank(
-        self, kv_bytes_per_token: float, grad_bytes_per_token: float, num_layers: int, backward: bool = True
+        self, kv_bytes_per_token: float, grad_bytes_per_token: float, num_layers: int, backward: bool = True,
+        recomputed_layers: int = 0,
     ) -> list[float]:
         """Bytes each rank sends in ring attention, as the runtime's ring passes do.
 
         Per layer and ring micro-batch of N members whose KV blocks hold T_0..T_{N-1} tokens,
         member i sends in forward every block but its successor's (N-1 hops:
         ``(sum T - T_{i+1}) * kv``); backward re-sends the same KV and passes the dKV
-        accumulator of every block once (N hops: ``sum T * grad``).
+        accumulator of every block once (N hops: ``sum T * grad``). Each of the
+        ``recomputed_layers`` (activation recompute of attention) runs its forward, and so
+        its forward hops, once more during backward.
         """
+        if not 0 <= recomputed_layers <= num_layers:
+            raise PlanError(f"recomputed_layers={recomputed_layers} must be between 0 and num_layers={num_layers}")
         sent = [0.0] * self.num_ranks
         blocks: dict[tuple, list[int]] = {}  # every member of a ring micro-batch sees the same blocks
         for rank, mbs in enumerate(self.ranks):
@@ -143,7 +156,7 @@ class Plan:
                 i = ring.index(rank)
                 kv = (sum(block) - block[(i + 1) % n]) * kv_bytes_per_token
                 per_layer = kv + (kv + sum(block) * grad_bytes_per_token if backward else 0.0)
-                sent[rank] += per_layer * num_layers
+                sent[rank] += per_layer * num_layers + (kv * recomputed_layers if backward else 0.0)
         return sent
 
     # --------------------------------------------------------------- invariants
@@ -167,6 +180,8 @@ class Plan:
             errors.append(f"plan has {len(self.ranks)} rank lists for {self.num_ranks} ranks")
         if self.capacity <= 0:
             errors.append(f"capacity must be positive, got {self.capacity}")
+        if not 0 <= self.recomputed_layers <= self.num_layers:
+            errors.append(f"recomputed_layers={self.recomputed_layers} outside [0, num_layers={self.num_layers}]")
         for sid, s in enumerate(self.seq_lens):
             if s <= 0:
                 errors.append(f"sequence {sid} has length {s}; lengths must be positive")
@@ -187,14 +202,14 @@ class Plan:
                     errors.append(f"{where}: offload ratio {mb.offload_ratio} outside [0, 1]")
                 if not mb.pieces:
                     errors.append(f"{where}: empty micro-batch")
-                resident = mb.tokens * resident_fraction(mb.offload_ratio, self.num_layers)
+                resident = mb.tokens * resident_fraction(mb.offload_ratio, self.activation_layers)
                 if resident > limit:
                     errors.append(
                         f"{where}: {mb.tokens} tokens at offload ratio {mb.offload_ratio:.3f} keep "
                         f"{resident:.0f} token-equivalents on the device, over capacity {self.capacity}"
                     )
                 if host_limit is not None and mb.offload_ratio > 0:
-                    parked = mb.tokens * (1.0 - resident_fraction(mb.offload_ratio, self.num_layers))
+                    parked = mb.tokens * (1.0 - resident_fraction(mb.offload_ratio, self.activation_layers))
                     if parked > host_limit:
                         errors.append(
                             f"{where}: {mb.tokens} tokens at offload ratio {mb.offload_ratio:.3f} park "
@@ -298,7 +313,9 @@ class Plan:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
+        extra = {"recomputed_layers": self.recomputed_layers} if self.recomputed_layers else {}
         return {
+            **extra,
             "version": PLAN_FORMAT_VERSION,
             "num_ranks": self.num_ranks,
             "capacity": self.capacity,
@@ -350,6 +367,7 @@ class Plan:
                 ranks=ranks,
                 meta=dict(data.get("meta", {})),
                 host_capacity=None if data.get("host_capacity") is None else int(data["host_capacity"]),
+                recomputed_layers=int(data.get("recomputed_layers", 0)),
             )
         except PlanError:
             raise

@@ -173,6 +173,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         seq_lens=lens,
         ranks=ranks,
         host_capacity=host,
+        recomputed_layers=cost.recomputed_layers,
     )
     ring_hist = Counter(s.ring_size for s in shards.values())
     plan.meta = {

@@ -1,24 +1,35 @@
 """Gradient reduction for runs without Megatron's DistributedDataParallel (the CPU demo,
 ``bytescale verify``, tests): one all-reduce over the HDP group, then division by the step's
 global token count. Megatron runs use its own ``finalize_model_grads``, which does the same
-over the DP x CP group when ``--calculate-per-token-loss`` is set."""
+over the DP x CP group when ``--calculate-per-token-loss`` is set; with
+``--overlap-grad-reduce`` the helpers below decide, per rank and step, when its buckets launch."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
-def make_finalize_grads(group=None):
+def make_finalize_grads(group=None, tp_group=None):
     """A ``finalize_model_grads_func`` for a TransformerConfig: sum gradients over ``group``
-    and divide by the all-reduced token count."""
+    and divide by the all-reduced token count. Under sequence parallelism the gradients of the
+    weights marked ``sequence_parallel`` (norms: each TP rank saw its share of the tokens) are
+    first summed over ``tp_group``, as Megatron's ``finalize_model_grads`` does."""
 
     def finalize(models, num_tokens, pg_collection=None, force_all_reduce=False):  # noqa: ARG001
         params = [p for m in models for p in m.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:  # a rank with no micro-batches still contributes zeros
                 p.grad = torch.zeros_like(p)
+        shared = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+        if shared and tp_group is not None and dist.get_world_size(tp_group) > 1:
+            flat = _flatten_dense_tensors(shared)
+            dist.all_reduce(flat, group=tp_group)
+            for g, reduced in zip(shared, _unflatten_dense_tensors(flat, shared)):
+                g.copy_(reduced)
         grads = [p.grad for p in params]
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=group)
@@ -31,3 +42,131 @@ def make_finalize_grads(group=None):
             g.copy_(reduced)
 
     return finalize
+
+
+# ------------------------------------------------------------------ overlapped reduction
+# Megatron DDP with --overlap-grad-reduce launches a bucket's collective from a backward hook
+# once all its gradients are in, during the last micro-batch (outside ``no_sync``). HDP ranks
+# run different numbers of micro-batches, so per rank:
+#
+# * the last micro-batch runs with gradient sync on when it is local (no ring): its buckets
+#   launch during its backward. After a bucket collective a rank must post no more ring P2P on
+#   the HDP group (NCCL serialises both on one communicator, and the ring partner may not have
+#   reached its own collective yet), so a ring micro-batch last keeps sync off;
+# * a rank whose buckets did not launch that way (ring micro-batch last, no micro-batch at
+#   all) launches every bucket explicitly after its last backward;
+# * every bucket launches in the DDP's bucket order on every rank, whoever launches it:
+#   ``in_order_launch`` holds a bucket that is ready before its predecessors until they go.
+#   (Backward finishes buckets slightly out of order, e.g. 0, 1, 2, 4, 3 for the tiny GPT, and
+#   collectives pair up by issue order across ranks.)
+#
+# --overlap-param-gather (distributed optimizer): Megatron dispatches each bucket's parameter
+# all-gather from the forward pre-hooks of the step's first forward, one bucket after another;
+# a rank with no micro-batch has no forward and would never join them. So the HDP step
+# dispatches every bucket's all-gather itself when the step starts, in bucket order on every
+# rank (Megatron's aligned param gather, ``align_param_gather``, which it uses for pipeline
+# schedules: the pre-hooks then only wait), and a rank with no micro-batch waits for them there.
+
+
+def overlaps_param_gather(model) -> bool:
+    """Is ``model`` a Megatron DDP (distributed optimizer) that overlaps its param all-gather?"""
+    config = getattr(model, "ddp_config", None)
+    return bool(config is not None and config.use_distributed_optimizer and config.overlap_param_gather)
+
+
+def overlaps_grad_reduce(model) -> bool:
+    """Is ``model`` a Megatron DDP that overlaps its gradient reduction with backward?"""
+    config = getattr(model, "ddp_config", None)
+    return bool(config is not None and config.overlap_grad_reduce)
+
+
+class InOrderLaunch:
+    """Launches a DDP's bucket-group collectives strictly in bucket order (see above); counts
+    how many launched from backward hooks (``launched_in_backward``) in the current step."""
+
+    def __init__(self, ddp):
+        self.groups = list(ddp.bucket_groups) + list(ddp.expert_parallel_bucket_groups)
+        self._launch = [g.start_grad_sync for g in self.groups]
+        self._reset = [g.reset for g in self.groups]
+        self._ready: dict[int, dict] = {}
+        self.next = 0
+        self.in_backward = False
+        self.launched_in_backward = 0
+        for i, g in enumerate(self.groups):
+            g.start_grad_sync = self._make_launch(i)
+            g.reset = self._make_reset(i)
+
+    def _make_launch(self, i: int):
+        def launch(*args, **kwargs):
+            if i < self.next:  # launched already this step: Megatron's own guard decides
+                return self._launch[i](*args, **kwargs)
+            self._ready[i] = kwargs
+            while self.next in self._ready:
+                j = self.next
+                self._launch[j](**self._ready.pop(j))
+                self.next += 1
+                self.launched_in_backward += self.in_backward
+
+        return launch
+
+    def _make_reset(self, i: int):
+        def reset():
+            self.next, self._ready, self.launched_in_backward = 0, {}, 0
+            self._reset[i]()
+
+        return reset
+
+
+def in_order_launch(model) -> InOrderLaunch | None:
+    """The model's InOrderLaunch (installed on first use); None without overlapped reduction."""
+    if not overlaps_grad_reduce(model):
+        return None
+    launcher = getattr(model, "_hdp_in_order_launch", None)
+    if launcher is None:
+        launcher = InOrderLaunch(model)
+        model._hdp_in_order_launch = launcher
+    return launcher
+
+
+class StepGradSync:
+    """One rank's overlapped communication in one step (``runtime.step`` calls this at the
+    start, ``backward`` around each backward, ``launch_rest`` before finalize_model_grads):
+    the parameter all-gathers, which micro-batch reduces gradients during backward, and the
+    explicit launch for ranks where none does."""
+
+    def __init__(self, model, micro_batches, forward_only: bool = False):
+        self.model = model
+        self.launcher = None if forward_only else in_order_launch(model)
+        last_is_local = bool(micro_batches) and micro_batches[-1].ring is None
+        self.sync_index = len(micro_batches) - 1 if self.launcher is not None and last_is_local else None
+        if not forward_only and overlaps_param_gather(model):
+            self._gather_params(idle=not micro_batches)
+
+    def _gather_params(self, idle: bool) -> None:
+        self.model.ddp_config.align_param_gather = True  # the pre-hooks wait; we dispatch
+        self.model.start_param_sync()  # every bucket, in bucket order, asynchronously
+        if idle:  # no forward will wait for them
+            for g in self.model.bucket_groups + self.model.expert_parallel_bucket_groups:
+                g.finish_param_sync(skip_next_bucket_dispatch=True)
+
+    @contextlib.contextmanager
+    def backward(self, index: int):
+        """Around micro-batch ``index``'s backward (inside ``no_sync``): sync on for the chosen one."""
+        if index != self.sync_index:
+            yield
+            return
+        groups = self.launcher.groups
+        for g in groups:  # what leaving no_sync does: backward hooks may launch buckets
+            g.is_last_microbatch = True
+        self.launcher.in_backward = True
+        try:
+            yield
+        finally:
+            self.launcher.in_backward = False
+            for g in groups:
+                g.is_last_microbatch = False
+
+    def launch_rest(self) -> None:
+        """After the last backward: launch the buckets that backward hooks did not."""
+        if self.launcher is not None and self.sync_index is None:
+            self.model.start_grad_sync()

@@ -21,9 +21,9 @@ What is cheaper to recompute than to copy stays *by not being saved at all*: Meg
 activation recomputation (selective recompute modules, full-layer checkpointing) runs those
 regions without saving (reentrant checkpoint) or under its own saved-tensor hooks, which take
 precedence over these; the offloader never copies what is recomputed, and a profile measured
-with the same settings leaves it out of Act(s). (Under HDP, recomputing core attention is
-refused by ``HDPCoreAttention``: it would re-run the ring exchange; its q/k/v/out are exactly
-what offloading is for.)
+with the same settings leaves it out of Act(s). (Under HDP a recomputed core attention
+re-runs its ring exchange in backward; layers recomputed whole keep only their input, so
+offloading serves the layers that are not recomputed.)
 
 Exact ratio. Per layer, ``r`` is applied to the bytes of its eligible tensors with a running
 quota: at each eligible tensor the bytes still owed are ``r * (eligible bytes so far) -

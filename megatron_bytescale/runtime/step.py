@@ -24,7 +24,9 @@ import torch.distributed as dist
 from ..errors import PlanError
 from .batch import StepBatch
 from .context import active_micro_batch
+from .grad_sync import StepGradSync
 from .layout import MicroBatchLayout
+from .padding import pad_micro_batch, sequence_parallel_multiple
 from .ring_comm import P2PCounter
 
 
@@ -153,11 +155,15 @@ def run_hdp_step(
     no_sync = config.no_sync_func or contextlib.nullcontext
     count = len(step.micro_batches)
     # All micro-batches run under no_sync: ranks run different numbers of them, so the one
-    # gradient reduction happens in finalize_model_grads, identically on every rank.
+    # gradient reduction happens in finalize_model_grads, identically on every rank; with
+    # --overlap-grad-reduce a local last micro-batch reduces during its backward (grad_sync).
+    sync = StepGradSync(model, [d.micro_batch for d in step.micro_batches], forward_only)
+    multiple = sequence_parallel_multiple(config)  # sequence parallelism: tokens padded to TP
     with no_sync():
         for i, data in enumerate(step.micro_batches):
             mb = data.micro_batch
             layout = MicroBatchLayout.from_micro_batch(mb, rank)
+            data, layout = pad_micro_batch(data, layout, multiple)
             offload = offloader.micro_batch(mb.offload_ratio) if offloader is not None else contextlib.nullcontext()
             start, wait0 = time.perf_counter(), counter.wait_s
             with active_micro_batch(layout, data.positions, group=group, counter=counter), offload:
@@ -176,7 +182,10 @@ def run_hdp_step(
                 )
             forward_end, wait1 = time.perf_counter(), counter.wait_s
             if not forward_only:
-                backward_step(None, output_tensor, None, model_type, config)
+                # Activation recompute re-runs layer forwards here, ring attention included: the
+                # layout is active again (and its recomputed KV hops are counted), offloading not.
+                with active_micro_batch(layout, data.positions, group=group, counter=counter), sync.backward(i):
+                    backward_step(None, output_tensor, None, model_type, config)
             end = time.perf_counter()
             total_tokens += num_tokens
             stats.timings.append(MicroBatchTiming(start, forward_end, end, wait1 - wait0, counter.wait_s - wait1, mb.ring is not None))
@@ -192,6 +201,7 @@ def run_hdp_step(
     stats.p2p_wait_s = counter.wait_s
 
     if config.finalize_model_grads_func is not None and not forward_only:
+        sync.launch_rest()
         config.finalize_model_grads_func(
             [model], total_tokens if config.calculate_per_token_loss else None, pg_collection=pg_collection
         )

@@ -197,6 +197,10 @@ def format_table(report: SimReport) -> str:
         f"host: pinned host memory the busiest GPU needs for offloaded activations (budget "
         f"{report.cost.host_memory_bytes / 1e9:.0f} GB per GPU)"
     )
+    reduce = [f"{n} {m['exposed_grad_reduce_s']:.2f} -> {m['exposed_grad_reduce_overlap_s']:.2f}"
+              for n, m in med.items() if "exposed_grad_reduce_s" in m]
+    if reduce:
+        lines.append("exposed gradient reduction after the step, s (without -> with --overlap-grad-reduce): " + "; ".join(reduce))
     for name, notes in report.notes.items():
         for note in notes:
             lines.append(f"note [{name}]: {note}")

@@ -24,6 +24,10 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   in that pass (``planner.offload_policy.copy_exposure``, the rule the planner plans with).
   The bytes parked in host memory are reported per GPU (the largest micro-batch's, times
   the micro-batches a 1F1B stage holds in flight).
+* **Activation recompute** (``CostModel.with_recompute``): in backward, each recomputed layer
+  first runs its forward again: the attention part (with its ring steps and forward hops,
+  exposed as in forward) in ``m`` of ``l`` layers, the linear part in ``k``; recomputed layers
+  keep nothing, so offloading concerns ``cost.activation_layers`` of them.
 * **Pipelines.** Each HDP rank is one pipeline of ``pp`` stages (equal layer counts) running
   its micro-batches with 1F1B (warm-up, steady state, cool-down); a ring micro-batch's work
   on a stage starts when every member pipeline has reached it there. Activation transfers
@@ -31,9 +35,10 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
 * **Barriers.** ``plan.meta["barriers"]`` (Megatron's hybrid CP) lists, per barrier, how many
   micro-batches each rank has finished when it enters; nobody continues until all arrive,
   and pipelines are flushed there.
-* **Gradient reduction** and the optimizer step are left out of every strategy: they take the
-  same time whatever the plan, since every strategy reduces the same gradients over the same
-  ranks.
+* **Gradient reduction** and the optimizer step are left out of the step time of every
+  strategy: every strategy reduces the same gradients over the same ranks. What of the
+  reduction stays exposed, with and without ``--overlap-grad-reduce``, is reported beside it
+  (``sim.grad_reduction``): that depends on how each plan ends.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from ..planner.offload_policy import copy_exposure, host_bytes
 from ..planner.pipeline_order import BACKWARD, FORWARD, one_f_one_b
 from ..planner.plan import MicroBatch, Plan
 from .cluster import Cluster
+from .grad_reduction import exposed_reduction
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,9 @@ def ring_key(mb: MicroBatch) -> tuple | None:
 
 def offload_exposure(load: MemberLoad, cost: CostModel, layers: int) -> tuple[float, float, float]:
     """(exposed forward seconds, exposed backward seconds, bytes copied to the host), per
-    stage, of one micro-batch: ``copy_exposure`` for each of the ``l - 2`` offloaded layers."""
+    stage, of one micro-batch: ``copy_exposure`` for each of the ``l - 2`` offloaded layers;
+    layers recomputed whole keep nothing to copy."""
+    layers -= cost.recomputed_layers
     if load.offload_ratio <= 0 or layers <= 2:
         return 0.0, 0.0, 0.0
     fwd, bwd = copy_exposure(cost, load.tokens, load.dist_pairs + load.local_pairs, load.offload_ratio)
@@ -116,12 +124,14 @@ def offload_exposure(load: MemberLoad, cost: CostModel, layers: int) -> tuple[fl
 
 
 def local_work(load: MemberLoad, cost: CostModel, layers: int) -> tuple[Work, Work]:
-    t = cost.layer_time(load.tokens, load.local_pairs + load.dist_pairs) * layers
+    pairs = load.local_pairs + load.dist_pairs
+    redo = cost.recompute_time(load.tokens, pairs) * layers  # recomputed forwards: in backward
+    t = cost.layer_time(load.tokens, pairs) * layers - redo
     off_f, off_b, _ = offload_exposure(load, cost, layers)
     f = cost.forward_share
     return (
         Work(duration=f * t + off_f, compute=f * t, comm=0.0, offload=off_f),
-        Work(duration=(1.0 - f) * t + off_b, compute=(1.0 - f) * t, comm=0.0, offload=off_b),
+        Work(duration=(1.0 - f) * t + redo + off_b, compute=(1.0 - f) * t + redo, comm=0.0, offload=off_b),
     )
 
 
@@ -142,7 +152,11 @@ def ring_work(
     sender_block = block[(np.arange(n)[:, None] - np.arange(n - 1)[None, :]) % n]  # [member, hop]
     lat = cost.p2p_latency_s
     results = []
-    for direction, share in ((FORWARD, cost.forward_share), (BACKWARD, 1.0 - cost.forward_share)):
+    redo_attn = cost.recompute_attention_share  # m / l: forward ring pass again in backward
+    redo_lin = cost.recomputed_layers / layers if layers else 0.0  # k / l
+    fwd_ring = fwd_exposed = fwd_compute = None
+    fs = cost.forward_share
+    for direction, share in ((FORWARD, fs), (BACKWARD, 1.0 - fs)):
         off = off_by_dir[direction]  # exposed copy seconds per layer in this pass
         per_token = cost.kv_bytes_per_token + (cost.grad_bytes_per_token if direction == BACKWARD else 0.0)
         hops = lat + (sender_block * (per_token / bw)[:, None]).max(axis=0)  # [n-1], slowest link
@@ -159,6 +173,13 @@ def ring_work(
         layer_time = pre.max() + step_max.sum() + tail
         exposed = np.maximum(0.0, hops[0] - first) + np.maximum(0.0, hops[None, 1:] - a[:, None]).sum(axis=1) + tail
         compute = share * (lin + attn + local)
+        if direction == FORWARD:
+            fwd_ring, fwd_exposed = step_max.sum(), exposed
+            fwd_compute = fs * (attn + local), fs * lin
+        elif redo_attn:  # activation recompute: the forward again, before this backward
+            layer_time += redo_attn * fwd_ring + redo_lin * (fs * lin).max()
+            exposed = exposed + redo_attn * fwd_exposed
+            compute = compute + redo_attn * fwd_compute[0] + redo_lin * fwd_compute[1]
         for i in range(n):
             w = Work(
                 duration=layers * layer_time,
@@ -427,6 +448,8 @@ class StepResult:
     microbatches: list[int]
     plan_time_s: float
     notes: list[str] = field(default_factory=list)
+    grad_reduce_s: float = 0.0  # exposed gradient reduction after the step (sim.grad_reduction)
+    grad_reduce_overlap_s: float = 0.0  # the same with --overlap-grad-reduce
 
     def metrics(self) -> dict:
         t = self.timeline
@@ -447,6 +470,8 @@ class StepResult:
             "p2p_bytes_max_gpu": self.p2p_bytes_max_gpu,
             "offload_bytes": self.offload_bytes,
             "host_bytes_max_gpu": self.host_bytes_max_gpu,
+            "exposed_grad_reduce_s": self.grad_reduce_s,
+            "exposed_grad_reduce_overlap_s": self.grad_reduce_overlap_s,
             "microbatches_max": max(self.microbatches),
             "microbatches_mean": float(np.mean(self.microbatches)),
             "plan_time_s": self.plan_time_s,
@@ -456,7 +481,10 @@ class StepResult:
 def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
     """Simulate ``plan`` and gather the per-strategy figures."""
     timeline = simulate(plan, cluster, cost)
-    p2p = plan.p2p_bytes_per_rank(cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers)
+    p2p = plan.p2p_bytes_per_rank(
+        cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers,
+        recomputed_layers=cost.recomputed_attention_layers,
+    )
     gpus_per_rank = cluster.tp * cluster.pp  # every TP shard of every stage sends its share
     offload = 0.0
     host_max = 0.0
@@ -468,8 +496,12 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         offload += sum(parked)
         # 1F1B: stage 0 holds up to pp micro-batches' activations before its first backward
         host_max = max(host_max, sum(sorted(parked, reverse=True)[: cluster.pp]))
+    strategy = str(plan.meta.get("strategy", "?"))
+    hdp = strategy not in ("static", "megatron-dcp")  # their rings run on a CP group of their own
     return StepResult(
-        strategy=str(plan.meta.get("strategy", "?")),
+        grad_reduce_s=exposed_reduction(plan, timeline, cost, cluster, overlap=False),
+        grad_reduce_overlap_s=exposed_reduction(plan, timeline, cost, cluster, overlap=True, hdp_rule=hdp),
+        strategy=strategy,
         timeline=timeline,
         lower_bound=lower_bound(plan.seq_lens, cluster, cost),
         critical_path=critical_path(plan.seq_lens, cluster, cost),
