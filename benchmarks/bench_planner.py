@@ -1,6 +1,6 @@
 """Planner speed and balance on a Byted-like global batch.
 
-    PYTHONPATH=. python benchmarks/bench_planner.py [--gpus 16384] [--pp 1] [--tokens 32M] [--json OUT]
+    PYTHONPATH=. python benchmarks/bench_planner.py [--gpus 16384] [--pp 1] [--global-batch-tokens 32M] [--json OUT]
 
 Plans one step (LLaMA-7B analytic cost model on H100, C = 8K, 2M context) on one core
 (OMP/MKL/OpenBLAS threads = 1) several times and reports the median wall time of
@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_bytescale.planner.cost_model import CostModel  # noqa: E402
+from megatron_bytescale.planner.offload_policy import host_capacity  # noqa: E402
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step  # noqa: E402
 from megatron_bytescale.planner.sharding import RingSizer  # noqa: E402
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec  # noqa: E402
@@ -151,7 +152,7 @@ def run(args) -> dict:
     lengths, source = batch_lengths(args.workload, total, context, args.seed)
     out = {"model": args.model, "hardware": args.hardware, "gpus": args.gpus, "pp": args.pp, "capacity": capacity,
            "context": context, "workload": source, "batch": describe_batch(lengths), "results": {}}
-    sizer = RingSizer(capacity, cost, True, ranks, 8, args.pp)
+    sizer = RingSizer(capacity, cost, True, ranks, 8, args.pp, host_capacity(cost, args.pp))
     critical = max(sizer.fastest(s) for s in set(lengths) if s > capacity)
     print(f"batch ({source}): {out['batch']}")
     for balance in args.balance:
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpus", type=int, default=16384)
     p.add_argument("--pp", type=int, default=1, help="pipeline stages: HDP ranks = gpus / pp")
-    p.add_argument("--tokens", default="32M")
+    p.add_argument("--global-batch-tokens", "--tokens", dest="tokens", default="32M", help="tokens per step [32M]")
     p.add_argument("--capacity", default="8K")
     p.add_argument("--context", default="2M")
     p.add_argument("--model", default="llama-7b")

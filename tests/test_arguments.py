@@ -336,6 +336,19 @@ def test_no_gqa_means_one_kv_head_per_query_head():
     assert model_spec_from_args(args).num_query_groups == 4
 
 
+def test_host_memory_flag_overrides_the_budget(tmp_path):
+    args = validate_hdp_args(parse(HDP))
+    assert cost_model_from_args(args).host_memory_bytes == HardwareSpec.load("h100").host_memory_bytes
+    args = validate_hdp_args(parse(HDP + ["--hdp-host-memory-per-gpu", "64G"]))
+    assert cost_model_from_args(args).host_memory_bytes == float(64 << 30)
+    profile = tmp_path / "profile.json"
+    cost_model_from_args(args).with_overrides(host_memory_bytes=1e9).to_profile(profile)
+    args = validate_hdp_args(parse(HDP + ["--hdp-profile", str(profile), "--hdp-host-memory-per-gpu", "2G"]))
+    assert cost_model_from_args(args).host_memory_bytes == float(2 << 30)  # the flag wins over the profile
+    with pytest.raises(ConfigError, match="--hdp-host-memory-per-gpu only apply with --hybrid-data-parallel"):
+        validate_hdp_args(parse(["--hdp-host-memory-per-gpu", "64G"]))
+
+
 def test_activation_recompute_is_accepted_and_costed():
     for flags in (
         dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),

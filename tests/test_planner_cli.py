@@ -15,7 +15,7 @@ def test_plan_prints_a_table_and_writes_valid_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0
     assert "rank" in text and "micro-batches" in text
-    assert "s1[0:" in text and "ring 13#0" in text  # the 300K sequence's zigzag pieces, ring size and index
+    assert "s1[0:" in text and "ring 16#0" in text  # the 300K sequence's zigzag pieces, ring size and index
     assert "offload" in text
     assert "estimated step: max" in text
     plan = Plan.from_json(out).validate()
@@ -77,5 +77,22 @@ def test_errors_name_the_problem_and_the_fix(capsys, extra, message):
 
 def test_cut_sequences_to_the_context(tmp_path, capsys):
     out = tmp_path / "p.json"
-    assert main(BASE + ["--lengths", "1K,3M", "--cut", "--json", str(out)]) == 0
-    assert Plan.from_json(out).seq_lens == (1024, 2 * 1024 * 1024)
+    # 2M tokens on 16 ranks need r = 1 and 131,072 tokens per rank: 469 GB of pinned host
+    # memory per GPU, over the hardware spec's 128 GB; a 1T budget lets them plan
+    args = BASE + ["--lengths", "1K,3M", "--cut", "--json", str(out)]
+    assert main(args) == 2
+    assert "needs 51 ranks" in capsys.readouterr().err
+    assert main(args + ["--host-memory-per-gpu", "1T"]) == 0
+    plan = Plan.from_json(out).validate()
+    assert plan.seq_lens == (1024, 2 * 1024 * 1024)
+    assert plan.host_capacity == int(2**40 // (32 * 119_296))
+
+
+def test_host_memory_bounds_every_offloaded_micro_batch(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["plan", "--model", "llama-7b", "--gpus", "64", "--capacity", "8K", "--lengths", "2M",
+                 "--balance", "none", "--host-memory-per-gpu", "96G", "--json", str(out)]) == 0
+    plan = Plan.from_json(out).validate()
+    per_token = 32 * 119_296  # activation bytes of one token over the 32 layers of LLaMA-7B
+    worst = max(mb.tokens * mb.offload_ratio * 30 / 32 * per_token for mbs in plan.ranks for mb in mbs)
+    assert 0 < worst <= 96 * 2**30

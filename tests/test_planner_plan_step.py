@@ -1,3 +1,5 @@
+import math
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -5,7 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from megatron_bytescale.errors import BytescaleError, ConfigError
 from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.estimate import finish_times, rank_times
-from megatron_bytescale.planner.offload_policy import copy_hides
+from megatron_bytescale.planner.offload_policy import copy_hides, host_capacity
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.sharding import memory_floor
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
@@ -38,7 +40,12 @@ def cases(draw):
         pipeline_stages=draw(st.sampled_from([1, 1, 2, 3])),
         slack=draw(st.sampled_from([0.0, 0.05, 0.2])),
     )
-    cost = small_cost(bw_offload=draw(st.sampled_from([1e3, 1e6, 1e12])), num_layers=draw(st.sampled_from([2, 4, 8])))
+    cost = small_cost(
+        bw_offload=draw(st.sampled_from([1e3, 1e6, 1e12])),
+        num_layers=draw(st.sampled_from([2, 4, 8])),
+        # pinned host bytes per GPU: none, nothing, room for a few tokens, for many (a2 = 1000 B)
+        host_memory_bytes=draw(st.sampled_from([math.inf, 0.0, 2e4, 2e5, 2e6])),
+    )
     return lens, config, cost
 
 
@@ -55,8 +62,15 @@ def test_plans_are_valid_for_any_mix_and_cluster_shape(case):
     assert plan.meta["strategy"] == ("hdp-naive" if config.balance == "none" else "hdp-balanced")
     assert plan.meta["plan_time_s"] > 0
     rpn = min(config.ranks_per_node, config.num_ranks)
+    l = cost.num_layers
     for rank, mbs in enumerate(plan.ranks):
         for mb in mbs:
+            # device memory, in bytes: the last two layers whole, 1 - r of the others
+            device = cost.a2 * mb.tokens * (2 + (1 - mb.offload_ratio) * max(0, l - 2))
+            assert device <= cost.a2 * l * config.capacity * (1 + 1e-9)
+            # host memory, in bytes: r of l - 2 layers, for each micro-batch a 1F1B stage holds
+            parked = cost.a2 * mb.tokens * mb.offload_ratio * max(0, l - 2)
+            assert parked * config.pipeline_stages <= cost.host_memory_bytes * (1 + 1e-9)
             if mb.offload_ratio > 0:  # offloading only where its copy hides behind compute
                 assert config.offload
                 assert copy_hides(cost, mb.tokens, micro_batch_pairs(mb), mb.offload_ratio)
@@ -132,7 +146,9 @@ def test_balance_beats_naive_on_skewed_batches(balance, llama):
     t_naive = np.array(finish_times(naive, llama, 8))
     t_tuned = np.array(finish_times(tuned, llama, 8))
     assert t_tuned.max() / t_tuned.mean() < 1.1 < t_naive.max() / t_naive.mean()
-    assert t_tuned.max() < 0.5 * t_naive.max()
+    # (with the host budget hdp-naive's rings are wider than at unbounded r = 1, so the gap
+    # is narrower than it was: 47.5 s against 73.3 s here)
+    assert t_tuned.max() < 0.7 * t_naive.max()
     # within 10% of the better of: all compute spread evenly, the fastest ring of the longest
     bound = max(tuned.meta["compute_bound_s"], tuned.meta["target_time_s"])
     assert t_tuned.max() <= 1.1 * bound
@@ -169,7 +185,7 @@ def test_naive_rings_sit_at_the_memory_floor_with_or_without_offload(offload, ll
     sizes = plan.ring_sizes()
     long_ids = [i for i, s in enumerate(lens) if s > 8192]
     for i in long_ids:
-        assert sizes[i] == memory_floor(lens[i], 8192, llama, offload, 128).ranks
+        assert sizes[i] == memory_floor(lens[i], 8192, llama, offload, 128, host_capacity(llama)).ranks
     ratios = {mb.offload_ratio for mbs in plan.ranks for mb in mbs}
     if offload:  # offloading shrinks the rings of the longest sequences
         assert max(ratios) > 0 and all(sizes[i] < -(-lens[i] // 8192) for i in long_ids[:4])
@@ -249,6 +265,8 @@ def test_rescaled_target_when_rigid_rings_leave_no_room(llama, monkeypatch):
 
     lens = [1_200_000, 60_000, 50_000, 40_000]
     config = PlannerConfig(num_ranks=96, capacity=8192)
+    # the long ones fit one rank each at r ~ 1: no host budget, copies that hide
+    llama = llama.with_overrides(host_memory_bytes=math.inf, bw_d2h=1e12, bw_h2d=1e12)
     tuned = plan_step(lens, config, llama).validate()
     monkeypatch.setattr(planner_module, "RETARGET", (1.0,))
     first = plan_step(lens, config, llama).validate()

@@ -112,13 +112,32 @@ def test_profile_round_trips_through_cost_model(tmp_path):
     assert cost.a2 > 0 and cost.bw_d2h > 0 and cost.bw_h2d > 0  # (timings on a shared CPU: no claim)
     assert len(prof["notes"]["layer_seconds"]) == 4 and min(prof["notes"]["layer_seconds"]) > 0
     src = prof["source"]
-    assert {k for k, v in src.items() if v == "measured"} == {"a1", "b1", "g", "a2", "b2", "bw_d2h", "bw_h2d"}
+    assert {k for k, v in src.items() if v == "measured"} == {
+        "a1", "b1", "g", "a2", "b2", "bw_d2h", "bw_h2d", "forward_share"}
+    assert 0 < cost.forward_share < 1
+    # the host RAM share: half of this host's RAM over the H800 spec's 8 GPUs (no GPU here)
+    assert src["host_memory_bytes"].startswith("measured: 0.5 of host RAM over 8 GPUs")
+    assert cost.host_memory_bytes == pytest.approx(0.5 * profiler.host_ram_bytes() / 8)
     assert src["bw_inter_node"].startswith("analytic") and "H800" in src["bw_inter_node"]
     assert cost.num_layers == 2  # tiny's 4 layers over 2 pipeline stages
     assert cost.kv_bytes_per_token == CostModel.analytic(ModelSpec.load("tiny"), HardwareSpec.load("h800")).kv_bytes_per_token
     # Act(s) measured equals the held bytes the sweep recorded
     for s, act in zip(prof["notes"]["seq_lens"], prof["notes"]["act_bytes"]):
         assert cost.act_bytes(s) == pytest.approx(act, rel=1e-6)
+
+
+def test_host_memory_per_gpu_and_forward_share():
+    assert profiler.host_memory_per_gpu(8, 0.5, ram=2 * 10**12) == pytest.approx(125e9)
+    assert profiler.host_memory_per_gpu(4, 0.25, ram=10**12) == pytest.approx(62.5e9)
+    with pytest.raises(ConfigError, match="--host-memory-share must be in"):
+        profiler.host_memory_per_gpu(8, 1.5)
+    # time-weighted: 1 ms of 3 and 10 ms of 25 -> 11 / 28
+    samples = [profiler.LayerSample(64, 3e-3, 1e-3, 0, 0), profiler.LayerSample(128, 25e-3, 10e-3, 0, 0)]
+    assert profiler.forward_share_of(samples) == pytest.approx(11 / 28)
+    prof = profiler.build_profile("tiny", "h200", [32, 64, 96], backend="torch", repeats=1, copy_bytes=1 << 16,
+                                  host_memory=64 << 30)
+    assert prof["host_memory_bytes"] == float(64 << 30)
+    assert prof["source"]["host_memory_bytes"].startswith("given")
 
 
 def test_malformed_profiles_are_rejected(tmp_path):

@@ -65,3 +65,42 @@ def test_simulate_malformed_lengths_file(tmp_path, capsys):
     bad.write_text("100\n-5\n")
     assert main(SMALL + ["--lengths-file", str(bad)]) == 2
     assert f"lengths file {bad}, line 2: length -5 must be positive" in capsys.readouterr().err
+
+
+def _documents(sizes):
+    from megatron_bytescale.data.corpus import SourceDocument
+
+    return [SourceDocument(f"doc{i}", (lambda n=n: iter([b"x" * n]))) for i, n in enumerate(sizes)]
+
+
+def test_simulate_on_a_megatron_dataset_draws_the_training_batches(tmp_path, capsys):
+    # a shadow run: the batches are GlobalBatchSampler's over the dataset's documents, each cut
+    # at the 64K context as training would cut it (a 100K-byte document -> 64K + 36K windows)
+    from megatron_bytescale.data.indexed import write_indexed_dataset
+    from megatron_bytescale.data.sampler import GlobalBatchSampler, Position
+    from megatron_bytescale.data.indexed import DocumentDataset
+
+    prefix = str(tmp_path / "docs")
+    write_indexed_dataset(prefix, _documents([100_000, 3_000, 20_000, 500, 70_000, 9_000] * 4), source="test")
+    out, png = tmp_path / "shadow.json", tmp_path / "shadow.png"
+    rc = main(SMALL + ["--steps", "2", "--seed", "5", "--data-path", prefix, "--json", str(out), "--plot", str(png),
+                       "--strategies", "static,megatron-dcp,hdp-balanced"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert f"shadow run on {prefix}: 24 documents" in text
+    assert "HDP (hdp-balanced)" in text and "than static DP x CP" in text and "than Megatron's dynamic CP" in text
+    data = json.loads(out.read_text())
+    sampler = GlobalBatchSampler(DocumentDataset(prefix).lengths, step_tokens=512 * 1024, context_length=64 * 1024, seed=5)
+    samples, pos = sampler.batch(Position())
+    second, _ = sampler.batch(pos)
+    want = [{"sequences": len(b), "longest": max(x.length for x in b), "tokens": sum(x.length for x in b)}
+            for b in (samples, second)]
+    assert data["batches"] == want
+    assert all(b["longest"] <= 64 * 1024 for b in data["batches"])
+    assert data["dataset"]["documents_over_context"] == 8  # the 100K and 70K documents, four of each
+    assert png.stat().st_size > 10_000
+
+
+def test_simulate_refuses_a_missing_dataset(tmp_path, capsys):
+    assert main(SMALL + ["--data-path", str(tmp_path / "nothing")]) == 2
+    assert "bytescale simulate: error:" in capsys.readouterr().err

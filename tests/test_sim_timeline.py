@@ -139,16 +139,38 @@ def test_ring_micro_batches_that_meet_out_of_1f1b_step_deadlock():
         simulate(plan, Cluster(4, pp=2), cost_model())
 
 
-def test_offload_exposes_only_the_copy_that_compute_cannot_hide():
-    # 4 layers, 2 of them offloaded at ratio 1: each copies Act(4) = 4 B at 10 B/s = 400 ms,
-    # against 4 ms of compute per layer: 396 ms exposed per offloaded layer
+def test_offload_copies_hide_only_behind_their_own_pass():
+    # 4 layers, 2 of them offloaded at ratio 1: each copies Act(4) = 4 B at 10 B/s = 400 ms
+    # to the host in the forward and 400 ms back in the backward. A layer computes 4 ms:
+    # forward 4/3 ms hides 4/3 ms of its D2H copy, backward 8/3 ms hides as much of its H2D.
+    # Exposed per offloaded layer: (400 - 4/3) + (400 - 8/3) = 796 ms; two layers 1,592 ms;
+    # step 16 ms compute + 1,592 ms = 1,608 ms, at least the 1,600 ms the copies need alone.
     piece = whole_piece(0, 4, 0)
     plan = plan_of([4], [[MicroBatch((piece,), offload_ratio=1.0)]], layers=4, capacity=4)
     cost = cost_model(layers=4)
     r = evaluate(plan, Cluster(1), cost)
-    assert r.timeline.step_time == pytest.approx(16 * MS + 2 * 396 * MS)
-    assert r.timeline.offload[0] == pytest.approx(2 * 396 * MS)
+    assert r.timeline.step_time == pytest.approx(1608 * MS)
+    assert r.timeline.step_time >= 2 * 2 * 400 * MS  # the physical copy time, both ways
+    assert r.timeline.offload[0] == pytest.approx(1592 * MS)
+    fwd, bwd = r.timeline.row(0)[:, 5]  # exposed copy time of the forward, then the backward
+    assert fwd == pytest.approx(2 * (400 - 4 / 3) * MS)
+    assert bwd == pytest.approx(2 * (400 - 8 / 3) * MS)
     assert r.offload_bytes == pytest.approx(2 * 4.0)
+    assert r.host_bytes_max_gpu == pytest.approx(2 * 4.0)  # two layers of 4 B parked until backward
+
+
+def test_offload_copy_directions_use_their_own_bandwidth_and_the_forward_share():
+    # forward share 1/2: a layer of 100 tokens computes 100 ms, 50 ms each way. Act = 100 B at
+    # r = 0.5 -> 50 B per layer. D2H at 10,000 B/s: 5 ms, hidden. H2D at 500 B/s: 100 ms
+    # against 50 ms of backward: 50 ms exposed per offloaded layer, 2 layers -> 100 ms.
+    piece = whole_piece(0, 100, 0)
+    plan = plan_of([100], [[MicroBatch((piece,), offload_ratio=0.5)]], layers=4, capacity=1000)
+    cost = cost_model(layers=4, bw_d2h=10_000.0, bw_h2d=500.0, forward_share=0.5)
+    t = simulate(plan, Cluster(1), cost)
+    fwd, bwd = t.row(0)[:, 5]
+    assert fwd == pytest.approx(0.0)
+    assert bwd == pytest.approx(100 * MS)
+    assert t.step_time == pytest.approx(400 * MS + 100 * MS)
 
 
 def test_p2p_bytes_and_lower_bound():

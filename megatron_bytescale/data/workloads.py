@@ -221,3 +221,29 @@ def lengths_from_file(lengths: np.ndarray, total_tokens: int, context: int, rng:
     gen = as_rng(rng)
     pool = np.asarray(lengths, dtype=np.int64)
     return fill_batch(lambda n: pool[gen.integers(0, len(pool), n)], total_tokens, context, float(np.minimum(pool, context).mean()))
+
+
+def training_batches(prefix: str, step_tokens: int, context: int, seed: int):
+    """The sequence lengths of the global batches training on ``prefix`` would see, step by
+    step (the HDP loaders' sampler: documents in the seeded epoch order, cut at ``context``,
+    ``step_tokens`` per step), and a description of the dataset."""
+    from .indexed import DocumentDataset
+    from .sampler import GlobalBatchSampler, Position
+
+    docs = DocumentDataset(prefix)
+    sampler = GlobalBatchSampler(docs.lengths, step_tokens=step_tokens, context_length=context, seed=seed)
+    info = {
+        "prefix": docs.prefix,
+        "documents": len(docs),
+        "tokens": docs.num_tokens,
+        "longest_document": int(docs.lengths.max()),
+        "documents_over_context": int((docs.lengths > context).sum()),
+    }
+
+    def steps():
+        position = Position()
+        while True:
+            samples, position = sampler.batch(position)
+            yield [s.length for s in samples]
+
+    return steps(), info

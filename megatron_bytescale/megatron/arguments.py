@@ -103,6 +103,7 @@ _HDP_DEFAULTS = {
     "hdp_selective_offload": False,
     "hdp_profile": None,
     "hdp_hardware": None,
+    "hdp_host_memory_per_gpu": None,
     "hdp_dataloader": "local",
     "hdp_ray_address": None,
     "hdp_plan_ahead": 2,
@@ -217,6 +218,14 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         metavar="NAME|FILE",
         help=f"Hardware spec for the analytic cost model: one of {', '.join(available(HARDWARE_DIR, '.yaml'))} "
         f"or a YAML file (default {DEFAULT_HARDWARE}). Not used with --hdp-profile.",
+    )
+    g.add_argument(
+        "--hdp-host-memory-per-gpu",
+        type=token_count,  # the same K/M/G suffixes, read as bytes
+        default=None,
+        metavar="BYTES",
+        help="Pinned host memory per GPU the planner may fill with offloaded activations, e.g. 64G "
+        "(default: the profile's or the hardware spec's host_memory_bytes).",
     )
     g.add_argument(
         "--hdp-dataloader",
@@ -555,9 +564,11 @@ def cost_model_from_args(args):
             pp=args.pipeline_model_parallel_size,
             sequence_parallel=bool(args.sequence_parallel) or args.tensor_model_parallel_size == 1,
         )
-    return cost.with_recompute(
+    cost = cost.with_recompute(
         args.recompute_granularity, args.recompute_method, args.recompute_num_layers, args.recompute_modules
     )
+    host = getattr(args, "hdp_host_memory_per_gpu", None)
+    return cost if host is None else cost.with_overrides(host_memory_bytes=float(host))
 
 
 def planner_config_from_args(args):

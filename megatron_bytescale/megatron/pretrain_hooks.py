@@ -42,6 +42,7 @@ from .arguments import (
     planner_config_from_args,
     validate_hdp_args,
 )
+from .step_timing import StepTimer
 
 # Megatron's ``--spec MODULE NAME`` reads ``vars(MODULE)[NAME]``: the HDP model provider puts
 # the layer spec it built for this run here and points args.spec at it.
@@ -140,7 +141,9 @@ def megatron_forward_backward(**kwargs) -> list:
     from ..runtime.step import hdp_forward_backward
 
     kwargs.setdefault("offloader", _offloader(kwargs.get("model")))
-    losses = hdp_forward_backward(**kwargs)
+    args = _hdp_args()  # every --log-interval: the planner's predicted step time beside the measured one
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    losses = _step_timer.run(hdp_forward_backward, kwargs, getattr(args, "log_interval", None), rank)
     if losses:
         megatron_forward_backward.keys = tuple(losses[0].keys())
     elif not kwargs.get("collect_non_loss_data"):
@@ -150,6 +153,7 @@ def megatron_forward_backward(**kwargs) -> list:
 
 
 megatron_forward_backward.keys = (LOSS_KEY,)
+_step_timer = StepTimer()
 
 
 def install_argument_validation() -> None:

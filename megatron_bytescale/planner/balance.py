@@ -84,25 +84,71 @@ class _Loads:
     """Per-rank estimated clocks and the decision key, with a lazy min-heap over the key."""
 
     def __init__(self, num_ranks: int, pipeline_stages: int, by_tokens: bool):
-        self.clock = np.zeros(num_ranks)
-        self.idle = np.zeros(num_ranks)
-        self.peak = np.zeros(num_ranks)
-        self.tokens = np.zeros(num_ranks)
-        self.key = np.zeros(num_ranks)
+        # plain lists: updated one rank at a time ~10^5 times a step, where numpy scalars
+        # are slow; only the key, which ring placement reads whole, is an array
+        self.clock = [0.0] * num_ranks
+        self.idle = [0.0] * num_ranks
+        self.peak = [0.0] * num_ranks
+        self.tokens = [0.0] * num_ranks
+        self.last_key = [0.0] * num_ranks  # the decision key per rank (Python floats, for the heap)
+        self._key = np.zeros(num_ranks)  # the same as an array, brought up to date by ``key``
+        self._dirty: list[int] = []  # ranks whose key changed since
         self.bubble = pipeline_stages - 1
         self.by_tokens = by_tokens
         self.stamp = [0] * num_ranks
         self.heap = [(0.0, r, 0) for r in range(num_ranks)]
         self.top = 0.0  # current maximum of the key
 
+    @property
+    def key(self) -> np.ndarray:
+        """Every rank's key as an array (what ring placement reads)."""
+        if self._dirty:
+            idx = self._dirty
+            last = self.last_key
+            self._key[idx] = [last[r] for r in idx]
+            self._dirty = []
+        return self._key
+
     def least(self) -> int:
+        """The least-loaded rank; its entry stays on top of the heap until ``push`` replaces it."""
+        heap, stamp = self.heap, self.stamp
         while True:
-            k, r, s = heapq.heappop(self.heap)
-            if s == self.stamp[r]:
+            k, r, s = heap[0]
+            if s == stamp[r]:
                 return r
+            heapq.heappop(heap)  # stale: the rank was given work since
+
+    def give_least(self, seconds: float, tokens: int) -> int:
+        """``least()``, ``run(r, clock[r], ...)`` and ``push(r)`` in one: the hot path of the
+        DP balance (one call per short sequence, ~5 x 10^4 a step at 16K ranks)."""
+        heap, stamp = self.heap, self.stamp
+        while True:
+            _, r, s = heap[0]
+            if s == stamp[r]:
+                break
+            heapq.heappop(heap)
+        clock = self.clock[r] + seconds  # it starts at once: no idle time
+        self.clock[r] = clock
+        total = self.tokens[r] + tokens
+        self.tokens[r] = total
+        peak = self.peak[r]
+        if seconds > peak:
+            self.peak[r] = peak = seconds
+        k = total if self.by_tokens else clock + self.bubble * peak
+        self.last_key[r] = k
+        self._dirty.append(r)
+        if k > self.top:
+            self.top = k
+        stamp[r] = s = s + 1
+        heapq.heapreplace(heap, (k, r, s))
+        return r
 
     def push(self, r: int) -> None:
-        heapq.heappush(self.heap, (float(self.key[r]), r, self.stamp[r]))
+        entry = (self.last_key[r], r, self.stamp[r])
+        if self.heap and self.heap[0][1] == r:  # its old entry, stale now: one sift instead of pop + push
+            heapq.heapreplace(self.heap, entry)
+        else:
+            heapq.heappush(self.heap, entry)
 
     def run(self, r: int, start: float, seconds: float, tokens: int) -> None:
         self.idle[r] += start - self.clock[r]
@@ -111,9 +157,10 @@ class _Loads:
         if seconds > self.peak[r]:
             self.peak[r] = seconds
         k = self.tokens[r] if self.by_tokens else self.clock[r] + self.bubble * self.peak[r]
-        self.key[r] = k
+        self.last_key[r] = k
+        self._dirty.append(r)
         if k > self.top:
-            self.top = float(k)
+            self.top = k
         self.stamp[r] += 1
 
 
@@ -137,7 +184,7 @@ def schedule(
 
     def give_one(u: int, rank: int) -> None:
         unit = units[u]
-        loads.run(rank, float(loads.clock[rank]), unit.time, unit.tokens)
+        loads.run(rank, loads.clock[rank], unit.time, unit.tokens)
         runs[rank].append(u)
         loads.push(rank)
         given.append(u)
@@ -145,23 +192,26 @@ def schedule(
     def give_ring(u: int) -> None:
         unit = units[u]
         ring = placer.place(loads.key, unit.ring_size, unit.heads_split)
-        start = float(loads.clock[ring].max())
-        for r in ring.tolist():  # synchronous: every member is held until the slowest is done
+        ring_ranks = ring.tolist()
+        start = max(loads.clock[r] for r in ring_ranks)
+        for r in ring_ranks:  # synchronous: every member is held until the slowest is done
             loads.run(r, start, unit.time, unit.tokens)
             runs[r].append(u)
             loads.push(r)
-        members[u] = tuple(ring.tolist())
+        members[u] = tuple(ring_ranks)
         given.append(u)
 
     buckets = make_buckets(order, weights, num_buckets) if order else []
     if mode in ("dp", "tokens"):
         for bucket in buckets:  # the first non-empty bucket, its longest unit first
             for u in bucket:
-                if units[u].ring_size > 1:
+                unit = units[u]
+                if unit.ring_size > 1:
                     give_ring(u)
                 else:
-                    give_one(u, loads.least())
-        return Assignment(runs, members, loads.clock, loads.key, loads.idle, len(buckets), given)
+                    runs[loads.give_least(unit.time, unit.tokens)].append(u)
+                    given.append(u)
+        return Assignment(runs, members, np.array(loads.clock), loads.key, np.array(loads.idle), len(buckets), given)
 
     # pp: the same order, in runs: the least-loaded rank takes the next unit and goes on
     # taking the following ones of the same bucket while it stays below the level, so each
@@ -173,7 +223,7 @@ def schedule(
 
     def key_after(rank: int, u: int) -> float:
         w = weights[u]
-        return float(loads.clock[rank]) + w + bubble * max(float(loads.peak[rank]), w)
+        return loads.clock[rank] + w + bubble * max(loads.peak[rank], w)
 
     for bucket in buckets:
         i = 0
@@ -189,4 +239,4 @@ def schedule(
             while i < len(bucket) and units[bucket[i]].ring_size == 1 and key_after(rank, bucket[i]) <= level:
                 give_one(bucket[i], rank)
                 i += 1
-    return Assignment(runs, members, loads.clock, loads.key, loads.idle, len(buckets), given)
+    return Assignment(runs, members, np.array(loads.clock), loads.key, np.array(loads.idle), len(buckets), given)

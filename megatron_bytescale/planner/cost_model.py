@@ -25,6 +25,7 @@ projection's input; only the fp32 log-sum-exp goes), so it changes time, not ``A
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -52,6 +53,11 @@ class CostModel:
     bw_intra_node: float  # P2P bytes/s between GPUs of one node
     bw_inter_node: float  # P2P bytes/s between nodes
     p2p_latency_s: float = 2e-5
+    # pinned host bytes one GPU may fill with offloaded activations (inf: no budget given)
+    host_memory_bytes: float = math.inf
+    # share of a layer's forward+backward time spent in the forward: device-to-host copies
+    # hide behind the forward only, host-to-device copies behind the backward only
+    forward_share: float = FORWARD_SHARE
     flops_per_token_linear: float = 0.0  # informational: FLOPs/token/layer outside attention
     flops_per_token_pair: float = 0.0  # informational: FLOPs per causal query-key pair per layer
     grad_bytes_per_gpu: float = 0.0  # fp32 gradients one GPU reduces over its HDP group per step (0: unknown)
@@ -88,15 +94,10 @@ class CostModel:
             return 0.0
         l = self.num_layers
         attn, rest = self.a1 * attention_pairs, self.b1 * tokens + self.g
-        return FORWARD_SHARE * (attn * self.recomputed_attention_layers + rest * self.recomputed_layers) / l
+        return self.forward_share * (attn * self.recomputed_attention_layers + rest * self.recomputed_layers) / l
 
     def act_bytes(self, tokens: float) -> float:
         return self.a2 * tokens + self.b2
-
-    @property
-    def bw_offload(self) -> float:
-        """The copy must finish both ways: the slower direction bounds it."""
-        return min(self.bw_d2h, self.bw_h2d)
 
     def hop_time(self, tokens: float, inter_node: bool, backward: bool = False) -> float:
         """One ring hop moving the KV (and in backward also dKV) of ``tokens`` tokens, one layer."""
@@ -153,6 +154,7 @@ class CostModel:
             bw_intra_node=hw.bw_intra_node,
             bw_inter_node=hw.bw_inter_node,
             p2p_latency_s=hw.p2p_latency_s,
+            host_memory_bytes=hw.host_memory_bytes,
             flops_per_token_linear=3 * linear / tp,
             flops_per_token_pair=3 * pair / 2 / tp,
             grad_bytes_per_gpu=FP32_BYTES * params,
@@ -218,5 +220,5 @@ class CostModel:
         return (
             f"T(8K)={self.layer_time(s) * 1e3:.2f} ms/layer, Act(8K)={self.act_bytes(s) / 2**30:.2f} GiB/layer, "
             f"{self.num_layers} layers, KV {self.kv_bytes_per_token:.0f} B/token/layer, "
-            f"PCIe {self.bw_offload / 1e9:.0f} GB/s, P2P {self.bw_intra_node / 1e9:.0f}/{self.bw_inter_node / 1e9:.0f} GB/s"
+            f"PCIe {self.bw_d2h / 1e9:.0f}/{self.bw_h2d / 1e9:.0f} GB/s, P2P {self.bw_intra_node / 1e9:.0f}/{self.bw_inter_node / 1e9:.0f} GB/s"
         )

@@ -10,6 +10,8 @@
   N-th of ``Plan.p2p_bytes_per_rank``'s N backward dKV hops): it is exposed whole. The
   slowest link sets the pace of a synchronous ring, so a ring that crosses nodes runs at
   the inter-node bandwidth.
+* An offloaded micro-batch adds the copy time its passes do not hide (``copy_exposure``,
+  the offload policy's rule; zero for every ratio the planner picks).
 * With ``pipeline_stages = p > 1`` a rank (one pipeline) takes the makespan of 1F1B over
   its micro-batches (``one_f_one_b_time``): every stage runs each micro-batch's forward
   (``FORWARD_SHARE`` of its time) and backward in 1F1B order, a forward after the previous
@@ -23,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .cost_model import FORWARD_SHARE, CostModel
+from .offload_policy import copy_exposure
 from .plan import MicroBatch
 from .zigzag import rank_tokens
 
@@ -43,8 +46,8 @@ def exposed_ring_time(cost: CostModel, pairs: float, block_tokens: float, ring_s
     if ring_size <= 1:
         return 0.0
     step = cost.a1 * pairs / ring_size
-    fwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=False) - FORWARD_SHARE * step)
-    bwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=True) - (1.0 - FORWARD_SHARE) * step)
+    fwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=False) - cost.forward_share * step)
+    bwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=True) - (1.0 - cost.forward_share) * step)
     fwd *= 1.0 + cost.recompute_attention_share  # a recomputed attention runs its forward ring again
     return (ring_size - 1) * (fwd + bwd) + dkv_home_time(cost, block_tokens, inter_node)
 
@@ -77,7 +80,16 @@ def micro_batch_time(cost: CostModel, mb: MicroBatch, inter_node: bool = False) 
     per_layer = cost.layer_time(tokens, pairs)
     if ring is not None:
         per_layer += exposed_ring_time(cost, dist_pairs, block, len(ring), inter_node)
-    return cost.num_layers * per_layer
+    return cost.num_layers * per_layer + offload_time(cost, tokens, pairs, mb.offload_ratio)
+
+
+def offload_time(cost: CostModel, tokens: float, pairs: float, ratio: float) -> float:
+    """Seconds the copies of an offloaded micro-batch add beyond compute, all ``l - 2``
+    offloaded layers of the stage (``copy_exposure``: 0 whenever the planner chose ``ratio``)."""
+    layers = cost.activation_layers  # recomputed layers keep nothing to copy
+    if ratio <= 0 or layers <= 2:
+        return 0.0
+    return (layers - 2) * sum(copy_exposure(cost, tokens, pairs, ratio))
 
 
 def crosses_nodes(ring: Sequence[int], ranks_per_node: int) -> bool:

@@ -91,7 +91,7 @@ def order_runs(
     ``Ordered.deadlock`` says why if no safe order was found. ``fallback=False`` skips the
     searches of step 2 (slow on large plans): rings left unaligned then set ``deadlock``."""
     if stages <= 1:
-        return _in_schedule_order(runs, ring_order, members, ring_time)
+        return _sequential(runs, ring_order, members, ring_time)
     result = _aligned(runs, ring_order, members, ring_time, split, lookahead)
     if not result.unaligned:
         return result
@@ -193,6 +193,36 @@ def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
 
 def _deadlock_of(runs: Sequence[Sequence[Item]], stages: int) -> str | None:
     return find_pipeline_deadlock([[None if isinstance(x, LocalBatch) else x for x in run] for run in runs], stages)
+
+
+def _sequential(runs, ring_order, members, ring_time) -> Ordered:
+    """Without pipelines every rank runs its items as the schedule gave them: only the
+    clocks are computed (what ``_in_schedule_order`` gives for one stage, in one pass over
+    the items instead of one pass over a member's queue per ring)."""
+    n = len(runs)
+    out = [list(run) for run in runs]
+    clock = [0.0] * n
+    pos = [0] * n
+    for u in ring_order:
+        ring = members[u]
+        start = 0.0
+        for r in ring:
+            run, i, c = out[r], pos[r], clock[r]
+            while run[i] != u:  # the rank's local micro-batches before this ring
+                c += run[i].time
+                i += 1
+            pos[r], clock[r] = i + 1, c
+            if c > start:
+                start = c
+        end = start + ring_time[u]
+        for r in ring:
+            clock[r] = end
+    for r in range(n):
+        run, c = out[r], clock[r]
+        for x in run[pos[r]:]:
+            c += x.time
+        clock[r] = c
+    return Ordered(out, clock)
 
 
 def _in_schedule_order(runs, ring_order, members, ring_time) -> Ordered:

@@ -100,6 +100,9 @@ class Plan:
     seq_lens: tuple[int, ...]
     ranks: tuple[tuple[MicroBatch, ...], ...]
     meta: dict = field(default_factory=dict)  # provenance: strategy, planner time, ...
+    # token-equivalents of a micro-batch that may sit in pinned host memory (offloaded
+    # activations; see offload_policy.host_capacity); None: no host budget to check
+    host_capacity: int | None = None
     # layers recomputed whole (--recompute-granularity full): they keep no activations, so
     # capacity and offloading concern the other num_layers - recomputed_layers
     recomputed_layers: int = 0
@@ -198,7 +201,9 @@ class Plan:
         4. all distributed pieces of a micro-batch share one ring, and every member of that
            ring has a micro-batch with the same ring and the same distributed sequences;
         5. ring micro-batches are ordered consistently across ranks (no P2P deadlock);
-        6. no micro-batch exceeds the capacity once its offload ratio is applied; ratios in [0, 1].
+        6. no micro-batch exceeds the capacity once its offload ratio is applied; ratios in [0, 1];
+        7. no micro-batch parks more than ``host_capacity`` token-equivalents in host memory
+           (``tokens * (1 - resident_fraction)``), when the plan has a host budget.
         """
         errors: list[str] = []
         if len(self.ranks) != self.num_ranks:
@@ -217,6 +222,7 @@ class Plan:
         holders: dict[int, list[tuple[int, int, Piece]]] = defaultdict(list)  # seq -> (rank, mb idx, piece)
         ring_keys: dict[int, list[tuple]] = {}  # rank -> ordered ring-step keys
         limit = self.capacity * (1 + 1e-9)
+        host_limit = None if self.host_capacity is None else self.host_capacity * (1 + 1e-9)
 
         for rank, mbs in enumerate(self.ranks):
             keys = []
@@ -232,6 +238,13 @@ class Plan:
                         f"{where}: {mb.tokens} tokens at offload ratio {mb.offload_ratio:.3f} keep "
                         f"{resident:.0f} token-equivalents on the device, over capacity {self.capacity}"
                     )
+                if host_limit is not None and mb.offload_ratio > 0:
+                    parked = mb.tokens * (1.0 - resident_fraction(mb.offload_ratio, self.activation_layers))
+                    if parked > host_limit:
+                        errors.append(
+                            f"{where}: {mb.tokens} tokens at offload ratio {mb.offload_ratio:.3f} park "
+                            f"{parked:.0f} token-equivalents in host memory, over the host budget {self.host_capacity}"
+                        )
                 seen_here = set()
                 for p in mb.pieces:
                     if not 0 <= p.seq_id < len(self.seq_lens):
@@ -346,6 +359,7 @@ class Plan:
             "capacity": self.capacity,
             "num_layers": self.num_layers,
             "seq_lens": list(self.seq_lens),
+            "host_capacity": self.host_capacity,
             "meta": self.meta,
             "ranks": [
                 [
@@ -395,6 +409,7 @@ class Plan:
                 seq_lens=seq_lens,
                 ranks=ranks,
                 meta=dict(data.get("meta", {})),
+                host_capacity=None if data.get("host_capacity") is None else int(data["host_capacity"]),
                 recomputed_layers=int(data.get("recomputed_layers", 0)),
             )
         except PlanError:
@@ -419,12 +434,37 @@ class Plan:
             raise PlanError(f"plan is not valid JSON: {exc}") from None
 
 
+def _piece(seq_id: int, seq_len: int, ranges: Ranges, ring: tuple[int, ...], heads_split: int = 1) -> Piece:
+    """``Piece(...)`` without the frozen dataclass's per-field ``object.__setattr__``: a
+    plan for 16K ranks builds ~10^5 pieces, and this is three times faster (same object)."""
+    p = _new_object(Piece)
+    d = p.__dict__
+    d["seq_id"] = seq_id
+    d["seq_len"] = seq_len
+    d["ranges"] = ranges
+    d["ring"] = ring
+    d["heads_split"] = heads_split
+    return p
+
+
+_new_object = object.__new__
+
+
+def micro_batch(pieces: tuple[Piece, ...], offload_ratio: float = 0.0) -> MicroBatch:
+    """``MicroBatch(pieces, offload_ratio)``, built the fast way ``_piece`` is."""
+    mb = _new_object(MicroBatch)
+    d = mb.__dict__
+    d["pieces"] = pieces
+    d["offload_ratio"] = offload_ratio
+    return mb
+
+
 def whole_piece(seq_id: int, seq_len: int, rank: int) -> Piece:
-    return Piece(seq_id=seq_id, seq_len=seq_len, ranges=((0, seq_len),), ring=(rank,))
+    return _piece(seq_id, seq_len, ((0, seq_len),), (rank,))
 
 
 def ring_pieces(seq_id: int, seq_len: int, ring: tuple[int, ...], heads_split: int = 1) -> list[Piece]:
     """The zigzag pieces of one sequence over ``ring``, in ring order (``heads_split``: two-level)."""
     shares = zigzag_ranges(seq_len, len(ring))
-    return [Piece(seq_id=seq_id, seq_len=seq_len, ranges=shares[i], ring=tuple(ring), heads_split=heads_split)
-            for i in range(len(ring))]
+    ring = tuple(ring)
+    return [_piece(seq_id, seq_len, share, ring, heads_split) for share in shares]

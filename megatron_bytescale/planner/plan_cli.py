@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance", default="dp", choices=BALANCE_MODES, help="balance scheduler mode [dp]")
     p.add_argument("--slack", type=float, default=0.05, help="balance slack, a fraction of the max time [0.05]")
     p.add_argument("--no-offload", action="store_true", help="never offload activations")
+    p.add_argument("--host-memory-per-gpu", default=None, metavar="BYTES",
+                   help="pinned host memory per GPU for offloaded activations, e.g. 64G "
+                        "[the profile's or the hardware spec's host_memory_bytes]")
     p.add_argument("--json", help="write the plan JSON here")
     p.add_argument("--max-rows", type=int, default=64, help="ranks shown in the table [64]; 0 shows all")
 
@@ -104,8 +107,17 @@ def format_summary(plan: Plan) -> str:
 
 def build_cost(args) -> CostModel:
     if args.profile:
-        return CostModel.from_profile(args.profile)
-    return CostModel.analytic(ModelSpec.load(args.model), HardwareSpec.load(args.hardware), tp=args.tp, pp=args.pp)
+        cost = CostModel.from_profile(args.profile)
+    else:
+        cost = CostModel.analytic(ModelSpec.load(args.model), HardwareSpec.load(args.hardware), tp=args.tp, pp=args.pp)
+    return with_host_memory(cost, getattr(args, "host_memory_per_gpu", None))
+
+
+def with_host_memory(cost: CostModel, text: str | int | None) -> CostModel:
+    """``cost`` with its host budget per GPU replaced by ``text`` (e.g. "64G"), if given."""
+    if text is None:
+        return cost
+    return cost.with_overrides(host_memory_bytes=float(parse_size(text, "--host-memory-per-gpu")))
 
 
 def hdp_shape(gpus: int, tp: int, pp: int, gpus_per_node: int) -> tuple[int, int]:

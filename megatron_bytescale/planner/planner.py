@@ -24,9 +24,11 @@ slots may get its rings reordered, or placed again (``meta["pipeline_order"]`` s
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,9 +37,10 @@ from ..errors import ConfigError, PlanError
 from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
+from .offload_policy import host_capacity
 from .pipeline_order import Item, LocalBatch, Ordered, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
-from .plan import MicroBatch, Piece, Plan, ring_pieces, whole_piece
+from .plan import MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_piece
 from . import two_level
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
 from .zigzag import rank_tokens
@@ -93,14 +96,35 @@ def check_lengths(seq_lens: Sequence[int]) -> tuple[int, ...]:
     return tuple(arr.tolist())
 
 
+@contextmanager
+def _no_cyclic_gc():
+    """Pause the cyclic garbage collector: a 16K-rank plan allocates ~10^5 pieces and
+    micro-batches (no reference cycles), and the collections they trigger walk every live
+    object again and again (a third of the planning time at 512M tokens)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -> Plan:
     """The HDP plan for one step. The result passes ``Plan.validate()`` (not run here: it is
     the tests' job, and slow on large clusters)."""
+    with _no_cyclic_gc():
+        return _plan_step(seq_lens, config, cost)
+
+
+def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -> Plan:
     t0 = time.perf_counter()
     config.check()
     lens = check_lengths(seq_lens)
     balanced = config.balance != "none"
     placer = RingPlacer(config.num_ranks, config.ranks_per_node)
+    # pinned host memory per GPU, shared by the micro-batches a 1F1B stage holds in flight
+    host = host_capacity(cost, config.pipeline_stages)
     # The target is a bound, not a promise: rigid rings with little short work to fill the
     # gaps between them may not pack under it. Then a few rescaled targets are tried (a
     # larger one frees ranks, a smaller one cuts work finer) and the shortest step wins.
@@ -113,7 +137,7 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
         factors = sorted({1, stages}) if balanced else [1]
         best = None
         for factor in factors:
-            sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, factor)
+            sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, factor, host)
             base = balanced_target(np.asarray(lens), sizer) if balanced else None
             for scale in RETARGET if balanced else (1.0,):
                 target = None if base is None else base * scale
@@ -144,6 +168,7 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
         num_layers=cost.num_layers,
         seq_lens=lens,
         ranks=ranks,
+        host_capacity=host,
         recomputed_layers=cost.recomputed_layers,
     )
     ring_hist = Counter(s.ring_size for s in shards.values())
@@ -210,7 +235,8 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     (``rank_estimates``: the pipelines run together, as the simulator runs them), and the
     shortest deadlock-free estimate wins; targets that change no ring are skipped."""
     stages = config.pipeline_stages
-    sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, stages)
+    host = host_capacity(cost, stages)
+    sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, stages, host)
     base = balanced_target(np.asarray(lens), sizer)
     candidates, previous = [], None
     for scale in PIPELINE_RETARGET:
@@ -392,15 +418,15 @@ def _build(lens, units: list[Unit], members: dict[int, tuple[int, ...]], runs: l
         mbs = []
         for x in items:
             if isinstance(x, LocalBatch):
-                mbs.append(MicroBatch(tuple(whole_piece(i, lens[i], rank) for i in x.seq_ids), x.ratio))
+                mbs.append(micro_batch(tuple([whole_piece(i, lens[i], rank) for i in x.seq_ids]), x.ratio))
                 continue
             unit = units[x]
             piece = pieces_of[x][rank]
             if unit.fillers:
                 slot = members[x].index(rank)
-                extra = tuple(whole_piece(i, lens[i], rank) for i in unit.fillers[slot])
-                mbs.append(MicroBatch((piece,) + extra, unit.ratio))
+                extra = tuple([whole_piece(i, lens[i], rank) for i in unit.fillers[slot]])
+                mbs.append(micro_batch((piece,) + extra, unit.ratio))
             else:
-                mbs.append(MicroBatch((piece,), unit.ratio))
+                mbs.append(micro_batch((piece,), unit.ratio))
         ranks.append(tuple(mbs))
     return tuple(ranks)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, PlanError
-from .cost_model import FORWARD_SHARE, CostModel
+from .cost_model import CostModel
 from .offload_policy import OffloadDecision, decide, ratio_for_ranks
 from . import two_level
 
@@ -40,11 +40,16 @@ class Shard:
     heads_split: int = 1  # two-level group size (planner/two_level.py); 1: the plain ring
 
 
-def memory_floor(seq_len: int, capacity: int, cost: CostModel, offload: bool, num_ranks: int) -> OffloadDecision:
-    """D_mem(s) and its ratio; an error when even that needs more ranks than there are."""
-    d = decide(seq_len, capacity, cost, offload)
+def memory_floor(
+    seq_len: int, capacity: int, cost: CostModel, offload: bool, num_ranks: int, host: int | None = None
+) -> OffloadDecision:
+    """D_mem(s) and its ratio (``host``: the host budget in token-equivalents, None: none);
+    an error when even that needs more ranks than there are."""
+    d = decide(seq_len, capacity, cost, offload, host)
     if d.ranks > num_ranks:
         fixes = "raise --hdp-token-capacity, " + ("" if offload else "enable offload, ") + "or add GPUs"
+        if offload and host is not None:
+            fixes = "raise --hdp-token-capacity or the host memory per GPU, or add GPUs"
         raise ConfigError(
             f"capacity too small: sequence of {seq_len} tokens needs {d.ranks} ranks at capacity {capacity}"
             f"{' with offloading' if offload else ''}, only {num_ranks} ranks; {fixes}"
@@ -52,18 +57,20 @@ def memory_floor(seq_len: int, capacity: int, cost: CostModel, offload: bool, nu
     return d
 
 
-def ring_times(cost: CostModel, seq_len: int, ring_sizes: np.ndarray, ranks_per_node: int) -> np.ndarray:
-    """``ring_share_time`` for many ring sizes at once (rings up to a node stay inside it)."""
+def ring_times(cost: CostModel, seq_len, ring_sizes: np.ndarray, ranks_per_node: int) -> np.ndarray:
+    """``ring_share_time`` for many ring sizes at once (rings up to a node stay inside it);
+    ``seq_len`` is one length or one per ring size."""
     d = ring_sizes.astype(np.float64)
-    share = np.ceil(seq_len / d)
-    pairs = float(seq_len) * seq_len / d
+    s = np.asarray(seq_len, dtype=np.float64)
+    share = np.ceil(s / d)
+    pairs = s * s / d
     per_layer = cost.a1 * pairs + cost.b1 * share + cost.g
     bw = np.where(ring_sizes > ranks_per_node, cost.bw_inter_node, cost.bw_intra_node)
     step = cost.a1 * pairs / d
     hop_f = cost.p2p_latency_s + share * cost.kv_bytes_per_token / bw
     hop_b = cost.p2p_latency_s + share * (cost.kv_bytes_per_token + cost.grad_bytes_per_token) / bw
     home = cost.p2p_latency_s + share * cost.grad_bytes_per_token / bw  # the last dKV hop, never hidden
-    exposed = (d - 1) * (np.maximum(0.0, hop_f - FORWARD_SHARE * step) + np.maximum(0.0, hop_b - (1 - FORWARD_SHARE) * step))
+    exposed = (d - 1) * (np.maximum(0.0, hop_f - cost.forward_share * step) + np.maximum(0.0, hop_b - (1 - cost.forward_share) * step))
     exposed += home
     exposed[ring_sizes <= 1] = 0.0
     return cost.num_layers * (per_layer + exposed)
@@ -73,9 +80,17 @@ class RingSizer:
     """Ring size and time for each long sequence, for a given target time (cached by length)."""
 
     def __init__(
-        self, capacity: int, cost: CostModel, offload: bool, num_ranks: int, ranks_per_node: int, pipeline_stages: int = 1
+        self,
+        capacity: int,
+        cost: CostModel,
+        offload: bool,
+        num_ranks: int,
+        ranks_per_node: int,
+        pipeline_stages: int = 1,
+        host: int | None = None,
     ):
         self.capacity = capacity
+        self.host = host  # host budget per micro-batch in token-equivalents (None: unbounded)
         # a rank that runs a share alone fills and drains its pipeline with it: p times the
         # share's stage time is what the step target is compared with
         self.stages = pipeline_stages
@@ -88,34 +103,72 @@ class RingSizer:
         self.two_level = two_level.valid_splits(cost, self.ranks_per_node) if num_ranks > self.ranks_per_node else []
 
     def floor(self, seq_len: int) -> OffloadDecision:
-        return memory_floor(seq_len, self.capacity, self.cost, self.offload, self.num_ranks)
+        return memory_floor(seq_len, self.capacity, self.cost, self.offload, self.num_ranks, self.host)
+
+    def _size_range(self, seq_len: int) -> tuple[int, int]:
+        """Candidate ring sizes: from the memory floor up to where communication dominates."""
+        cost = self.cost
+        d_min = self.floor(seq_len).ranks
+        # beyond ~ a1*s*bw / bytes-per-token ranks the ring is communication-bound: more
+        # ranks only add hops; look a few times past that point
+        per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
+        comm_bound = cost.a1 * seq_len * cost.bw_inter_node / max(per_token, 1e-30)
+        d_hi = min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound) + 2 * self.ranks_per_node))
+        return d_min, d_hi
+
+    def prepare(self, seq_lens) -> None:
+        """Compute the curves of many lengths at once (one vectorised ``ring_times`` over all
+        of them instead of one small one per length: a 16K-rank step has ~7,000 lengths)."""
+        todo = [int(s) for s in dict.fromkeys(seq_lens) if int(s) not in self._curves]
+        plain = []
+        for s in todo:
+            lo, hi = self._size_range(s)
+            if self.two_level and hi > self.ranks_per_node:  # rings that may span nodes
+                self._two_level_curve(s, lo)
+            else:
+                plain.append((s, (lo, hi)))
+        if not plain:
+            return
+        todo = [s for s, _ in plain]
+        ranges = [r for _, r in plain]
+        counts = np.array([hi - lo + 1 for lo, hi in ranges])
+        starts = np.repeat(np.array([lo for lo, _ in ranges]), counts)
+        offsets = np.repeat(np.cumsum(counts) - counts, counts)
+        sizes = starts + (np.arange(int(counts.sum())) - offsets)
+        lengths = np.repeat(np.array(todo, dtype=np.int64), counts)
+        times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
+        end = 0
+        for s, n in zip(todo, counts.tolist()):
+            self._curves[s] = (sizes[end : end + n], times[end : end + n])
+            self._splits[s] = np.ones(n, dtype=np.int64)
+            end += n
+
+    def _two_level_curve(self, seq_len: int, d_min: int) -> None:
+        """One length's curve when its ring may span nodes: per ring size, the fastest of the
+        plain ring and each two-level group size (u times the compute per hop, so larger
+        rings still pay: the size range reaches u times further)."""
+        cost = self.cost
+        per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
+        comm_bound = cost.a1 * seq_len * cost.bw_inter_node / max(per_token, 1e-30)
+        splits_here = self.two_level
+        d_hi = min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound * max(splits_here)) + 2 * self.ranks_per_node))
+        sizes = np.arange(d_min, d_hi + 1)
+        times = ring_times(cost, seq_len, sizes, self.ranks_per_node)
+        splits = np.ones(sizes.size, dtype=np.int64)
+        t = two_level.share_times(cost, seq_len, sizes, splits_here, self.ranks_per_node)
+        k = t.argmin(axis=0)
+        best = t[k, np.arange(sizes.size)]
+        better = best < times
+        times = np.where(better, best, times)
+        splits[better] = np.asarray(splits_here)[k[better]]
+        self._curves[seq_len] = (sizes, times)
+        self._splits[seq_len] = splits
 
     def curve(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Candidate ring sizes (from the memory floor up to where communication dominates)
         and the share time of each."""
         if seq_len not in self._curves:
-            cost = self.cost
-            d_min = self.floor(seq_len).ranks
-            # beyond ~ a1*s*bw / bytes-per-token ranks the ring is communication-bound: more
-            # ranks only add hops; look a few times past that point
-            per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
-            comm_bound = cost.a1 * seq_len * cost.bw_inter_node / max(per_token, 1e-30)
-            d_hi = min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound) + 2 * self.ranks_per_node))
-            splits_here = self.two_level if d_hi > self.ranks_per_node else []  # rings that may span nodes
-            if splits_here:  # two-level: u times the compute per hop, so larger rings still pay
-                d_hi = min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound * max(splits_here)) + 2 * self.ranks_per_node))
-            sizes = np.arange(d_min, d_hi + 1)
-            times = ring_times(cost, seq_len, sizes, self.ranks_per_node)
-            splits = np.ones(sizes.size, dtype=np.int64)
-            if splits_here:  # per ring size, the fastest of the plain ring and each group size
-                t = two_level.share_times(cost, seq_len, sizes, splits_here, self.ranks_per_node)
-                k = t.argmin(axis=0)
-                best = t[k, np.arange(sizes.size)]
-                better = best < times
-                times = np.where(better, best, times)
-                splits[better] = np.asarray(splits_here)[k[better]]
-            self._curves[seq_len] = (sizes, times)
-            self._splits[seq_len] = splits
+            self.prepare((seq_len,))
         return self._curves[seq_len]
 
     def heads_split(self, seq_len: int, ring_size: int) -> int:
@@ -139,7 +192,7 @@ class RingSizer:
             k = int(fits[0]) if fits.size else int(np.flatnonzero(times <= times.min() * (1 + 1e-3))[0])
         for j in range(k, len(sizes)):
             d = int(sizes[j])
-            r = self.floor(seq_len).ratio if j == 0 else ratio_for_ranks(seq_len, d, self.capacity, self.cost)
+            r = self.floor(seq_len).ratio if j == 0 else ratio_for_ranks(seq_len, d, self.capacity, self.cost, self.host)
             if r is not None:
                 return d, r, float(times[j])
         d = self.floor(seq_len)  # unreachable for sane profiles: larger rings need smaller ratios
@@ -170,6 +223,7 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     short_times = np.sort(p * short_times)
     floor = float(short_times[-1]) if short.size else 0.0
     long_lens, counts = np.unique(lens[lens > cap], return_counts=True)
+    sizer.prepare(long_lens.tolist())
     curves = []
     for s, n in zip(long_lens.tolist(), counts.tolist()):
         sizes, times = sizer.curve(s)

@@ -145,6 +145,10 @@ class HardwareSpec:
     bw_h2d: float
     p2p_latency_s: float = 2e-5
     layer_overhead_s: float = 1e-4
+    # pinned host memory per GPU for offloaded activations (bytes): a share of the node's
+    # RAM, since pinned pages cannot be swapped and the OS, the data loader and the
+    # optimizer's host state need the rest
+    host_memory_bytes: float = 128e9
 
     @property
     def flops(self) -> float:

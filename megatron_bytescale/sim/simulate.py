@@ -1,9 +1,14 @@
 """``bytescale simulate``: compare strategies on a simulated cluster, step by step.
 
-Every step draws one global batch of sequence lengths (a synthetic workload or a lengths
-file), each strategy plans it, and the timeline engine costs every plan with the same cost
-model on the same cluster. Reported figures are medians over the steps; the Gantt chart
-shows the first step.
+Every step draws one global batch of sequence lengths (a synthetic workload, a lengths
+file, or the user's own Megatron dataset), each strategy plans it, and the timeline engine
+costs every plan with the same cost model on the same cluster. Reported figures are medians
+over the steps; the Gantt chart shows the first step.
+
+With ``--data-path PREFIX`` (a Megatron indexed dataset, read through megatron-core) the
+batches are the ones training would see: ``GlobalBatchSampler`` over the dataset's document
+lengths, documents cut at ``--context``, ``--global-batch-tokens`` per step, the same
+``--seed`` (a shadow run of the training's first steps: "what would HDP save on my data?").
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..data.workloads import lengths_from_file, read_lengths_file, sample_lengths
+from ..data.workloads import lengths_from_file, read_lengths_file, sample_lengths, training_batches
 from ..errors import ConfigError
 from ..planner.cost_model import CostModel
+from ..planner.plan_cli import with_host_memory
 from ..planner.specs import HardwareSpec, ModelSpec
 from ..units import format_size, parse_size
 from .cluster import Cluster
@@ -47,6 +53,8 @@ class SimConfig:
     seed: int = 0
     validate: str = "first"  # "first" | "all" | "none": which steps' plans to check with Plan.validate
     dkv_bf16: bool = False  # ring attention sends the backward's dK/dV accumulators in bf16
+    host_memory_per_gpu: int | None = None  # bytes; default: the hardware spec's host_memory_bytes
+    data_path: str | None = None  # a Megatron indexed dataset: draw the batches training would see
 
 
 @dataclass
@@ -59,6 +67,7 @@ class SimReport:
     notes: dict[str, list[str]] = field(default_factory=dict)
     timelines: dict[str, Timeline] = field(default_factory=dict)  # first step
     batch_stats: list[tuple[int, int, int]] = field(default_factory=list)  # per step: sequences, longest, tokens
+    dataset: dict = field(default_factory=dict)  # --data-path: documents, tokens, longest document
     lower_bound_first: float = 0.0
 
     def medians(self) -> dict[str, dict]:
@@ -80,14 +89,18 @@ class SimReport:
         cfg["d_hdp"] = self.cluster.d_hdp
         cfg["gpus_per_node"] = self.cluster.gpus_per_node
         cfg["cost_model"] = asdict(self.cost)
-        return {"config": cfg, "results": self.medians()}
+        out = {"config": cfg, "results": self.medians()}
+        if self.dataset:
+            out["dataset"] = self.dataset
+            out["batches"] = [{"sequences": n, "longest": m, "tokens": t} for n, m, t in self.batch_stats]
+        return out
 
 
 def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
     model = ModelSpec.load(cfg.model)
     hw = HardwareSpec.load(cfg.hardware)
     cluster = Cluster(cfg.gpus, cfg.tp, cfg.pp, hw.gpus_per_node if cfg.gpus_per_node is None else cfg.gpus_per_node)
-    cost = CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp, dkv_bf16=cfg.dkv_bf16)
+    cost = with_host_memory(CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp, dkv_bf16=cfg.dkv_bf16), cfg.host_memory_per_gpu)
     if cfg.capacity <= 0 or cfg.context <= 0 or cfg.global_batch_tokens <= 0:
         raise ConfigError("capacity, context and global batch tokens must be positive")
     if cfg.context < cfg.capacity:
@@ -118,9 +131,14 @@ def run(cfg: SimConfig, progress: bool = True) -> SimReport:
     rng = np.random.default_rng(cfg.seed)
     pool = read_lengths_file(cfg.lengths_file) if cfg.lengths_file else None
     report = SimReport(config=cfg, cluster=cluster, cost=cost)
+    batches = None
+    if cfg.data_path:
+        batches, report.dataset = training_batches(cfg.data_path, cfg.global_batch_tokens, cfg.context, cfg.seed)
     bar = tqdm(total=cfg.steps * len(cfg.strategies), disable=not progress or cfg.steps == 1, file=sys.stderr, unit="plan")
     for step in range(cfg.steps):
-        if pool is not None:
+        if batches is not None:
+            lengths = next(batches)
+        elif pool is not None:
             lengths = lengths_from_file(pool, cfg.global_batch_tokens, cfg.context, rng)
         else:
             lengths = sample_lengths(cfg.dataset, cfg.global_batch_tokens, cfg.context, rng)
@@ -162,7 +180,7 @@ def format_table(report: SimReport) -> str:
     med = report.medians()
     head = (
         f"{'strategy':<14}{'step s':>9}{'speedup':>9}{'x LB':>7}{'x bound':>8}{'busy max':>9}{'busy avg':>9}"
-        f"{'exp.comm':>9}{'P2P TB':>8}{'offl TB':>8}{'mb max':>7}{'plan s':>8}"
+        f"{'exp.comm':>9}{'P2P TB':>8}{'offl TB':>8}{'host GB':>8}{'mb max':>7}{'plan s':>8}"
     )
     lines = [head, "-" * len(head)]
     for name, m in med.items():
@@ -173,7 +191,8 @@ def format_table(report: SimReport) -> str:
         lines.append(
             f"{name:<14}{m['step_time_s']:>9.2f}{speedup:>9}{m['x_lower_bound']:>7.2f}{m['x_bound']:>8.2f}"
             f"{m['busy_max_s']:>9.2f}{m['busy_mean_s']:>9.2f}{m['exposed_comm_s']:>9.2f}"
-            f"{m['p2p_bytes'] / 1e12:>8.1f}{m['offload_bytes'] / 1e12:>8.1f}{m['microbatches_max']:>7.0f}{m['plan_time_s']:>8.2f}"
+            f"{m['p2p_bytes'] / 1e12:>8.1f}{m['offload_bytes'] / 1e12:>8.1f}{m['host_bytes_max_gpu'] / 1e9:>8.1f}"
+            f"{m['microbatches_max']:>7.0f}{m['plan_time_s']:>8.2f}"
         )
     ok = [m for m in med.values() if "lower_bound_s" in m]
     if ok:
@@ -182,7 +201,9 @@ def format_table(report: SimReport) -> str:
             f"sequence alone, best ring): {ok[0]['critical_path_s']:.2f} s; bound = max of the two (medians)"
         )
     lines.append(
-        "speedup: static step / step; busy, exposed comm: per GPU (max / mean); P2P, offload: all GPUs; exp.comm: mean"
+        "speedup: static step / step; busy, exposed comm: per GPU (max / mean); P2P, offload: all GPUs; exp.comm: mean; "
+        f"host: pinned host memory the busiest GPU needs for offloaded activations (budget "
+        f"{report.cost.host_memory_bytes / 1e9:.0f} GB per GPU)"
     )
     reduce = [f"{n} {m['exposed_grad_reduce_s']:.2f} -> {m['exposed_grad_reduce_overlap_s']:.2f}"
               for n, m in med.items() if "exposed_grad_reduce_s" in m]
@@ -192,6 +213,23 @@ def format_table(report: SimReport) -> str:
         for note in notes:
             lines.append(f"note [{name}]: {note}")
     return "\n".join(lines)
+
+
+def shadow_verdict(report: SimReport) -> str:
+    """One line answering "would HDP help here?": HDP's step against static DP x CP and
+    Megatron's dynamic CP on this cluster and these batches (ratios per step, then the median)."""
+    hdp = [m["step_time_s"] for m in report.steps.get("hdp-balanced", [])]
+    if not hdp:
+        return ""
+    parts = []
+    for name, label in (("static", "static DP x CP"), ("megatron-dcp", "Megatron's dynamic CP")):
+        other = [m["step_time_s"] for m in report.steps.get(name, [])]
+        if len(other) == len(hdp):
+            ratio = statistics.median(o / h for o, h in zip(other, hdp))
+            parts.append(f"{ratio:.2f}x faster than {label} ({statistics.median(other):.2f} s)")
+    if not parts:
+        return ""
+    return f"HDP (hdp-balanced) {statistics.median(hdp):.2f} s per step: " + "; ".join(parts) + " (medians over the steps)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -207,6 +245,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--dataset", default="byted", help="byted | github | a workload YAML (default byted)")
     src.add_argument("--lengths-file", default=None, help="one token length per line, resampled until the batch is full")
+    src.add_argument("--data-path", default=None, metavar="PREFIX",
+                     help="a Megatron indexed dataset (PREFIX.bin/.idx): simulate the global batches training on it "
+                          "would see (documents cut at --context, --global-batch-tokens per step, the same --seed)")
+    parser.add_argument("--host-memory-per-gpu", default=None, metavar="BYTES",
+                        help="pinned host memory per GPU for offloaded activations, e.g. 64G (default: the hardware spec's)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated from {', '.join(STRATEGIES)}")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -235,19 +278,37 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         validate=args.validate,
         dkv_bf16=args.dkv_bf16,
+        data_path=args.data_path,
+        host_memory_per_gpu=(
+            parse_size(args.host_memory_per_gpu, "--host-memory-per-gpu") if args.host_memory_per_gpu else None
+        ),
     )
 
 
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     report = run(cfg)
-    source = f"lengths file {cfg.lengths_file}" if cfg.lengths_file else f"{cfg.dataset}-like batches"
+    if cfg.data_path:
+        d = report.dataset
+        source = f"dataset {d['prefix']} (training's batches, seed {cfg.seed})"
+        print(
+            f"shadow run on {d['prefix']}: {d['documents']:,} documents, {d['tokens']:,} tokens, longest "
+            f"{format_size(d['longest_document'])} ({d['documents_over_context']} cut at the context); steps "
+            + ", ".join(f"{n} seqs/{format_size(m)} longest" for n, m, _ in report.batch_stats)
+        )
+    elif cfg.lengths_file:
+        source = f"lengths file {cfg.lengths_file}"
+    else:
+        source = f"{cfg.dataset}-like batches"
     print(
         f"{cfg.model} on {report.cluster.describe()}; context {format_size(cfg.context)}, capacity "
         f"{format_size(cfg.capacity)}, {format_size(cfg.global_batch_tokens)} tokens/step of {source}; "
         f"medians over {cfg.steps} step(s)"
     )
     print(format_table(report))
+    verdict = shadow_verdict(report)
+    if verdict:
+        print(verdict)
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
         print(f"wrote {args.json}")

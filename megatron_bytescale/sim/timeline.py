@@ -6,7 +6,7 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   part ``b1 * tokens + g`` plus attention ``a1 * pairs``, where a whole sequence of ``s``
   tokens contributes ``s^2`` pairs and a zigzag share of a ring of ``N`` contributes
   ``s^2 / N`` (zigzag gives every ring step the same causal work). Forward takes
-  ``FORWARD_SHARE`` of it, backward the rest.
+  ``forward_share`` of it (``CostModel.forward_share``), backward the rest.
 * **Ring micro-batches.** All members start together, when the last of them is ready, and
   run in lockstep layer by layer. In each layer the linear part runs first (the ring waits
   for its slowest member), then the ring runs ``N`` steps; a step lasts
@@ -18,9 +18,12 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   distributed pieces compute in step 0. *Exposed communication* of a member is the step
   time its own compute does not cover because a hop is still in flight.
 * **Offloading.** A micro-batch with offload ratio ``r`` copies ``r * Act(tokens)`` bytes of
-  each of ``l - 2`` layers to the host and back; one layer's copy hides behind that layer's
-  forward+backward compute (the design's rule ``T(s) >= r Act(s) / B``), and whatever exceeds
-  it is exposed, split between forward and backward by ``FORWARD_SHARE``.
+  each of ``l - 2`` layers to the host during the forward and back during the backward; the
+  device-to-host copy of a layer hides behind that layer's forward compute only, the
+  host-to-device copy behind its backward compute only, and whatever exceeds it is exposed
+  in that pass (``planner.offload_policy.copy_exposure``, the rule the planner plans with).
+  The bytes parked in host memory are reported per GPU (the largest micro-batch's, times
+  the micro-batches a 1F1B stage holds in flight).
 * **Activation recompute** (``CostModel.with_recompute``): in backward, each recomputed layer
   first runs its forward again: the attention part (with its ring steps and forward hops,
   exposed as in forward) in ``m`` of ``l`` layers, the linear part in ``k``; recomputed layers
@@ -49,6 +52,7 @@ import numpy as np
 from ..errors import PlanError
 from ..planner import two_level
 from ..planner.cost_model import FORWARD_SHARE, CostModel
+from ..planner.offload_policy import copy_exposure, host_bytes
 from ..planner.pipeline_order import BACKWARD, FORWARD, one_f_one_b
 from ..planner.plan import MicroBatch, Plan
 from .cluster import Cluster
@@ -110,27 +114,27 @@ def ring_key(mb: MicroBatch) -> tuple | None:
     return (next(iter(rings)), tuple(sorted(seqs)))
 
 
-def offload_exposure(load: MemberLoad, cost: CostModel, layers: int) -> tuple[float, float]:
-    """(exposed seconds per stage, bytes copied to the host per stage) of one micro-batch;
+def offload_exposure(load: MemberLoad, cost: CostModel, layers: int) -> tuple[float, float, float]:
+    """(exposed forward seconds, exposed backward seconds, bytes copied to the host), per
+    stage, of one micro-batch: ``copy_exposure`` for each of the ``l - 2`` offloaded layers;
     layers recomputed whole keep nothing to copy."""
     layers -= cost.recomputed_layers
     if load.offload_ratio <= 0 or layers <= 2:
-        return 0.0, 0.0
-    per_layer_bytes = load.offload_ratio * cost.act_bytes(load.tokens)
-    copy = per_layer_bytes / cost.bw_offload
-    compute = cost.layer_time(load.tokens, load.dist_pairs + load.local_pairs)
-    return (layers - 2) * max(0.0, copy - compute), (layers - 2) * per_layer_bytes
+        return 0.0, 0.0, 0.0
+    fwd, bwd = copy_exposure(cost, load.tokens, load.dist_pairs + load.local_pairs, load.offload_ratio)
+    return (layers - 2) * fwd, (layers - 2) * bwd, host_bytes(cost, load.tokens, load.offload_ratio, layers)
 
 
 def local_work(load: MemberLoad, cost: CostModel, layers: int) -> tuple[Work, Work]:
     pairs = load.local_pairs + load.dist_pairs
     redo = cost.recompute_time(load.tokens, pairs) * layers  # recomputed forwards: in backward
     t = cost.layer_time(load.tokens, pairs) * layers - redo
-    off, _ = offload_exposure(load, cost, layers)
-    out = []
-    for share, extra in ((FORWARD_SHARE, 0.0), (1.0 - FORWARD_SHARE, redo)):
-        out.append(Work(duration=share * (t + off) + extra, compute=share * t + extra, comm=0.0, offload=share * off))
-    return out[0], out[1]
+    off_f, off_b, _ = offload_exposure(load, cost, layers)
+    f = cost.forward_share
+    return (
+        Work(duration=f * t + off_f, compute=f * t, comm=0.0, offload=off_f),
+        Work(duration=(1.0 - f) * t + redo + off_b, compute=(1.0 - f) * t + redo, comm=0.0, offload=off_b),
+    )
 
 
 def ring_work(
@@ -144,7 +148,8 @@ def ring_work(
     lin = np.array([cost.b1 * ld.tokens + cost.g for ld in loads])
     attn = np.array([cost.a1 * ld.dist_pairs for ld in loads])
     local = np.array([cost.a1 * ld.local_pairs for ld in loads])
-    off = np.array([offload_exposure(ld, cost, layers)[0] / layers for ld in loads])
+    exposure = [offload_exposure(ld, cost, layers) for ld in loads]
+    off_by_dir = {FORWARD: np.array([e[0] / layers for e in exposure]), BACKWARD: np.array([e[1] / layers for e in exposure])}
     # hop k (0 <= k < n-1): member i passes the block that started at member (i - k)
     sender_block = block[(np.arange(n)[:, None] - np.arange(n - 1)[None, :]) % n]  # [member, hop]
     lat = cost.p2p_latency_s
@@ -152,7 +157,9 @@ def ring_work(
     redo_attn = cost.recompute_attention_share  # m / l: forward ring pass again in backward
     redo_lin = cost.recomputed_layers / layers if layers else 0.0  # k / l
     fwd_ring = fwd_exposed = fwd_compute = None
-    for direction, share in ((FORWARD, FORWARD_SHARE), (BACKWARD, 1.0 - FORWARD_SHARE)):
+    fs = cost.forward_share
+    for direction, share in ((FORWARD, fs), (BACKWARD, 1.0 - fs)):
+        off = off_by_dir[direction]  # exposed copy seconds per layer in this pass
         per_token = cost.kv_bytes_per_token + (cost.grad_bytes_per_token if direction == BACKWARD else 0.0)
         hops = lat + (sender_block * (per_token / bw)[:, None]).max(axis=0)  # [n-1], slowest link
         a = share * attn / n  # per step, per member
@@ -164,15 +171,15 @@ def ring_work(
         tail = 0.0
         if direction == BACKWARD:  # the dKV accumulators travel home once more
             tail = lat + (block[(np.arange(n) + 1) % n] * (cost.grad_bytes_per_token / bw)).max()
-        pre = share * (lin + off)
+        pre = share * lin + off
         layer_time = pre.max() + step_max.sum() + tail
         exposed = np.maximum(0.0, hops[0] - first) + np.maximum(0.0, hops[None, 1:] - a[:, None]).sum(axis=1) + tail
         compute = share * (lin + attn + local)
         if direction == FORWARD:
             fwd_ring, fwd_exposed = step_max.sum(), exposed
-            fwd_compute = FORWARD_SHARE * (attn + local), FORWARD_SHARE * lin
+            fwd_compute = fs * (attn + local), fs * lin
         elif redo_attn:  # activation recompute: the forward again, before this backward
-            layer_time += redo_attn * fwd_ring + redo_lin * (FORWARD_SHARE * lin).max()
+            layer_time += redo_attn * fwd_ring + redo_lin * (fs * lin).max()
             exposed = exposed + redo_attn * fwd_exposed
             compute = compute + redo_attn * fwd_compute[0] + redo_lin * fwd_compute[1]
         for i in range(n):
@@ -180,7 +187,7 @@ def ring_work(
                 duration=layers * layer_time,
                 compute=layers * compute[i],
                 comm=layers * exposed[i],
-                offload=layers * share * off[i],
+                offload=layers * off[i],
             )
             if direction == FORWARD:
                 results.append([w])
@@ -476,7 +483,7 @@ def critical_path(seq_lens, cluster: Cluster, cost: CostModel) -> float:
     n = np.arange(1, cluster.d_hdp + 1, dtype=float)
     n = n[n <= s]
     b = s / n
-    fs, bs = FORWARD_SHARE, 1.0 - FORWARD_SHARE
+    fs, bs = cost.forward_share, 1.0 - cost.forward_share
     attn_step = cost.a1 * b * b  # per member per ring step: (s^2 / N) / N pairs
     bw = np.where(n > cluster.hdp_per_node, cost.bw_inter_node, cost.bw_intra_node)
     lat = cost.p2p_latency_s
@@ -503,6 +510,7 @@ class StepResult:
     p2p_bytes: float  # all GPUs together
     p2p_bytes_max_gpu: float
     offload_bytes: float  # all GPUs together, device to host
+    host_bytes_max_gpu: float  # pinned host memory the busiest GPU needs for offloaded activations
     microbatches: list[int]
     plan_time_s: float
     notes: list[str] = field(default_factory=list)
@@ -530,6 +538,7 @@ class StepResult:
             "p2p_bytes": self.p2p_bytes,
             "p2p_bytes_max_gpu": self.p2p_bytes_max_gpu,
             "offload_bytes": self.offload_bytes,
+            "host_bytes_max_gpu": self.host_bytes_max_gpu,
             "exposed_grad_reduce_s": self.grad_reduce_s,
             "exposed_grad_reduce_overlap_s": self.grad_reduce_overlap_s,
             "microbatches_max": max(self.microbatches),
@@ -547,10 +556,15 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
     )
     gpus_per_rank = cluster.tp * cluster.pp  # every TP shard of every stage sends its share
     offload = 0.0
+    host_max = 0.0
     for mbs in plan.ranks:
+        parked = []
         for mb in mbs:
             if mb.offload_ratio > 0:
-                offload += offload_exposure(MemberLoad.of(mb), cost, plan.num_layers)[1]
+                parked.append(offload_exposure(MemberLoad.of(mb), cost, plan.num_layers)[2])
+        offload += sum(parked)
+        # 1F1B: stage 0 holds up to pp micro-batches' activations before its first backward
+        host_max = max(host_max, sum(sorted(parked, reverse=True)[: cluster.pp]))
     strategy = str(plan.meta.get("strategy", "?"))
     hdp = strategy not in ("static", "megatron-dcp")  # their rings run on a CP group of their own
     return StepResult(
@@ -563,6 +577,7 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         p2p_bytes=float(sum(p2p)) * gpus_per_rank,
         p2p_bytes_max_gpu=float(max(p2p)) if p2p else 0.0,
         offload_bytes=offload * gpus_per_rank,
+        host_bytes_max_gpu=host_max,
         microbatches=[len(mbs) for mbs in plan.ranks],
         plan_time_s=float(plan.meta.get("plan_time_s", math.nan)),
         notes=list(plan.meta.get("notes", [])),

@@ -8,7 +8,15 @@ plain torch where megatron-core is missing):
   fitted by non-negative least squares on relative error (short and long runs weigh alike);
 * ``Act(s) = a2*s + b2``: device bytes the layer holds for backward, counted through the
   saved-tensor hooks of ``ActivationOffloader`` (ratio 0: nothing moves, everything is counted);
+* ``forward_share``: the forward's share of forward+backward, timed separately over the
+  same sweep (device-to-host copies hide behind the forward only, host-to-device behind
+  the backward);
 * ``bw_d2h`` / ``bw_h2d``: pinned host <-> device copies on a GPU, a host memcpy on CPU;
+* ``host_memory_bytes``: the pinned host memory one GPU may fill with offloaded activations:
+  ``--host-memory-share`` of this host's RAM over its GPUs (pinned pages cannot be swapped,
+  and the OS, data loaders and host-side optimizer state need the rest), or
+  ``--host-memory-per-gpu`` as given; on a GPU a pinned probe of ``--pin-probe`` bytes checks
+  that pinning works at all;
 * ``bw_intra_node`` / ``p2p_latency_s``: a ping-pong between ranks 0 and 1 when launched on
   two or more ranks (torchrun), otherwise left analytic.
 
@@ -42,6 +50,7 @@ from ..units import format_size, parse_size
 log = logging.getLogger(__name__)
 
 MEASURED = "measured"
+HOST_MEMORY_SHARE = 0.5  # of the host's RAM that offloaded activations may pin, all GPUs together
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_SEQ_LENS = {"cpu": "128,256,512,1K,2K", "cuda": "1K,2K,4K,8K,16K,32K"}
 
@@ -153,6 +162,7 @@ def check_act_coefficients(cost: CostModel, samples: Sequence[tuple[int, Offload
 class LayerSample:
     seq_len: int
     seconds: float  # forward + backward, best of the repeats
+    forward_seconds: float  # forward alone, best of the repeats
     act_bytes: int  # device bytes held for backward (storage-level)
     saved_bytes: int  # elements x element size of the saved tensors
 
@@ -177,18 +187,23 @@ def measure_layer(stack, seq_lens: Sequence[int], repeats: int = 3, warmup: int 
             stats = offloader.last_stats()
             out.backward(grad)
             del out
-            best = float("inf")
+            best = best_fwd = float("inf")
             for i in range(warmup + repeats):
                 stack.zero_grad(set_to_none=True)
                 _sync(device)
                 start = time.perf_counter()
-                stack(x).backward(grad)
+                out = stack(x)
+                _sync(device)
+                mid = time.perf_counter()
+                out.backward(grad)
                 _sync(device)
                 if i >= warmup:
                     best = min(best, time.perf_counter() - start)
+                    best_fwd = min(best_fwd, mid - start)
+                del out
             layers = len(stack.layers)
             samples.append(LayerSample(
-                seq_len=int(s), seconds=best / layers,
+                seq_len=int(s), seconds=best / layers, forward_seconds=best_fwd / layers,
                 act_bytes=round(sum(layer.held_bytes for layer in stats.layers) / layers),
                 saved_bytes=round(sum(layer.saved_bytes for layer in stats.layers) / layers),
             ))
@@ -261,6 +276,39 @@ def measure_p2p(nbytes: int, repeats: int = 5, device: torch.device | None = Non
     return float(result[0]), float(result[1])
 
 
+def host_ram_bytes() -> int:
+    """Physical RAM of this host (bytes)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_memory_per_gpu(gpus: int, share: float = HOST_MEMORY_SHARE, ram: int | None = None) -> float:
+    """``share`` of the host's RAM divided over its ``gpus`` GPUs."""
+    if not 0.0 < share <= 1.0:
+        raise ConfigError(f"--host-memory-share must be in (0, 1], got {share}")
+    if gpus < 1:
+        raise ConfigError(f"GPUs per host must be at least 1, got {gpus}")
+    return share * (host_ram_bytes() if ram is None else ram) / gpus
+
+
+def probe_pinning(nbytes: int) -> bool:
+    """Can ``nbytes`` of page-locked host memory be allocated (GPU hosts only)?"""
+    try:
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError as exc:
+        log.warning("pinning %s of host memory failed (%s)", format_size(nbytes), exc)
+        return False
+    del buf
+    return True
+
+
+def forward_share_of(samples: Sequence[LayerSample]) -> float:
+    """The forward's share of forward+backward: time-weighted over the sweep (the long runs
+    that dominate a step weigh most), clamped to (0, 1)."""
+    total = sum(x.seconds for x in samples)
+    share = sum(x.forward_seconds for x in samples) / total if total > 0 else 1.0 / 3.0
+    return min(max(share, 0.05), 0.95)
+
+
 # -------------------------------------------------------------------------------- profile
 def build_profile(
     model: str,
@@ -274,6 +322,9 @@ def build_profile(
     p2p_bytes: int = 64 << 20,
     measure_on_this_rank: bool = True,
     pp: int = 1,
+    host_memory: int | None = None,
+    host_memory_share: float = HOST_MEMORY_SHARE,
+    pin_probe: int = 1 << 30,
 ) -> dict:
     """Measure and return the profile mapping (CostModel fields + ``source`` + ``notes``)."""
     from .layer_stack import LayerStack, default_backend
@@ -326,12 +377,24 @@ def build_profile(
         log.warning("layer timings fit T(s) poorly (R^2 = %.3f): the machine is probably busy; rerun with more "
                     "--repeats, longer --seq-lens or on an idle machine", r2_time)
     d2h, h2d, pinned = measure_copy_bandwidth(dev, copy_bytes, repeats=repeats)
-    values.update(a1=a1, b1=b1, g=g, a2=a2, b2=b2, bw_d2h=d2h, bw_h2d=h2d)
-    for name in ("a1", "b1", "g", "a2", "b2", "bw_d2h", "bw_h2d"):
+    values.update(a1=a1, b1=b1, g=g, a2=a2, b2=b2, bw_d2h=d2h, bw_h2d=h2d, forward_share=forward_share_of(samples))
+    for name in ("a1", "b1", "g", "a2", "b2", "bw_d2h", "bw_h2d", "forward_share"):
         source[name] = MEASURED
+    if host_memory is not None:
+        values["host_memory_bytes"] = float(host_memory)
+        source["host_memory_bytes"] = "given (--host-memory-per-gpu)"
+    else:
+        gpus = torch.cuda.device_count() if dev.type == "cuda" else hw.gpus_per_node
+        values["host_memory_bytes"] = host_memory_per_gpu(gpus, host_memory_share)
+        source["host_memory_bytes"] = f"{MEASURED}: {host_memory_share:g} of host RAM over {gpus} GPUs"
+        if dev.type == "cuda" and not probe_pinning(min(pin_probe, int(values["host_memory_bytes"]))):
+            values["host_memory_bytes"] = 0.0  # nothing can be pinned: the planner must not offload
+            source["host_memory_bytes"] = f"{MEASURED}: pinning {format_size(pin_probe)} failed"
+        notes["host_ram_bytes"] = host_ram_bytes()
     notes.update(
         seq_lens=lens,
         layer_seconds=[x.seconds for x in samples],
+        forward_seconds=[x.forward_seconds for x in samples],
         act_bytes=[x.act_bytes for x in samples],
         saved_bytes=[x.saved_bytes for x in samples],
         fit_r2={"layer_time": r2_time, "act": r2_act},
@@ -367,6 +430,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copy-bytes", default=None, help="bytes per bandwidth copy (default: 256M GPU, 64M CPU)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages: num_layers is the layers of one stage")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--host-memory-per-gpu", default=None, metavar="BYTES",
+                        help="pinned host memory per GPU for offloaded activations, e.g. 64G "
+                             "(default: --host-memory-share of this host's RAM over its GPUs)")
+    parser.add_argument("--host-memory-share", type=float, default=HOST_MEMORY_SHARE,
+                        help=f"share of host RAM offloading may pin, all GPUs together (default {HOST_MEMORY_SHARE})")
+    parser.add_argument("--pin-probe", default="1G", help="bytes pinned once on a GPU host to check pinning works (1G)")
 
 
 def _parse_lengths(text: str) -> list[int]:
@@ -393,6 +462,8 @@ def main(args: argparse.Namespace) -> int:
     profile = build_profile(
         args.model, args.hardware, seq_lens, device=device, dtype=args.dtype, backend=args.backend,
         repeats=args.repeats, copy_bytes=copy_bytes, measure_on_this_rank=rank == 0, pp=args.pp,
+        host_memory=parse_size(args.host_memory_per_gpu, "--host-memory-per-gpu") if args.host_memory_per_gpu else None,
+        host_memory_share=args.host_memory_share, pin_probe=parse_size(args.pin_probe, "--pin-probe"),
     )
     if rank == 0:
         cost = write_profile(profile, args.out)
@@ -404,7 +475,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"  a1={cost.a1:.3e} s/tok^2  b1={cost.b1:.3e} s/tok  g={cost.g:.3e} s  "
               f"(R^2 {n['fit_r2']['layer_time']:.4f})")
         print(f"  a2={cost.a2:.1f} B/tok  b2={cost.b2:.0f} B  (analytic a2={n['analytic']['a2']:.1f})")
-        print(f"  D2H {cost.bw_d2h / 1e9:.1f} GB/s, H2D {cost.bw_h2d / 1e9:.1f} GB/s ({n['copies']})")
+        print(f"  D2H {cost.bw_d2h / 1e9:.1f} GB/s, H2D {cost.bw_h2d / 1e9:.1f} GB/s ({n['copies']}); "
+              f"forward {cost.forward_share:.2f} of a layer's time")
+        print(f"  host memory for offloaded activations: {cost.host_memory_bytes / 1e9:.1f} GB per GPU "
+              f"({profile['source']['host_memory_bytes']})")
         if profile["source"]["bw_intra_node"] == MEASURED:
             print(f"  P2P {cost.bw_intra_node / 1e9:.2f} GB/s, latency {cost.p2p_latency_s * 1e6:.1f} us")
     if dist.is_initialized() and world > 1:

@@ -1,0 +1,69 @@
+"""The planner's predicted step time next to the measured one, every ``--log-interval``.
+
+The plan of every step carries the cost model's estimate (``Plan.meta["est_time_max_s"]``:
+the busiest rank's forward+backward, ring waits and pipeline fill included). Training
+measures the same span: the HDP forward-backward call of Megatron's train step (micro-batches
+plus the gradient reduction at its end). A ratio far from 1 means the cost model does not
+describe this hardware: re-run ``bytescale profile`` and pass ``--hdp-profile``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+
+class _Remember:
+    """Iterator wrapper that keeps the last item it handed out (the step's ``StepBatch``)."""
+
+    def __init__(self, source):
+        self.source = source
+        self.last = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.last = next(self.source)
+        return self.last
+
+
+class StepTimer:
+    """Times HDP forward-backward calls and logs prediction against measurement."""
+
+    def __init__(self, log: Callable[[str], None] = print):
+        self.log = log
+        self.steps = 0
+
+    def run(self, forward_backward: Callable[..., Any], kwargs: dict, log_interval: int | None, rank: int) -> Any:
+        """``forward_backward(**kwargs)``, timed; every ``log_interval`` training steps rank 0
+        logs the plan's estimate next to the measured seconds."""
+        if kwargs.get("forward_only") or not log_interval:
+            return forward_backward(**kwargs)
+        iterator = kwargs.get("data_iterator")
+        seen = _Remember(iterator[0] if isinstance(iterator, list) else iterator)
+        kwargs = {**kwargs, "data_iterator": [seen] if isinstance(iterator, list) else seen}
+        start = time.perf_counter()
+        result = forward_backward(**kwargs)
+        seconds = time.perf_counter() - start
+        self.steps += 1
+        if rank == 0 and self.steps % log_interval == 0 and seen.last is not None:
+            line = self.line(seen.last, seconds)
+            if line:
+                self.log(line)
+        return result
+
+    @staticmethod
+    def line(step_batch, seconds: float) -> str:
+        plan = getattr(step_batch, "plan", None)
+        meta = getattr(plan, "meta", None) or {}
+        predicted = meta.get("est_time_max_s")
+        if not predicted:
+            return ""
+        own = (meta.get("est_rank_time_s") or [None] * (step_batch.rank + 1))[step_batch.rank]
+        mine = f", this rank {own:.3f} s" if own is not None else ""
+        return (
+            f"hdp step {getattr(step_batch, 'step', '?')}: planner predicted {predicted:.3f} s (busiest rank{mine}), "
+            f"measured {seconds:.3f} s forward-backward here ({seconds / predicted:.2f}x the prediction; far from 1: "
+            "re-run `bytescale profile` on these GPUs and pass --hdp-profile)"
+        )

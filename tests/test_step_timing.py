@@ -1,0 +1,43 @@
+"""The planner's predicted step time logged beside the measured one every --log-interval."""
+
+import time
+from types import SimpleNamespace
+
+from megatron_bytescale.megatron.step_timing import StepTimer
+
+
+def _steps(n, predicted=0.02):
+    for k in range(n):
+        plan = SimpleNamespace(meta={"est_time_max_s": predicted, "est_rank_time_s": [predicted / 2, predicted]})
+        yield SimpleNamespace(plan=plan, rank=0, step=k, micro_batches=[])
+
+
+def _forward_backward(*, data_iterator, forward_only=False, **_):
+    batch = next(data_iterator[0] if isinstance(data_iterator, list) else data_iterator)
+    time.sleep(0.04)  # "measured": twice the plan's 20 ms
+    return [batch.step]
+
+
+def test_logs_prediction_and_measurement_every_log_interval():
+    lines = []
+    timer = StepTimer(log=lines.append)
+    it = _steps(6)
+    out = [timer.run(_forward_backward, {"data_iterator": it}, log_interval=3, rank=0) for _ in range(6)]
+    assert out == [[0], [1], [2], [3], [4], [5]]  # the step batches pass through untouched
+    assert len(lines) == 2 and lines[0].startswith("hdp step 2: planner predicted 0.020 s (busiest rank, this rank 0.010 s)")
+    measured = float(lines[0].split("measured ")[1].split(" s")[0])
+    ratio = float(lines[0].split("(")[2].split("x the prediction")[0])
+    assert 0.04 <= measured < 1.0 and abs(ratio - measured / 0.02) < 0.05  # both printed rounded
+    assert "bytescale profile" in lines[0]
+
+
+def test_only_rank_zero_logs_and_evaluation_is_not_timed():
+    lines = []
+    timer = StepTimer(log=lines.append)
+    it = _steps(4)
+    for _ in range(2):
+        timer.run(_forward_backward, {"data_iterator": [it]}, log_interval=1, rank=1)
+    timer.run(_forward_backward, {"data_iterator": it, "forward_only": True}, log_interval=1, rank=0)
+    assert lines == [] and timer.steps == 2
+    timer.run(_forward_backward, {"data_iterator": [it]}, log_interval=1, rank=0)
+    assert len(lines) == 1 and lines[0].startswith("hdp step 3:")
