@@ -31,8 +31,12 @@ MoE with TP > 1 requires it), CUDA graphs, Transformer Engine, fused kernels.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import importlib.util
+import sys
 import threading
+import types
 
 import torch
 from megatron.core.tensor_parallel import random as megatron_random
@@ -152,3 +156,344 @@ def install() -> bool:
                 _initialize_cpu_rng_tracker(force_reset=True)
         _installed = True
         return not cuda_in_use()
+
+
+# ====================================================================== Megatron-LM's training loop
+# ``install_training()``: what ``pretrain_gpt.py`` (Megatron-LM core_v0.16.1, megatron/training
+# and the megatron-core parts it drives: DDP, the distributed optimizer, timers, checkpointing)
+# needs to run on CPU with gloo. Called only by our launcher and by the patched pretrain_gpt.py,
+# before ``megatron.training`` is imported, and a no-op when CUDA is present.
+
+_training_installed = False
+
+
+def _to_cpu_device(device):
+    """A ``device=`` argument Megatron gives as CUDA ('cuda', 'cuda:N', torch.device('cuda'), an
+    int index) as the CPU; anything else unchanged."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _on_cpu(factory):
+    def make(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    make.__name__ = getattr(factory, "__name__", "factory")
+    return make
+
+
+class _NoStream:
+    """``torch.cuda.Stream`` / ``current_stream()`` on CPU: work is already in program order."""
+
+    def __init__(self, *unused, **unused_kw):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+
+class _NoEvent(_NoStream):
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def _zero(*unused, **unused_kw) -> int:
+    return 0
+
+
+def _nothing(*unused, **unused_kw) -> None:
+    return None
+
+
+class _TrainingCuda:
+    """``torch.cuda`` as Megatron's training modules see it on CPU (everything else is real)."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    current_device = staticmethod(lambda: torch.device("cpu"))
+    # initialize.py:319 skips mpu.initialize_model_parallel and :422 the model-parallel RNG
+    # seeds when device_count() is 0: each rank has one device, its CPU
+    device_count = staticmethod(lambda: 1)
+    set_device = staticmethod(_nothing)
+    synchronize = staticmethod(_nothing)
+    empty_cache = staticmethod(_nothing)
+    reset_peak_memory_stats = staticmethod(_nothing)
+    reset_max_memory_allocated = staticmethod(_nothing)
+    memory_allocated = staticmethod(_zero)
+    max_memory_allocated = staticmethod(_zero)
+    memory_reserved = staticmethod(_zero)
+    max_memory_reserved = staticmethod(_zero)
+    memory_stats = staticmethod(lambda *a, **k: {})
+    Stream = _NoStream
+    Event = _NoEvent
+    current_stream = staticmethod(lambda *a, **k: _NoStream())
+    default_stream = staticmethod(lambda *a, **k: _NoStream())
+    stream = staticmethod(lambda *a, **k: contextlib.nullcontext())
+    nvtx = types.SimpleNamespace(range_push=_nothing, range_pop=_nothing, range=lambda *a, **k: contextlib.nullcontext())
+    # checkpointing.py get_rng_state / _load_base_checkpoint's RNG restore: the CPU generator
+    # stands in for the CUDA one (the CPU generator is what dropout draws from here)
+    get_rng_state = staticmethod(lambda *a, **k: torch.get_rng_state())
+    set_rng_state = staticmethod(lambda state, *a, **k: torch.set_rng_state(state))
+    # distrib_optimizer.py:361 and optimizer/__init__ compare param.type() with the CUDA names
+    FloatTensor = torch.FloatTensor
+    HalfTensor = torch.HalfTensor
+    BFloat16Tensor = torch.BFloat16Tensor
+
+
+_TENSOR_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+    "zeros_like", "ones_like", "empty_like", "full_like", "empty_strided", "linspace",
+)
+
+
+class _TrainingTorch:
+    """``torch`` as Megatron's training modules see it on CPU: the real module except
+    ``torch.cuda`` (``_TrainingCuda``) and tensor factories whose CUDA ``device=`` means CPU."""
+
+    cuda = _TrainingCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+for _name in _TENSOR_FACTORIES:
+    setattr(_TrainingTorch, _name, staticmethod(_on_cpu(getattr(torch, _name))))
+
+# Megatron modules whose module-level ``torch`` becomes ``_TrainingTorch`` on CPU, each with the
+# CUDA-bound lines (core_v0.16.1) it serves.
+TRAINING_MODULES = {
+    # assert at :62 handled by initialize_megatron below; :319 device_count()==0 skips
+    # mpu.initialize_model_parallel, :329 set_device, :157 (inprocess) ones(device=cuda)
+    "megatron.training.initialize": "device_count/set_device in _initialize_distributed (:319-:358), "
+                                    "MoE aux-loss scale on current_device (:150)",
+    "megatron.training.training": "device='cuda' timestamps (:806, :812), loss dicts (:1816, :2072), "
+                                  "exit flags (:2372, :3148), eval_iters (:3225), do_train flags (:3406); "
+                                  "DDP side stream (:1325-:1344); memory stats (:1940); synchronize (:2255)",
+    "megatron.training.utils": "report_memory / num-zeros / loss reductions on current_device",
+    "megatron.training.checkpointing": "RNG state collection (get_rng_state) and restore, "
+                                       "iteration tensors on current_device",
+    "megatron.training.theoretical_memory_usage": "memory report",
+    "megatron.training.inprocess_restart": "maybe_force_nccl_backend_init (:157)",
+    "megatron.core.timers": "Timer.start/stop synchronize, all-gather buffers on current_device",
+    "megatron.core.optimizer": "param.type() names (torch.cuda.FloatTensor)",
+    "megatron.core.optimizer.optimizer": "found_inf / grad-norm tensors on 'cuda'",
+    "megatron.core.optimizer.distrib_optimizer": "torch.cuda.FloatTensor type check (:361), "
+                                                 "state buffers on current_device",
+    "megatron.core.optimizer.clip_grads": "norm tensors on device='cuda'",
+    "megatron.core.optimizer.optimizer_config": "",
+    "megatron.core.distributed.distributed_data_parallel": "streams, current_device",
+    "megatron.core.distributed.finalize_model_grads": "token-count / norm tensors on 'cuda'",
+    "megatron.core.tensor_parallel.random": "get_cuda_rng_tracker states, _set_cuda_rng_state",
+    "megatron.core.tensor_parallel.layers": "weights on current_device when not use_cpu_initialization",
+    "megatron.core.rerun_state_machine": "RNG state save/restore, result tensors on 'cuda'",
+    "megatron.core.utils": "StragglerDetector / memory helpers on current_device",
+    "megatron.core.num_microbatches_calculator": "",
+    "megatron.core.dist_checkpointing.strategies.torch": "",
+}
+
+
+def _stub_batch_invariant_kernels() -> None:
+    """megatron/training/initialize.py:25 imports
+    megatron/core/transformer/custom_layers/batch_invariant_kernels.py, whose line 15 imports
+    triton unconditionally (~1 GB installed; its kernels only run on GPUs). Without triton, on
+    CPU, that module is replaced by one whose functions say batch-invariant mode is off and
+    refuse ``--batch-invariant-mode``."""
+    name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+    if name in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    from ..errors import ConfigError
+
+    module = types.ModuleType(name, "CPU stand-in (megatron_bytescale.megatron.cpu_compat): triton is not installed")
+
+    def enable_batch_invariant_mode(*unused, **unused_kw):
+        raise ConfigError("--batch-invariant-mode needs triton kernels on a GPU; drop the flag on CPU")
+
+    @contextlib.contextmanager
+    def set_batch_invariant_mode(enabled: bool = True):
+        if enabled:
+            enable_batch_invariant_mode()
+        yield
+
+    module.enable_batch_invariant_mode = enable_batch_invariant_mode
+    module.set_batch_invariant_mode = set_batch_invariant_mode
+    module.disable_batch_invariant_mode = _nothing
+    module.is_batch_invariant_mode_enabled = lambda: False
+    module.__all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled",
+                      "disable_batch_invariant_mode", "enable_batch_invariant_mode"]
+    sys.modules[name] = module
+
+
+def install_training() -> bool:
+    """The CPU backend for Megatron-LM's training loop (idempotent). Nothing happens when CUDA
+    is present. Returns True when it is active."""
+    global _training_installed
+    if cuda_in_use():
+        return False
+    with _lock:
+        if _training_installed:
+            return True
+        _training_installed = True
+    install()
+    _stub_batch_invariant_kernels()
+    cpu_torch = _TrainingTorch()
+    for name in TRAINING_MODULES:
+        importlib.import_module(name).torch = cpu_torch
+    _patch_training_functions()
+    _keep_on_cpu()
+    _answer_cuda_type_names()
+    return True
+
+
+_real_tensor_type = torch.Tensor.type
+
+
+def _cuda_type_name(self, dtype=None, non_blocking=False, **kwargs):
+    """``Tensor.type()`` with no argument answers the CUDA name ('torch.cuda.FloatTensor');
+    with an argument it converts, as torch does."""
+    if dtype is None and not kwargs:
+        name = _real_tensor_type(self)
+        return name.replace("torch.", "torch.cuda.", 1) if not self.is_cuda and not name.startswith("torch.cuda.") else name
+    return _real_tensor_type(self, dtype, non_blocking, **kwargs)
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    torch.Tensor.type = _cuda_type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = _real_tensor_type
+
+
+def _with_cuda_type_names(function):
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with _cuda_type_names():
+            return function(*args, **kwargs)
+
+    return call
+
+
+def _answer_cuda_type_names() -> None:
+    """Megatron's optimizers sort parameters by ``param.type()`` against CUDA type names and
+    raise on anything else: distrib_optimizer.py:361/:420 (_build_model_and_main_param_groups),
+    :582 (__init__), optimizer.py:671/:690 (Float16OptimizerWithFloat16Params.__init__),
+    clip_grads.py:167 (clip_grad_by_total_norm_fp32). During those calls only, a CPU tensor's
+    ``type()`` gives the CUDA name of its dtype."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    build = dist_opt.__dict__["_build_model_and_main_param_groups"].__func__
+    dist_opt._build_model_and_main_param_groups = classmethod(_with_cuda_type_names(build))
+    dist_opt.__init__ = _with_cuda_type_names(dist_opt.__init__)
+    optimizer.Float16OptimizerWithFloat16Params.__init__ = _with_cuda_type_names(
+        optimizer.Float16OptimizerWithFloat16Params.__init__
+    )
+    wrapped_clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = wrapped_clip
+    optimizer.clip_grad_by_total_norm_fp32 = wrapped_clip  # optimizer.py imports it by name
+
+
+def _keep_on_cpu() -> None:
+    """``.cuda()`` on modules and tensors returns them as they are: training.py:1258
+    (``model_module.cuda(...)``), training.py:3112, checkpointing and the optimizer move things
+    with ``.cuda()``. This is process-wide, which is safe only because it runs where CUDA is
+    absent: there every ``.cuda()`` call could only raise."""
+
+    def module_cuda(self, device=None):
+        return self
+
+    def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        return self
+
+    torch.nn.Module.cuda = module_cuda
+    torch.Tensor.cuda = tensor_cuda
+
+
+def _patch_training_functions() -> None:
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+
+    # initialize.py:62 asserts torch.cuda.is_available() unless allow_no_cuda
+    original_initialize = initialize.initialize_megatron
+
+    @functools.wraps(original_initialize)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original_initialize(*args, **kwargs)
+
+    initialize.initialize_megatron = initialize_megatron
+    training.initialize_megatron = initialize_megatron  # training.py:136 imports it by name
+
+    # initialize.py:339 init_process_group(backend=args.distributed_backend): NCCL needs GPUs
+    original_distributed = initialize._initialize_distributed
+
+    @functools.wraps(original_distributed)
+    def _initialize_distributed(*args, **kwargs):
+        megatron_args = initialize.get_args()
+        if megatron_args.distributed_backend == "nccl":
+            megatron_args.distributed_backend = "gloo"
+        return original_distributed(*args, **kwargs)
+
+    initialize._initialize_distributed = _initialize_distributed
+
+    # initialize.py:190 compiles the C++ dataset helpers with `make` inside the checkout (and
+    # :208 builds fused CUDA kernels): on CPU the helpers come from the megatron-core wheel
+    # (``load_dataset_helpers``) and there are no kernels to build.
+    def _compile_dependencies():
+        load_dataset_helpers()
+
+    initialize._compile_dependencies = _compile_dependencies
+
+
+def load_dataset_helpers() -> None:
+    """Make ``megatron.core.datasets.helpers_cpp`` importable: as it is when the checkout has it
+    built, else the compiled module shipped in the megatron-core wheel (same sources at
+    core_v0.16.1), loaded under that name."""
+    name = "megatron.core.datasets.helpers_cpp"
+    if name in sys.modules:
+        return
+    try:
+        importlib.import_module(name)
+        return
+    except ImportError:
+        pass
+    from importlib import metadata
+
+    from ..errors import ConfigError
+
+    files = [f for f in (metadata.distribution("megatron-core").files or ()) if f.name.startswith("helpers_cpp")
+             and f.suffix in (".so", ".pyd")]
+    if not files:
+        raise ConfigError(
+            "Megatron's C++ dataset helpers are neither built in the checkout nor shipped in the installed "
+            "megatron-core wheel: run `make -C $MEGATRON_LM_DIR/megatron/core/datasets` (needs pybind11)"
+        )
+    path = str(files[0].locate())
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module

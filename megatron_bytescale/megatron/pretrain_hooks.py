@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import sys
 import threading
 from typing import Any, Callable, Iterator, Optional
 
@@ -90,7 +91,14 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
     @functools.wraps(validate_args)
     def validate(args, defaults={}):  # noqa: B006 (Megatron's signature)
         result = validate_args(args, defaults)
-        validate_hdp_args(args)
+        try:
+            validate_hdp_args(args)
+        except ConfigError as exc:
+            # a wrong launch stops here, before any worker trains, with one line (every rank
+            # would print it: rank 0 does)
+            if getattr(args, "rank", 0) == 0:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         return result
 
     validate._hdp_wrapped = True
@@ -167,8 +175,19 @@ def install_forward_backward() -> None:
     training.get_forward_backward_func = get_forward_backward_func_or_hdp(training.get_forward_backward_func)
 
 
+def install_cpu_backend() -> bool:
+    """On a machine without CUDA, the CPU/gloo backend for Megatron's training loop
+    (``cpu_compat.install_training``); nothing on a CUDA machine. Must run before
+    ``megatron.training`` is imported (the launcher and the patched pretrain_gpt.py do so)."""
+    from . import cpu_compat
+
+    return cpu_compat.install_training()
+
+
 def install() -> None:
-    """Both runtime hooks into Megatron's training package (the launcher's entry point)."""
+    """The CPU backend (without CUDA) and both runtime hooks into Megatron's training package
+    (the launcher's entry point)."""
+    install_cpu_backend()
     install_argument_validation()
     install_forward_backward()
 
