@@ -364,7 +364,54 @@ def install_training() -> bool:
     _patch_training_functions()
     _keep_on_cpu()
     _answer_cuda_type_names()
+    _load_torch_adam_state()
     return True
+
+
+def _load_torch_adam_state() -> None:
+    """Resuming the distributed optimizer when megatron-core falls back to torch Adam (no Apex,
+    no Transformer Engine: always on CPU). Two faults in core_v0.16.1, both on that path only:
+
+    * ``DistributedOptimizer.load_state_dict`` (distrib_optimizer.py:817-825) gives every
+      parameter the *same* ``step`` tensor; torch Adam then adds 1 to it once per parameter and
+      step, so the bias correction after a resume is wrong (and the next save sees the count
+      run away). Here each parameter gets its own copy.
+    * ``_set_main_param_and_optimizer_states`` (distrib_optimizer.py:936-940, torch format via
+      ``load_parameter_state_from_dp_zero``) copies every key of the live state, ``step``
+      included, from the file, which holds only param/exp_avg/exp_avg_sq: KeyError 'step'; and it
+      copies into leaf parameters that require grad outside ``no_grad``. Here it copies the keys
+      the file has, under ``no_grad``.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    original_load = dist_opt.load_state_dict
+
+    @functools.wraps(original_load)
+    def load_state_dict(self, state_dict):
+        result = original_load(self, state_dict)
+        inner = getattr(self, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            for state in inner.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].detach().clone()
+        return result
+
+    dist_opt.load_state_dict = load_state_dict
+    original_set = dist_opt._set_main_param_and_optimizer_states
+
+    @functools.wraps(original_set)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original_set(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        destination = {"param": main_param, **self.optimizer.state[main_param]}
+        with torch.no_grad():
+            for key, value in tensors.items():
+                destination[key].copy_(value)
+
+    dist_opt._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
 _real_tensor_type = torch.Tensor.type
