@@ -21,11 +21,24 @@ What running GPTModel forward+backward (+ DDP grad sync) on CPU needed:
   every TP layer allocates its weight on CUDA. That path is also what gives the same full
   weights for any TP size, so it is a choice, not a patch.
 
-Not covered (they stay CUDA-only): Megatron's optimizers (``MixedPrecisionOptimizer``,
-``DistributedOptimizer``, ``clip_grads``: CUDA tensors and ``torch.cuda.*Tensor`` type checks
-throughout), activation recompute (``tensor_parallel.checkpoint`` saves CUDA RNG states),
-sequence parallelism (the local spec refuses it without Apex: torch norms cannot shard; and
-MoE with TP > 1 requires it), CUDA graphs, Transformer Engine, fused kernels.
+Megatron-LM's training loop (``install_training()``, below: ``pretrain_gpt.py`` through
+``initialize_megatron``, parallel state, DDP, the distributed optimizer, timers, checkpointing in
+torch and torch_dist formats, RNG state, evaluation) is covered too, on gloo. It is installed only
+by our launcher (``python -m megatron_bytescale.launch``) and the patched ``pretrain_gpt.py``,
+before ``megatron.training`` is imported, and never when CUDA is present (except the torch-Adam
+resume fix: that megatron-core bug hits GPUs without Apex/TE too). Its shims, each naming the
+core_v0.16.1 lines it serves: the Megatron modules in ``TRAINING_MODULES`` see a ``torch`` whose
+``cuda`` answers for the CPU (current device, one device per rank, no-op streams/synchronize,
+zero memory stats, the CPU generator's RNG state) and whose tensor factories read a CUDA
+``device=`` as the CPU; ``initialize_megatron(allow_no_cuda=True)``; gloo for NCCL; the C++
+dataset helpers from the megatron-core wheel instead of ``make`` in the checkout; ``.cuda()``
+returns its module/tensor; the optimizers' ``torch.cuda.FloatTensor`` type-name checks; triton's
+one import on the training path; the torch-Adam resume of the distributed optimizer.
+
+Not covered (they stay CUDA-only): activation recompute (``tensor_parallel.checkpoint`` saves
+CUDA RNG states), sequence parallelism (the local spec refuses it without Apex: torch norms
+cannot shard; and MoE with TP > 1 requires it), CUDA graphs, Transformer Engine, fused kernels,
+bf16/fp16 on CPU is untested (the CPU runs are fp32).
 """
 
 from __future__ import annotations
@@ -285,33 +298,35 @@ for _name in _TENSOR_FACTORIES:
 # Megatron modules whose module-level ``torch`` becomes ``_TrainingTorch`` on CPU, each with the
 # CUDA-bound lines (core_v0.16.1) it serves.
 TRAINING_MODULES = {
-    # assert at :62 handled by initialize_megatron below; :319 device_count()==0 skips
-    # mpu.initialize_model_parallel, :329 set_device, :157 (inprocess) ones(device=cuda)
-    "megatron.training.initialize": "device_count/set_device in _initialize_distributed (:319-:358), "
-                                    "MoE aux-loss scale on current_device (:150)",
-    "megatron.training.training": "device='cuda' timestamps (:806, :812), loss dicts (:1816, :2072), "
-                                  "exit flags (:2372, :3148), eval_iters (:3225), do_train flags (:3406); "
-                                  "DDP side stream (:1325-:1344); memory stats (:1940); synchronize (:2255)",
-    "megatron.training.utils": "report_memory / num-zeros / loss reductions on current_device",
-    "megatron.training.checkpointing": "RNG state collection (get_rng_state) and restore, "
-                                       "iteration tensors on current_device",
-    "megatron.training.theoretical_memory_usage": "memory report",
-    "megatron.training.inprocess_restart": "maybe_force_nccl_backend_init (:157)",
-    "megatron.core.timers": "Timer.start/stop synchronize, all-gather buffers on current_device",
-    "megatron.core.optimizer": "param.type() names (torch.cuda.FloatTensor)",
-    "megatron.core.optimizer.optimizer": "found_inf / grad-norm tensors on 'cuda'",
-    "megatron.core.optimizer.distrib_optimizer": "torch.cuda.FloatTensor type check (:361), "
-                                                 "state buffers on current_device",
-    "megatron.core.optimizer.clip_grads": "norm tensors on device='cuda'",
-    "megatron.core.optimizer.optimizer_config": "",
-    "megatron.core.distributed.distributed_data_parallel": "streams, current_device",
-    "megatron.core.distributed.finalize_model_grads": "token-count / norm tensors on 'cuda'",
-    "megatron.core.tensor_parallel.random": "get_cuda_rng_tracker states, _set_cuda_rng_state",
-    "megatron.core.tensor_parallel.layers": "weights on current_device when not use_cpu_initialization",
-    "megatron.core.rerun_state_machine": "RNG state save/restore, result tensors on 'cuda'",
-    "megatron.core.utils": "StragglerDetector / memory helpers on current_device",
-    "megatron.core.num_microbatches_calculator": "",
-    "megatron.core.dist_checkpointing.strategies.torch": "",
+    "megatron.training.initialize": "device_count() == 0 skips mpu.initialize_model_parallel (:319, :358) and "
+                                    "the model-parallel seeds (:422); set_device (:329); MoE loss scale (:150)",
+    "megatron.training.training": "device='cuda' timestamps (:806, :812), loss dicts (:1816, :2072), exit flags "
+                                  "(:2372, :3148), eval_iters (:3225), do_train flags (:3406); DDP side stream "
+                                  "(:1325-:1344); memory_stats (:1940); synchronize (:2255); empty_cache (:1693)",
+    "megatron.training.utils": "loss/grad reductions on device='cuda' (:117-:208), current_device (:253, :272), "
+                               "memory report (:284-:289)",
+    "megatron.training.checkpointing": "iteration tensor on 'cuda' (:315), get_rng_state (:343), "
+                                       "set_rng_state (:1866, :1878), empty_cache (:1911)",
+    "megatron.training.inprocess_restart": "device_count (:55), ones on device_id (:157)",
+    "megatron.core.timers": "synchronize in Timer.start/stop (:152, :165), all-gather buffer (:303)",
+    "megatron.core.optimizer.optimizer": "found-inf / grad-norm tensors on 'cuda' (:473-:485, :907), "
+                                         "current_device (:1141), empty_cache (:362)",
+    "megatron.core.optimizer.distrib_optimizer": "state buffers on current_device (:791, :1077)",
+    "megatron.core.optimizer.clip_grads": "norm tensors on device='cuda' (:90-:207)",
+    "megatron.core.distributed.distributed_data_parallel": "current_device (:230), synchronize/empty_cache (:584-:611)",
+    "megatron.core.tensor_parallel.random": "model_parallel_cuda_manual_seed's get/set_rng_state (:235-:238), "
+                                            "current_device (:64, :102)",
+    "megatron.core.tensor_parallel.layers": "weights on current_device without use_cpu_initialization (:261-:1218)",
+    "megatron.core.rerun_state_machine": "result tensors on 'cuda' (:261, :265), current_device (:525-:1009), "
+                                         "RNG state save/restore (:957, :970)",
+    "megatron.core.utils": "current_device (:631, :1470), device='cuda' (:656, :1207), Events (:1347-:1521)",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "preload_tensors synchronize (:230)",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "verify/failure flags on 'cuda' (:204, :252)",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel": "synchronize around the exchange (:272, :281)",
+    "megatron.core.dist_checkpointing.strategies.async_utils": "liveness tensors on current_device (:165, :604), "
+                                                               "synchronize (:212), set_device (:488)",
+    "megatron.core.dist_checkpointing.exchange_utils": "exchange buffers on 'cuda' (:104, :110, :326)",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict": "synchronize (:304)",
 }
 
 
@@ -347,15 +362,18 @@ def _stub_batch_invariant_kernels() -> None:
 
 
 def install_training() -> bool:
-    """The CPU backend for Megatron-LM's training loop (idempotent). Nothing happens when CUDA
-    is present. Returns True when it is active."""
+    """The CPU backend for Megatron-LM's training loop (idempotent). When CUDA is present only
+    the torch-Adam resume fix applies, and only where megatron-core runs that fallback (no Apex,
+    no TE: the same megatron-core bug on any device); nothing CPU-specific is installed.
+    Returns True when the CPU backend is active."""
     global _training_installed
-    if cuda_in_use():
-        return False
     with _lock:
         if _training_installed:
-            return True
+            return not cuda_in_use()
         _training_installed = True
+    _load_torch_adam_state()
+    if cuda_in_use():
+        return False
     install()
     _stub_batch_invariant_kernels()
     cpu_torch = _TrainingTorch()
@@ -364,13 +382,13 @@ def install_training() -> bool:
     _patch_training_functions()
     _keep_on_cpu()
     _answer_cuda_type_names()
-    _load_torch_adam_state()
     return True
 
 
 def _load_torch_adam_state() -> None:
     """Resuming the distributed optimizer when megatron-core falls back to torch Adam (no Apex,
-    no Transformer Engine: always on CPU). Two faults in core_v0.16.1, both on that path only:
+    no Transformer Engine: always on CPU, and on GPUs without them). Two faults in core_v0.16.1,
+    both on that path only:
 
     * ``DistributedOptimizer.load_state_dict`` (distrib_optimizer.py:817-825) gives every
       parameter the *same* ``step`` tensor; torch Adam then adds 1 to it once per parameter and
@@ -384,6 +402,8 @@ def _load_torch_adam_state() -> None:
     """
     from megatron.core.optimizer import distrib_optimizer
 
+    if distrib_optimizer.HAVE_APEX_OR_TE:  # Apex/TE's Adam keeps one step per param group
+        return
     dist_opt = distrib_optimizer.DistributedOptimizer
     original_load = dist_opt.load_state_dict
 
