@@ -397,8 +397,15 @@ def _load_torch_adam_state() -> None:
     * ``_set_main_param_and_optimizer_states`` (distrib_optimizer.py:936-940, torch format via
       ``load_parameter_state_from_dp_zero``) copies every key of the live state, ``step``
       included, from the file, which holds only param/exp_avg/exp_avg_sq: KeyError 'step'; and it
-      copies into leaf parameters that require grad outside ``no_grad``. Here it copies the keys
-      the file has, under ``no_grad``.
+      copies into leaf parameters that require grad outside ``no_grad``; from a torch_dist file
+      (dp_reshardable) it copies a ``step`` that is the load template's, not the file's. Here it
+      copies the live keys the file has except ``step`` (which Megatron means to come from the
+      param groups), under ``no_grad``.
+    * ``state_dict`` (distrib_optimizer.py:639-642) reads ``step`` from every parameter's state
+      and asserts one value; before the first step (torch_dist load builds its template from
+      it) torch Adam has no state yet: the assert fails. Here a parameter without state gets
+      what torch Adam's first step would create (step 0, zero moments), which the load then
+      overwrites.
     """
     from megatron.core.optimizer import distrib_optimizer
 
@@ -418,6 +425,22 @@ def _load_torch_adam_state() -> None:
         return result
 
     dist_opt.load_state_dict = load_state_dict
+    original_state_dict = dist_opt.state_dict
+
+    @functools.wraps(original_state_dict)
+    def state_dict(self):
+        inner = getattr(self, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    state = inner.state[param]
+                    if "step" not in state:  # what torch Adam's first step creates
+                        state["step"] = torch.tensor(0.0)
+                        state.setdefault("exp_avg", torch.zeros_like(param, memory_format=torch.preserve_format))
+                        state.setdefault("exp_avg_sq", torch.zeros_like(param, memory_format=torch.preserve_format))
+        return original_state_dict(self)
+
+    dist_opt.state_dict = state_dict
     original_set = dist_opt._set_main_param_and_optimizer_states
 
     @functools.wraps(original_set)
@@ -428,8 +451,12 @@ def _load_torch_adam_state() -> None:
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         destination = {"param": main_param, **self.optimizer.state[main_param]}
         with torch.no_grad():
-            for key, value in tensors.items():
-                destination[key].copy_(value)
+            for key, tensor in destination.items():
+                # the file's entries may carry metadata ('padding'); torch Adam's 'step' comes
+                # from the param groups (set by load_state_dict, :817-825), while the entry's
+                # 'step' is the load template's own value (a LocalNonpersistentObject, :1664)
+                if key in tensors and key != "step":
+                    tensor.copy_(tensors[key])
 
     dist_opt._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 

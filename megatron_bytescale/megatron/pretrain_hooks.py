@@ -470,7 +470,14 @@ def hdp_data_iterators(args, rank: Optional[int] = None):
         train_iter = Prefetcher(train_iter, args.hdp_plan_ahead)
     valid_iter = None
     if args.valid_data_path:
-        valid_iter = iter(build_loader(args, _single_prefix(args.valid_data_path, "--valid-data-path"), rank, name="valid"))
+        valid_prefix = _single_prefix(args.valid_data_path, "--valid-data-path")
+        valid = build_loader(args, valid_prefix, rank, name="valid")
+        # Megatron validated --eval-iters steps at every --eval-interval iteration before --load's
+        # iteration: a resumed run continues the validation stream where those stopped
+        iteration = getattr(args, "iteration", 0)
+        if args.eval_interval:
+            fast_forward(valid, args, valid_prefix, (iteration // args.eval_interval) * args.eval_iters)
+        valid_iter = iter(valid)
     return train_iter, valid_iter, None
 
 
