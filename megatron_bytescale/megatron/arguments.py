@@ -33,6 +33,8 @@ DEFAULT_HARDWARE = "h100"
 MEGATRON_ARGS_READ = (
     "attention_dropout",
     "calculate_per_token_loss",
+    "eval_interval",
+    "train_iters",
     "context_parallel_size",
     "hybrid_context_parallel",
     "max_seqlen_per_dp_cp_rank",
