@@ -46,8 +46,13 @@ class Run:
         self.grad_norms = {int(i): norm for i, _, norm in ITERATION.findall(self.log)}
         self.validation = VALIDATION.findall(self.log)
 
+    def summary(self) -> str:
+        """The lines that tell what happened (Megatron's log is long and mostly warnings)."""
+        keep = re.compile(r"iteration|checkpoint|[Ee]rror|Traceback|error:|validation")
+        return "\n".join(line for line in self.log.splitlines() if keep.search(line) and "warn" not in line)[-6000:]
+
     def check(self) -> "Run":
-        assert self.proc.returncode == 0, self.log[-6000:]
+        assert self.proc.returncode == 0, self.summary()
         return self
 
 
@@ -144,14 +149,15 @@ def test_launcher_on_the_unpatched_tree_gives_the_same_losses(patched_run, launc
 
 
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
-def test_stop_and_resume_continues_the_uninterrupted_run_exactly(fmt, patched_run, launcher_run, patched_tree, data, work):
-    uninterrupted, tree, checkpoint = {
-        "torch_dist": (patched_run, patched_tree, work / "ckpt_dist"),
-        "torch": (launcher_run, Path(MEGATRON_LM_DIR), work / "ckpt_torch"),
-    }[fmt]
+def test_stop_and_resume_continues_the_uninterrupted_run_exactly(fmt, request, data, work):
+    if fmt == "torch_dist":  # the patched run's checkpoint, resumed by the patched script
+        uninterrupted, tree, checkpoint = (request.getfixturevalue("patched_run"),
+                                           request.getfixturevalue("patched_tree"), work / "ckpt_dist")
+    else:  # the launcher run's, resumed by the launcher
+        uninterrupted, tree, checkpoint = request.getfixturevalue("launcher_run"), Path(MEGATRON_LM_DIR), work / "ckpt_torch"
     resumed = train(tree, "--hidden-dropout", "0.1", "--ckpt-format", fmt,
                     **_hdp4(data, LOAD_DIR=_resume_from(checkpoint, 2, work), SAVE_INTERVAL=100)).check()
-    assert "loading checkpoint from" in resumed.log and sorted(resumed.losses) == [3, 4, 5], resumed.log[-3000:]
+    assert "successfully loaded checkpoint from" in resumed.log and sorted(resumed.losses) == [3, 4, 5], resumed.summary()
     print(f"{fmt}: uninterrupted {uninterrupted.losses}, resumed {resumed.losses}")
     # Megatron logs the first iteration of a run without resetting its loss accumulator
     # (training.py:1797), so the next line averages both: the resumed run's iteration 4 is the

@@ -378,7 +378,10 @@ def install_training() -> bool:
     _stub_batch_invariant_kernels()
     cpu_torch = _TrainingTorch()
     for name in TRAINING_MODULES:
-        importlib.import_module(name).torch = cpu_torch
+        try:
+            importlib.import_module(name).torch = cpu_torch
+        except ModuleNotFoundError:  # a trimmed or stand-in Megatron-LM without that module
+            continue
     _patch_training_functions()
     _keep_on_cpu()
     _answer_cuda_type_names()
@@ -530,6 +533,9 @@ def _keep_on_cpu() -> None:
 def _patch_training_functions() -> None:
     import megatron.training.initialize as initialize
     import megatron.training.training as training
+
+    if not hasattr(initialize, "_initialize_distributed"):  # a stand-in, not Megatron-LM's loop
+        return
 
     # initialize.py:62 asserts torch.cuda.is_available() unless allow_no_cuda
     original_initialize = initialize.initialize_megatron

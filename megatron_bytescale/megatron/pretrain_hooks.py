@@ -112,7 +112,7 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
 def check_launch(args) -> None:
     """What Megatron's validate_args asserts about the world size, as a one-line error."""
     world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    tp, pp = getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1)
     if world % (tp * pp):
         raise ConfigError(
             f"world size {world} does not divide by --tensor-model-parallel-size {tp} x "
@@ -122,7 +122,8 @@ def check_launch(args) -> None:
 
 def check_data_exists(args) -> None:
     """Every dataset prefix the HDP loader will open exists (PREFIX.bin and PREFIX.idx)."""
-    for flag, paths in (("--data-path", args.train_data_path or args.data_path), ("--valid-data-path", args.valid_data_path)):
+    train = getattr(args, "train_data_path", None) or getattr(args, "data_path", None)
+    for flag, paths in (("--data-path", train), ("--valid-data-path", getattr(args, "valid_data_path", None))):
         for prefix in paths or ():
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
@@ -231,8 +232,12 @@ def every_hdp_rank_rng(function: Callable) -> Callable:
 
 
 def install_checkpoint_rng() -> None:
-    import megatron.training.checkpointing as checkpointing
     import megatron.training.training as training
+
+    try:
+        import megatron.training.checkpointing as checkpointing
+    except ModuleNotFoundError:  # a stand-in training package without checkpoints
+        return
 
     for module in (checkpointing, training):  # training.py:104-105 imports both by name
         module.save_checkpoint = every_hdp_rank_rng(module.save_checkpoint)
