@@ -260,6 +260,10 @@ class _TrainingCuda:
     memory_reserved = staticmethod(_zero)
     max_memory_reserved = staticmethod(_zero)
     memory_stats = staticmethod(lambda *a, **k: {})
+    # utils.py:448 get_device_arch_version (read by arguments.py:928 when TP > 1): no GPU arch
+    get_device_properties = staticmethod(lambda *a, **k: types.SimpleNamespace(
+        major=0, minor=0, name="cpu", total_memory=0, multi_processor_count=1))
+    get_device_capability = staticmethod(lambda *a, **k: (0, 0))
     Stream = _NoStream
     Event = _NoEvent
     current_stream = staticmethod(lambda *a, **k: _NoStream())
@@ -304,7 +308,7 @@ TRAINING_MODULES = {
                                   "(:2372, :3148), eval_iters (:3225), do_train flags (:3406); DDP side stream "
                                   "(:1325-:1344); memory_stats (:1940); synchronize (:2255); empty_cache (:1693)",
     "megatron.training.utils": "loss/grad reductions on device='cuda' (:117-:208), current_device (:253, :272), "
-                               "memory report (:284-:289)",
+                               "memory report (:284-:289), get_device_properties (:448)",
     "megatron.training.checkpointing": "iteration tensor on 'cuda' (:315), get_rng_state (:343), "
                                        "set_rng_state (:1866, :1878), empty_cache (:1911)",
     "megatron.training.inprocess_restart": "device_count (:55), ones on device_id (:157)",
