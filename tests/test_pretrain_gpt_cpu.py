@@ -189,7 +189,9 @@ def test_tp2_x_hdp2_step_equals_one_rank(data, work):
     import torch
 
     common = dict(GLOBAL_BATCH_SIZE=8, TRAIN_ITERS=1, DATA_PATH=data["train"])
-    flags = ("--hidden-dropout", "0", "--ckpt-format", "torch_dist")
+    # --use-cpu-initialization: Megatron then draws the full weights and splits them, so every
+    # TP size starts from the same parameters (its GPU-style init draws per TP shard)
+    flags = ("--hidden-dropout", "0", "--ckpt-format", "torch_dist", "--use-cpu-initialization")
     both = {}
     for name, variables in (("tp2", dict(NPROC=4, TP=2)), ("one", dict(NPROC=1))):
         both[name] = train(Path(MEGATRON_LM_DIR), *flags, **common, **variables, SAVE_DIR=work / f"ckpt_{name}").check()
