@@ -9,8 +9,8 @@ one invocation where they can (the first run also writes the checkpoint the resu
   falls and validation runs; the launcher on the unpatched tree gives the very same losses;
 * a stop at iteration 2 and a resume (torch_dist and torch formats, hidden dropout on) gives
   exactly the uninterrupted run's losses, gradient norms and validation loss at iterations 3-5;
-* TP=2 x HDP=2: Megatron's iteration-1 loss equals one rank's on the same global batch, and the
-  parameters after iteration 1 equal the one-rank run's (fp32 tolerance);
+* 4 HDP ranks and TP=2 x HDP=2: Megatron's iteration-1 loss equals one HDP rank's (same TP) on
+  the same global batch, and the parameters after iteration 1 equal that run's (fp32 tolerance);
 * wrong launches stop with one line naming the problem, not a traceback.
 
 Needs MEGATRON_LM_DIR (a core_v0.16.1 checkout); skipped, with that reason, without it.
@@ -183,27 +183,33 @@ def _parameters(checkpoint: Path) -> dict:
             and "_extra_state" not in k}
 
 
-def test_tp2_x_hdp2_step_equals_one_rank(data, work):
-    """Megatron's iteration-1 loss and the parameters after iteration 1: TP=2 x HDP=2 against
-    one rank on the same global batch (no dropout)."""
-    import torch
-
-    common = dict(GLOBAL_BATCH_SIZE=8, TRAIN_ITERS=1, DATA_PATH=data["train"])
-    # --use-cpu-initialization: Megatron then draws the full weights and splits them, so every
-    # TP size starts from the same parameters (its GPU-style init draws per TP shard)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hdp_step_equals_one_hdp_rank(tp, data, work):
+    """Megatron's iteration-1 loss and the parameters after iteration 1: HDP over 4 ranks
+    (TP=1: 4 HDP ranks; TP=2: TP=2 x HDP=2) against one HDP rank of the same TP size on the same
+    global batch (no dropout). Megatron's initialisation depends on the TP size, so each TP size
+    is compared with its own one-HDP-rank run."""
+    common = dict(GLOBAL_BATCH_SIZE=8, TRAIN_ITERS=1, DATA_PATH=data["train"], TP=tp)
+    # --use-cpu-initialization: Megatron draws the full weights and splits them. Measured: with
+    # its default (per-shard) init, TP=2 runs with 1 and 2 HDP ranks differ at iteration 1 (an
+    # open question, see docs/cluster.md); TP=1 runs agree either way
     flags = ("--hidden-dropout", "0", "--ckpt-format", "torch_dist", "--use-cpu-initialization")
-    both = {}
-    for name, variables in (("tp2", dict(NPROC=4, TP=2)), ("one", dict(NPROC=1))):
-        both[name] = train(Path(MEGATRON_LM_DIR), *flags, **common, **variables, SAVE_DIR=work / f"ckpt_{name}").check()
-    assert "tensor model parallel with size 2" in both["tp2"].log
-    assert both["tp2"].losses[1] == both["one"].losses[1], (both["tp2"].losses, both["one"].losses)
-    tp2, one = _parameters(work / "ckpt_tp2"), _parameters(work / "ckpt_one")
-    assert tp2.keys() == one.keys() and len(one) > 10
-    worst = max(float((tp2[k].double() - one[k].double()).abs().max()) for k in one)
-    print(f"iteration-1 loss {both['one'].losses[1]} on both; max parameter difference {worst:.3e}")
+
+    def run(name, nproc):
+        return name, train(Path(MEGATRON_LM_DIR), *flags, **common, NPROC=nproc, SAVE_DIR=work / f"ckpt_{name}").check()
+
+    with ThreadPoolExecutor(2) as pool:  # both are mostly start-up: overlap them
+        both = dict(pool.map(lambda a: run(*a), ((f"tp{tp}_hdp{4 // tp}", 4), (f"tp{tp}_hdp1", tp))))
+    hdp, one = both[f"tp{tp}_hdp{4 // tp}"], both[f"tp{tp}_hdp1"]
+    assert f"tensor model parallel with size {tp}" in hdp.log
+    assert hdp.losses[1] == one.losses[1], (hdp.losses, one.losses)
+    assert hdp.grad_norms[1] == one.grad_norms[1]
+    params_hdp, params_one = _parameters(work / f"ckpt_tp{tp}_hdp{4 // tp}"), _parameters(work / f"ckpt_tp{tp}_hdp1")
+    assert params_hdp.keys() == params_one.keys() and len(params_one) >= 8  # layers are stacked
+    worst = max(float((params_hdp[k].double() - params_one[k].double()).abs().max()) for k in params_one)
+    print(f"TP={tp}: iteration-1 loss {hdp.losses[1]} (HDP={4 // tp}) vs {one.losses[1]} (one HDP rank); "
+          f"max parameter difference after iteration 1: {worst:.3e}")
     assert worst < 1e-6
-    moved = max(float((one[k].double()).abs().max()) for k in one)
-    assert moved > 0
 
 
 def _drop(flag):
