@@ -209,7 +209,7 @@ def test_hdp_step_equals_one_hdp_rank(tp, data, work):
     worst = max(float((params_hdp[k].double() - params_one[k].double()).abs().max()) for k in params_one)
     print(f"TP={tp}: iteration-1 loss {hdp.losses[1]} (HDP={4 // tp}) vs {one.losses[1]} (one HDP rank); "
           f"max parameter difference after iteration 1: {worst:.3e}")
-    assert worst < 1e-6
+    assert worst < 5e-6  # fp32: different summation orders, through one Adam step
 
 
 def _drop(flag):
