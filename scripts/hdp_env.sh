@@ -68,7 +68,6 @@ hdp_args() {
         --lr-warmup-iters "${LR_WARMUP_ITERS:-100}"
         --weight-decay 0.1
         --clip-grad 1.0
-        --bf16
         --use-distributed-optimizer
         --calculate-per-token-loss
         --attention-dropout 0.0
@@ -80,12 +79,23 @@ hdp_args() {
         --hdp-dataloader "${HDP_DATALOADER:-local}"
         --hdp-plan-ahead "${HDP_PLAN_AHEAD:-2}"
     )
+    # PRECISION: bf16 (default), fp16, or fp32 (CPU runs and exactness checks)
+    case ${PRECISION:-bf16} in
+        bf16) TRAIN_ARGS+=(--bf16) ;;
+        fp16) TRAIN_ARGS+=(--fp16) ;;
+        fp32) ;;
+        *) die "PRECISION must be bf16, fp16 or fp32, got '${PRECISION}'" ;;
+    esac
+    # fused RoPE, the persistent LayerNorm and fused weight-gradient accumulation are TE/Apex
+    # kernels: the local implementation (torch norms, PyTorch rotation) refuses them
+    [[ ${TRANSFORMER_IMPL:-transformer_engine} == local ]] && TRAIN_ARGS+=(--no-rope-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion)
     # Megatron takes either --data-path or per-split paths, not both
     if [[ -n ${VALID_DATA_PATH:-} ]]; then
         TRAIN_ARGS+=(--train-data-path "$DATA_PATH" --valid-data-path "$VALID_DATA_PATH"
             --eval-iters "${EVAL_ITERS:-10}" --eval-interval "${EVAL_INTERVAL:-500}")
     else
-        TRAIN_ARGS+=(--data-path "$DATA_PATH" --eval-iters 0)
+        # Megatron divides --train-iters by --eval-interval even with --eval-iters 0
+        TRAIN_ARGS+=(--data-path "$DATA_PATH" --eval-iters 0 --eval-interval "${EVAL_INTERVAL:-${TRAIN_ITERS:-1000}}")
     fi
     [[ -n ${HDP_STEP_TOKENS:-} ]] && TRAIN_ARGS+=(--hdp-step-tokens "$HDP_STEP_TOKENS")
     [[ -n ${HDP_BALANCE:-} ]] && TRAIN_ARGS+=(--hdp-balance "$HDP_BALANCE")

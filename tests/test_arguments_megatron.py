@@ -53,7 +53,7 @@ def validated(extra):
     argv = read_args_file("configs/models/tiny.args") + [
         "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
         "--global-batch-size", "16", "--train-iters", "10", "--lr", "1e-4",
-        "--tokenizer-type", "NullTokenizer", "--bf16", "--data-path", "data/corpus", "--eval-iters", "0",
+        "--tokenizer-type", "NullTokenizer", "--bf16", "--data-path", "data/corpus", "--eval-iters", "0", "--eval-interval", "10",
         "--attention-dropout", "0.0"] + extra
     args = megatron_parser().parse_args(argv)
     args.rank, args.world_size = 0, 8

@@ -44,7 +44,7 @@ def megatron_args(monkeypatch):
 
 
 # ---------------------------------------------------------------- arguments and dispatch
-def test_validation_runs_right_after_megatron_s_and_wraps_once():
+def test_validation_runs_right_after_megatron_s_and_wraps_once(tmp_path, capsys):
     calls = []
 
     def megatron_validate(args, defaults={}):
@@ -53,11 +53,21 @@ def test_validation_runs_right_after_megatron_s_and_wraps_once():
 
     wrapped = hooks.validate_args_then_hdp(megatron_validate)
     assert hooks.validate_args_then_hdp(wrapped) is wrapped
-    args = parse(HDP, data_parallel_size=None)
+    for name in ("corpus", "valid"):  # the wrapper checks that the dataset files exist
+        for ext in (".bin", ".idx"):
+            (tmp_path / f"{name}{ext}").write_bytes(b"")
+    paths = dict(train_data_path=[str(tmp_path / "corpus")], valid_data_path=[str(tmp_path / "valid")])
+    args = parse(HDP, data_parallel_size=None, **paths)
     wrapped(args, {})
     assert calls == ["megatron"] and args.hdp_size == 8
-    with pytest.raises(ConfigError, match="--calculate-per-token-loss"):
-        wrapped(parse(HDP, calculate_per_token_loss=False), {})
+    # a wrong launch stops with one line, before any worker trains
+    for bad, message in ((dict(calculate_per_token_loss=False), "--calculate-per-token-loss"),
+                         (dict(train_data_path=[str(tmp_path / "missing")]), "missing.bin not found"),
+                         (dict(world_size=6, tensor_model_parallel_size=4), "world size 6 does not divide")):
+        with pytest.raises(SystemExit) as stop:
+            wrapped(parse(HDP, **{**paths, **bad}), {})
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
 def test_forward_backward_dispatch(megatron_args):

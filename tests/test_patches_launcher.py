@@ -138,6 +138,9 @@ def stand_in(tmp_path):
     script = tmp_path / "mlm" / "pretrain_gpt.py"
     script.parent.mkdir()
     script.write_text(textwrap.dedent(SCRIPT))
+    (tmp_path / "data").mkdir()  # the launcher checks that --data-path's files exist
+    for ext in (".bin", ".idx"):
+        (tmp_path / "data" / f"corpus{ext}").write_bytes(b"")
     return tmp_path, script
 
 

@@ -33,6 +33,8 @@ DEFAULT_HARDWARE = "h100"
 MEGATRON_ARGS_READ = (
     "attention_dropout",
     "calculate_per_token_loss",
+    "eval_interval",
+    "train_iters",
     "context_parallel_size",
     "hybrid_context_parallel",
     "max_seqlen_per_dp_cp_rank",
@@ -448,6 +450,13 @@ def _check_data(args) -> None:
         raise ConfigError(
             f"--eval-iters {args.eval_iters} but no --valid-data-path: HDP validates on its own dataset "
             "prefix; pass --train-data-path TRAIN --valid-data-path VALID (instead of --data-path), or --eval-iters 0"
+        )
+    if args.eval_interval is None and not args.skip_train and not args.full_validation:
+        # core_v0.16.1 training.py:3307 computes train_iters // eval_interval before iteration 1
+        raise ConfigError(
+            f"--eval-iters {args.eval_iters} without --eval-interval: Megatron divides --train-iters by "
+            "--eval-interval when it sizes the validation set (also with --eval-iters 0); add --eval-interval N "
+            f"(e.g. --eval-interval {args.train_iters or 1000})"
         )
     if args.dataloader_type not in (None, "single", "external"):
         raise ConfigError(

@@ -26,16 +26,33 @@ What running GPTModel forward+backward (+ DDP grad sync) on CPU needed:
   every TP layer allocates its weight on CUDA. That path is also what gives the same full
   weights for any TP size, so it is a choice, not a patch.
 
-Not covered (they stay CUDA-only): Megatron's optimizers (``MixedPrecisionOptimizer``,
-``DistributedOptimizer``, ``clip_grads``: CUDA tensors and ``torch.cuda.*Tensor`` type checks
-throughout), CUDA graphs, Transformer Engine, fused kernels.
+Megatron-LM's training loop (``install_training()``, below: ``pretrain_gpt.py`` through
+``initialize_megatron``, parallel state, DDP, the distributed optimizer, timers, checkpointing in
+torch and torch_dist formats, RNG state, evaluation) is covered too, on gloo. It is installed only
+by our launcher (``python -m megatron_bytescale.launch``) and the patched ``pretrain_gpt.py``,
+before ``megatron.training`` is imported, and never when CUDA is present (except the torch-Adam
+resume fix: that megatron-core bug hits GPUs without Apex/TE too). Its shims, each naming the
+core_v0.16.1 lines it serves: the Megatron modules in ``TRAINING_MODULES`` see a ``torch`` whose
+``cuda`` answers for the CPU (current device, one device per rank, no-op streams/synchronize,
+zero memory stats, the CPU generator's RNG state) and whose tensor factories read a CUDA
+``device=`` as the CPU; ``initialize_megatron(allow_no_cuda=True)``; gloo for NCCL; the C++
+dataset helpers from the megatron-core wheel instead of ``make`` in the checkout; ``.cuda()``
+returns its module/tensor; the optimizers' ``torch.cuda.FloatTensor`` type-name checks; triton's
+one import on the training path; the torch-Adam resume of the distributed optimizer.
+
+Not covered (they stay CUDA-only): CUDA graphs, Transformer Engine, fused kernels; bf16/fp16 on
+CPU is untested (the CPU runs are fp32).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import importlib.util
+import sys
 import threading
+import types
 
 import torch
 from megatron.core.tensor_parallel import random as megatron_random
@@ -174,3 +191,435 @@ def install() -> bool:
             megatron_random._set_cuda_rng_state = _set_no_cuda_rng_state
         _installed = True
         return not cuda_in_use()
+
+
+# ====================================================================== Megatron-LM's training loop
+# ``install_training()``: what ``pretrain_gpt.py`` (Megatron-LM core_v0.16.1, megatron/training
+# and the megatron-core parts it drives: DDP, the distributed optimizer, timers, checkpointing)
+# needs to run on CPU with gloo. Called only by our launcher and by the patched pretrain_gpt.py,
+# before ``megatron.training`` is imported, and a no-op when CUDA is present.
+
+_training_installed = False
+
+
+def _to_cpu_device(device):
+    """A ``device=`` argument Megatron gives as CUDA ('cuda', 'cuda:N', torch.device('cuda'), an
+    int index) as the CPU; anything else unchanged."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _on_cpu(factory):
+    def make(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    make.__name__ = getattr(factory, "__name__", "factory")
+    return make
+
+
+class _NoStream:
+    """``torch.cuda.Stream`` / ``current_stream()`` on CPU: work is already in program order."""
+
+    def __init__(self, *unused, **unused_kw):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+
+class _NoEvent(_NoStream):
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def _zero(*unused, **unused_kw) -> int:
+    return 0
+
+
+def _nothing(*unused, **unused_kw) -> None:
+    return None
+
+
+class _TrainingCuda:
+    """``torch.cuda`` as Megatron's training modules see it on CPU (everything else is real)."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    current_device = staticmethod(lambda: torch.device("cpu"))
+    # initialize.py:319 skips mpu.initialize_model_parallel and :422 the model-parallel RNG
+    # seeds when device_count() is 0: each rank has one device, its CPU
+    device_count = staticmethod(lambda: 1)
+    set_device = staticmethod(_nothing)
+    synchronize = staticmethod(_nothing)
+    empty_cache = staticmethod(_nothing)
+    reset_peak_memory_stats = staticmethod(_nothing)
+    reset_max_memory_allocated = staticmethod(_nothing)
+    memory_allocated = staticmethod(_zero)
+    max_memory_allocated = staticmethod(_zero)
+    memory_reserved = staticmethod(_zero)
+    max_memory_reserved = staticmethod(_zero)
+    memory_stats = staticmethod(lambda *a, **k: {})
+    # utils.py:448 get_device_arch_version (read by arguments.py:928 when TP > 1): no GPU arch
+    get_device_properties = staticmethod(lambda *a, **k: types.SimpleNamespace(
+        major=0, minor=0, name="cpu", total_memory=0, multi_processor_count=1))
+    get_device_capability = staticmethod(lambda *a, **k: (0, 0))
+    Stream = _NoStream
+    Event = _NoEvent
+    current_stream = staticmethod(lambda *a, **k: _NoStream())
+    default_stream = staticmethod(lambda *a, **k: _NoStream())
+    stream = staticmethod(lambda *a, **k: contextlib.nullcontext())
+    nvtx = types.SimpleNamespace(range_push=_nothing, range_pop=_nothing, range=lambda *a, **k: contextlib.nullcontext())
+    # checkpointing.py get_rng_state / _load_base_checkpoint's RNG restore: the CPU generator
+    # stands in for the CUDA one (the CPU generator is what dropout draws from here)
+    get_rng_state = staticmethod(lambda *a, **k: torch.get_rng_state())
+    set_rng_state = staticmethod(lambda state, *a, **k: torch.set_rng_state(state))
+    # distrib_optimizer.py:361 and optimizer/__init__ compare param.type() with the CUDA names
+    FloatTensor = torch.FloatTensor
+    HalfTensor = torch.HalfTensor
+    BFloat16Tensor = torch.BFloat16Tensor
+
+
+_TENSOR_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+    "zeros_like", "ones_like", "empty_like", "full_like", "empty_strided", "linspace",
+)
+
+
+class _TrainingTorch:
+    """``torch`` as Megatron's training modules see it on CPU: the real module except
+    ``torch.cuda`` (``_TrainingCuda``) and tensor factories whose CUDA ``device=`` means CPU."""
+
+    cuda = _TrainingCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+for _name in _TENSOR_FACTORIES:
+    setattr(_TrainingTorch, _name, staticmethod(_on_cpu(getattr(torch, _name))))
+
+# Megatron modules whose module-level ``torch`` becomes ``_TrainingTorch`` on CPU, each with the
+# CUDA-bound lines (core_v0.16.1) it serves.
+TRAINING_MODULES = {
+    "megatron.training.initialize": "device_count() == 0 skips mpu.initialize_model_parallel (:319, :358) and "
+                                    "the model-parallel seeds (:422); set_device (:329); MoE loss scale (:150)",
+    "megatron.training.training": "device='cuda' timestamps (:806, :812), loss dicts (:1816, :2072), exit flags "
+                                  "(:2372, :3148), eval_iters (:3225), do_train flags (:3406); DDP side stream "
+                                  "(:1325-:1344); memory_stats (:1940); synchronize (:2255); empty_cache (:1693)",
+    "megatron.training.utils": "loss/grad reductions on device='cuda' (:117-:208), current_device (:253, :272), "
+                               "memory report (:284-:289), get_device_properties (:448)",
+    "megatron.training.checkpointing": "iteration tensor on 'cuda' (:315), get_rng_state (:343), "
+                                       "set_rng_state (:1866, :1878), empty_cache (:1911)",
+    "megatron.training.inprocess_restart": "device_count (:55), ones on device_id (:157)",
+    "megatron.core.timers": "synchronize in Timer.start/stop (:152, :165), all-gather buffer (:303)",
+    "megatron.core.optimizer.optimizer": "found-inf / grad-norm tensors on 'cuda' (:473-:485, :907), "
+                                         "current_device (:1141), empty_cache (:362)",
+    "megatron.core.optimizer.distrib_optimizer": "state buffers on current_device (:791, :1077)",
+    "megatron.core.optimizer.clip_grads": "norm tensors on device='cuda' (:90-:207)",
+    "megatron.core.distributed.distributed_data_parallel": "current_device (:230), synchronize/empty_cache (:584-:611)",
+    "megatron.core.tensor_parallel.random": "model_parallel_cuda_manual_seed's get/set_rng_state (:235-:238), "
+                                            "current_device (:64, :102)",
+    "megatron.core.tensor_parallel.layers": "weights on current_device without use_cpu_initialization (:261-:1218)",
+    "megatron.core.rerun_state_machine": "result tensors on 'cuda' (:261, :265), current_device (:525-:1009), "
+                                         "RNG state save/restore (:957, :970)",
+    "megatron.core.utils": "current_device (:631, :1470), device='cuda' (:656, :1207), Events (:1347-:1521)",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "preload_tensors synchronize (:230)",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "verify/failure flags on 'cuda' (:204, :252)",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel": "synchronize around the exchange (:272, :281)",
+    "megatron.core.dist_checkpointing.strategies.async_utils": "liveness tensors on current_device (:165, :604), "
+                                                               "synchronize (:212), set_device (:488)",
+    "megatron.core.dist_checkpointing.exchange_utils": "exchange buffers on 'cuda' (:104, :110, :326)",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict": "synchronize (:304)",
+}
+
+
+def _stub_batch_invariant_kernels() -> None:
+    """megatron/training/initialize.py:25 imports
+    megatron/core/transformer/custom_layers/batch_invariant_kernels.py, whose line 15 imports
+    triton unconditionally (~1 GB installed; its kernels only run on GPUs). Without triton, on
+    CPU, that module is replaced by one whose functions say batch-invariant mode is off and
+    refuse ``--batch-invariant-mode``."""
+    name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+    if name in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    from ..errors import ConfigError
+
+    module = types.ModuleType(name, "CPU stand-in (megatron_bytescale.megatron.cpu_compat): triton is not installed")
+
+    def enable_batch_invariant_mode(*unused, **unused_kw):
+        raise ConfigError("--batch-invariant-mode needs triton kernels on a GPU; drop the flag on CPU")
+
+    @contextlib.contextmanager
+    def set_batch_invariant_mode(enabled: bool = True):
+        if enabled:
+            enable_batch_invariant_mode()
+        yield
+
+    module.enable_batch_invariant_mode = enable_batch_invariant_mode
+    module.set_batch_invariant_mode = set_batch_invariant_mode
+    module.disable_batch_invariant_mode = _nothing
+    module.is_batch_invariant_mode_enabled = lambda: False
+    module.__all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled",
+                      "disable_batch_invariant_mode", "enable_batch_invariant_mode"]
+    sys.modules[name] = module
+
+
+def install_training() -> bool:
+    """The CPU backend for Megatron-LM's training loop (idempotent). When CUDA is present only
+    the torch-Adam resume fix applies, and only where megatron-core runs that fallback (no Apex,
+    no TE: the same megatron-core bug on any device); nothing CPU-specific is installed.
+    Returns True when the CPU backend is active."""
+    global _training_installed
+    with _lock:
+        if _training_installed:
+            return not cuda_in_use()
+        _training_installed = True
+    _load_torch_adam_state()
+    if cuda_in_use():
+        return False
+    install()
+    _stub_batch_invariant_kernels()
+    cpu_torch = _TrainingTorch()
+    for name in TRAINING_MODULES:
+        try:
+            importlib.import_module(name).torch = cpu_torch
+        except ModuleNotFoundError:  # a trimmed or stand-in Megatron-LM without that module
+            continue
+    _patch_training_functions()
+    _keep_on_cpu()
+    _answer_cuda_type_names()
+    return True
+
+
+def _load_torch_adam_state() -> None:
+    """Resuming the distributed optimizer when megatron-core falls back to torch Adam (no Apex,
+    no Transformer Engine: always on CPU, and on GPUs without them). Two faults in core_v0.16.1,
+    both on that path only:
+
+    * ``DistributedOptimizer.load_state_dict`` (distrib_optimizer.py:817-825) gives every
+      parameter the *same* ``step`` tensor; torch Adam then adds 1 to it once per parameter and
+      step, so the bias correction after a resume is wrong (and the next save sees the count
+      run away). Here each parameter gets its own copy.
+    * ``_set_main_param_and_optimizer_states`` (distrib_optimizer.py:936-940, torch format via
+      ``load_parameter_state_from_dp_zero``) copies every key of the live state, ``step``
+      included, from the file, which holds only param/exp_avg/exp_avg_sq: KeyError 'step'; and it
+      copies into leaf parameters that require grad outside ``no_grad``; from a torch_dist file
+      (dp_reshardable) it copies a ``step`` that is the load template's, not the file's. Here it
+      copies the live keys the file has except ``step`` (which Megatron means to come from the
+      param groups), under ``no_grad``.
+    * ``state_dict`` (distrib_optimizer.py:639-642) reads ``step`` from every parameter's state
+      and asserts one value; before the first step (torch_dist load builds its template from
+      it) torch Adam has no state yet: the assert fails. Here a parameter without state gets
+      what torch Adam's first step would create (step 0, zero moments), which the load then
+      overwrites.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:  # Apex/TE's Adam keeps one step per param group
+        return
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    original_load = dist_opt.load_state_dict
+
+    @functools.wraps(original_load)
+    def load_state_dict(self, state_dict):
+        result = original_load(self, state_dict)
+        inner = getattr(self, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            for state in inner.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].detach().clone()
+        return result
+
+    dist_opt.load_state_dict = load_state_dict
+    original_state_dict = dist_opt.state_dict
+
+    @functools.wraps(original_state_dict)
+    def state_dict(self):
+        inner = getattr(self, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    state = inner.state[param]
+                    if "step" not in state:  # what torch Adam's first step creates
+                        state["step"] = torch.tensor(0.0)
+                        state.setdefault("exp_avg", torch.zeros_like(param, memory_format=torch.preserve_format))
+                        state.setdefault("exp_avg_sq", torch.zeros_like(param, memory_format=torch.preserve_format))
+        return original_state_dict(self)
+
+    dist_opt.state_dict = state_dict
+    original_set = dist_opt._set_main_param_and_optimizer_states
+
+    @functools.wraps(original_set)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original_set(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        destination = {"param": main_param, **self.optimizer.state[main_param]}
+        with torch.no_grad():
+            for key, tensor in destination.items():
+                # the file's entries may carry metadata ('padding'); torch Adam's 'step' comes
+                # from the param groups (set by load_state_dict, :817-825), while the entry's
+                # 'step' is the load template's own value (a LocalNonpersistentObject, :1664)
+                if key in tensors and key != "step":
+                    tensor.copy_(tensors[key])
+
+    dist_opt._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+_real_tensor_type = torch.Tensor.type
+
+
+def _cuda_type_name(self, dtype=None, non_blocking=False, **kwargs):
+    """``Tensor.type()`` with no argument answers the CUDA name ('torch.cuda.FloatTensor');
+    with an argument it converts, as torch does."""
+    if dtype is None and not kwargs:
+        name = _real_tensor_type(self)
+        return name.replace("torch.", "torch.cuda.", 1) if not self.is_cuda and not name.startswith("torch.cuda.") else name
+    return _real_tensor_type(self, dtype, non_blocking, **kwargs)
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    torch.Tensor.type = _cuda_type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = _real_tensor_type
+
+
+def _with_cuda_type_names(function):
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with _cuda_type_names():
+            return function(*args, **kwargs)
+
+    return call
+
+
+def _answer_cuda_type_names() -> None:
+    """Megatron's optimizers sort parameters by ``param.type()`` against CUDA type names and
+    raise on anything else: distrib_optimizer.py:361/:420 (_build_model_and_main_param_groups),
+    :582 (__init__), optimizer.py:671/:690 (Float16OptimizerWithFloat16Params.__init__),
+    clip_grads.py:167 (clip_grad_by_total_norm_fp32). During those calls only, a CPU tensor's
+    ``type()`` gives the CUDA name of its dtype."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    build = dist_opt.__dict__["_build_model_and_main_param_groups"].__func__
+    dist_opt._build_model_and_main_param_groups = classmethod(_with_cuda_type_names(build))
+    dist_opt.__init__ = _with_cuda_type_names(dist_opt.__init__)
+    optimizer.Float16OptimizerWithFloat16Params.__init__ = _with_cuda_type_names(
+        optimizer.Float16OptimizerWithFloat16Params.__init__
+    )
+    wrapped_clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = wrapped_clip
+    optimizer.clip_grad_by_total_norm_fp32 = wrapped_clip  # optimizer.py imports it by name
+
+
+def _keep_on_cpu() -> None:
+    """``.cuda()`` on modules and tensors returns them as they are: training.py:1258
+    (``model_module.cuda(...)``), training.py:3112, checkpointing and the optimizer move things
+    with ``.cuda()``. This is process-wide, which is safe only because it runs where CUDA is
+    absent: there every ``.cuda()`` call could only raise."""
+
+    def module_cuda(self, device=None):
+        return self
+
+    def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        return self
+
+    torch.nn.Module.cuda = module_cuda
+    torch.Tensor.cuda = tensor_cuda
+
+
+def _patch_training_functions() -> None:
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+
+    if not hasattr(initialize, "_initialize_distributed"):  # a stand-in, not Megatron-LM's loop
+        return
+
+    # initialize.py:62 asserts torch.cuda.is_available() unless allow_no_cuda
+    original_initialize = initialize.initialize_megatron
+
+    @functools.wraps(original_initialize)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original_initialize(*args, **kwargs)
+
+    initialize.initialize_megatron = initialize_megatron
+    training.initialize_megatron = initialize_megatron  # training.py:136 imports it by name
+
+    # initialize.py:339 init_process_group(backend=args.distributed_backend): NCCL needs GPUs
+    original_distributed = initialize._initialize_distributed
+
+    @functools.wraps(original_distributed)
+    def _initialize_distributed(*args, **kwargs):
+        megatron_args = initialize.get_args()
+        if megatron_args.distributed_backend == "nccl":
+            megatron_args.distributed_backend = "gloo"
+        return original_distributed(*args, **kwargs)
+
+    initialize._initialize_distributed = _initialize_distributed
+
+    # initialize.py:190 compiles the C++ dataset helpers with `make` inside the checkout (and
+    # :208 builds fused CUDA kernels): on CPU the helpers come from the megatron-core wheel
+    # (``load_dataset_helpers``) and there are no kernels to build.
+    def _compile_dependencies():
+        load_dataset_helpers()
+
+    initialize._compile_dependencies = _compile_dependencies
+
+
+def load_dataset_helpers() -> None:
+    """Make ``megatron.core.datasets.helpers_cpp`` importable: as it is when the checkout has it
+    built, else the compiled module shipped in the megatron-core wheel (same sources at
+    core_v0.16.1), loaded under that name."""
+    name = "megatron.core.datasets.helpers_cpp"
+    if name in sys.modules:
+        return
+    try:
+        importlib.import_module(name)
+        return
+    except ImportError:
+        pass
+    from importlib import metadata
+
+    from ..errors import ConfigError
+
+    files = [f for f in (metadata.distribution("megatron-core").files or ()) if f.name.startswith("helpers_cpp")
+             and f.suffix in (".so", ".pyd")]
+    if not files:
+        raise ConfigError(
+            "Megatron's C++ dataset helpers are neither built in the checkout nor shipped in the installed "
+            "megatron-core wheel: run `make -C $MEGATRON_LM_DIR/megatron/core/datasets` (needs pybind11)"
+        )
+    path = str(files[0].locate())
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module

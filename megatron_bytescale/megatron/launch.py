@@ -19,7 +19,6 @@ install the same hooks).
 from __future__ import annotations
 
 import functools
-import runpy
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -86,7 +85,31 @@ def run(script: str | Path, args: list[str]) -> None:
     if not patched:
         install_pretrain_wrapper()
     sys.argv = [str(path), *args]
-    runpy.run_path(str(path), run_name="__main__")
+    run_as_main(path)
+
+
+SPAWN_MAIN = "megatron_bytescale.megatron.spawn_main"
+
+
+def run_as_main(path: Path) -> None:
+    """Execute ``path`` as ``__main__`` (what ``runpy.run_path`` does), with ``__spec__`` naming
+    ``spawn_main``: a child started with multiprocessing's "spawn" method then imports that
+    module as its main module instead of re-running the unpatched script (see spawn_main.py)."""
+    import builtins
+    import importlib.machinery
+    import types
+
+    module = types.ModuleType("__main__")
+    module.__file__ = str(path)
+    module.__builtins__ = builtins
+    module.__spec__ = importlib.machinery.ModuleSpec(SPAWN_MAIN, None)
+    code = compile(path.read_text(), str(path), "exec")
+    previous = sys.modules["__main__"]
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.modules["__main__"] = previous
 
 
 def main(argv: Optional[list[str]] = None) -> int:

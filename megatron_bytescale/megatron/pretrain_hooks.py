@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import sys
 import threading
 from typing import Any, Callable, Iterator, Optional
 
@@ -90,12 +91,47 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
 
     @functools.wraps(validate_args)
     def validate(args, defaults={}):  # noqa: B006 (Megatron's signature)
-        result = validate_args(args, defaults)
-        validate_hdp_args(args)
+        try:
+            if getattr(args, "hybrid_data_parallel", False):
+                check_launch(args)  # before Megatron's asserts would fire with a traceback
+            result = validate_args(args, defaults)
+            validate_hdp_args(args)
+            if getattr(args, "hybrid_data_parallel", False):
+                check_data_exists(args)
+        except ConfigError as exc:
+            # a wrong launch stops here, before any worker trains, with one line (every rank
+            # would print it: rank 0 does)
+            if getattr(args, "rank", 0) == 0:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         return result
 
     validate._hdp_wrapped = True
     return validate
+
+
+def check_launch(args) -> None:
+    """What Megatron's validate_args asserts about the world size, as a one-line error."""
+    world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
+    tp, pp = getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1)
+    if world % (tp * pp):
+        raise ConfigError(
+            f"world size {world} does not divide by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}: start a multiple of {tp * pp} ranks or change the sizes"
+        )
+
+
+def check_data_exists(args) -> None:
+    """Every dataset prefix the HDP loader will open exists (PREFIX.bin and PREFIX.idx)."""
+    train = getattr(args, "train_data_path", None) or getattr(args, "data_path", None)
+    for flag, paths in (("--data-path", train), ("--valid-data-path", getattr(args, "valid_data_path", None))):
+        for prefix in paths or ():
+            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                raise ConfigError(
+                    f"{flag} {prefix}: {prefix}{missing[0]} not found; build the dataset with "
+                    f"`bytescale prepare-data --output {prefix} ...`"
+                )
 
 
 # ------------------------------------------------------------------ forward/backward
@@ -164,15 +200,67 @@ def install_argument_validation() -> None:
 
 
 def install_forward_backward() -> None:
-    """The HDP step from Megatron's ``get_forward_backward_func``, for train and evaluate
-    (idempotent; runs without --hybrid-data-parallel keep Megatron's schedules)."""
+    """The HDP step from Megatron's ``get_forward_backward_func``, for train and evaluate, and
+    checkpoints that keep every HDP rank's RNG state (``install_checkpoint_rng``); idempotent;
+    runs without --hybrid-data-parallel keep Megatron's schedules and checkpoints."""
     import megatron.training.training as training
 
     training.get_forward_backward_func = get_forward_backward_func_or_hdp(training.get_forward_backward_func)
+    install_checkpoint_rng()
+
+
+def every_hdp_rank_rng(function: Callable) -> Callable:
+    """Wrap Megatron's ``save_checkpoint`` / ``load_checkpoint`` so that, under HDP, they run as
+    with ``--data-parallel-random-init``: checkpointing.py:347 then gathers the RNG state of every
+    data-parallel rank and :1859 restores each rank its own. Megatron otherwise saves DP rank 0's
+    state only and gives it to every rank on load, which is exact when all DP ranks draw the same
+    random numbers; HDP ranks run different micro-batches (dropout draws differ), so a resume would
+    not continue the uninterrupted run. The flag is set only during the call (the initial seeds
+    stay Megatron's); checkpoints record it, so an HDP checkpoint loads only as HDP."""
+    if getattr(function, "_hdp_wrapped", False):
+        return function
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        megatron_args = _hdp_args()
+        if megatron_args is None or megatron_args.data_parallel_random_init:
+            return function(*args, **kwargs)
+        megatron_args.data_parallel_random_init = True
+        try:
+            return function(*args, **kwargs)
+        finally:
+            megatron_args.data_parallel_random_init = False
+
+    call._hdp_wrapped = True
+    return call
+
+
+def install_checkpoint_rng() -> None:
+    import megatron.training.training as training
+
+    try:
+        import megatron.training.checkpointing as checkpointing
+    except ModuleNotFoundError:  # a stand-in training package without checkpoints
+        return
+
+    for module in (checkpointing, training):  # training.py:104-105 imports both by name
+        module.save_checkpoint = every_hdp_rank_rng(module.save_checkpoint)
+        module.load_checkpoint = every_hdp_rank_rng(module.load_checkpoint)
+
+
+def install_cpu_backend() -> bool:
+    """On a machine without CUDA, the CPU/gloo backend for Megatron's training loop
+    (``cpu_compat.install_training``); nothing on a CUDA machine. Must run before
+    ``megatron.training`` is imported (the launcher and the patched pretrain_gpt.py do so)."""
+    from . import cpu_compat
+
+    return cpu_compat.install_training()
 
 
 def install() -> None:
-    """Both runtime hooks into Megatron's training package (the launcher's entry point)."""
+    """The CPU backend (without CUDA) and both runtime hooks into Megatron's training package
+    (the launcher's entry point)."""
+    install_cpu_backend()
     install_argument_validation()
     install_forward_backward()
 
@@ -391,7 +479,14 @@ def hdp_data_iterators(args, rank: Optional[int] = None):
         train_iter = Prefetcher(train_iter, args.hdp_plan_ahead)
     valid_iter = None
     if args.valid_data_path:
-        valid_iter = iter(build_loader(args, _single_prefix(args.valid_data_path, "--valid-data-path"), rank, name="valid"))
+        valid_prefix = _single_prefix(args.valid_data_path, "--valid-data-path")
+        valid = build_loader(args, valid_prefix, rank, name="valid")
+        # Megatron validated --eval-iters steps at every --eval-interval iteration before --load's
+        # iteration: a resumed run continues the validation stream where those stopped
+        iteration = getattr(args, "iteration", 0)
+        if args.eval_interval:
+            fast_forward(valid, args, valid_prefix, (iteration // args.eval_interval) * args.eval_iters)
+        valid_iter = iter(valid)
     return train_iter, valid_iter, None
 
 

@@ -6,9 +6,12 @@
 #      a checkpoint;
 #   2. launcher: the unpatched checkout under `python -m megatron_bytescale.launch`, resuming
 #      that checkpoint for 2 more iterations (the HDP loader fast-forwards past 4 steps).
-# Each must reach its last iteration with finite losses. Needs a CUDA GPU, torch, and the
-# packages megatron-core imports (einops, regex, pyyaml, numpy, packaging); not flash-attn,
-# Transformer Engine or apex (it uses --transformer-impl local and no fused kernels).
+# Each must reach its last iteration with finite losses (exact resume is checked by the CPU
+# tests, tests/test_pretrain_gpt_cpu.py). Needs a CUDA GPU, torch, and what Megatron-LM's training package imports
+# (`pip install -e '.[megatron]'`: six, pydantic, einops, regex, psutil; triton comes with CUDA
+# torch); not flash-attn, Transformer Engine or apex (--transformer-impl local, no fused
+# kernels; without apex/TE megatron-core's distributed optimizer falls back to torch Adam, whose
+# resume megatron_bytescale/megatron/cpu_compat.py fixes on any device).
 #
 #   MEGATRON_LM_DIR=... scripts/gpu/smoke_pretrain_gpt.sh    (default .smoke/Megatron-LM,
 #                                                            made by scripts/gpu/prepare_smoke.sh)
@@ -41,6 +44,10 @@ if [[ ${DRY_RUN:-0} == 1 ]]; then
 fi
 
 "$python" -c "import sys, torch; torch.cuda.is_available() or sys.exit('error: no CUDA device: this smoke test needs a GPU'); print('torch', torch.__version__, torch.cuda.get_device_name())"
+"$python" -c "
+import importlib.util, sys
+missing = [m for m in ('six', 'pydantic', 'einops', 'regex', 'psutil', 'triton') if importlib.util.find_spec(m) is None]
+missing and sys.exit('error: Megatron-LM training needs ' + ', '.join(missing) + \": pip install -e '.[megatron]'\" + (' (and triton)' if 'triton' in missing else ''))"
 
 # 1. trees: pristine (launcher) and patched copies; dataset helpers compiled or stubbed
 cp -r "$mlm" "$work/pristine"
@@ -54,12 +61,12 @@ for p in "$repo"/patches/*.patch; do  # in order, as `git apply patches/*.patch`
 done
 grep -q "pretrain_hooks as hdp" "$work/patched/pretrain_gpt.py"
 for tree in "$work/pristine" "$work/patched"; do
-    # Megatron compiles its dataset index helpers at start-up; HDP's loader does not use them,
-    # so where no compiler is at hand a placeholder lets that make step succeed.
+    # Megatron runs `make` for its C++ dataset helpers at start-up: build them, or take the
+    # compiled module the megatron-core wheel ships (same sources at core_v0.16.1; docs/cluster.md)
     if ! make -s -C "$tree/megatron/core/datasets" >/dev/null 2>&1; then
-        suffix=$(python3-config --extension-suffix 2>/dev/null || true)
-        touch "$tree/megatron/core/datasets/helpers_cpp$suffix" "$tree/megatron/core/datasets/helpers_cpp"
-        echo "note: dataset helpers not compiled in $tree (unused by HDP); placeholder written"
+        "$python" -c "import importlib.metadata as m; print(next(f.locate() for f in m.files('megatron-core') if f.name.startswith('helpers_cpp')))" |
+            xargs -I{} cp {} "$tree/megatron/core/datasets/"
+        echo "note: dataset helpers taken from the megatron-core wheel in $tree"
     fi
 done
 

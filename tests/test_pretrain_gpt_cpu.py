@@ -1,0 +1,273 @@
+"""Megatron-LM's own training loop (``pretrain_gpt.py``, core_v0.16.1) under HDP on CPU/gloo.
+
+Every run is the command line ``scripts/train_local.sh`` builds (tiny model, fp32, the local
+transformer implementation, ``--use-distributed-optimizer``) on datasets made by
+``bytescale prepare-data``; the losses are the ones Megatron logs. Runs with the same flags share
+one invocation where they can (the first run also writes the checkpoint the resume tests load):
+
+* patched ``pretrain_gpt.py`` (the series applied to a copy of the tree) on 4 ranks: the loss
+  falls and validation runs; the launcher on the unpatched tree gives the very same losses;
+* a stop at iteration 2 and a resume (torch_dist and torch formats, hidden dropout on) gives
+  exactly the uninterrupted run's losses, gradient norms and validation loss at iterations 3-5;
+* 4 HDP ranks and TP=2 x HDP=2: Megatron's iteration-1 loss equals one HDP rank's (same TP) on
+  the same global batch, and the parameters after iteration 1 equal that run's (fp32 tolerance);
+* wrong launches stop with one line naming the problem, not a traceback.
+
+Needs MEGATRON_LM_DIR (a core_v0.16.1 checkout); skipped, with that reason, without it.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_LM_DIR or not (Path(MEGATRON_LM_DIR or ".") / "pretrain_gpt.py").is_file(),
+    reason="set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 checkout",
+)
+
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
+VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
+ERROR_LINE = re.compile(r"^error: .+$", re.M)
+TIMEOUT = 300
+
+
+class Run:
+    def __init__(self, proc: subprocess.CompletedProcess):
+        self.proc, self.log = proc, proc.stdout + proc.stderr
+        self.losses = {int(i): loss for i, loss, _ in ITERATION.findall(self.log)}
+        self.grad_norms = {int(i): norm for i, _, norm in ITERATION.findall(self.log)}
+        self.validation = VALIDATION.findall(self.log)
+
+    def summary(self) -> str:
+        """The lines that tell what happened (Megatron's log is long and mostly warnings)."""
+        keep = re.compile(r"iteration|checkpoint|[Ee]rror|Traceback|error:|validation")
+        return "\n".join(line for line in self.log.splitlines() if keep.search(line) and "warn" not in line)[-6000:]
+
+    def check(self) -> "Run":
+        assert self.proc.returncode == 0, self.summary()
+        return self
+
+
+def _environment(tree: Path, **variables) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env.update(
+        MEGATRON_LM_DIR=str(tree), MODEL="tiny", PRECISION="fp32", TRANSFORMER_IMPL="local", SEQ_LENGTH="256",
+        HDP_TOKEN_CAPACITY="256", HDP_PLAN_AHEAD="0", LR_WARMUP_ITERS="0", LOG_INTERVAL="1", LR="1e-3",
+        PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
+    )
+    env.update({k: str(v) for k, v in variables.items()})
+    return env
+
+
+def train(tree: Path, *flags: str, **variables) -> Run:
+    """scripts/train_local.sh with these variables and extra flags (the fusions below are
+    torch.compile'd on CPU: seconds of compiling for a model this small)."""
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts/train_local.sh"), "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", *flags],
+        env=_environment(tree, **variables), capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT,
+    )
+    return Run(proc)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("pretrain_gpt")
+
+
+@pytest.fixture(scope="module")
+def data(work):
+    """Train and validation sets in Megatron's indexed format, by `bytescale prepare-data`."""
+    prefixes = {}
+    for name, files in (("train", sorted((ROOT / "megatron_bytescale").rglob("*.py"))),
+                        ("valid", sorted((ROOT / "tests").glob("test_*.py")))):
+        prefix = work / name
+        subprocess.run([sys.executable, "-m", "megatron_bytescale.cli", "prepare-data", "--output", str(prefix),
+                        "--quiet", "--text-files", *map(str, files)], check=True, capture_output=True, timeout=120)
+        prefixes[name] = str(prefix)
+    return prefixes
+
+
+@pytest.fixture(scope="module")
+def patched_tree(work):
+    """A copy of the checkout with patches/*.patch applied (the checkout itself stays read-only)."""
+    tree = work / "megatron-lm"
+    shutil.copytree(MEGATRON_LM_DIR, tree, ignore=shutil.ignore_patterns("__pycache__", ".git"))
+    for patch in sorted((ROOT / "patches").glob("*.patch")):
+        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True, capture_output=True)
+    assert "megatron_bytescale.megatron import pretrain_hooks" in (tree / "pretrain_gpt.py").read_text()
+    return tree
+
+
+def _hdp4(data, **variables):
+    return dict(dict(NPROC=4, GLOBAL_BATCH_SIZE=8, TRAIN_ITERS=5, DATA_PATH=data["train"],
+                     VALID_DATA_PATH=data["valid"], EVAL_ITERS=1, EVAL_INTERVAL=2, SAVE_INTERVAL=2), **variables)
+
+
+@pytest.fixture(scope="module")
+def patched_run(patched_tree, data, work):
+    """4 HDP ranks, patched pretrain_gpt.py, hidden dropout on; saves torch_dist at 2 and 4."""
+    return train(patched_tree, "--hidden-dropout", "0.1", "--ckpt-format", "torch_dist",
+                 **_hdp4(data, SAVE_DIR=work / "ckpt_dist")).check()
+
+
+@pytest.fixture(scope="module")
+def launcher_run(data, work):
+    """The same through the launcher on the unpatched checkout; saves in torch format."""
+    return train(Path(MEGATRON_LM_DIR), "--hidden-dropout", "0.1", "--ckpt-format", "torch",
+                 **_hdp4(data, SAVE_DIR=work / "ckpt_torch")).check()
+
+
+def _resume_from(checkpoint: Path, iteration: int, work: Path) -> Path:
+    """A copy of ``checkpoint`` whose tracker file names ``iteration`` (as if the run had stopped there)."""
+    copy = work / f"{checkpoint.name}_at_{iteration}"
+    shutil.copytree(checkpoint, copy)
+    (copy / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return copy
+
+
+def test_patched_pretrain_gpt_trains_and_validates_on_four_hdp_ranks(patched_run):
+    assert sorted(patched_run.losses) == [1, 2, 3, 4, 5], patched_run.log[-3000:]
+    losses = [float(patched_run.losses[i]) for i in (1, 2, 3, 4, 5)]
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert [i for i, _ in patched_run.validation][:2] == ["2", "4"], patched_run.validation
+    assert re.search(r"hybrid_data_parallel \.+ True", patched_run.log)
+    assert re.search(r"use_distributed_optimizer \.+ True", patched_run.log)
+
+
+def test_launcher_on_the_unpatched_tree_gives_the_same_losses(patched_run, launcher_run):
+    assert launcher_run.losses == patched_run.losses
+    assert launcher_run.grad_norms == patched_run.grad_norms
+    assert launcher_run.validation == patched_run.validation
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_stop_and_resume_continues_the_uninterrupted_run_exactly(fmt, request, data, work):
+    if fmt == "torch_dist":  # the patched run's checkpoint, resumed by the patched script
+        uninterrupted, tree, checkpoint = (request.getfixturevalue("patched_run"),
+                                           request.getfixturevalue("patched_tree"), work / "ckpt_dist")
+    else:  # the launcher run's, resumed by the launcher
+        uninterrupted, tree, checkpoint = request.getfixturevalue("launcher_run"), Path(MEGATRON_LM_DIR), work / "ckpt_torch"
+    resumed = train(tree, "--hidden-dropout", "0.1", "--ckpt-format", fmt,
+                    **_hdp4(data, LOAD_DIR=_resume_from(checkpoint, 2, work), SAVE_INTERVAL=100)).check()
+    assert "successfully loaded checkpoint from" in resumed.log and sorted(resumed.losses) == [3, 4, 5], resumed.summary()
+    print(f"{fmt}: uninterrupted {uninterrupted.losses}, resumed {resumed.losses}")
+    # Megatron logs the first iteration of a run without resetting its loss accumulator
+    # (training.py:1797), so the next line averages both: the resumed run's iteration 4 is the
+    # mean of iterations 3 and 4; 3 and 5 stand alone, as in the uninterrupted run
+    assert resumed.losses[3] == uninterrupted.losses[3] and resumed.losses[5] == uninterrupted.losses[5]
+    mean = (float(uninterrupted.losses[3]) + float(uninterrupted.losses[4])) / 2
+    assert abs(float(resumed.losses[4]) - mean) < 2e-6, (resumed.losses[4], mean)
+    assert resumed.grad_norms == {i: uninterrupted.grad_norms[i] for i in (3, 4, 5)}
+    # validation at iteration 4 on the same validation steps, with the same parameters
+    assert ("4", dict(uninterrupted.validation)["4"]) in resumed.validation
+
+
+def _parameters(checkpoint: Path) -> dict:
+    """The model's parameters in a torch_dist checkpoint, whatever TP wrote it."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    iteration = (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
+    out = checkpoint / "full.pt"
+    dcp_to_torch_save(checkpoint / f"iter_{int(iteration):07d}", out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if not k.startswith("optimizer") and torch.is_tensor(v)
+            and "_extra_state" not in k}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hdp_step_equals_one_hdp_rank(tp, data, work):
+    """Megatron's iteration-1 loss and the parameters after iteration 1: HDP over 4 ranks
+    (TP=1: 4 HDP ranks; TP=2: TP=2 x HDP=2) against one HDP rank of the same TP size on the same
+    global batch (no dropout). Megatron's initialisation depends on the TP size, so each TP size
+    is compared with its own one-HDP-rank run."""
+    common = dict(GLOBAL_BATCH_SIZE=8, TRAIN_ITERS=1, DATA_PATH=data["train"], TP=tp)
+    # --use-cpu-initialization: Megatron draws the full weights and splits them. Measured: with
+    # its default (per-shard) init, TP=2 runs with 1 and 2 HDP ranks differ at iteration 1 (an
+    # open question, see docs/cluster.md); TP=1 runs agree either way
+    flags = ("--hidden-dropout", "0", "--ckpt-format", "torch_dist", "--use-cpu-initialization")
+
+    def run(name, nproc):
+        return name, train(Path(MEGATRON_LM_DIR), *flags, **common, NPROC=nproc, SAVE_DIR=work / f"ckpt_{name}").check()
+
+    with ThreadPoolExecutor(2) as pool:  # both are mostly start-up: overlap them
+        both = dict(pool.map(lambda a: run(*a), ((f"tp{tp}_hdp{4 // tp}", 4), (f"tp{tp}_hdp1", tp))))
+    hdp, one = both[f"tp{tp}_hdp{4 // tp}"], both[f"tp{tp}_hdp1"]
+    assert f"tensor model parallel with size {tp}" in hdp.log
+    assert hdp.losses[1] == one.losses[1], (hdp.losses, one.losses)
+    assert hdp.grad_norms[1] == one.grad_norms[1]
+    params_hdp, params_one = _parameters(work / f"ckpt_tp{tp}_hdp{4 // tp}"), _parameters(work / f"ckpt_tp{tp}_hdp1")
+    assert params_hdp.keys() == params_one.keys() and len(params_one) >= 8  # layers are stacked
+    worst = max(float((params_hdp[k].double() - params_one[k].double()).abs().max()) for k in params_one)
+    print(f"TP={tp}: iteration-1 loss {hdp.losses[1]} (HDP={4 // tp}) vs {one.losses[1]} (one HDP rank); "
+          f"max parameter difference after iteration 1: {worst:.3e}")
+    assert worst < 5e-6  # fp32: different summation orders, through one Adam step
+
+
+def _drop(flag):
+    def edit(flags):
+        i = flags.index(flag)
+        return flags[:i] + flags[i + 2:]
+
+    return edit
+
+
+def _tp(size):
+    def edit(flags):
+        i = flags.index("--tensor-model-parallel-size")
+        return flags[:i + 1] + [str(size)] + flags[i + 2:]
+
+    return edit
+
+
+# case: (script variables, edit of the script's flags for a hand-written launch (None: the
+# script refuses it itself), world size, the text the one error line must hold)
+WRONG_LAUNCHES = {
+    "world size not divisible by TP (script)": (dict(TP=2, NPROC=3), None, 3, "does not divide by TP=2"),
+    "world size not divisible by TP": (dict(), _tp(2), 3, "world size 3 does not divide by"),
+    "missing --hdp-token-capacity": (dict(), _drop("--hdp-token-capacity"), 1, "--hdp-token-capacity"),
+    "--eval-iters 0 alone": (dict(), _drop("--eval-interval"), 1, "without --eval-interval"),
+    "a missing data path": (dict(DATA_PATH="/nonexistent/corpus"), lambda f: f, 1, "/nonexistent/corpus"),
+}
+
+
+def test_wrong_launches_stop_with_one_line(data):
+    """Each wrong launch, by the script or by hand through the launcher (one process, as
+    ``python -m megatron_bytescale.launch``), exits with status 2 and one line naming the problem."""
+    import shlex
+
+    def launch(case):
+        variables, edit, world, expected = WRONG_LAUNCHES[case]
+        env = _environment(Path(MEGATRON_LM_DIR), DRY_RUN=1, NPROC=1, DATA_PATH=data["train"], TRAIN_ITERS=2)
+        env.update({k: str(v) for k, v in variables.items()})
+        proc = subprocess.run(["bash", str(ROOT / "scripts/train_local.sh")], env=env,
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        if edit is None:
+            return case, proc, expected
+        assert proc.returncode == 0, proc.stderr
+        argv = shlex.split(proc.stdout.strip().splitlines()[-1])
+        flags = edit(argv[argv.index("megatron_bytescale.launch") + 2:])
+        return case, _direct(flags, WORLD_SIZE=world, RANK=0, LOCAL_RANK=0, DATA_PATH=data["train"]), expected
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(launch, WRONG_LAUNCHES))
+    for case, proc, expected in results:
+        assert proc.returncode == 2, (case, proc.returncode, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, (case, proc.stderr[-3000:])
+        errors = ERROR_LINE.findall(proc.stderr)
+        assert errors and expected in errors[-1], (case, errors, proc.stderr[-2000:])
+
+
+def _direct(args: list[str], **variables) -> subprocess.CompletedProcess:
+    variables.setdefault("PYTHONPATH", os.pathsep.join([MEGATRON_LM_DIR, str(ROOT)]))
+    return subprocess.run([sys.executable, "-m", "megatron_bytescale.launch", str(Path(MEGATRON_LM_DIR) / "pretrain_gpt.py"), *args],
+                          env=_environment(Path(MEGATRON_LM_DIR), **variables), capture_output=True, text=True,
+                          timeout=TIMEOUT, cwd=ROOT)
