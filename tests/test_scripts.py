@@ -268,7 +268,9 @@ def test_smoke_command_lines_pass_megatron_and_hdp_validation(env, tmp_path):
 
     for line in lines.strip().splitlines():
         argv = shlex.split(line)
-        flags = argv[argv.index(str(Path(MEGATRON_LM_DIR).resolve() / "pretrain_gpt.py")) + 1:]
+        script = (Path(MEGATRON_LM_DIR) / "pretrain_gpt.py").resolve()
+        at = next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py") and Path(a).resolve() == script)
+        flags = argv[at + 1:]
         out = run(
             f"""
 args = megatron_parser().parse_args({flags!r})
