@@ -39,7 +39,8 @@ RANK_BYTES = 384 << 20
 STARTUP_S = 120.0  # a rank that has not beaten its heart once by then never started
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes, or None where there is none."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -52,7 +53,7 @@ def _available_memory() -> int | None:
 
 def max_world_size() -> int:
     """How many local ranks this machine can hold (memory-bound; 1024 where it cannot tell)."""
-    avail = _available_memory()
+    avail = available_memory()
     return 1024 if avail is None else max(1, avail // RANK_BYTES)
 
 
@@ -62,7 +63,7 @@ def check_world_size(world_size: int, flag: str = "--world-size") -> None:
         raise ConfigError(f"{flag} {world_size}: must be at least 1")
     limit = max_world_size()
     if world_size > limit:
-        avail = _available_memory() or 0
+        avail = available_memory() or 0
         raise ConfigError(
             f"{flag} {world_size}: this machine can hold at most {limit} local gloo ranks "
             f"(~{RANK_BYTES >> 20} MiB each, {avail / 2**30:.1f} GiB available); lower {flag}"

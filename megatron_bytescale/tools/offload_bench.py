@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from ..local_world import available_memory
 from ..planner.plan import resident_fraction
 from ..planner.specs import ModelSpec
 from ..runtime.offload import ActivationOffloader
@@ -155,7 +156,7 @@ def run_offload_check(
         total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 8 << 30
         device_budget = 0.8 * (total - 2 * weights)  # weights + gradients stay; workspace needs room
     if host_budget is None:
-        host_budget = 0.35 * _available_host_memory()  # torch's pinned allocator rounds up to powers of two
+        host_budget = 0.35 * (available_memory() or 16 << 30)  # torch's pinned allocator rounds up to powers of two
     rows, skipped = [], []
     for tokens in tokens_list:
         n = layers or layers_that_fit(per_token, tokens, keep_last, max_layers, device_budget, host_budget)
@@ -204,14 +205,3 @@ def _measure_ratios(stack, spec, tokens, ratios, n, keep_last, min_tensor_bytes,
         offloader.remove()
         offloader.pool.trim()
     return rows
-
-
-def _available_host_memory() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 16 << 30
