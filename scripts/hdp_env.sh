@@ -46,6 +46,16 @@ hdp_args() {
     [[ -n ${MEGATRON_LM_DIR:-} ]] || die "set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1"
     [[ -f $MEGATRON_LM_DIR/pretrain_gpt.py ]] || die "$MEGATRON_LM_DIR/pretrain_gpt.py not found: MEGATRON_LM_DIR must be a Megatron-LM checkout"
     [[ -n ${DATA_PATH:-} ]] || die "set DATA_PATH to an indexed dataset prefix (build one with: bytescale prepare-data --output PREFIX ...)"
+    [[ $DATA_PATH != *.bin && $DATA_PATH != *.idx ]] ||
+        die "DATA_PATH=$DATA_PATH: give the dataset prefix, without .bin/.idx (DATA_PATH=${DATA_PATH%.*})"
+    # (not on a dry run: the data may live only where the job runs)
+    [[ ${DRY_RUN:-0} == 1 || (-f $DATA_PATH.bin && -f $DATA_PATH.idx) ]] ||
+        die "DATA_PATH=$DATA_PATH: $DATA_PATH.bin and .idx not found; build them with: bytescale prepare-data --output $DATA_PATH ..."
+    [[ ${HDP_TOKEN_CAPACITY:-8K} =~ ^[0-9]+(\.[0-9]+)?[KkMm]?$ ]] ||
+        die "HDP_TOKEN_CAPACITY=$HDP_TOKEN_CAPACITY: write tokens per rank and micro-batch with an optional K/M suffix, e.g. 8K"
+    [[ ${HDP_SELECTIVE_OFFLOAD:-0} == [01] ]] || die "HDP_SELECTIVE_OFFLOAD must be 0 or 1, got '$HDP_SELECTIVE_OFFLOAD'"
+    [[ -z ${HDP_PROFILE:-} || -f $HDP_PROFILE ]] ||
+        die "HDP_PROFILE=$HDP_PROFILE: no such file; measure one with bytescale profile, or unset it for the analytic model"
 
     local tp=${TP:-1}
     ((world_size % tp == 0)) || die "world size $world_size does not divide by TP=$tp"

@@ -12,5 +12,6 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/hdp_env.sh"
 
 nproc=${NPROC:-8}
+[[ $nproc =~ ^[1-9][0-9]*$ ]] || die "NPROC=$nproc: give the number of ranks (GPUs) to start on this node, e.g. NPROC=8"
 hdp_args "$nproc" "$@"
 run_or_print torchrun --standalone --nproc-per-node "$nproc" "${ENTRY[@]}" "${TRAIN_ARGS[@]}"

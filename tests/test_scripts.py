@@ -64,6 +64,11 @@ def env(tmp_path):
     mlm = tmp_path / "Megatron-LM"
     mlm.mkdir()
     (mlm / "pretrain_gpt.py").write_text("# unpatched\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    for suffix in (".bin", ".idx"):  # the scripts check that the dataset is there
+        (data / f"corpus{suffix}").write_bytes(b"")
+    (tmp_path / "p.json").write_text("{}\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _tool(bin_dir, "scontrol", 'echo "gpu-node-07"; echo "gpu-node-08"\n')
@@ -78,7 +83,7 @@ def env(tmp_path):
         os.environ,
         PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         MEGATRON_LM_DIR=str(mlm),
-        DATA_PATH="/data/corpus",
+        DATA_PATH=str(data / "corpus"),
         SLURM_JOB_NUM_NODES="2",
         SLURM_JOB_NODELIST="gpu-node-[07-08]",
         SLURM_JOB_ID="4242",
@@ -116,7 +121,7 @@ def test_train_local_runs_torchrun_with_the_launcher(env):
     flags = argv[7:]
     assert flags[: len(model_args("tiny"))] == model_args("tiny")
     for pair in (["--hybrid-data-parallel", "--hdp-token-capacity"], ["--global-batch-size", "4"],
-                 ["--data-path", "/data/corpus", "--eval-iters", "0"], ["--seed", "7"]):
+                 ["--data-path", variables["DATA_PATH"], "--eval-iters", "0"], ["--seed", "7"]):
         i = flags.index(pair[0])
         assert flags[i: i + len(pair)] == pair
     assert "--calculate-per-token-loss" in flags and flags[-2:] == ["--seed", "7"]
@@ -141,6 +146,12 @@ def test_a_patched_checkout_runs_pretrain_gpt_itself(env):
         (dict(MEGATRON_LM_DIR="/nonexistent"), "pretrain_gpt.py not found"),
         (dict(TP="3", NPROC="8"), "does not divide by TP=3"),
         (dict(HDP_MODE="fast"), "HDP_MODE must be auto, patched or launcher"),
+        (dict(DATA_PATH="/nonexistent/corpus"), "/nonexistent/corpus.bin and .idx not found"),
+        (dict(DATA_PATH="/data/corpus.bin"), "without .bin/.idx (DATA_PATH=/data/corpus)"),
+        (dict(NPROC="0"), "NPROC=0: give the number of ranks"),
+        (dict(HDP_TOKEN_CAPACITY="8Q"), "HDP_TOKEN_CAPACITY=8Q: write tokens"),
+        (dict(HDP_SELECTIVE_OFFLOAD="yes"), "HDP_SELECTIVE_OFFLOAD must be 0 or 1, got 'yes'"),
+        (dict(HDP_PROFILE="/missing.json"), "HDP_PROFILE=/missing.json: no such file"),
     ],
 )
 def test_train_local_refuses_bad_settings(env, extra, message):
@@ -153,13 +164,13 @@ def test_optional_variables_become_flags(env):
     variables, _ = env
     settings = dict(
         VALID_DATA_PATH="/data/valid", HDP_STEP_TOKENS="2M", HDP_BALANCE="none", HDP_SELECTIVE_OFFLOAD="1",
-        HDP_PROFILE="/p.json", HDP_DATALOADER="ray", HDP_RAY_ADDRESS="head:6379", SAVE_DIR="/ckpt", LOAD_DIR="/ckpt",
+        HDP_PROFILE=str(Path(variables["DATA_PATH"]).parent.parent / "p.json"), HDP_DATALOADER="ray", HDP_RAY_ADDRESS="head:6379", SAVE_DIR="/ckpt", LOAD_DIR="/ckpt",
         TP="2", NPROC="8",
     )
     flags = json.loads(run_script("scripts/train_local.sh", dict(variables, **settings)).stdout)["argv"]
     text = " ".join(flags)
-    for expected in ("--train-data-path /data/corpus --valid-data-path /data/valid --eval-iters 10", "--hdp-step-tokens 2M", "--hdp-balance none",
-                     "--hdp-selective-offload", "--hdp-profile /p.json", "--hdp-dataloader ray",
+    for expected in (f"--train-data-path {variables['DATA_PATH']} --valid-data-path /data/valid --eval-iters 10", "--hdp-step-tokens 2M", "--hdp-balance none",
+                     "--hdp-selective-offload", f"--hdp-profile {Path(variables['DATA_PATH']).parent.parent / 'p.json'}", "--hdp-dataloader ray",
                      "--hdp-ray-address head:6379", "--save /ckpt", "--load /ckpt", "--tensor-model-parallel-size 2",
                      "--global-batch-size 4"):
         assert expected in text, expected
