@@ -561,28 +561,41 @@ def _one_f_one_b_graph(ring_keys: Sequence[Sequence[object | None]], stages: int
     return succ, indeg, chains, owners
 
 
-def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages: int) -> str | None:
-    """None if ranks running 1F1B over ``stages`` stages always make progress, else a
-    description of where they get stuck. ``ring_keys[r][m]``: the ring micro-batch that rank
-    ``r``'s micro-batch ``m`` belongs to (shared by its members), or None for local work."""
-    succ, indeg, chains, _ = _one_f_one_b_graph(ring_keys, stages)
+def longest_paths(succ: Sequence[Sequence[int]], indeg: list[int], duration: Sequence[float]) -> list[float] | None:
+    """End time of every node of a DAG (a node starts at the latest end of its predecessors),
+    walked in Kahn's order; ``indeg`` is consumed. None if a cycle leaves nodes unvisited:
+    those keep ``indeg > 0`` (callers name them)."""
+    start = [0.0] * len(succ)
+    end = [0.0] * len(succ)
     ready = [v for v, d in enumerate(indeg) if d == 0]
     done = 0
     while ready:
         v = ready.pop()
         done += 1
+        e = end[v] = start[v] + duration[v]
         for w in succ[v]:
+            if e > start[w]:
+                start[w] = e
             indeg[w] -= 1
             if indeg[w] == 0:
                 ready.append(w)
-    if done == len(succ):
+    return end if done == len(succ) else None
+
+
+def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages: int) -> str | None:
+    """None if ranks running 1F1B over ``stages`` stages always make progress, else a
+    description of where they get stuck. ``ring_keys[r][m]``: the ring micro-batch that rank
+    ``r``'s micro-batch ``m`` belongs to (shared by its members), or None for local work."""
+    succ, indeg, chains, _ = _one_f_one_b_graph(ring_keys, stages)
+    if longest_paths(succ, indeg, [0.0] * len(succ)) is not None:
         return None
     stuck = []
     for r, stage, chain in chains:
         first = next(((d, m) for v, d, m in chain if indeg[v] > 0), None)
         if first is not None:
             stuck.append(f"rank {r} stage {stage} {'forward' if first[0] == FORWARD else 'backward'} of micro-batch {first[1]}")
-    return f"{len(succ) - done} pipeline operations wait in a cycle, e.g. {'; '.join(stuck[:3])}"
+    waiting = sum(d > 0 for d in indeg)
+    return f"{waiting} pipeline operations wait in a cycle, e.g. {'; '.join(stuck[:3])}"
 
 
 def pipelined_finish_times(
@@ -596,24 +609,15 @@ def pipelined_finish_times(
     duration = [
         max((FORWARD_SHARE if d == FORWARD else 1.0 - FORWARD_SHARE) * times[r][m] for r, m, d in own) for own in owners
     ]
-    start = [0.0] * len(succ)
-    ready = [v for v, d in enumerate(indeg) if d == 0]
-    done = 0
+    end = longest_paths(succ, indeg, duration)
+    if end is None:
+        return None
     finish = [0.0] * len(ring_keys)
-    while ready:
-        v = ready.pop()
-        done += 1
-        end = start[v] + duration[v]
-        for r, _, _ in owners[v]:
-            if end > finish[r]:
-                finish[r] = end
-        for w in succ[v]:
-            if end > start[w]:
-                start[w] = end
-            indeg[w] -= 1
-            if indeg[w] == 0:
-                ready.append(w)
-    return finish if done == len(succ) else None
+    for v, own in enumerate(owners):
+        for r, _, _ in own:
+            if end[v] > finish[r]:
+                finish[r] = end[v]
+    return finish
 
 
 def plan_ring_keys(plan) -> list[list[tuple | None]]:

@@ -53,7 +53,7 @@ from ..errors import PlanError
 from ..planner import two_level
 from ..planner.cost_model import FORWARD_SHARE, CostModel
 from ..planner.offload_policy import copy_exposure, host_bytes
-from ..planner.pipeline_order import BACKWARD, FORWARD, one_f_one_b
+from ..planner.pipeline_order import BACKWARD, FORWARD, longest_paths, one_f_one_b
 from ..planner.plan import MicroBatch, Plan
 from .cluster import Cluster
 from .grad_reduction import exposed_reduction
@@ -419,22 +419,8 @@ def _longest_paths(durations, preds, schedule, num_ranks) -> np.ndarray:
             if u != v:
                 succ[u].append(v)
                 indeg[v] += 1
-    start = [0.0] * n
-    end = np.zeros(n)
-    ready = [v for v in range(n) if indeg[v] == 0]
-    done = 0
-    while ready:
-        u = ready.pop()
-        done += 1
-        e = start[u] + durations[u]
-        end[u] = e
-        for v in succ[u]:
-            if e > start[v]:
-                start[v] = e
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                ready.append(v)
-    if done != n:
+    end = longest_paths(succ, indeg, durations)
+    if end is None:
         stuck = []
         for idx, row in enumerate(schedule):
             for nid, direction, m in row:
@@ -451,7 +437,7 @@ def _longest_paths(durations, preds, schedule, num_ranks) -> np.ndarray:
             f"(e.g. {'; '.join(stuck)}); order ring micro-batches so every member reaches them at the same "
             "1F1B position"
         )
-    return end
+    return np.asarray(end)
 
 
 def lower_bound(seq_lens, cluster: Cluster, cost: CostModel) -> float:
