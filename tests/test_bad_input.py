@@ -80,3 +80,50 @@ def test_a_dead_ray_address_fails_in_seconds_naming_it():
     assert time.monotonic() - t0 < 30
     with pytest.raises(ConfigError, match="HOST:PORT"):
         check_reachable("nonsense")
+
+
+def _serve_once(reply: bytes | None):
+    """A TCP server on a free local port that accepts one connection and sends ``reply``
+    (None: says nothing and keeps the connection open), like a service that is not Ray."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve():
+        conn, _ = server.accept()
+        with conn:
+            if reply is not None:
+                conn.sendall(reply)
+            done.wait(30)
+        server.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server.getsockname()[1], done
+
+
+@pytest.mark.parametrize("reply, why", [
+    (None, "no HTTP/2 answer within 1 s"),
+    (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", "not HTTP/2"),
+    (b"SSH-2.0-OpenSSH_9.6\r\n", "not HTTP/2"),
+])
+def test_an_address_that_is_not_a_ray_head_fails_in_seconds_naming_it(reply, why):
+    port, done = _serve_once(reply)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ConfigError, match=rf"^--address 127.0.0.1:{port}: something listens there but it is not a Ray head \(.*{why}"):
+            check_reachable(f"127.0.0.1:{port}", answer_timeout_s=1.0)
+    finally:
+        done.set()
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_grpc_server_passes_the_ray_head_probe():
+    """What a gRPC server (a Ray head's GCS) sends first: a SETTINGS frame (the real GCS is
+    probed in test_data_ray)."""
+    port, done = _serve_once(bytes([0, 0, 6, 4, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 100]))
+    try:
+        check_reachable(f"127.0.0.1:{port}", answer_timeout_s=5.0)
+    finally:
+        done.set()

@@ -50,11 +50,41 @@ _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 CONNECT_TIMEOUT_S = 10.0  # a cluster head that does not accept a TCP connection by then is not there
+ANSWER_TIMEOUT_S = 5.0  # a gRPC server answers the HTTP/2 preface at once; Ray's own wait is ~40 s
+# The HTTP/2 client connection preface and an empty SETTINGS frame (RFC 9113 3.4): a Ray head's
+# GCS is a gRPC server and answers with its own SETTINGS frame (type 4) first
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_SETTINGS_FRAME = 4
 
 
-def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+def _why_not_grpc(sock, timeout_s: float) -> str | None:
+    """None when the server on ``sock`` answers the HTTP/2 preface with a SETTINGS frame, as
+    every gRPC server does; otherwise what it did instead."""
+    import socket
+
+    sock.settimeout(timeout_s)
+    header = b""
+    try:
+        sock.sendall(_HTTP2_PREFACE)
+        while len(header) < 9:  # one frame header: length (3), type (1), flags (1), stream (4)
+            chunk = sock.recv(9 - len(header))
+            if not chunk:
+                return "it closed the connection without an HTTP/2 answer"
+            header += chunk
+    except socket.timeout:
+        return f"no HTTP/2 answer within {timeout_s:.0f} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if header[3] != _SETTINGS_FRAME:
+        return f"it answered {header[:9]!r}, not HTTP/2"
+    return None
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S, answer_timeout_s: float = ANSWER_TIMEOUT_S) -> None:
     """Fail fast, naming the address, when nothing listens at a ``host:port`` Ray address
-    (``ray.init`` itself retries for minutes with only warnings). ``auto`` and ``ray://`` go to Ray."""
+    (``ray.init`` itself retries for minutes with only warnings), or when what listens is not
+    a gRPC server, so not a Ray head (``ray.init`` would wait ~40 s for its GCS). ``auto`` and
+    ``ray://`` go to Ray; with ``RAY_USE_TLS`` the connection starts with TLS, so only TCP is probed."""
     import socket
 
     if address == "auto" or "://" in address:
@@ -63,14 +93,21 @@ def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
     if not sep or not port.isdigit() or not host:
         raise ConfigError(f"--address {address!r}: give the Ray head as HOST:PORT (e.g. 10.0.0.1:6379) or 'auto'")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            pass
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
     except OSError as exc:
         why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
         raise ConfigError(
             f"--address {address}: no Ray cluster answers there ({why} after at most {timeout_s:.0f} s); "
             "start one with `ray start --head` or omit --address to start a local one"
         ) from None
+    with sock:
+        tls = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+        why = None if tls else _why_not_grpc(sock, answer_timeout_s)
+    if why:
+        raise ConfigError(
+            f"--address {address}: something listens there but it is not a Ray head ({why}); give the "
+            "head's GCS address that `ray start --head` prints (port 6379 by default), or omit --address"
+        )
 
 
 def init_ray(address: str | None = None, num_cpus: int = 2, object_store_memory: int | None = 256 << 20) -> None:
