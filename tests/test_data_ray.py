@@ -11,7 +11,7 @@ import ray
 from data_support import build_corpus
 from megatron_bytescale.data.local_loader import LocalDataLoader
 from megatron_bytescale.data.planning import SamplesDigest
-from megatron_bytescale.data.ray_loader import RayDataLoader, init_ray
+from megatron_bytescale.data.ray_loader import RayDataLoader, check_reachable, init_ray
 from megatron_bytescale.errors import BytescaleError, ConfigError
 from megatron_bytescale.planner.planner import PlannerConfig
 
@@ -148,6 +148,7 @@ def test_ranks_in_separate_processes_share_one_named_loader(ray_session, corpus)
 
     owner = RayDataLoader(corpus, CONFIG, name="shared-loader", num_servers=1, timeout_s=60, **SETTINGS)
     address = ray.get_runtime_context().gcs_address
+    check_reachable(address)  # a real Ray head passes the probe that refuses other servers
     try:
         results = run_local_world(_named_rank, RANKS, corpus, address, 3, timeout_s=180)
         reference = LocalDataLoader(corpus, CONFIG, **SETTINGS)
