@@ -135,6 +135,40 @@ def _child(payload, rank, world_size, port, timeout_s, threads, env, results, he
             dist.destroy_process_group()
 
 
+RESULT_DIR_PREFIX = "bytescale-ranks-"  # then the launcher's pid, "-", mkdtemp's suffix
+
+
+def _new_result_dir() -> str:
+    """A fresh folder for the ranks' result files, named after this launcher's pid; first the
+    folders of launchers that died without removing theirs (SIGKILL leaves no chance) go."""
+    parent = tempfile.gettempdir()
+    remove_stale_result_dirs(parent)
+    return tempfile.mkdtemp(prefix=f"{RESULT_DIR_PREFIX}{os.getpid()}-", dir=parent)
+
+
+def remove_stale_result_dirs(parent: str) -> list[str]:
+    """Remove, and return, the result folders in ``parent`` that belong to this user and whose
+    launcher pid no longer runs. Other names, other users' folders and live launchers' stay."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        pid, sep, _ = entry.name[len(RESULT_DIR_PREFIX):].partition("-")
+        if not entry.name.startswith(RESULT_DIR_PREFIX) or not sep or not pid.isdigit():
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+        except OSError:  # gone meanwhile
+            continue
+        if not process_lifetime._alive(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
 def run_local_world(
     fn: Callable[..., Any],
     world_size: int,
@@ -158,7 +192,7 @@ def run_local_world(
     port = free_port()
     payload = pickle.dumps((fn, args, kwargs))
     env = dict(os.environ)
-    result_dir = tempfile.mkdtemp(prefix="bytescale-ranks-")
+    result_dir = _new_result_dir()
     procs = [
         ctx.Process(target=_child, args=(payload, r, world_size, port, timeout_s, threads, env, results, heartbeat, os.getpid(),
                                          result_dir), daemon=True)

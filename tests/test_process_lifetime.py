@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from megatron_bytescale.errors import ConfigError
-from megatron_bytescale.local_world import WorkerError, check_world_size, run_local_world
+from megatron_bytescale.local_world import (
+    RESULT_DIR_PREFIX,
+    WorkerError,
+    check_world_size,
+    remove_stale_result_dirs,
+    run_local_world,
+)
 from megatron_bytescale.process_lifetime import _alive
 
 import lifetime_support
@@ -32,7 +38,10 @@ def _wait_for(predicate, timeout_s: float, what: str):
 
 
 def _launch_sleepers(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    """A launcher of two sleeping ranks, its temporary files under tmp_path/tmp."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+           "TMPDIR": str(tmp_path / "tmp")}
     proc = subprocess.Popen([sys.executable, str(HERE / "lifetime_support.py"), str(tmp_path)], env=env)
 
     def pids():
@@ -57,6 +66,18 @@ def test_ranks_die_with_their_launcher(tmp_path, sig):
     _wait_for(lambda: not any(_alive(p) for p in pids), 15, f"ranks {pids} to end after {sig.name}")
     if sig == signal.SIGTERM:
         assert proc.returncode == 143
+    left = sorted((tmp_path / "tmp").glob(f"{RESULT_DIR_PREFIX}{proc.pid}-*"))
+    if sig != signal.SIGKILL:  # the launcher removed its ranks' result folder itself
+        assert not left, left
+        return
+    # SIGKILL gave it no chance: the next launch removes the folder of the dead launcher, and
+    # only that one (not a live launcher's, not another name)
+    assert len(left) == 1, left
+    live = tmp_path / "tmp" / f"{RESULT_DIR_PREFIX}{os.getpid()}-live"
+    other = tmp_path / "tmp" / f"{RESULT_DIR_PREFIX}notapid"
+    live.mkdir(), other.mkdir()
+    assert remove_stale_result_dirs(str(tmp_path / "tmp")) == [str(left[0])]
+    assert not left[0].exists() and live.is_dir() and other.is_dir()
 
 
 def test_a_stopped_rank_is_named_within_seconds():
