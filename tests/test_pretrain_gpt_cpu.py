@@ -183,17 +183,18 @@ def _parameters(checkpoint: Path) -> dict:
             and "_extra_state" not in k}
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_hdp_step_equals_one_hdp_rank(tp, data, work):
+# TP=2 with Megatron's default initialisation: each TP shard drawn from the model-parallel RNG
+# stream (per TP rank, the same on every HDP rank; on CPU cpu_compat.CpuRNGStatesTracker);
+# TP=1 with --use-cpu-initialization: the full weights drawn once and split
+@pytest.mark.parametrize("tp, init", [(1, ("--use-cpu-initialization",)), (2, ())], ids=["tp1-cpu-init", "tp2-default-init"])
+def test_hdp_step_equals_one_hdp_rank(tp, init, data, work):
     """Megatron's iteration-1 loss and the parameters after iteration 1: HDP over 4 ranks
     (TP=1: 4 HDP ranks; TP=2: TP=2 x HDP=2) against one HDP rank of the same TP size on the same
     global batch (no dropout). Megatron's initialisation depends on the TP size, so each TP size
-    is compared with its own one-HDP-rank run."""
+    is compared with its own one-HDP-rank run. Different initial weights would differ by far
+    more than the tolerance after one Adam step (which moves each weight by at most ~lr, 3e-5)."""
     common = dict(GLOBAL_BATCH_SIZE=8, TRAIN_ITERS=1, DATA_PATH=data["train"], TP=tp)
-    # --use-cpu-initialization: Megatron draws the full weights and splits them. Measured: with
-    # its default (per-shard) init, TP=2 runs with 1 and 2 HDP ranks differ at iteration 1 (an
-    # open question, see docs/cluster.md); TP=1 runs agree either way
-    flags = ("--hidden-dropout", "0", "--ckpt-format", "torch_dist", "--use-cpu-initialization")
+    flags = ("--hidden-dropout", "0", "--ckpt-format", "torch_dist", *init)
 
     def run(name, nproc):
         return name, train(Path(MEGATRON_LM_DIR), *flags, **common, NPROC=nproc, SAVE_DIR=work / f"ckpt_{name}").check()
@@ -202,8 +203,10 @@ def test_hdp_step_equals_one_hdp_rank(tp, data, work):
         both = dict(pool.map(lambda a: run(*a), ((f"tp{tp}_hdp{4 // tp}", 4), (f"tp{tp}_hdp1", tp))))
     hdp, one = both[f"tp{tp}_hdp{4 // tp}"], both[f"tp{tp}_hdp1"]
     assert f"tensor model parallel with size {tp}" in hdp.log
-    assert hdp.losses[1] == one.losses[1], (hdp.losses, one.losses)
-    assert hdp.grad_norms[1] == one.grad_norms[1]
+    # Megatron prints 7 significant digits; the HDP ranks' partial sums add up in another order
+    # (measured on other data: 6.648995 against 6.648994, the weights equal to 2.6e-7)
+    assert abs(float(hdp.losses[1]) - float(one.losses[1])) < 5e-6, (hdp.losses, one.losses)
+    assert abs(float(hdp.grad_norms[1]) - float(one.grad_norms[1])) <= 1e-3, (hdp.grad_norms, one.grad_norms)
     params_hdp, params_one = _parameters(work / f"ckpt_tp{tp}_hdp{4 // tp}"), _parameters(work / f"ckpt_tp{tp}_hdp1")
     assert params_hdp.keys() == params_one.keys() and len(params_one) >= 8  # layers are stacked
     worst = max(float((params_hdp[k].double() - params_one[k].double()).abs().max()) for k in params_one)
