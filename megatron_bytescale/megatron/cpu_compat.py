@@ -15,6 +15,8 @@ What running GPTModel forward+backward (+ DDP grad sync) on CPU needed:
   ``torch.cuda.current_device()`` (megatron-core's torch norm refuses sequence parallelism:
   ``layer_spec.SequenceParallelTorchNorm`` takes its place, not a patch);
 * the MoE router moves its gating weight to ``torch.cuda.current_device()`` every forward;
+* with pipeline parallelism, word embeddings tied to the output layer are moved to CUDA
+  (``weight.data.cuda()``) before the first and last stage all-reduce them at construction;
 * ``model_parallel_cuda_manual_seed`` stores CUDA generator states in the RNG tracker;
 * activation recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA generator
   state around the recomputed forward (the CPU state and the tracker's streams it keeps too);
@@ -153,6 +155,27 @@ def _set_no_cuda_rng_state(*unused, **unused_kw) -> None:
     """Replacement for megatron-core's ``_set_cuda_rng_state`` on CPU: nothing to restore."""
 
 
+def _tied_embeddings_stay_on_cpu(setup):
+    """Wrap ``LanguageModule.setup_embeddings_and_output_layer``: with PP > 1 it moves the tied
+    word-embedding weight to CUDA (``weight.data = weight.data.cuda()``, language_module.py:244)
+    before all-reducing it over the embedding group; on CPU ``.cuda()`` returns the tensor
+    itself during that call only (the all-reduce then runs on gloo)."""
+    if getattr(setup, "_cpu_wrapped", False):
+        return setup
+
+    @functools.wraps(setup)
+    def on_cpu(self, *args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *unused, **unused_kw: tensor
+        try:
+            return setup(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    on_cpu._cpu_wrapped = True
+    return on_cpu
+
+
 def _define_names_missing_without_te() -> None:
     """megatron-core 0.16.1's MoE router tests ``te_general_gemm is not None`` but only defines
     the name when Transformer Engine imports (NameError otherwise, on CPU and on GPUs without
@@ -189,6 +212,11 @@ def install() -> bool:
             # with the CUDA generator state; on CPU that state does not exist.
             megatron_random._get_cuda_rng_state = _no_cuda_rng_state
             megatron_random._set_cuda_rng_state = _set_no_cuda_rng_state
+            from megatron.core.models.common.language_module.language_module import LanguageModule
+
+            LanguageModule.setup_embeddings_and_output_layer = _tied_embeddings_stay_on_cpu(
+                LanguageModule.setup_embeddings_and_output_layer
+            )
         _installed = True
         return not cuda_in_use()
 
