@@ -57,16 +57,17 @@ hdp_args() {
     [[ -z ${HDP_PROFILE:-} || -f $HDP_PROFILE ]] ||
         die "HDP_PROFILE=$HDP_PROFILE: no such file; measure one with bytescale profile, or unset it for the analytic model"
 
-    local tp=${TP:-1}
-    ((world_size % tp == 0)) || die "world size $world_size does not divide by TP=$tp"
-    local dp=$((world_size / tp))
+    local tp=${TP:-1} pp=${PP:-1}
+    [[ $pp =~ ^[1-9][0-9]*$ ]] || die "PP=$pp: give the number of pipeline stages, a positive integer (e.g. PP=2)"
+    ((world_size % (tp * pp) == 0)) || die "world size $world_size does not divide by TP=$tp x PP=$pp"
+    local dp=$((world_size / (tp * pp)))
     local seq=${SEQ_LENGTH:-32768}
 
     read_model_args "${MODEL:-llama-7b}"
     TRAIN_ARGS=(
         "${MODEL_ARGS[@]}"
         --tensor-model-parallel-size "$tp"
-        --pipeline-model-parallel-size 1
+        --pipeline-model-parallel-size "$pp"
         --seq-length "$seq"
         --max-position-embeddings "$seq"
         --micro-batch-size 1

@@ -216,8 +216,8 @@ def test_hdp_step_equals_one_hdp_rank(tp, init, data, work):
 
 
 def test_pipeline_parallel_hdp_equals_one_rank_with_tied_embeddings(patched_run, patched_tree, data, work):
-    """The patched pretrain_gpt.py with --pipeline-model-parallel-size 2 (PP=2 x HDP=2, 4
-    processes, --hdp-balance pp by default) against one rank without PP, same global batches,
+    """The patched pretrain_gpt.py with --pipeline-model-parallel-size 2 (train_local.sh's PP=2:
+    PP=2 x HDP=2, 4 processes, --hdp-balance pp by default) against one rank without PP, same global batches,
     losses and gradient norms of 3 iterations. Word embeddings tied to the output layer: the last
     stage holds a copy, and Megatron's finalize_model_grads sums its gradient with the first
     stage's over the embedding group (measured: without that sum iteration 2's loss is off by
@@ -230,7 +230,7 @@ def test_pipeline_parallel_hdp_equals_one_rank_with_tied_embeddings(patched_run,
     common = dict(MODEL=model, GLOBAL_BATCH_SIZE=8, TRAIN_ITERS=3, DATA_PATH=data["train"], LOAD_DIR=work / "ckpt_dist")
 
     def run(pp):
-        return train(patched_tree, *flags, "--pipeline-model-parallel-size", str(pp), **common, NPROC=4 if pp > 1 else 1)
+        return train(patched_tree, *flags, **common, PP=pp, NPROC=4 if pp > 1 else 1)
 
     with ThreadPoolExecutor(2) as pool:  # mostly start-up: overlap them
         pipelined, one = (r.check() for r in pool.map(run, (2, 1)))

@@ -90,7 +90,7 @@ def env(tmp_path):
         SLURM_NTASKS_PER_NODE="8",
         SLURM_SUBMIT_DIR=str(ROOT),
     )
-    for name in ("MASTER_ADDR", "MASTER_PORT", "DRY_RUN", "MODEL", "TP", "HDP_MODE", "VALID_DATA_PATH"):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "DRY_RUN", "MODEL", "TP", "PP", "HDP_MODE", "VALID_DATA_PATH"):
         variables.pop(name, None)
     return variables, mlm
 
@@ -145,6 +145,8 @@ def test_a_patched_checkout_runs_pretrain_gpt_itself(env):
         (dict(DATA_PATH=""), "set DATA_PATH"),
         (dict(MEGATRON_LM_DIR="/nonexistent"), "pretrain_gpt.py not found"),
         (dict(TP="3", NPROC="8"), "does not divide by TP=3"),
+        (dict(TP="2", PP="3", NPROC="8"), "world size 8 does not divide by TP=2 x PP=3"),
+        (dict(PP="two"), "PP=two: give the number of pipeline stages"),
         (dict(HDP_MODE="fast"), "HDP_MODE must be auto, patched or launcher"),
         (dict(DATA_PATH="/nonexistent/corpus"), "/nonexistent/corpus.bin and .idx not found"),
         (dict(DATA_PATH="/data/corpus.bin"), "without .bin/.idx (DATA_PATH=/data/corpus)"),
@@ -175,6 +177,13 @@ def test_optional_variables_become_flags(env):
                      "--global-batch-size 4"):
         assert expected in text, expected
     assert "--hdp-hardware" not in flags  # the profile replaces it
+
+
+def test_pipeline_stages_divide_the_world_with_tp(env):
+    variables, _ = env
+    argv = json.loads(run_script("scripts/train_local.sh", dict(variables, TP="2", PP="2", NPROC="8")).stdout)["argv"]
+    assert after(argv, "--pipeline-model-parallel-size")[0] == "2" and after(argv, "--tensor-model-parallel-size")[0] == "2"
+    assert after(argv, "--global-batch-size")[0] == "2"  # 8 ranks / (TP 2 x PP 2) HDP ranks
 
 
 def test_dry_run_prints_one_shell_line(env):
