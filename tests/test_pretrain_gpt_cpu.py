@@ -11,6 +11,7 @@ one invocation where they can (the first run also writes the checkpoint the resu
   exactly the uninterrupted run's losses, gradient norms and validation loss at iterations 3-5;
 * 4 HDP ranks and TP=2 x HDP=2: Megatron's iteration-1 loss equals one HDP rank's (same TP) on
   the same global batch, and the parameters after iteration 1 equal that run's (fp32 tolerance);
+* PP=2 x HDP=2 with tied embeddings: the losses and gradient norms of one rank without PP;
 * wrong launches stop with one line naming the problem, not a traceback.
 
 Needs MEGATRON_LM_DIR (a core_v0.16.1 checkout); skipped, with that reason, without it.
