@@ -14,7 +14,7 @@
   the offload policy's rule; zero for every ratio the planner picks).
 * With ``pipeline_stages = p > 1`` a rank (one pipeline) takes the makespan of 1F1B over
   its micro-batches (``one_f_one_b_time``): every stage runs each micro-batch's forward
-  (``FORWARD_SHARE`` of its time) and backward in 1F1B order, a forward after the previous
+  (``CostModel.forward_share`` of its time) and backward in 1F1B order, a forward after the previous
   stage's, a backward after the next stage's. ``sum + (p - 1) * max`` (``pipeline_time``,
   what the balance scheduler keeps while it places work) is exact for equal micro-batches
   only: a short one between long ones stalls the first stage longer.
@@ -102,7 +102,7 @@ def pipeline_time(mb_times: Sequence[float], pipeline_stages: int) -> float:
     return sum(mb_times) + (pipeline_stages - 1) * max(mb_times)
 
 
-def one_f_one_b_time(mb_times: Sequence[float], pipeline_stages: int) -> float:
+def one_f_one_b_time(mb_times: Sequence[float], pipeline_stages: int, forward_share: float = FORWARD_SHARE) -> float:
     """Seconds a pipeline of ``pipeline_stages`` equal stages takes for micro-batches of these
     stage times under 1F1B (``pipeline_order.one_f_one_b``), nothing else waiting."""
     from .pipeline_order import FORWARD, one_f_one_b  # pipeline_order imports this module
@@ -130,7 +130,7 @@ def one_f_one_b_time(mb_times: Sequence[float], pipeline_stages: int) -> float:
                     ready = bwd[k + 1][i] if k < p - 1 else fwd[k][i]
                 if ready == inf:
                     break
-                share = FORWARD_SHARE if direction == FORWARD else 1.0 - FORWARD_SHARE
+                share = forward_share if direction == FORWARD else 1.0 - forward_share
                 end = max(clock[k], ready) + share * mb_times[i]
                 (fwd if direction == FORWARD else bwd)[k][i] = end
                 clock[k] = end
@@ -146,7 +146,7 @@ def rank_times(plan, cost: CostModel, ranks_per_node: int, pipeline_stages: int 
         times = [
             micro_batch_time(cost, mb, mb.ring is not None and crosses_nodes(mb.ring, ranks_per_node)) for mb in mbs
         ]
-        out.append(one_f_one_b_time(times, pipeline_stages))
+        out.append(one_f_one_b_time(times, pipeline_stages, cost.forward_share))
     return out
 
 

@@ -29,8 +29,9 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   exposed as in forward) in ``m`` of ``l`` layers, the linear part in ``k``; recomputed layers
   keep nothing, so offloading concerns ``cost.activation_layers`` of them.
 * **Pipelines.** Each HDP rank is one pipeline of ``pp`` stages (equal layer counts) running
-  its micro-batches with 1F1B (warm-up, steady state, cool-down); a ring micro-batch's work
-  on a stage starts when every member pipeline has reached it there. Activation transfers
+  its micro-batches with 1F1B (warm-up, steady state, cool-down), or in the plan's own
+  per-stage orders (``Plan.stage_orders``); a ring micro-batch's work on a stage starts when
+  every member pipeline has reached it there. Activation transfers
   between stages are not costed (the same omission for every strategy).
 * **Barriers.** ``plan.meta["barriers"]`` (Megatron's hybrid CP) lists, per barrier, how many
   micro-batches each rank has finished when it enters; nobody continues until all arrive,
@@ -51,7 +52,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..planner import two_level
-from ..planner.cost_model import FORWARD_SHARE, CostModel
+from ..planner.cost_model import CostModel
 from ..planner.offload_policy import copy_exposure, host_bytes
 from ..planner.pipeline_order import BACKWARD, FORWARD, longest_paths, one_f_one_b
 from ..planner.plan import MicroBatch, Plan
@@ -222,7 +223,7 @@ def two_level_ring_work(
     sender_block = block[(np.arange(m)[:, None] - np.arange(m - 1)[None, :]) % m]  # [group, hop]
     lat = cost.p2p_latency_s
     results = []
-    for direction, share in ((FORWARD, FORWARD_SHARE), (BACKWARD, 1.0 - FORWARD_SHARE)):
+    for direction, share in ((FORWARD, cost.forward_share), (BACKWARD, 1.0 - cost.forward_share)):
         per_token = cost.kv_bytes_per_token + (cost.grad_bytes_per_token if direction == BACKWARD else 0.0)
         hops = lat + (sender_block * (per_token / bw)[:, None]).max(axis=0) if m > 1 else np.zeros(0)
         a = share * attn / m
@@ -343,6 +344,12 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
     stages = cluster.pp
     work = micro_batch_work(plan, cluster, cost)
     barriers = parse_barriers(plan)
+    orders = plan.decoded_stage_orders()
+    if orders is not None and (plan.stage_count != stages or barriers):
+        raise PlanError(
+            f"the plan orders {plan.stage_count} pipeline stages{' and has barriers' if barriers else ''}; "
+            f"the cluster has PP {stages}: plan with pipeline_stages={stages} (stage orders and barriers do not mix)"
+        )
 
     durations: list[float] = []
     preds: list[list[int]] = []
@@ -369,7 +376,7 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
             lo, hi = bounds[rank][seg], bounds[rank][seg + 1]
             for stage in range(stages):
                 row = schedule[stage * plan.num_ranks + rank]
-                for direction, i in one_f_one_b(hi - lo, stages, stage):
+                for direction, i in one_f_one_b(hi - lo, stages, stage) if orders is None else orders[rank][stage]:
                     m = lo + i
                     nid = node(rank, stage, direction, m)
                     p = preds[nid]
