@@ -196,3 +196,15 @@ def test_validate_refuses_incomplete_crossed_or_deadlocking_stage_orders():
     plan = Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks, stage_orders=encode_stage_orders(stuck))
     with pytest.raises(PlanError, match="stage_orders deadlock: .*wait in a cycle"):
         plan.validate()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "search"])
+def test_the_pipelined_estimate_uses_the_cost_models_forward_share(schedule):
+    """A profile whose forward takes 45% of a layer's time: the planner's pipelined estimate
+    (1F1B or searched orders) splits each stage's time as the simulator does."""
+    cost = small_cost(num_layers=4, forward_share=0.45, kv_bytes_per_token=0.0, grad_bytes_per_token=0.0, p2p_latency_s=1e-12)
+    lens = [300, 260] + [40, 25, 60, 10, 33, 47, 12, 80, 5, 70] * 2
+    config = PlannerConfig(num_ranks=4, capacity=100, ranks_per_node=2, balance="pp", pipeline_stages=4, pipeline_schedule=schedule)
+    plan = plan_step(lens, config, cost).validate()
+    step = simulate(plan, Cluster(16, pp=4, gpus_per_node=2), cost).step_time
+    assert plan.meta["est_time_max_s"] == pytest.approx(step, rel=1e-6)

@@ -1,31 +1,40 @@
 """Per-stage operation orders for pipelines that share ring micro-batches, found by simulation.
 
 1F1B fixes each stage's order by micro-batch index: ``p - k - 1`` warm-up forwards, then
-strict alternation, backwards in FIFO order. When a ring micro-batch spans many pipelines
-(a 2M-token sequence on all of them) the stages idle around it, because nothing may run out
-of that order. ``list_schedule`` instead simulates all pipelines together and lets every
-stage pick what to run next:
+strict alternation, backwards in FIFO order, whatever the other pipelines do. A member whose
+ring comes late in its list keeps the ring's other members waiting for its local work.
+``stage_schedule`` simulates all pipelines together instead and lets every stage pick what
+runs next (``_list_schedule``):
 
 * an operation (the forward or the backward of one micro-batch on one stage) is *ready* once
-  the previous stage's forward (the next stage's backward; the last stage's own forward) has
-  ended; a ring micro-batch's operation on a stage is one operation of all its members,
-  which starts when the last of them is free (a gang);
-* the ready operation that can start first runs first (ties: backwards, which free memory,
-  then larger rings, then the schedule's order of the rank's micro-batches);
-* a ready ring operation *reserves* its members from its earliest start: an operation of a
-  smaller ring or a local micro-batch runs on a member only if it ends by then (backfilling),
-  so short work fills the waits around a large ring without ever delaying it;
+  the previous stage's forward (the next stage's backward; on the last stage its own
+  forward) has ended; a ring micro-batch's operation on a stage is one operation of all its
+  members, which starts when all of them are free (a gang);
+* of the ready operations whose members are all free, backwards go first (they free
+  memory), then larger rings, then the rank's list order;
+* a ready operation of a larger ring *reserves* its members from its earliest start: an
+  operation of a smaller ring or a local micro-batch runs on a member only if it ends by
+  then (backfilling), so short work fills waits without delaying a larger ring;
+* activations cross between stages in posting order, so stage ``k + 1`` runs its forwards
+  in stage ``k``'s order and stage ``k`` its backwards in stage ``k + 1``'s
+  (``pipeline_order.crossing_order_mismatch``);
 * memory: a stage holds at most ``cap`` micro-batches between forward and backward (default
   ``p``: what 1F1B holds on its first stage, the budget device and host memory are sized
-  for; ``offload_policy.host_capacity`` shares the host among that many). A local forward
-  leaves one of them free while a larger ring's forward waits for the stage, so local work
-  cannot starve a ring of memory.
+  for; ``offload_policy.host_capacity`` shares the host among that many). A forward leaves
+  one place free while a larger ring's forward waits for the stage.
 
-Each stage's order is the order its operations started in the simulation. Every operation
-starts after its predecessors end in that simulation, so running those orders cannot
-deadlock (``pipeline_order.find_pipeline_deadlock`` with the orders checks it again, and
-plans carry the orders: ``Plan.stage_orders``). The simulated end of the last operation is
-the pipelined estimate; ``sim.timeline`` runs the same orders with its own costs.
+Each stage's order is the order its operations started in that simulation, so every
+operation starts after its predecessors end: the orders cannot deadlock (``Plan.validate``
+checks them again with ``find_pipeline_deadlock``). They are timed by the simulator's rule
+(``_Ops.evaluate``: a longest path through the orders) and kept only if shorter than 1F1B.
+
+What it buys depends on the plan. On small random ring structures it often shortens the
+step (a ring late in one member's list runs first on all members). On PP-balance plans of
+2M-context batches it does not beat 1F1B: those already meet every ring in one slot on all
+members, and the bubble around a ring that spans every pipeline is set by memory, not by
+order. Work that enters the pipeline after the ring's forward sits between its forward
+and backward waves until the backward passes, and a stage holds ``p`` micro-batches, so at
+most ``p - 1`` micro-batches ahead of the ring can use the stages it leaves idle.
 """
 
 from __future__ import annotations
@@ -96,9 +105,8 @@ class _Ops:
             return (u * self.p + k + 1) * 2 if k < self.p - 1 else op + 1
         return (u * self.p + k - 1) * 2 + 1 if k > 0 else None
 
-    def sequences(self, orders) -> list[list[int]] | None:
-        """Per resource (rank * p + stage): its operation ids in run order, or None if a ring
-        operation appears in a different relative order... (checked by ``evaluate``)."""
+    def sequences(self, orders) -> list[list[int]]:
+        """Per resource (rank * p + stage): its operation ids in run order."""
         out = []
         for r in range(self.n):
             for k in range(self.p):
@@ -191,7 +199,7 @@ def stage_schedule(
     return StageSchedule(ops.orders(seqs), ops.finish(end), ops.peak(seqs))
 
 
-def _list_schedule(ops: _Ops, cap: int, mode: int = 0) -> list[list[int]] | None:
+def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
     """Per-resource sequences from simulating all pipelines with the rules of the module
     docstring (event by event), or None if the simulation stalls."""
     p, n = ops.p, ops.n
@@ -225,15 +233,7 @@ def _list_schedule(ops: _Ops, cap: int, mode: int = 0) -> list[list[int]] | None
         return True
 
     def prio(op: int) -> tuple:
-        u, k, d = op // (2 * p), (op // 2) % p, op % 2
-        if mode == 1:  # the longest work left in its micro-batch first
-            f, b = dur[(u * p) * 2], dur[(u * p) * 2 + 1]
-            left = (k + 1) * b if d else (p - k) * f + p * b
-            return (-d, -left, pos[u], op)
-        if mode == 2:
-            return (-d, pos[u], op)
-        if mode == 3:  # short work first: it gets ahead of the large rings' waves
-            return (-d, dur[op], pos[u], op)
+        u, d = op // (2 * p), op % 2
         return (-d, -size[u], pos[u], op)
 
     def announce(op: int, when: float) -> None:
