@@ -208,3 +208,13 @@ def test_the_pipelined_estimate_uses_the_cost_models_forward_share(schedule):
     plan = plan_step(lens, config, cost).validate()
     step = simulate(plan, Cluster(16, pp=4, gpus_per_node=2), cost).step_time
     assert plan.meta["est_time_max_s"] == pytest.approx(step, rel=1e-6)
+
+
+def test_the_simulator_passes_the_pipeline_schedule_to_the_hdp_planner():
+    from megatron_bytescale.sim.strategies import StrategyInput, make_plan
+
+    lens = [300, 260] + [40, 25, 60, 10, 33, 47, 12, 80, 5, 70] * 2
+    x = StrategyInput(lens, Cluster(16, pp=4, gpus_per_node=2), small_cost(num_layers=4), 100, 300, "search")
+    notes = make_plan("hdp-balanced", x).meta["notes"]
+    assert len(notes) == 1 and notes[0].startswith("searched stage orders: ")
+    assert "notes" not in make_plan("hdp-balanced", StrategyInput(lens, x.cluster, x.cost, 100, 300)).meta

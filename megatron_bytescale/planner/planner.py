@@ -172,11 +172,15 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     ring_time = {u: units[u].time for u in assignment.members}
     ranks = _build(lens, units, ordered.members or assignment.members, ordered.runs, placer.ranks_per_node, cost)
     est = np.array(rank_estimates(ordered, stages, ring_time, cost.forward_share))
-    stage_orders, one_f_one_b_est = None, float(est.max()) if est.size else 0.0
+    stage_orders, one_f_one_b_est, notes = None, float(est.max()) if est.size else 0.0, []
     if stages > 1 and config.pipeline_schedule == "search":
         found = _search_stage_orders(ordered, stages, ring_time, cost)
         if found is not None:
             stage_orders, est = encode_stage_orders(found.orders), np.array(found.finish)
+        notes.append(
+            "searched stage orders: "
+            + (f"kept ({found.makespan:.4g} s against 1F1B's {one_f_one_b_est:.4g} s)" if found else "none shorter than 1F1B")
+        )
 
     plan = Plan(
         num_ranks=config.num_ranks,
@@ -218,6 +222,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         },
         # with pipeline_schedule="search": the 1F1B estimate the stage orders beat (if found)
         "stage_orders": {"found": stage_orders is not None, "one_f_one_b_est_s": one_f_one_b_est},
+        **({"notes": notes} if notes else {}),
         "plan_time_s": time.perf_counter() - t0,
     }
     return plan
