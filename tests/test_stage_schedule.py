@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.planner.cost_model import FORWARD_SHARE
+from megatron_bytescale.planner.estimate import micro_batch_time
 from megatron_bytescale.planner.pipeline_order import (
     BACKWARD,
     FORWARD,
@@ -218,3 +219,30 @@ def test_the_simulator_passes_the_pipeline_schedule_to_the_hdp_planner():
     notes = make_plan("hdp-balanced", x).meta["notes"]
     assert len(notes) == 1 and notes[0].startswith("searched stage orders: ")
     assert "notes" not in make_plan("hdp-balanced", StrategyInput(lens, x.cluster, x.cost, 100, 300)).meta
+
+
+def test_the_floor_of_rings_on_every_pipeline_is_their_1f1b_alone_and_nothing_beats_it():
+    """Three rings on both pipelines (equal stage times) and local work: the floor is
+    (3 + p - 1) x a ring's stage time, and neither 1F1B nor the searched orders go under it."""
+    from megatron_bytescale.sim.timeline import evaluate, pipeline_ring_floor
+
+    lens = (40, 40, 40) + (6,) * 8
+    rings = [ring_pieces(i, 40, (0, 1)) for i in range(3)]
+    ranks = tuple(
+        tuple(MicroBatch((rings[i][r],)) for i in range(3)) + tuple(MicroBatch((whole_piece(3 + 4 * r + j, 6, r),)) for j in range(4))
+        for r in range(2)
+    )
+    plan = Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks).validate()
+    cost = small_cost(num_layers=2)
+    cluster = Cluster(8, pp=4, gpus_per_node=2)
+    floor = pipeline_ring_floor(plan, cluster, cost)
+    timeline = simulate(plan, cluster, cost)
+    f, b = timeline.row(0, 3)[:2]  # the first ring's forward and backward on the last stage
+    ring_stage = (f[1] - f[0]) + (b[1] - b[0])
+    assert floor == pytest.approx((3 + 4 - 1) * ring_stage, rel=1e-6)
+    assert timeline.step_time >= floor * (1 - 1e-9)
+    assert evaluate(plan, cluster, cost).metrics()["pipeline_ring_floor_s"] == floor
+    keys = plan_ring_keys(plan)
+    times = [[micro_batch_time(cost, mb) for mb in mbs] for mbs in plan.ranks]
+    found = stage_schedule(keys, times, 4, cost.forward_share)
+    assert found is None or found.makespan >= floor * (1 - 1e-6)

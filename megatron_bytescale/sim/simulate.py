@@ -206,6 +206,12 @@ def format_table(report: SimReport) -> str:
         f"host: pinned host memory the busiest GPU needs for offloaded activations (budget "
         f"{report.cost.host_memory_bytes / 1e9:.0f} GB per GPU)"
     )
+    floors = [f"{n} {m['pipeline_ring_floor_s']:.2f} s" for n, m in med.items() if m.get("pipeline_ring_floor_s", 0.0) > 0]
+    if floors:
+        lines.append(
+            "ring micro-batches spanning every pipeline alone, in any stage order (the floor of the step; medians): "
+            + "; ".join(floors)
+        )
     reduce = [f"{n} {m['exposed_grad_reduce_s']:.2f} -> {m['exposed_grad_reduce_overlap_s']:.2f}"
               for n, m in med.items() if "exposed_grad_reduce_s" in m]
     if reduce:

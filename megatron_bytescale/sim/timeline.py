@@ -494,6 +494,40 @@ def critical_path(seq_lens, cluster: Cluster, cost: CostModel) -> float:
     return best * cluster.pp
 
 
+def pipeline_ring_floor(plan: Plan, cluster: Cluster, cost: CostModel) -> float:
+    """Seconds no stage order can beat when some ring micro-batches span every pipeline
+    (0 without pipelines or such rings). Every stage runs all of them one after another; the
+    last stage cannot start one before a forward has crossed the ``p - 1`` stages above it,
+    and after its last one a backward still crosses them back:
+
+        (p - 1) * min_i F_i + sum_i (F_i + B_i) + (p - 1) * min_i B_i
+
+    with ``F_i``, ``B_i`` ring ``i``'s forward and backward on one stage. For ``m`` equal
+    rings that is ``(m + p - 1) x`` one ring's stage time: the 1F1B makespan of those rings
+    alone, which other work cannot shorten (it can only fill the idle stages around them)."""
+    p = cluster.pp
+    if p <= 1:
+        return 0.0
+    spans: dict[tuple, tuple[float, float]] = {}
+    for mbs in plan.ranks:
+        for mb in mbs:
+            ring = mb.ring
+            if ring is not None and len(ring) == plan.num_ranks and (ring, mb.distributed_seq_ids) not in spans:
+                key = (ring, mb.distributed_seq_ids)
+                spans[key] = (0.0, 0.0)
+    if not spans:
+        return 0.0
+    work = micro_batch_work(plan, cluster, cost)
+    for r, mbs in enumerate(plan.ranks):
+        for m, mb in enumerate(mbs):
+            f, b, key = work[r][m]
+            if key in spans:
+                spans[key] = (max(spans[key][0], f.duration), max(spans[key][1], b.duration))
+    fs = [f for f, _ in spans.values()]
+    bs = [b for _, b in spans.values()]
+    return (p - 1) * min(fs) + sum(fs) + sum(bs) + (p - 1) * min(bs)
+
+
 @dataclass
 class StepResult:
     strategy: str
@@ -510,6 +544,7 @@ class StepResult:
     grad_reduce_s: float = 0.0  # exposed gradient reduction after the step (sim.grad_reduction)
     grad_reduce_overlap_s: float = 0.0  # the same with --overlap-grad-reduce
     two_level_rings: int = 0  # ring micro-batches run two-level
+    pipeline_ring_floor: float = 0.0  # rings spanning every pipeline: what no stage order beats
 
     def metrics(self) -> dict:
         t = self.timeline
@@ -518,6 +553,7 @@ class StepResult:
             "step_time_s": t.step_time,
             "lower_bound_s": self.lower_bound,
             "critical_path_s": self.critical_path,
+            "pipeline_ring_floor_s": self.pipeline_ring_floor,
             "x_lower_bound": t.step_time / self.lower_bound,
             "x_bound": t.step_time / max(self.lower_bound, self.critical_path),
             "busy_max_s": float(busy.max()),
@@ -567,6 +603,7 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         timeline=timeline,
         lower_bound=lower_bound(plan.seq_lens, cluster, cost),
         critical_path=critical_path(plan.seq_lens, cluster, cost),
+        pipeline_ring_floor=pipeline_ring_floor(plan, cluster, cost),
         p2p_bytes=float(sum(p2p)) * gpus_per_rank,
         p2p_bytes_max_gpu=float(max(p2p)) if p2p else 0.0,
         offload_bytes=offload * gpus_per_rank,
