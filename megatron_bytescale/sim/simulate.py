@@ -206,11 +206,15 @@ def format_table(report: SimReport) -> str:
         f"host: pinned host memory the busiest GPU needs for offloaded activations (budget "
         f"{report.cost.host_memory_bytes / 1e9:.0f} GB per GPU)"
     )
-    floors = [f"{n} {m['pipeline_ring_floor_s']:.2f} s" for n, m in med.items() if m.get("pipeline_ring_floor_s", 0.0) > 0]
+    floors = [
+        f"{n} " + ", ".join(f"{r['pipeline_ring_floor_s']:.2f}" for r in rows)
+        for n, rows in report.steps.items()
+        if any(r.get("pipeline_ring_floor_s", 0.0) > 0 for r in rows)
+    ]
     if floors:
         lines.append(
-            "ring micro-batches spanning every pipeline alone, in any stage order (the floor of the step; medians): "
-            + "; ".join(floors)
+            "ring micro-batches spanning every pipeline alone, in any stage order (a floor of the step, s per step; "
+            "0: no such ring): " + "; ".join(floors)
         )
     reduce = [f"{n} {m['exposed_grad_reduce_s']:.2f} -> {m['exposed_grad_reduce_overlap_s']:.2f}"
               for n, m in med.items() if "exposed_grad_reduce_s" in m]
