@@ -351,18 +351,20 @@ def _naive_packs(
         u = long_units[k]
         s = lens[u.seq_ids[0]]
         n = u.ring_size
-        fillers, times, tokens = [], [], []
+        fillers, local_pairs, tokens = [], [], []
         pairs_share = s * s / n
         block = rank_tokens(s, n, 0)
         exposed = exposed_ring_time(cost, pairs_share, block, n, n > ranks_per_node)
         for i in range(n):
             f = tuple(extra.get(i, ()))
-            t_i = rank_tokens(s, n, i) + sum(lens[j] for j in f)
-            p_i = pairs_share + sum(lens[j] ** 2 for j in f)
             fillers.append(f)
-            tokens.append(t_i)
-            times.append(cost.num_layers * (cost.layer_time(t_i, p_i) + exposed))
-        u.fillers, u.tokens, u.time = tuple(fillers), max(tokens), max(times)
+            tokens.append(rank_tokens(s, n, i) + sum(lens[j] for j in f))
+            local_pairs.append(sum(lens[j] ** 2 for j in f))
+        # the ring runs in lockstep: each layer waits for the member with the most linear
+        # work, then for the one with the most packed attention (ring step 0), so its time
+        # takes the two maxima, which may be different members (as sim.timeline runs it)
+        u.fillers, u.tokens = tuple(fillers), max(tokens)
+        u.time = cost.num_layers * (cost.layer_time(max(tokens), pairs_share + max(local_pairs)) + exposed)
     packs = pack_best_fit([(i, lens[i]) for i, _ in left], capacity)
     return [
         Unit(
