@@ -246,3 +246,14 @@ def test_the_floor_of_rings_on_every_pipeline_is_their_1f1b_alone_and_nothing_be
     times = [[micro_batch_time(cost, mb) for mb in mbs] for mbs in plan.ranks]
     found = stage_schedule(keys, times, 4, cost.forward_share)
     assert found is None or found.makespan >= floor * (1 - 1e-6)
+
+
+def test_a_plan_ordered_for_other_stage_counts_is_refused():
+    from megatron_bytescale.planner.pipeline_order import plan_pipeline_deadlock
+
+    ok = [[[(0, 0), (0, 1), (1, 1), (1, 0)]] * 2, [[(0, 0), (0, 1), (1, 0), (1, 1)]] * 2]
+    plan = two_rank_plan(encode_stage_orders(ok)).validate()
+    assert plan.stage_count == 2 and plan_pipeline_deadlock(plan, 2) is None
+    assert plan_pipeline_deadlock(plan, 4) == "the plan orders 2 pipeline stages but the pipeline has 4"
+    with pytest.raises(PlanError, match="orders 2 pipeline stages.*the cluster has PP 4"):
+        simulate(plan, Cluster(8, pp=4, gpus_per_node=2), small_cost(num_layers=2))
