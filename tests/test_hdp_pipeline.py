@@ -58,7 +58,39 @@ def deadlocking_plan() -> Plan:
     return Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks).validate()
 
 
-CASES = {"uneven": uneven_counts_plan, "idle": idle_pipeline_plan}
+def reordered_plan() -> Plan:
+    """Not 1F1B: the ring is first on pipeline 0 and last on pipeline 1; pipeline 1's stages
+    run it before their local work (and its backward before theirs), the order
+    ``stage_schedule`` finds for these lengths (``tests/test_stage_schedule.py``)."""
+    lens = (24, 12, 8, 5)
+    ring = ring_pieces(0, 24, (0, 1))
+    ranks = (
+        (MicroBatch((ring[0],)), MicroBatch((whole_piece(1, 12, 0),))),
+        (MicroBatch((whole_piece(2, 8, 1),)), MicroBatch((whole_piece(3, 5, 1),)), MicroBatch((ring[1],), offload_ratio=0.5)),
+    )
+    orders = (
+        ((0, 1, -1, -2), (0, -1, 1, -2)),
+        ((2, 0, -3, -1, 1, -2), (2, -3, 0, -1, 1, -2)),
+    )
+    return Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks, stage_orders=orders).validate()
+
+
+def deadlock_made_safe_plan() -> Plan:
+    """``deadlocking_plan`` with stage orders that run one micro-batch at a time through
+    both stages: the same micro-batches, no deadlock."""
+    plan = deadlocking_plan()
+    orders = tuple(
+        tuple(tuple(c for m in range(len(mbs)) for c in (m, -1 - m)) for _ in range(PP)) for mbs in plan.ranks
+    )
+    return Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=plan.seq_lens, ranks=plan.ranks, stage_orders=orders).validate()
+
+
+CASES = {
+    "uneven": uneven_counts_plan,
+    "idle": idle_pipeline_plan,
+    "reordered": reordered_plan,
+    "deadlock-ordered": deadlock_made_safe_plan,
+}
 
 
 def one_rank_plan(lens) -> Plan:
@@ -138,6 +170,7 @@ def _pipelined(rank, world, plans_json, weights):
             "ring_bytes": result.stats.p2p_bytes,
             "stage_bytes": result.stats.pipeline_bytes,
             "offloaded": result.stats.offloaded_bytes,
+            "first_is_ring": bool(result.stats.timings) and result.stats.timings[0].ring,  # by forward start
             "grads": grads_of(model),
         }
     offloader.remove()
@@ -191,6 +224,18 @@ def test_a_pipeline_with_no_micro_batch_joins_the_reduction(runs):
     idle = [o["idle"] for o in outs if o["hdp"] == 1]
     assert [o["mbs"] for o in idle] == [0, 0]
     assert all(o["stage_bytes"] == 0 and o["ring_bytes"] == 0 for o in idle)
+
+
+def test_stage_orders_from_the_plan_are_what_runs(runs):
+    """The reordered plan's pipeline 1 runs its ring first although it is last in its list
+    (1F1B would run the local micro-batches first); the deadlocking plan runs once it
+    carries orders."""
+    plans, _, outs = runs
+    assert plans["reordered"].stage_order(1, 0)[0] == (0, 2)
+    assert all(o["reordered"]["ring_bytes"] > 0 for o in outs)
+    assert all(o["reordered"]["first_is_ring"] for o in outs)  # pipeline 1 too: its ring went first
+    assert all("error" not in o["deadlock-ordered"] for o in outs)
+    assert plan_pipeline_deadlock(deadlocking_plan(), PP) and plan_pipeline_deadlock(plans["deadlock-ordered"], PP) is None
 
 
 def test_an_order_that_deadlocks_under_1f1b_is_refused_on_every_rank(runs):

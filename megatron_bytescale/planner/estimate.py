@@ -14,7 +14,7 @@
   the offload policy's rule; zero for every ratio the planner picks).
 * With ``pipeline_stages = p > 1`` a rank (one pipeline) takes the makespan of 1F1B over
   its micro-batches (``one_f_one_b_time``): every stage runs each micro-batch's forward
-  (``FORWARD_SHARE`` of its time) and backward in 1F1B order, a forward after the previous
+  (``CostModel.forward_share`` of its time) and backward in 1F1B order, a forward after the previous
   stage's, a backward after the next stage's. ``sum + (p - 1) * max`` (``pipeline_time``,
   what the balance scheduler keeps while it places work) is exact for equal micro-batches
   only: a short one between long ones stalls the first stage longer.
@@ -83,6 +83,34 @@ def micro_batch_time(cost: CostModel, mb: MicroBatch, inter_node: bool = False) 
     return cost.num_layers * per_layer + offload_time(cost, tokens, pairs, mb.offload_ratio)
 
 
+def ring_time(cost: CostModel, mbs: Sequence[MicroBatch], inter_node: bool = False) -> float:
+    """Seconds of one ring micro-batch, whose members' micro-batches are ``mbs``: the ring runs
+    in lockstep, each layer waiting for the member with the most linear work, then (ring step
+    0) for the one with the most attention of whole sequences packed beside its share; they
+    may be different members, so this can exceed every member's ``micro_batch_time``."""
+    tokens = local = dist_pairs = 0.0
+    block = 0
+    for mb in mbs:
+        t = lp = dp = 0.0
+        b = 0
+        for p in mb.pieces:
+            t += p.tokens
+            if p.is_distributed:
+                dp += p.seq_len * p.seq_len / p.ring_size
+                b += rank_tokens(p.seq_len, p.ring_size, 0)
+            else:
+                lp += p.seq_len * p.seq_len
+        tokens, local, dist_pairs, block = max(tokens, t), max(local, lp), max(dist_pairs, dp), max(block, b)
+    n = len(mbs[0].ring) if mbs and mbs[0].ring is not None else 1
+    per_layer = cost.layer_time(tokens, dist_pairs + local) + exposed_ring_time(cost, dist_pairs, block, n, inter_node)
+    offload = max((offload_time(cost, mb.tokens, _pairs(mb), mb.offload_ratio) for mb in mbs), default=0.0)
+    return cost.num_layers * per_layer + offload
+
+
+def _pairs(mb: MicroBatch) -> float:
+    return sum(p.seq_len * p.seq_len / p.ring_size if p.is_distributed else p.seq_len * p.seq_len for p in mb.pieces)
+
+
 def offload_time(cost: CostModel, tokens: float, pairs: float, ratio: float) -> float:
     """Seconds the copies of an offloaded micro-batch add beyond compute, all ``l - 2``
     offloaded layers of the stage (``copy_exposure``: 0 whenever the planner chose ``ratio``)."""
@@ -102,7 +130,7 @@ def pipeline_time(mb_times: Sequence[float], pipeline_stages: int) -> float:
     return sum(mb_times) + (pipeline_stages - 1) * max(mb_times)
 
 
-def one_f_one_b_time(mb_times: Sequence[float], pipeline_stages: int) -> float:
+def one_f_one_b_time(mb_times: Sequence[float], pipeline_stages: int, forward_share: float = FORWARD_SHARE) -> float:
     """Seconds a pipeline of ``pipeline_stages`` equal stages takes for micro-batches of these
     stage times under 1F1B (``pipeline_order.one_f_one_b``), nothing else waiting."""
     from .pipeline_order import FORWARD, one_f_one_b  # pipeline_order imports this module
@@ -130,7 +158,7 @@ def one_f_one_b_time(mb_times: Sequence[float], pipeline_stages: int) -> float:
                     ready = bwd[k + 1][i] if k < p - 1 else fwd[k][i]
                 if ready == inf:
                     break
-                share = FORWARD_SHARE if direction == FORWARD else 1.0 - FORWARD_SHARE
+                share = forward_share if direction == FORWARD else 1.0 - forward_share
                 end = max(clock[k], ready) + share * mb_times[i]
                 (fwd if direction == FORWARD else bwd)[k][i] = end
                 clock[k] = end
@@ -146,7 +174,7 @@ def rank_times(plan, cost: CostModel, ranks_per_node: int, pipeline_stages: int 
         times = [
             micro_batch_time(cost, mb, mb.ring is not None and crosses_nodes(mb.ring, ranks_per_node)) for mb in mbs
         ]
-        out.append(one_f_one_b_time(times, pipeline_stages))
+        out.append(one_f_one_b_time(times, pipeline_stages, cost.forward_share))
     return out
 
 
@@ -180,7 +208,7 @@ def finish_times(plan, cost: CostModel, ranks_per_node: int) -> list[float]:
                 # member finishes with the slowest (shares differ by a token, or by fillers)
                 start = max(clock[r] for r in ring)
                 inter = crosses_nodes(ring, ranks_per_node)
-                end = start + max(micro_batch_time(cost, ranks[r][pos[r]], inter) for r in ring)
+                end = start + ring_time(cost, [ranks[r][pos[r]] for r in ring], inter)
                 for r in ring:
                     clock[r] = end
                     pos[r] += 1

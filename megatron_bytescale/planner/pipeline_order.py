@@ -84,12 +84,14 @@ def order_runs(
     ranks_per_node: int = 1,
     lookahead: int = LOOKAHEAD,
     fallback: bool = True,
+    forward_share: float = FORWARD_SHARE,
 ) -> Ordered:
     """Each rank's items in run order, and the estimated finish of each rank when every ring
     starts as soon as its last member reaches it. ``runs[r]`` holds ``r``'s rings in
     ``ring_order``. With ``stages > 1`` the order is made safe for 1F1B (see above);
     ``Ordered.deadlock`` says why if no safe order was found. ``fallback=False`` skips the
-    searches of step 2 (slow on large plans): rings left unaligned then set ``deadlock``."""
+    searches of step 2 (slow on large plans): rings left unaligned then set ``deadlock``.
+    ``forward_share``: the forward's share of a stage's time (``CostModel.forward_share``)."""
     if stages <= 1:
         return _sequential(runs, ring_order, members, ring_time)
     result = _aligned(runs, ring_order, members, ring_time, split, lookahead)
@@ -124,12 +126,14 @@ def order_runs(
     if not safe:
         result.deadlock = _deadlock_of(result.runs, stages)
         return result
-    best = min(safe, key=lambda o: max(rank_estimates(o, stages, ring_time)))  # first of equals
+    best = min(safe, key=lambda o: max(rank_estimates(o, stages, ring_time, forward_share)))  # first of equals
     best.unaligned = result.unaligned
     return best
 
 
-def rank_estimates(ordered: Ordered, stages: int, ring_time: dict[int, float]) -> list[float]:
+def rank_estimates(
+    ordered: Ordered, stages: int, ring_time: dict[int, float], forward_share: float = FORWARD_SHARE
+) -> list[float]:
     """Estimated seconds per rank. Without pipelines: its clock (micro-batches back to back,
     each ring starting when its last member reaches it). With pipelines: its finish when
     every rank runs 1F1B and rings start on each stage when all members are ready there
@@ -140,10 +144,10 @@ def rank_estimates(ordered: Ordered, stages: int, ring_time: dict[int, float]) -
     if stages <= 1:
         return list(ordered.clock)
     keys = [[None if isinstance(x, LocalBatch) else x for x in run] for run in ordered.runs]
-    finish = pipelined_finish_times(keys, times, stages)
+    finish = pipelined_finish_times(keys, times, stages, forward_share)
     if finish is not None:
         return finish
-    return [max(clock, one_f_one_b_time(t, stages)) for clock, t in zip(ordered.clock, times)]
+    return [max(clock, one_f_one_b_time(t, stages, forward_share)) for clock, t in zip(ordered.clock, times)]
 
 
 def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
@@ -511,8 +515,9 @@ def one_f_one_b(count: int, stages: int, stage: int) -> list[tuple[int, int]]:
     return order
 
 
-def _one_f_one_b_graph(ring_keys: Sequence[Sequence[object | None]], stages: int):
-    """The operations of every rank's 1F1B over ``stages`` stages and what each waits for:
+def _one_f_one_b_graph(ring_keys: Sequence[Sequence[object | None]], stages: int, orders=None):
+    """The operations of every rank's 1F1B (or ``orders[r][stage]``: (direction,
+    micro-batch) per stage, e.g. ``Plan.stage_orders``) over ``stages`` stages and what each waits for:
     the previous operation of its stage, the previous stage's forward (the next stage's
     backward) of the same micro-batch. A ring micro-batch's operation on a stage is one node
     shared by its members. Returns (succ, indeg, chains, owners): ``chains`` per (rank, stage)
@@ -546,7 +551,7 @@ def _one_f_one_b_graph(ring_keys: Sequence[Sequence[object | None]], stages: int
         for stage in range(stages):
             prev = None
             chain = []
-            for direction, m in one_f_one_b(len(keys), stages, stage):
+            for direction, m in one_f_one_b(len(keys), stages, stage) if orders is None else orders[r][stage]:
                 v = op(stage, direction, m)
                 owners[v].append((r, m, direction))
                 if prev is not None:
@@ -582,11 +587,12 @@ def longest_paths(succ: Sequence[Sequence[int]], indeg: list[int], duration: Seq
     return end if done == len(succ) else None
 
 
-def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages: int) -> str | None:
-    """None if ranks running 1F1B over ``stages`` stages always make progress, else a
+def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages: int, orders=None) -> str | None:
+    """None if ranks running 1F1B (or ``orders``: per rank and stage, (direction,
+    micro-batch) in run order) over ``stages`` stages always make progress, else a
     description of where they get stuck. ``ring_keys[r][m]``: the ring micro-batch that rank
     ``r``'s micro-batch ``m`` belongs to (shared by its members), or None for local work."""
-    succ, indeg, chains, _ = _one_f_one_b_graph(ring_keys, stages)
+    succ, indeg, chains, _ = _one_f_one_b_graph(ring_keys, stages, orders)
     if longest_paths(succ, indeg, [0.0] * len(succ)) is not None:
         return None
     stuck = []
@@ -599,16 +605,20 @@ def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages:
 
 
 def pipelined_finish_times(
-    ring_keys: Sequence[Sequence[object | None]], times: Sequence[Sequence[float]], stages: int
+    ring_keys: Sequence[Sequence[object | None]],
+    times: Sequence[Sequence[float]],
+    stages: int,
+    forward_share: float = FORWARD_SHARE,
+    orders=None,
 ) -> list[float] | None:
-    """Estimated finish per rank when every rank runs 1F1B over ``stages`` equal stages and a
-    ring micro-batch's operation on a stage starts once all its members are ready for it
-    (then lasts its slowest member's time): the longest path through the 1F1B graph, each
-    forward ``FORWARD_SHARE`` of the micro-batch's ``times[r][m]``. None if it deadlocks."""
-    succ, indeg, _, owners = _one_f_one_b_graph(ring_keys, stages)
-    duration = [
-        max((FORWARD_SHARE if d == FORWARD else 1.0 - FORWARD_SHARE) * times[r][m] for r, m, d in own) for own in owners
-    ]
+    """Estimated finish per rank when every rank runs 1F1B (or ``orders``) over ``stages``
+    equal stages and a ring micro-batch's operation on a stage starts once all its members
+    are ready for it (then lasts its slowest member's time): the longest path through the
+    graph, each forward ``forward_share`` (``CostModel.forward_share``) of the micro-batch's
+    ``times[r][m]``. None if it deadlocks."""
+    succ, indeg, _, owners = _one_f_one_b_graph(ring_keys, stages, orders)
+    fs = forward_share
+    duration = [max((fs if d == FORWARD else 1.0 - fs) * times[r][m] for r, m, d in own) for own in owners]
     end = longest_paths(succ, indeg, duration)
     if end is None:
         return None
@@ -627,8 +637,37 @@ def plan_ring_keys(plan) -> list[list[tuple | None]]:
 
 
 def plan_pipeline_deadlock(plan, stages: int) -> str | None:
-    """None if every pipeline running ``plan``'s micro-batches through 1F1B over ``stages``
-    stages always makes progress; else where they get stuck (``find_pipeline_deadlock``)."""
+    """None if every pipeline running ``plan``'s micro-batches over ``stages`` stages, in
+    1F1B order or in the plan's own per-stage orders (``Plan.stage_orders``), always makes
+    progress; else where they get stuck (``find_pipeline_deadlock``)."""
+    orders = plan.decoded_stage_orders()
+    if orders is not None and plan.stage_count != stages:
+        return f"the plan orders {plan.stage_count} pipeline stages but the pipeline has {stages}"
     if stages <= 1:
         return None
-    return find_pipeline_deadlock(plan_ring_keys(plan), stages)
+    return find_pipeline_deadlock(plan_ring_keys(plan), stages, orders)
+
+
+def crossing_order_mismatch(stage_orders: Sequence[Sequence[tuple[int, int]]]) -> str | None:
+    """None if consecutive stages of one pipeline agree on the order in which micro-batches
+    cross between them, else where they differ. Activations go down and their gradients up
+    in posting order (NCCL matches point-to-point messages in order), so stage ``k + 1`` must
+    run its forwards in stage ``k``'s order of forwards, and stage ``k`` its backwards in
+    stage ``k + 1``'s order of backwards. ``stage_orders``: (direction, micro-batch) per stage."""
+    for k in range(len(stage_orders) - 1):
+        for direction, name in ((FORWARD, "forwards"), (BACKWARD, "backwards")):
+            a = [m for d, m in stage_orders[k] if d == direction]
+            b = [m for d, m in stage_orders[k + 1] if d == direction]
+            if a != b:
+                return f"stages {k} and {k + 1} run their {name} in different orders ({a} vs {b})"
+    return None
+
+
+def encode_stage_orders(orders) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """``Plan.stage_orders`` from (direction, micro-batch) lists per rank and stage: ``m``
+    for the forward of micro-batch ``m``, ``-1 - m`` for its backward."""
+    return tuple(tuple(tuple(m if d == FORWARD else -1 - m for d, m in stage) for stage in rank) for rank in orders)
+
+
+def decode_stage_order(codes: Sequence[int]) -> list[tuple[int, int]]:
+    return [(FORWARD, c) if c >= 0 else (BACKWARD, -1 - c) for c in codes]

@@ -6,6 +6,9 @@ sequence (ring of one rank) or this rank's zigzag share of a sequence spread ove
 ranks. All distributed pieces of one micro-batch share one ring (their KV travels together);
 short whole sequences may sit next to them. Each micro-batch has an offload ratio ``r``.
 
+With pipeline parallelism each rank is a pipeline; a plan may also fix the order in which
+each stage runs its micro-batches' forwards and backwards (``stage_orders``; None: 1F1B).
+
 ``validate()`` checks every invariant the runtime relies on; see its docstring.
 """
 
@@ -106,6 +109,33 @@ class Plan:
     # layers recomputed whole (--recompute-granularity full): they keep no activations, so
     # capacity and offloading concern the other num_layers - recomputed_layers
     recomputed_layers: int = 0
+    # per rank, per pipeline stage: the stage's operations in run order, ``m`` for the forward
+    # of micro-batch ``m`` and ``-1 - m`` for its backward (``pipeline_order.encode_stage_orders``);
+    # None: every stage runs 1F1B (``pipeline_order.one_f_one_b``)
+    stage_orders: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+
+    @property
+    def stage_count(self) -> int | None:
+        """Pipeline stages the plan's ``stage_orders`` are for (None: no orders, 1F1B)."""
+        if self.stage_orders is None:
+            return None
+        return len(self.stage_orders[0]) if self.stage_orders else 0
+
+    def decoded_stage_orders(self) -> list[list[list[tuple[int, int]]]] | None:
+        """``stage_orders`` as (direction, micro-batch) per rank and stage, or None."""
+        if self.stage_orders is None:
+            return None
+        from .pipeline_order import decode_stage_order
+
+        return [[decode_stage_order(codes) for codes in rank] for rank in self.stage_orders]
+
+    def stage_order(self, rank: int, stage: int) -> list[tuple[int, int]] | None:
+        """(direction, micro-batch) in run order on one stage of one rank's pipeline, or None (1F1B)."""
+        if self.stage_orders is None:
+            return None
+        from .pipeline_order import decode_stage_order
+
+        return decode_stage_order(self.stage_orders[rank][stage])
 
     @property
     def activation_layers(self) -> int:
@@ -203,7 +233,12 @@ class Plan:
         5. ring micro-batches are ordered consistently across ranks (no P2P deadlock);
         6. no micro-batch exceeds the capacity once its offload ratio is applied; ratios in [0, 1];
         7. no micro-batch parks more than ``host_capacity`` token-equivalents in host memory
-           (``tokens * (1 - resident_fraction)``), when the plan has a host budget.
+           (``tokens * (1 - resident_fraction)``), when the plan has a host budget;
+        8. ``stage_orders``, when given: the same number of stages for every rank, each stage
+           running every micro-batch of its rank once forward and then once backward,
+           consecutive stages passing micro-batches on in the order the next one runs them
+           (``crossing_order_mismatch``), and the pipelines free of deadlock in those orders
+           (``find_pipeline_deadlock``).
         """
         errors: list[str] = []
         if len(self.ranks) != self.num_ranks:
@@ -289,6 +324,8 @@ class Plan:
             errors.extend(self._check_ring(sid, s, holders.get(sid, [])))
 
         errors.extend(self._check_ring_steps(ring_keys))
+        if not errors:
+            errors.extend(self._check_stage_orders())
         if errors:
             shown = errors[:20] + ([f"... and {len(errors) - 20} more"] if len(errors) > 20 else [])
             raise PlanError("invalid plan:\n  " + "\n  ".join(shown))
@@ -349,9 +386,50 @@ class Plan:
             errors.append("ring micro-batches are ordered inconsistently across ranks: P2P would deadlock")
         return errors
 
+    def _check_stage_orders(self) -> list[str]:
+        if self.stage_orders is None:
+            return []
+        if len(self.stage_orders) != self.num_ranks:
+            return [f"stage_orders has {len(self.stage_orders)} rank lists for {self.num_ranks} ranks"]
+        errors = []
+        stages = self.stage_count
+        if stages < 1:
+            return ["stage_orders must give at least one stage per rank"]
+        for rank, per_stage in enumerate(self.stage_orders):
+            if len(per_stage) != stages:
+                errors.append(f"rank {rank}: stage_orders gives {len(per_stage)} stages, rank 0 gives {stages}")
+                continue
+            count = len(self.ranks[rank])
+            want = sorted(list(range(count)) + [-1 - m for m in range(count)])
+            for stage, codes in enumerate(per_stage):
+                where = f"rank {rank} stage {stage}"
+                if sorted(codes) != want:
+                    errors.append(f"{where}: the order must run each of the {count} micro-batches once forward and once backward")
+                    continue
+                seen = set()
+                for c in codes:
+                    if c < 0 and -1 - c not in seen:
+                        errors.append(f"{where}: the backward of micro-batch {-1 - c} comes before its forward")
+                        break
+                    seen.add(c)
+        if not errors:
+            from .pipeline_order import crossing_order_mismatch, plan_pipeline_deadlock
+
+            for rank, orders in enumerate(self.decoded_stage_orders()):
+                mismatch = crossing_order_mismatch(orders)
+                if mismatch:
+                    errors.append(f"rank {rank}: {mismatch}")
+        if not errors:
+            stuck = plan_pipeline_deadlock(self, stages)
+            if stuck:
+                errors.append(f"stage_orders deadlock: {stuck}")
+        return errors
+
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
         extra = {"recomputed_layers": self.recomputed_layers} if self.recomputed_layers else {}
+        if self.stage_orders is not None:
+            extra["stage_orders"] = [[list(codes) for codes in rank] for rank in self.stage_orders]
         return {
             **extra,
             "version": PLAN_FORMAT_VERSION,
@@ -411,6 +489,9 @@ class Plan:
                 meta=dict(data.get("meta", {})),
                 host_capacity=None if data.get("host_capacity") is None else int(data["host_capacity"]),
                 recomputed_layers=int(data.get("recomputed_layers", 0)),
+                stage_orders=None
+                if data.get("stage_orders") is None
+                else tuple(tuple(tuple(int(c) for c in codes) for codes in rank) for rank in data["stage_orders"]),
             )
         except PlanError:
             raise

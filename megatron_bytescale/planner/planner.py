@@ -20,6 +20,9 @@ its members, so that 1F1B cannot deadlock (``pipeline_order.py``): members run s
 their local micro-batches before or after a ring instead, or split a pack, and only if they
 have none left take one from another rank. A batch with too little short work to fill the
 slots may get its rings reordered, or placed again (``meta["pipeline_order"]`` says which).
+With ``pipeline_schedule="search"`` the planner also looks for per-stage orders other than
+1F1B (``stage_schedule.stage_schedule``) and keeps them in the plan (``Plan.stage_orders``)
+when their estimated step is shorter.
 """
 
 from __future__ import annotations
@@ -38,14 +41,16 @@ from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
 from .offload_policy import host_capacity
-from .pipeline_order import Item, LocalBatch, Ordered, order_runs, rank_estimates
+from .pipeline_order import Item, LocalBatch, Ordered, encode_stage_orders, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
 from .plan import MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_piece
 from . import two_level
+from .stage_schedule import stage_schedule
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
 from .zigzag import rank_tokens
 
 BALANCE_MODES = ("none", "dp", "pp")
+PIPELINE_SCHEDULES = ("1f1b", "search")
 RETARGET = (1.0, 1.1, 1.2, 0.85, 1.35, 0.7, 1.5)  # target scales tried while the step overshoots the target
 # With pipelines, target scales tried from the top down (see _pipeline_candidates)
 PIPELINE_RETARGET = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.13, 0.09, 0.06)
@@ -61,6 +66,8 @@ class PlannerConfig:
     slack: float = 0.05  # delta, a fraction of the max estimated time (PP runs; DP gives one unit at a time)
     offload: bool = True
     pipeline_stages: int = 1
+    # "1f1b": every stage runs 1F1B; "search": per-stage orders from stage_schedule when shorter
+    pipeline_schedule: str = "1f1b"
 
     def check(self) -> None:
         def whole(name: str, value, low: int, fix: str = "") -> None:
@@ -74,6 +81,10 @@ class PlannerConfig:
         check_shape(self.num_ranks, self.ranks_per_node)
         if self.balance not in BALANCE_MODES:
             raise ConfigError(f"unknown balance mode {self.balance!r}; choose one of {', '.join(BALANCE_MODES)}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(
+                f"unknown pipeline schedule {self.pipeline_schedule!r}; choose one of {', '.join(PIPELINE_SCHEDULES)}"
+            )
         if not 0.0 <= self.slack < 1.0:
             raise ConfigError(f"slack must be in [0, 1) (a fraction of the maximum time), got {self.slack}")
 
@@ -160,7 +171,16 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         )
     ring_time = {u: units[u].time for u in assignment.members}
     ranks = _build(lens, units, ordered.members or assignment.members, ordered.runs, placer.ranks_per_node, cost)
-    est = np.array(rank_estimates(ordered, stages, ring_time))
+    est = np.array(rank_estimates(ordered, stages, ring_time, cost.forward_share))
+    stage_orders, one_f_one_b_est, notes = None, float(est.max()) if est.size else 0.0, []
+    if stages > 1 and config.pipeline_schedule == "search":
+        found = _search_stage_orders(ordered, stages, ring_time, cost)
+        if found is not None:
+            stage_orders, est = encode_stage_orders(found.orders), np.array(found.finish)
+        notes.append(
+            "searched stage orders: "
+            + (f"kept ({found.makespan:.4g} s against 1F1B's {one_f_one_b_est:.4g} s)" if found else "none shorter than 1F1B")
+        )
 
     plan = Plan(
         num_ranks=config.num_ranks,
@@ -170,6 +190,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         ranks=ranks,
         host_capacity=host,
         recomputed_layers=cost.recomputed_layers,
+        stage_orders=stage_orders,
     )
     ring_hist = Counter(s.ring_size for s in shards.values())
     plan.meta = {
@@ -199,6 +220,9 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
             "slot_search": ordered.searched,
             "rings_placed_again": ordered.members is not None,
         },
+        # with pipeline_schedule="search": the 1F1B estimate the stage orders beat (if found)
+        "stage_orders": {"found": stage_orders is not None, "one_f_one_b_est_s": one_f_one_b_est},
+        **({"notes": notes} if notes else {}),
         "plan_time_s": time.perf_counter() - t0,
     }
     return plan
@@ -219,7 +243,15 @@ def _order(
         _splitter(lens, cost),
         placer.ranks_per_node,
         fallback=fallback,
+        forward_share=cost.forward_share,
     )
+
+
+def _search_stage_orders(ordered: Ordered, stages: int, ring_time: dict[int, float], cost: CostModel):
+    """Per-stage orders shorter than 1F1B for the ordered runs (``stage_schedule``), or None."""
+    keys = [[None if isinstance(x, LocalBatch) else x for x in run] for run in ordered.runs]
+    times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
+    return stage_schedule(keys, times, stages, cost.forward_share)
 
 
 def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: RingPlacer):
@@ -255,7 +287,7 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     for _, shards, target, units, assignment, scale in sorted(candidates, key=lambda c: c[0])[:PIPELINE_ORDERED]:
         ordered = _order(lens, units, assignment, config, cost, placer, fallback=False)
         ring_time = {u: units[u].time for u in assignment.members}
-        step = float("inf") if ordered.deadlock else max(rank_estimates(ordered, stages, ring_time), default=0.0)
+        step = float("inf") if ordered.deadlock else max(rank_estimates(ordered, stages, ring_time, cost.forward_share), default=0.0)
         if best is None or step < best[0]:
             best = (step, shards, target, units, assignment, scale, ordered)
     step, shards, target, units, assignment, scale, ordered = best
@@ -319,18 +351,20 @@ def _naive_packs(
         u = long_units[k]
         s = lens[u.seq_ids[0]]
         n = u.ring_size
-        fillers, times, tokens = [], [], []
+        fillers, local_pairs, tokens = [], [], []
         pairs_share = s * s / n
         block = rank_tokens(s, n, 0)
         exposed = exposed_ring_time(cost, pairs_share, block, n, n > ranks_per_node)
         for i in range(n):
             f = tuple(extra.get(i, ()))
-            t_i = rank_tokens(s, n, i) + sum(lens[j] for j in f)
-            p_i = pairs_share + sum(lens[j] ** 2 for j in f)
             fillers.append(f)
-            tokens.append(t_i)
-            times.append(cost.num_layers * (cost.layer_time(t_i, p_i) + exposed))
-        u.fillers, u.tokens, u.time = tuple(fillers), max(tokens), max(times)
+            tokens.append(rank_tokens(s, n, i) + sum(lens[j] for j in f))
+            local_pairs.append(sum(lens[j] ** 2 for j in f))
+        # the ring runs in lockstep: each layer waits for the member with the most linear
+        # work, then for the one with the most packed attention (ring step 0), so its time
+        # takes the two maxima, which may be different members (as sim.timeline runs it)
+        u.fillers, u.tokens = tuple(fillers), max(tokens)
+        u.time = cost.num_layers * (cost.layer_time(max(tokens), pairs_share + max(local_pairs)) + exposed)
     packs = pack_best_fit([(i, lens[i]) for i, _ in left], capacity)
     return [
         Unit(

@@ -24,7 +24,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .cost_model import FORWARD_SHARE, CostModel
+from .cost_model import CostModel
 
 
 def slice_bounds(q_heads: int, u: int) -> list[int]:
@@ -83,7 +83,8 @@ def share_times(cost: CostModel, seq_len: int, ring_sizes: np.ndarray, u, ranks_
     hop_f = lat + block * cost.kv_bytes_per_token / bw
     hop_b = lat + block * (cost.kv_bytes_per_token + cost.grad_bytes_per_token) / bw
     home = np.where(m > 1, lat + block * cost.grad_bytes_per_token / bw, 0.0)
-    exposed = (m - 1) * (np.maximum(0.0, hop_f - FORWARD_SHARE * step) + np.maximum(0.0, hop_b - (1 - FORWARD_SHARE) * step))
+    fs = cost.forward_share
+    exposed = (m - 1) * (np.maximum(0.0, hop_f - fs * step) + np.maximum(0.0, hop_b - (1 - fs) * step))
     exposed += home + a2a_time(cost, share, us)
     out = np.where(ok, cost.num_layers * (per_layer + exposed), np.inf)
     return out[0] if np.ndim(u) == 0 else out

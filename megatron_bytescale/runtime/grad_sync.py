@@ -149,11 +149,14 @@ class StepGradSync:
     the parameter all-gathers, which micro-batch reduces gradients during backward, and the
     explicit launch for ranks where none does."""
 
-    def __init__(self, model, micro_batches, forward_only: bool = False):
+    def __init__(self, model, micro_batches, forward_only: bool = False, last_backward: int | None = None):
+        """``last_backward``: the micro-batch whose backward this stage runs last (default:
+        the last one, as in 1F1B; a plan's stage order may end with another)."""
         self.model = model
         self.launcher = None if forward_only else in_order_launch(model)
-        last_is_local = bool(micro_batches) and micro_batches[-1].ring is None
-        self.sync_index = len(micro_batches) - 1 if self.launcher is not None and last_is_local else None
+        last = len(micro_batches) - 1 if last_backward is None else last_backward
+        last_is_local = bool(micro_batches) and micro_batches[last].ring is None
+        self.sync_index = last if self.launcher is not None and last_is_local else None
         if not forward_only and overlaps_param_gather(model):
             self._gather_params(idle=not micro_batches)
 

@@ -1,11 +1,12 @@
 """1F1B over the stages of one pipeline, for pipelines that each run their own micro-batches.
 
 Under HDP every pipeline (the PP stages of one HDP rank) runs its own list of micro-batches:
-any count, zero included, and any lengths. Each stage runs them in exactly the order
-``planner.pipeline_order.one_f_one_b`` gives (Megatron's non-interleaved 1F1B: ``p - k - 1``
-warm-up forwards on stage ``k``, then one forward one backward, then the cool-down backwards),
-which is the order the planner proves free of deadlock when ring micro-batches join stages
-of different pipelines.
+any count, zero included, and any lengths. Each stage runs them in exactly the order the plan
+gives: its own per-stage order when it has one (``Plan.stage_orders``, e.g. from
+``planner.stage_schedule``), else ``planner.pipeline_order.one_f_one_b`` (Megatron's
+non-interleaved 1F1B: ``p - k - 1`` warm-up forwards on stage ``k``, then one forward one
+backward, then the cool-down backwards); either is an order the planner proves free of
+deadlock when ring micro-batches join stages of different pipelines.
 
 Why not megatron-core's ``forward_backward_pipelining_without_interleaving`` (it does handle
 ``variable_seq_lengths``): it takes one micro-batch count, shape and data iterator and
@@ -17,7 +18,10 @@ CPU/gloo, where exactness is tested. The stages' compute is still megatron-core'
 
 Transfers: activations go to the next stage and their gradients back, each preceded by its
 shape (the receiver allocates from it, so stages need no agreement on lengths beyond the
-plan). Sends are posted and only waited at the end of the step, so a stage blocks only where
+plan). Messages between two stages are matched in posting order, so both ends must agree on
+the order of the micro-batches crossing them: forwards leave stage ``k`` in its order of
+forwards, and stage ``k + 1`` must run its forwards in the same order (backwards likewise
+upstream); ``pipeline_order.crossing_order_mismatch`` checks it (``Plan.validate`` too). Sends are posted and only waited at the end of the step, so a stage blocks only where
 1F1B needs its input; this is the dependency structure ``find_pipeline_deadlock`` models.
 """
 
@@ -105,15 +109,20 @@ def run_one_f_one_b(
     device: torch.device,
     forward_only: bool = False,
     release: Callable[[torch.Tensor], None] | None = None,
+    order: list[tuple[int, int]] | None = None,
 ) -> None:
-    """Run ``count`` micro-batches through this stage in 1F1B order.
+    """Run ``count`` micro-batches through this stage in ``order`` ((direction, micro-batch)
+    pairs, the plan's order for this stage), or in 1F1B order when ``order`` is None.
 
     ``forward(m, input)`` returns the stage's output (the loss on the last stage);
     ``backward(m, input, output, output_grad)`` returns the gradient of ``input``.
     ``forward_only`` runs the forwards in order and keeps nothing for backward. ``release(output)``
     runs once an output is sent (Megatron frees its data there; autograd keeps its graph).
     """
-    order = [(FORWARD, m) for m in range(count)] if forward_only else one_f_one_b(count, link.stages, link.stage)
+    if forward_only:
+        order = [(FORWARD, m) for d, m in order if d == FORWARD] if order is not None else [(FORWARD, m) for m in range(count)]
+    elif order is None:
+        order = one_f_one_b(count, link.stages, link.stage)
     saved: dict[int, tuple] = {}
     try:
         for direction, m in order:

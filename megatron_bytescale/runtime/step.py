@@ -10,7 +10,7 @@ tokens were assigned to ranks. A rank may run any number of micro-batches, zero 
 still joins the gradient reduction.
 
 With pipeline parallelism each HDP rank is a pipeline: its stages receive the same StepBatch
-and run its micro-batches through 1F1B (``runtime.pipeline``), ring attention joining the same
+and run its micro-batches through 1F1B, or the plan's per-stage orders (``runtime.pipeline``), ring attention joining the same
 stage of the other pipelines (the HDP group of a stage). The loss and the token count come from
 the last stage; ``finalize_model_grads`` takes the count to every stage and sums tied
 embedding gradients between the first and last stage, as Megatron's does.
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..errors import PlanError
 from .batch import StepBatch
 from .context import active_micro_batch
-from ..planner.pipeline_order import plan_pipeline_deadlock
+from ..planner.pipeline_order import BACKWARD, crossing_order_mismatch, plan_pipeline_deadlock
 from .grad_sync import StepGradSync
 from .layout import MicroBatchLayout
 from .padding import pad_micro_batch, sequence_parallel_multiple
@@ -117,12 +117,20 @@ def check_step_agreement(step: StepBatch | None, group, pp_group=None) -> None:
     else:
         try:
             step.check()
-            if stages > 1:
+            if stages > 1 or step.plan.stage_orders is not None:
                 stuck = plan_pipeline_deadlock(step.plan, stages)
+                schedule = "its stage orders" if step.plan.stage_orders is not None else "1F1B"
                 if stuck:
                     raise PlanError(
-                        f"this plan's micro-batch order deadlocks under 1F1B with {stages} stages ({stuck}); "
+                        f"this plan's micro-batch order deadlocks under {schedule} with {stages} stages ({stuck}); "
                         "plan with pipeline_stages set to the pipeline-parallel size"
+                    )
+                orders = step.plan.decoded_stage_orders()
+                mismatch = crossing_order_mismatch(orders[rank]) if orders is not None else None
+                if mismatch:
+                    raise PlanError(
+                        f"the plan's stage orders for HDP rank {rank} cannot run: {mismatch}; "
+                        "activations cross between stages in posting order"
                     )
         except PlanError as exc:
             problem = str(exc)
@@ -216,7 +224,9 @@ def run_hdp_step(
     last_stage = link.last
     running: dict[int, list] = {}  # micro-batch -> [start, forward_end, forward_wait_s, offload handle]
     active: dict[int, tuple] = {}  # micro-batch -> (layout, positions), for its backward
-    sync = StepGradSync(model, [d.micro_batch for d in step.micro_batches], forward_only)
+    order = step.plan.stage_order(rank, link.stage)  # None: 1F1B
+    last_backward = next((m for d, m in reversed(order) if d == BACKWARD), None) if order else None
+    sync = StepGradSync(model, [d.micro_batch for d in step.micro_batches], forward_only, last_backward)
     multiple = sequence_parallel_multiple(config)  # sequence parallelism: tokens padded to TP
 
     def forward(i: int, input_tensor):
@@ -288,6 +298,7 @@ def run_hdp_step(
             device=_model_device(model),
             forward_only=forward_only,
             release=release,
+            order=order,
         )
     stats.timings.sort(key=lambda t: t.start)
     stats.micro_batches = count

@@ -55,6 +55,7 @@ class SimConfig:
     dkv_bf16: bool = False  # ring attention sends the backward's dK/dV accumulators in bf16
     host_memory_per_gpu: int | None = None  # bytes; default: the hardware spec's host_memory_bytes
     data_path: str | None = None  # a Megatron indexed dataset: draw the batches training would see
+    pipeline_schedule: str = "1f1b"  # HDP plans with PP: "1f1b", or "search" for per-stage orders
 
 
 @dataclass
@@ -143,7 +144,7 @@ def run(cfg: SimConfig, progress: bool = True) -> SimReport:
         else:
             lengths = sample_lengths(cfg.dataset, cfg.global_batch_tokens, cfg.context, rng)
         report.batch_stats.append((len(lengths), max(lengths), sum(lengths)))
-        x = StrategyInput(lengths, cluster, cost, cfg.capacity, cfg.context)
+        x = StrategyInput(lengths, cluster, cost, cfg.capacity, cfg.context, cfg.pipeline_schedule)
         this_step: dict[str, dict] = {}
         for name in cfg.strategies:
             bar.set_description(f"step {step + 1}/{cfg.steps} {name}")
@@ -205,6 +206,16 @@ def format_table(report: SimReport) -> str:
         f"host: pinned host memory the busiest GPU needs for offloaded activations (budget "
         f"{report.cost.host_memory_bytes / 1e9:.0f} GB per GPU)"
     )
+    floors = [
+        f"{n} " + ", ".join(f"{r['pipeline_ring_floor_s']:.2f}" for r in rows)
+        for n, rows in report.steps.items()
+        if any(r.get("pipeline_ring_floor_s", 0.0) > 0 for r in rows)
+    ]
+    if floors:
+        lines.append(
+            "ring micro-batches spanning every pipeline alone, in any stage order (a floor of the step, s per step; "
+            "0: no such ring): " + "; ".join(floors)
+        )
     reduce = [f"{n} {m['exposed_grad_reduce_s']:.2f} -> {m['exposed_grad_reduce_overlap_s']:.2f}"
               for n, m in med.items() if "exposed_grad_reduce_s" in m]
     if reduce:
@@ -256,6 +267,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--validate", default="first", choices=["first", "all", "none"], help="which steps' plans to validate")
     parser.add_argument("--dkv-bf16", action="store_true",
                         help="cost ring attention with the backward's dK/dV accumulators sent in bf16 (fp32 by default)")
+    parser.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "search"],
+                        help="with --pp > 1, the HDP plans' stage orders: 1F1B, or per-stage orders searched by "
+                             "simulating all pipelines together, kept when shorter (planner/stage_schedule.py)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the config and median results as JSON")
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart of the first step")
 
@@ -279,6 +293,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         validate=args.validate,
         dkv_bf16=args.dkv_bf16,
         data_path=args.data_path,
+        pipeline_schedule=args.pipeline_schedule,
         host_memory_per_gpu=(
             parse_size(args.host_memory_per_gpu, "--host-memory-per-gpu") if args.host_memory_per_gpu else None
         ),

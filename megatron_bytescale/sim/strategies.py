@@ -33,6 +33,7 @@ class StrategyInput:
     cost: CostModel
     capacity: int
     context: int
+    pipeline_schedule: str = "1f1b"  # HDP plans with PP (PlannerConfig.pipeline_schedule)
 
 
 def _static(x: StrategyInput) -> Plan:
@@ -56,6 +57,7 @@ def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True
             balance=balance_if_pp if x.cluster.pp > 1 else balance_if_dp,
             pipeline_stages=x.cluster.pp,
             offload=offload,
+            pipeline_schedule=x.pipeline_schedule,
         )
         t0 = time.perf_counter()
         plan = plan_step(list(x.seq_lens), config, x.cost)

@@ -29,8 +29,9 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   exposed as in forward) in ``m`` of ``l`` layers, the linear part in ``k``; recomputed layers
   keep nothing, so offloading concerns ``cost.activation_layers`` of them.
 * **Pipelines.** Each HDP rank is one pipeline of ``pp`` stages (equal layer counts) running
-  its micro-batches with 1F1B (warm-up, steady state, cool-down); a ring micro-batch's work
-  on a stage starts when every member pipeline has reached it there. Activation transfers
+  its micro-batches with 1F1B (warm-up, steady state, cool-down), or in the plan's own
+  per-stage orders (``Plan.stage_orders``); a ring micro-batch's work on a stage starts when
+  every member pipeline has reached it there. Activation transfers
   between stages are not costed (the same omission for every strategy).
 * **Barriers.** ``plan.meta["barriers"]`` (Megatron's hybrid CP) lists, per barrier, how many
   micro-batches each rank has finished when it enters; nobody continues until all arrive,
@@ -51,7 +52,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..planner import two_level
-from ..planner.cost_model import FORWARD_SHARE, CostModel
+from ..planner.cost_model import CostModel
 from ..planner.offload_policy import copy_exposure, host_bytes
 from ..planner.pipeline_order import BACKWARD, FORWARD, longest_paths, one_f_one_b
 from ..planner.plan import MicroBatch, Plan
@@ -222,7 +223,7 @@ def two_level_ring_work(
     sender_block = block[(np.arange(m)[:, None] - np.arange(m - 1)[None, :]) % m]  # [group, hop]
     lat = cost.p2p_latency_s
     results = []
-    for direction, share in ((FORWARD, FORWARD_SHARE), (BACKWARD, 1.0 - FORWARD_SHARE)):
+    for direction, share in ((FORWARD, cost.forward_share), (BACKWARD, 1.0 - cost.forward_share)):
         per_token = cost.kv_bytes_per_token + (cost.grad_bytes_per_token if direction == BACKWARD else 0.0)
         hops = lat + (sender_block * (per_token / bw)[:, None]).max(axis=0) if m > 1 else np.zeros(0)
         a = share * attn / m
@@ -343,6 +344,12 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
     stages = cluster.pp
     work = micro_batch_work(plan, cluster, cost)
     barriers = parse_barriers(plan)
+    orders = plan.decoded_stage_orders()
+    if orders is not None and (plan.stage_count != stages or barriers):
+        raise PlanError(
+            f"the plan orders {plan.stage_count} pipeline stages{' and has barriers' if barriers else ''}; "
+            f"the cluster has PP {stages}: plan with pipeline_stages={stages} (stage orders and barriers do not mix)"
+        )
 
     durations: list[float] = []
     preds: list[list[int]] = []
@@ -369,7 +376,7 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
             lo, hi = bounds[rank][seg], bounds[rank][seg + 1]
             for stage in range(stages):
                 row = schedule[stage * plan.num_ranks + rank]
-                for direction, i in one_f_one_b(hi - lo, stages, stage):
+                for direction, i in one_f_one_b(hi - lo, stages, stage) if orders is None else orders[rank][stage]:
                     m = lo + i
                     nid = node(rank, stage, direction, m)
                     p = preds[nid]
@@ -487,6 +494,40 @@ def critical_path(seq_lens, cluster: Cluster, cost: CostModel) -> float:
     return best * cluster.pp
 
 
+def pipeline_ring_floor(plan: Plan, cluster: Cluster, cost: CostModel) -> float:
+    """Seconds no stage order can beat when some ring micro-batches span every pipeline
+    (0 without pipelines or such rings). Every stage runs all of them one after another; the
+    last stage cannot start one before a forward has crossed the ``p - 1`` stages above it,
+    and after its last one a backward still crosses them back:
+
+        (p - 1) * min_i F_i + sum_i (F_i + B_i) + (p - 1) * min_i B_i
+
+    with ``F_i``, ``B_i`` ring ``i``'s forward and backward on one stage. For ``m`` equal
+    rings that is ``(m + p - 1) x`` one ring's stage time: the 1F1B makespan of those rings
+    alone, which other work cannot shorten (it can only fill the idle stages around them)."""
+    p = cluster.pp
+    if p <= 1:
+        return 0.0
+    spans: dict[tuple, tuple[float, float]] = {}
+    for mbs in plan.ranks:
+        for mb in mbs:
+            ring = mb.ring
+            if ring is not None and len(ring) == plan.num_ranks and (ring, mb.distributed_seq_ids) not in spans:
+                key = (ring, mb.distributed_seq_ids)
+                spans[key] = (0.0, 0.0)
+    if not spans:
+        return 0.0
+    work = micro_batch_work(plan, cluster, cost)
+    for r, mbs in enumerate(plan.ranks):
+        for m, mb in enumerate(mbs):
+            f, b, key = work[r][m]
+            if key in spans:
+                spans[key] = (max(spans[key][0], f.duration), max(spans[key][1], b.duration))
+    fs = [f for f, _ in spans.values()]
+    bs = [b for _, b in spans.values()]
+    return (p - 1) * min(fs) + sum(fs) + sum(bs) + (p - 1) * min(bs)
+
+
 @dataclass
 class StepResult:
     strategy: str
@@ -503,6 +544,7 @@ class StepResult:
     grad_reduce_s: float = 0.0  # exposed gradient reduction after the step (sim.grad_reduction)
     grad_reduce_overlap_s: float = 0.0  # the same with --overlap-grad-reduce
     two_level_rings: int = 0  # ring micro-batches run two-level
+    pipeline_ring_floor: float = 0.0  # rings spanning every pipeline: what no stage order beats
 
     def metrics(self) -> dict:
         t = self.timeline
@@ -511,6 +553,7 @@ class StepResult:
             "step_time_s": t.step_time,
             "lower_bound_s": self.lower_bound,
             "critical_path_s": self.critical_path,
+            "pipeline_ring_floor_s": self.pipeline_ring_floor,
             "x_lower_bound": t.step_time / self.lower_bound,
             "x_bound": t.step_time / max(self.lower_bound, self.critical_path),
             "busy_max_s": float(busy.max()),
@@ -560,6 +603,7 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         timeline=timeline,
         lower_bound=lower_bound(plan.seq_lens, cluster, cost),
         critical_path=critical_path(plan.seq_lens, cluster, cost),
+        pipeline_ring_floor=pipeline_ring_floor(plan, cluster, cost),
         p2p_bytes=float(sum(p2p)) * gpus_per_rank,
         p2p_bytes_max_gpu=float(max(p2p)) if p2p else 0.0,
         offload_bytes=offload * gpus_per_rank,

@@ -1,0 +1,334 @@
+"""Per-stage operation orders for pipelines that share ring micro-batches, found by simulation.
+
+1F1B fixes each stage's order by micro-batch index: ``p - k - 1`` warm-up forwards, then
+strict alternation, backwards in FIFO order, whatever the other pipelines do. A member whose
+ring comes late in its list keeps the ring's other members waiting for its local work.
+``stage_schedule`` simulates all pipelines together instead and lets every stage pick what
+runs next (``_list_schedule``):
+
+* an operation (the forward or the backward of one micro-batch on one stage) is *ready* once
+  the previous stage's forward (the next stage's backward; on the last stage its own
+  forward) has ended; a ring micro-batch's operation on a stage is one operation of all its
+  members, which starts when all of them are free (a gang);
+* of the ready operations whose members are all free, backwards go first (they free
+  memory), then larger rings, then the rank's list order;
+* a ready operation of a larger ring *reserves* its members from its earliest start: an
+  operation of a smaller ring or a local micro-batch runs on a member only if it ends by
+  then (backfilling), so short work fills waits without delaying a larger ring;
+* activations cross between stages in posting order, so stage ``k + 1`` runs its forwards
+  in stage ``k``'s order and stage ``k`` its backwards in stage ``k + 1``'s
+  (``pipeline_order.crossing_order_mismatch``);
+* memory: a stage holds at most ``cap`` micro-batches between forward and backward (default
+  ``p``: what 1F1B holds on its first stage, the budget device and host memory are sized
+  for; ``offload_policy.host_capacity`` shares the host among that many). A forward leaves
+  one place free while a larger ring's forward waits for the stage.
+
+Each stage's order is the order its operations started in that simulation, so every
+operation starts after its predecessors end: the orders cannot deadlock (``Plan.validate``
+checks them again with ``find_pipeline_deadlock``). They are timed by the simulator's rule
+(``_Ops.evaluate``: a longest path through the orders) and kept only if shorter than 1F1B.
+
+What it buys depends on the plan. On small random ring structures it often shortens the
+step (a ring late in one member's list runs first on all members). On PP-balance plans of
+2M-context batches it does not beat 1F1B: those already meet every ring in one slot on all
+members, and the bubble around a ring that spans every pipeline is set by memory, not by
+order. Work that enters the pipeline after the ring's forward sits between its forward
+and backward waves until the backward passes, and a stage holds ``p`` micro-batches, so at
+most ``p - 1`` micro-batches ahead of the ring can use the stages it leaves idle.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+FORWARD, BACKWARD = 0, 1
+_EPS = 1e-12
+
+
+@dataclass
+class StageSchedule:
+    orders: list[list[list[tuple[int, int]]]]  # per rank, per stage: (direction, micro-batch) in run order
+    finish: list[float]  # estimated finish per rank (its stages' last end)
+    peak_in_flight: int  # most micro-batches any stage held between forward and backward
+
+    @property
+    def makespan(self) -> float:
+        return max(self.finish, default=0.0)
+
+
+class _Ops:
+    """The operations of a batch: one unit per ring micro-batch (shared by its members) or
+    local micro-batch; operation id ``(unit * p + stage) * 2 + direction``."""
+
+    def __init__(self, ring_keys, times, stages: int, forward_share: float):
+        p = self.p = stages
+        self.n = len(ring_keys)
+        unit_of: dict[object, int] = {}
+        self.members: list[list[tuple[int, int]]] = []
+        self.unit_at: list[list[int]] = []  # per rank and micro-batch: its unit
+        utime: list[float] = []
+        for r, keys in enumerate(ring_keys):
+            row = []
+            for m, key in enumerate(keys):
+                u = None if key is None else unit_of.get(key)
+                if u is None:
+                    u = len(self.members)
+                    if key is not None:
+                        unit_of[key] = u
+                    self.members.append([])
+                    utime.append(0.0)
+                self.members[u].append((r, m))
+                utime[u] = max(utime[u], float(times[r][m]))
+                row.append(u)
+            self.unit_at.append(row)
+        self.units = len(self.members)
+        self.size = [len(ms) for ms in self.members]
+        self.pos = [min(m for _, m in ms) for ms in self.members]  # the schedule's order
+        self.total = self.units * p * 2
+        self.dur = [0.0] * self.total
+        for u, t in enumerate(utime):
+            for k in range(p):
+                base = (u * p + k) * 2
+                self.dur[base] = forward_share * t
+                self.dur[base + 1] = (1.0 - forward_share) * t
+        self.res = [[r * p + k for r, _ in self.members[u]] for u in range(self.units) for k in range(p)]
+
+    def op(self, r: int, k: int, d: int, m: int) -> int:
+        return (self.unit_at[r][m] * self.p + k) * 2 + d
+
+    def next_op(self, op: int) -> int | None:
+        """The operation that waits for ``op`` in the same micro-batch."""
+        u, k, d = op // (2 * self.p), (op // 2) % self.p, op % 2
+        if d == FORWARD:
+            return (u * self.p + k + 1) * 2 if k < self.p - 1 else op + 1
+        return (u * self.p + k - 1) * 2 + 1 if k > 0 else None
+
+    def sequences(self, orders) -> list[list[int]]:
+        """Per resource (rank * p + stage): its operation ids in run order."""
+        out = []
+        for r in range(self.n):
+            for k in range(self.p):
+                out.append([self.op(r, k, d, m) for d, m in orders[r][k]])
+        return out
+
+    def evaluate(self, seqs: Sequence[Sequence[int]]) -> list[float] | None:
+        """End of every operation when each resource runs ``seqs`` in order and an operation
+        starts once its predecessors (on every member, and in its micro-batch) ended: the
+        simulator's rule. None if the orders deadlock."""
+        indeg = [0] * self.total
+        succ: list[list[int]] = [[] for _ in range(self.total)]
+        for seq in seqs:
+            for a, b in zip(seq, seq[1:]):
+                succ[a].append(b)
+                indeg[b] += 1
+        for op in range(self.total):
+            nxt = self.next_op(op)
+            if nxt is not None:
+                succ[op].append(nxt)
+                indeg[nxt] += 1
+        from .pipeline_order import longest_paths  # pipeline_order imports this module
+
+        return longest_paths(succ, indeg, self.dur)
+
+    def finish(self, end: Sequence[float]) -> list[float]:
+        finish = [0.0] * self.n
+        for u in range(self.units):
+            e = end[(u * self.p) * 2 + 1]  # its backward on the first stage ends last
+            for r, _ in self.members[u]:
+                if e > finish[r]:
+                    finish[r] = e
+        return finish
+
+    def orders(self, seqs: Sequence[Sequence[int]]) -> list[list[list[tuple[int, int]]]]:
+        out = [[[] for _ in range(self.p)] for _ in range(self.n)]
+        for idx, seq in enumerate(seqs):
+            r, k = divmod(idx, self.p)
+            mine = {self.unit_at[r][m]: m for m in range(len(self.unit_at[r]))}
+            out[r][k] = [(op % 2, mine[op // (2 * self.p)]) for op in seq]
+        return out
+
+    def peak(self, seqs: Sequence[Sequence[int]]) -> int:
+        peak = 0
+        for seq in seqs:
+            c = 0
+            for op in seq:
+                c += 1 if op % 2 == FORWARD else -1
+                peak = max(peak, c)
+        return peak
+
+
+def stage_schedule(
+    ring_keys: Sequence[Sequence[object | None]],
+    times: Sequence[Sequence[float]],
+    stages: int,
+    forward_share: float,
+    cap: int | None = None,
+    base_orders=None,
+) -> StageSchedule | None:
+    """The list schedule's per-stage orders for these pipelines (see the module docstring),
+    or None when they do not beat ``base_orders`` (default 1F1B). They are timed by
+    ``_Ops.evaluate`` (the simulator's rule), so the finish times are what the simulator
+    will find. ``ring_keys[r][m]``: the ring micro-batch rank ``r``'s micro-batch ``m``
+    belongs to (None: local); ``times[r][m]``: its seconds on one stage, forward + backward
+    (a ring operation lasts its slowest member's share)."""
+    from .pipeline_order import one_f_one_b  # pipeline_order imports this module
+
+    p = stages
+    cap = p if cap is None else cap
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1 micro-batch in flight, got {cap}")
+    ops = _Ops(ring_keys, times, p, forward_share)
+    if base_orders is None:
+        base_orders = [[one_f_one_b(len(keys), p, k) for k in range(p)] for keys in ring_keys]
+    base = ops.sequences(base_orders)
+    base_end = ops.evaluate(base)
+    best = None
+    best_time = max(ops.finish(base_end), default=0.0) if base_end is not None else float("inf")
+    seqs = _list_schedule(ops, cap)
+    if seqs is not None:
+        end = ops.evaluate(seqs)
+        if end is not None:
+            t = max(ops.finish(end), default=0.0)
+            if t < best_time * (1 - 1e-9):
+                best = (seqs, end)
+    if best is None:
+        return None
+    seqs, end = best
+    return StageSchedule(ops.orders(seqs), ops.finish(end), ops.peak(seqs))
+
+
+def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
+    """Per-resource sequences from simulating all pipelines with the rules of the module
+    docstring (event by event), or None if the simulation stalls."""
+    p, n = ops.p, ops.n
+    size, pos, dur, res_of = ops.size, ops.pos, ops.dur, ops.res
+    nres = n * p
+    busy_until = [0.0] * nres
+    inflight = [0] * nres
+    announced: list[set[int]] = [set() for _ in range(nres)]  # known ready time, not started
+    ready_at = [0.0] * ops.total
+    started = [False] * ops.total
+    seqs: list[list[int]] = [[] for _ in range(nres)]
+    events: list[tuple[float, int]] = []  # (end, op) of running operations
+    # Stages exchange activations in posting order: stage k + 1 runs its forwards in stage
+    # k's order of forwards, stage k its backwards in stage k + 1's order of backwards.
+    # Per resource: the units whose forward (backward) it ran, and how many it ran itself.
+    f_seq: list[list[int]] = [[] for _ in range(nres)]
+    b_seq: list[list[int]] = [[] for _ in range(nres)]
+
+    def in_turn(op: int) -> bool:
+        u, k, d = op // (2 * p), (op // 2) % p, op % 2
+        if d == FORWARD and k > 0:
+            for res in res_of[op // 2]:
+                up, here = f_seq[res - 1], f_seq[res]
+                if len(here) >= len(up) or up[len(here)] != u:
+                    return False
+        elif d == BACKWARD and k < p - 1:
+            for res in res_of[op // 2]:
+                down, here = b_seq[res + 1], b_seq[res]
+                if len(here) >= len(down) or down[len(here)] != u:
+                    return False
+        return True
+
+    def prio(op: int) -> tuple:
+        u, d = op // (2 * p), op % 2
+        return (-d, -size[u], pos[u], op)
+
+    def announce(op: int, when: float) -> None:
+        ready_at[op] = when
+        for res in res_of[op // 2]:
+            announced[res].add(op)
+
+    for u in range(ops.units):
+        announce((u * p) * 2, 0.0)  # forwards on the first stage need nothing
+    done = 0
+    t = 0.0
+    todo = set(range(nres))
+    while done < ops.total:
+        est_memo: dict[int, float] = {}
+        full_memo: dict[int, bool] = {}
+
+        def est_of(q: int) -> float:
+            e = est_memo.get(q)
+            if e is None:
+                e = ready_at[q]
+                for res in res_of[q // 2]:
+                    if busy_until[res] > e:
+                        e = busy_until[res]
+                est_memo[q] = e
+            return e
+
+        def full(q: int) -> bool:
+            f = full_memo.get(q)
+            if f is None:
+                f = full_memo[q] = any(inflight[x] >= cap for x in res_of[q // 2])
+            return f
+
+        cands = set()
+        for res in todo:
+            if busy_until[res] <= t + _EPS:
+                for op in announced[res]:
+                    if ready_at[op] <= t + _EPS:
+                        cands.add(op)
+        for op in sorted(cands, key=prio):
+            if started[op]:
+                continue
+            resources = res_of[op // 2]
+            if any(busy_until[res] > t + _EPS for res in resources):
+                continue
+            d, me = op % 2, size[op // (2 * p)]
+            if d == FORWARD and any(inflight[res] >= cap for res in resources):
+                continue
+            if not in_turn(op):
+                continue
+            op_end = t + dur[op]
+            ok = True
+            for res in resources:
+                for q in announced[res]:
+                    if q == op or size[q // (2 * p)] <= me or not in_turn(q):
+                        continue  # only a larger ring's operation that may run next reserves
+                    if q % 2 == FORWARD:
+                        if full(q):
+                            continue  # waits for memory anyway: no reservation
+                        if d == FORWARD and cap > 1 and inflight[res] + 1 >= cap:
+                            ok = False  # keep the larger ring's forward a place on this stage
+                            break
+                    if op_end > est_of(q) + _EPS:
+                        ok = False
+                        break
+                if not ok:
+                    break
+            if not ok:
+                continue
+            started[op] = True
+            done += 1
+            full_memo.clear()
+            est_memo.clear()
+            for res in resources:
+                busy_until[res] = op_end
+                announced[res].discard(op)
+                inflight[res] += 1 if d == FORWARD else -1
+                seqs[res].append(op)
+                (f_seq if d == FORWARD else b_seq)[res].append(op // (2 * p))
+            heapq.heappush(events, (op_end, op))
+            nxt = ops.next_op(op)
+            if nxt is not None:
+                announce(nxt, op_end)
+        if done == ops.total:
+            break
+        if not events:
+            if todo == set(range(nres)):
+                return None  # nothing runs and nothing can start: stalled
+            todo = set(range(nres))
+            continue
+        t = events[0][0]
+        todo = set()
+        while events and events[0][0] <= t + _EPS:
+            _, op = heapq.heappop(events)
+            todo.update(res_of[op // 2])
+            nxt = ops.next_op(op)
+            if nxt is not None:
+                todo.update(res_of[nxt // 2])
+    return seqs
