@@ -106,6 +106,10 @@ class Plan:
     # layers recomputed whole (--recompute-granularity full): they keep no activations, so
     # capacity and offloading concern the other num_layers - recomputed_layers
     recomputed_layers: int = 0
+    # expert-parallel size (MoE all-to-alls, planner/expert_slots.py): > 1 makes the rank lists
+    # slot lists, equal in length within each EP group, where an empty micro-batch is a slot
+    # whose rank only joins the all-to-alls
+    expert_parallel: int = 1
 
     @property
     def activation_layers(self) -> int:
@@ -203,13 +207,18 @@ class Plan:
         5. ring micro-batches are ordered consistently across ranks (no P2P deadlock);
         6. no micro-batch exceeds the capacity once its offload ratio is applied; ratios in [0, 1];
         7. no micro-batch parks more than ``host_capacity`` token-equivalents in host memory
-           (``tokens * (1 - resident_fraction)``), when the plan has a host budget.
+           (``tokens * (1 - resident_fraction)``), when the plan has a host budget;
+        8. with ``expert_parallel`` > 1: the members of each EP group hold the same number of
+           slots, and rings and EP groups order them without deadlock (``expert_slots``); only
+           then may a micro-batch be empty.
         """
         errors: list[str] = []
         if len(self.ranks) != self.num_ranks:
             errors.append(f"plan has {len(self.ranks)} rank lists for {self.num_ranks} ranks")
         if self.capacity <= 0:
             errors.append(f"capacity must be positive, got {self.capacity}")
+        if self.expert_parallel < 1 or self.num_ranks % self.expert_parallel:
+            errors.append(f"expert_parallel={self.expert_parallel} must divide the {self.num_ranks} ranks into EP groups")
         if not 0 <= self.recomputed_layers <= self.num_layers:
             errors.append(f"recomputed_layers={self.recomputed_layers} outside [0, num_layers={self.num_layers}]")
         for sid, s in enumerate(self.seq_lens):
@@ -230,7 +239,7 @@ class Plan:
                 where = f"rank {rank} micro-batch {m}"
                 if not 0.0 <= mb.offload_ratio <= 1.0:
                     errors.append(f"{where}: offload ratio {mb.offload_ratio} outside [0, 1]")
-                if not mb.pieces:
+                if not mb.pieces and self.expert_parallel == 1:
                     errors.append(f"{where}: empty micro-batch")
                 resident = mb.tokens * resident_fraction(mb.offload_ratio, self.activation_layers)
                 if resident > limit:
@@ -289,6 +298,10 @@ class Plan:
             errors.extend(self._check_ring(sid, s, holders.get(sid, [])))
 
         errors.extend(self._check_ring_steps(ring_keys))
+        if self.expert_parallel != 1 and not errors:
+            from .expert_slots import slot_errors  # expert_slots builds plans: imported late
+
+            errors.extend(slot_errors(self))
         if errors:
             shown = errors[:20] + ([f"... and {len(errors) - 20} more"] if len(errors) > 20 else [])
             raise PlanError("invalid plan:\n  " + "\n  ".join(shown))
@@ -352,6 +365,8 @@ class Plan:
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
         extra = {"recomputed_layers": self.recomputed_layers} if self.recomputed_layers else {}
+        if self.expert_parallel != 1:
+            extra["expert_parallel"] = self.expert_parallel
         return {
             **extra,
             "version": PLAN_FORMAT_VERSION,
@@ -411,6 +426,7 @@ class Plan:
                 meta=dict(data.get("meta", {})),
                 host_capacity=None if data.get("host_capacity") is None else int(data["host_capacity"]),
                 recomputed_layers=int(data.get("recomputed_layers", 0)),
+                expert_parallel=int(data.get("expert_parallel", 1)),
             )
         except PlanError:
             raise

@@ -37,6 +37,7 @@ from ..errors import ConfigError, PlanError
 from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
+from .expert_slots import align_expert_slots, ep_groups, slot_finish_times
 from .offload_policy import host_capacity
 from .pipeline_order import Item, LocalBatch, Ordered, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
@@ -61,6 +62,7 @@ class PlannerConfig:
     slack: float = 0.05  # delta, a fraction of the max estimated time (PP runs; DP gives one unit at a time)
     offload: bool = True
     pipeline_stages: int = 1
+    expert_parallel: int = 1  # EP size: members of an EP group get aligned slots (expert_slots.py)
 
     def check(self) -> None:
         def whole(name: str, value, low: int, fix: str = "") -> None:
@@ -71,6 +73,13 @@ class PlannerConfig:
         whole("token capacity", self.capacity, 1, "; set --hdp-token-capacity to the tokens one rank holds per micro-batch (e.g. 8K)")
         whole("ranks_per_node", self.ranks_per_node, 1, "; pass the HDP ranks per node (GPUs per node / TP)")
         whole("pipeline_stages", self.pipeline_stages, 1)
+        whole("expert_parallel", self.expert_parallel, 1, "; pass --expert-model-parallel-size")
+        ep_groups(self.num_ranks, self.expert_parallel)
+        if self.expert_parallel > 1 and self.pipeline_stages > 1:
+            raise ConfigError(
+                f"expert parallelism (EP {self.expert_parallel}) with {self.pipeline_stages} pipeline stages is not "
+                "supported under HDP: use --pipeline-model-parallel-size 1 or --expert-model-parallel-size 1"
+            )
         check_shape(self.num_ranks, self.ranks_per_node)
         if self.balance not in BALANCE_MODES:
             raise ConfigError(f"unknown balance mode {self.balance!r}; choose one of {', '.join(BALANCE_MODES)}")
@@ -171,8 +180,12 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         host_capacity=host,
         recomputed_layers=cost.recomputed_layers,
     )
+    if config.expert_parallel > 1:  # aligned slots: an EP group's slot waits for its slowest member
+        plan = align_expert_slots(plan, config.expert_parallel)
+        est = np.array(slot_finish_times(plan, cost, placer.ranks_per_node))
     ring_hist = Counter(s.ring_size for s in shards.values())
     plan.meta = {
+        **plan.meta,  # expert_slots' counts
         "strategy": "hdp-balanced" if balanced else "hdp-naive",
         "balance": config.balance,
         "offload": config.offload,
