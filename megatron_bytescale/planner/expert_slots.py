@@ -148,6 +148,14 @@ def _slot_nodes(plan: Plan) -> tuple[dict, list[str]]:
     return {x: find(x) for x in list(parent)}, errors
 
 
+def slot_nodes(plan: Plan) -> dict[tuple[int, int], tuple[int, int]]:
+    """(rank, slot index) -> a representative of the events that run together with it."""
+    node, errors = _slot_nodes(plan)
+    if errors:
+        raise ConfigError(errors[0])
+    return node
+
+
 def slot_errors(plan: Plan) -> list[str]:
     """Why this plan could deadlock under expert parallelism (empty: it cannot; see the module
     docstring): EP group members with different slot counts, or a cycle among merged events."""
@@ -191,9 +199,7 @@ def slot_finish_times(plan: Plan, cost: CostModel, ranks_per_node: int) -> list[
     group's slot, joined by rings) starts when all its participants are free and lasts as long
     as its slowest participant's micro-batch plus its all-to-alls (empty slots: the wait)."""
     e = plan.expert_parallel
-    node, errors = _slot_nodes(plan)
-    if errors:
-        raise ConfigError(errors[0])
+    node = slot_nodes(plan)
     inter = {g[0]: crosses_nodes(g, ranks_per_node) for g in ep_groups(plan.num_ranks, e)}
     members: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
     for x, n in node.items():

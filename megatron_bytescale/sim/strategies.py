@@ -56,6 +56,7 @@ def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True
             balance=balance_if_pp if x.cluster.pp > 1 else balance_if_dp,
             pipeline_stages=x.cluster.pp,
             offload=offload,
+            expert_parallel=x.cluster.ep,
         )
         t0 = time.perf_counter()
         plan = plan_step(list(x.seq_lens), config, x.cost)
