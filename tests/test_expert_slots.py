@@ -47,6 +47,12 @@ def test_aligned_plans_hold_every_token_once_and_cannot_deadlock(case):
     # a ring sits at one global slot on every member: the slot's position in the merged order
     # is the same wherever (the check: the slot graph has no self-loops or cycles)
     assert slot_errors(plan) == []
+    # rings rounded to whole EP groups sit on whole groups (a group never mixes two rings)
+    e = config.expert_parallel
+    for mbs in plan.ranks:
+        for mb in mbs:
+            if mb.ring is not None and len(mb.ring) % e == 0 and mb.heads_split == 1:
+                assert {r // e for r in mb.ring} == {r // e for r in mb.ring if r % e == 0} and len({r // e for r in mb.ring}) * e == len(mb.ring)
     # the estimate waits for the slowest member of each slot: never below the no-wait sum
     finish = slot_finish_times(plan, cost, config.ranks_per_node)
     assert plan.meta["est_time_max_s"] == pytest.approx(max(finish))

@@ -35,6 +35,12 @@ the merged graph and it is acyclic. Slots empty on every member of a group are d
 that group (only relative order matters). The ring order of the plan is kept, so a plan that
 validates without EP aligns.
 
+Rings across EP groups couple them: a group whose members run slots of different rings (or
+a ring and local work) holds every ring to its slowest member, and through those rings other
+groups, so one long ring can stretch a slot over the whole cluster. So under EP the planner
+rounds ring sizes up to whole EP groups (``round_rings_to_groups``) and places rings on whole
+groups (``GroupPlacer``): the members of a group then run the same ring in the same slot.
+
 The cost: an EP group's slot lasts as long as its slowest member's micro-batch plus the
 all-to-alls (``slot_finish_times``); empty slots are time a rank waits. Ring alignment adds
 waiting too: a ring member whose EP partners have work holds them at the ring's slot.
@@ -42,12 +48,16 @@ waiting too: a ring member whose EP partners have work holds them at the ring's 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from graphlib import CycleError, TopologicalSorter
+
+import numpy as np
 
 from ..errors import ConfigError
 from .cost_model import CostModel
 from .estimate import crosses_nodes, micro_batch_time
+from .placement import RingPlacer
 from .plan import MicroBatch, Plan, micro_batch
 
 EMPTY = micro_batch(())  # an empty slot: the rank runs one padding token through the model
@@ -109,6 +119,40 @@ def align_expert_slots(plan: Plan, expert_parallel: int) -> Plan:
         "empty_slots": sum(1 for mbs in ranks for mb in mbs if not mb.pieces),
     }
     return aligned
+
+
+def round_rings_to_groups(shards: dict, expert_parallel: int, num_ranks: int) -> dict:
+    """Ring sizes (``sharding.Shard``) rounded up to whole EP groups, where the sequence and
+    the cluster allow; a larger ring holds fewer tokens per member, so memory still fits."""
+    e = expert_parallel
+    out = {}
+    for sid, sh in shards.items():
+        n = sh.ring_size
+        rounded = -(-n // e) * e
+        if n > 1 and rounded != n and rounded <= min(num_ranks, sh.seq_len):
+            split = sh.heads_split if rounded % sh.heads_split == 0 else 1
+            sh = dataclasses.replace(sh, ring_size=rounded, heads_split=split)
+        out[sid] = sh
+    return out
+
+
+class GroupPlacer(RingPlacer):
+    """Places a ring of whole EP groups on the least-loaded groups (a group is as loaded as
+    its busiest member; ties to lower groups), so that no group mixes two rings in one slot;
+    other rings as ``RingPlacer`` does."""
+
+    def __init__(self, num_ranks: int, ranks_per_node: int, expert_parallel: int):
+        super().__init__(num_ranks, ranks_per_node)
+        ep_groups(num_ranks, expert_parallel)
+        self.expert_parallel = expert_parallel
+
+    def place(self, loads: np.ndarray, ring_size: int, group: int = 1) -> np.ndarray:
+        e = self.expert_parallel
+        if ring_size % e or group > 1:
+            return super().place(loads, ring_size, group)
+        busiest = loads.reshape(-1, e).max(axis=1)
+        chosen = np.sort(np.lexsort((np.arange(busiest.size), busiest))[: ring_size // e])
+        return (chosen[:, None] * e + np.arange(e)[None, :]).ravel()
 
 
 def _slot_nodes(plan: Plan) -> tuple[dict, list[str]]:

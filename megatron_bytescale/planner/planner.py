@@ -37,7 +37,7 @@ from ..errors import ConfigError, PlanError
 from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
-from .expert_slots import align_expert_slots, ep_groups, slot_finish_times
+from .expert_slots import GroupPlacer, align_expert_slots, ep_groups, round_rings_to_groups, slot_finish_times
 from .offload_policy import host_capacity
 from .pipeline_order import Item, LocalBatch, Ordered, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
@@ -132,6 +132,8 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     lens = check_lengths(seq_lens)
     balanced = config.balance != "none"
     placer = RingPlacer(config.num_ranks, config.ranks_per_node)
+    if config.expert_parallel > 1:  # rings on whole EP groups (expert_slots.py)
+        placer = GroupPlacer(config.num_ranks, config.ranks_per_node, config.expert_parallel)
     # pinned host memory per GPU, shared by the micro-batches a 1F1B stage holds in flight
     host = host_capacity(cost, config.pipeline_stages)
     # The target is a bound, not a promise: rigid rings with little short work to fill the
@@ -151,6 +153,8 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
             for scale in RETARGET if balanced else (1.0,):
                 target = None if base is None else base * scale
                 shards = plan_ring_sizes(lens, sizer, target)
+                if config.expert_parallel > 1:
+                    shards = round_rings_to_groups(shards, config.expert_parallel, config.num_ranks)
                 units = _units(lens, shards, config, cost, placer.ranks_per_node)
                 mode = config.balance if balanced else "tokens"
                 assignment = schedule(units, placer, mode, config.slack, stages)
