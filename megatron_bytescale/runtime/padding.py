@@ -10,7 +10,8 @@ and layout grow; the plan, the ring blocks and so the P2P traffic stay as planne
 
 Under expert parallelism the padding tokens pass the MoE router like any token: the experts
 they reach compute their outputs, which no real token and no loss reads, so every gradient is
-exactly unchanged; the router's load-balancing statistics (aux loss, z-loss) do count them.
+exactly unchanged; the data's ``padding_mask`` keeps them out of the router's load-balancing
+statistics (aux losses, z-loss, expert bias: megatron-core's ``padding_mask`` of MoE routing).
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def pad_micro_batch(data: MicroBatchData, layout: MicroBatchLayout, multiple: in
         labels=torch.cat([data.labels, zeros]),
         loss_mask=torch.cat([data.loss_mask, torch.zeros(n, dtype=data.loss_mask.dtype)]),
         positions=torch.cat([data.positions, torch.arange(n, dtype=torch.int64)]),
+        padding_mask=torch.cat([
+            data.padding_mask if data.padding_mask is not None else torch.zeros(t, dtype=torch.bool),
+            torch.ones(n, dtype=torch.bool),
+        ]),
     )
     local_rows = layout.local_rows
     if isinstance(local_rows, slice):
