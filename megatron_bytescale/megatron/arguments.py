@@ -46,6 +46,7 @@ MEGATRON_ARGS_READ = (
     "expert_model_parallel_size",
     "expert_tensor_parallel_size",
     "moe_token_dispatcher_type",
+    "overlap_moe_expert_parallel_comm",
     "use_megatron_fsdp",
     "use_torch_fsdp2",
     "cuda_graph_impl",
@@ -376,6 +377,11 @@ def _check_parallelism(args) -> None:
             raise ConfigError(
                 f"--expert-model-parallel-size {ep} with --pipeline-model-parallel-size {pp}: HDP aligns "
                 "expert-parallel slots without pipelines; use one of them (--pipeline-model-parallel-size 1)"
+            )
+        if args.overlap_moe_expert_parallel_comm:
+            raise ConfigError(
+                "--overlap-moe-expert-parallel-comm overlaps the all-to-alls of two micro-batches through Megatron's "
+                "MoE schedule plans, which HDP's per-rank micro-batches do not have: drop it"
             )
         etp = args.expert_tensor_parallel_size
         if etp is not None and etp != args.tensor_model_parallel_size:
