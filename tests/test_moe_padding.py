@@ -4,8 +4,6 @@ empty slot pad) gives the same loss and gradients as unpadded, with the aux loss
 
 from __future__ import annotations
 
-import pytest
-
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.plan import MicroBatch, Plan, whole_piece
 
