@@ -26,7 +26,9 @@ earlier node, so they all reach it, and its lowest pending (layer, operation) ha
 parties present and completes; by induction every node completes. A cycle, on the other hand,
 is a set of nodes each waiting for another to finish: a deadlock.
 
-``align_expert_slots`` places a plan's micro-batches on *global slots* t = 0, 1, 2, ...: at
+``align_expert_slots`` first orders each run of a rank's local micro-batches (between two
+rings) longest first, so that a group's slot k pairs its members' k-th largest, then places
+the micro-batches on *global slots* t = 0, 1, 2, ...: at
 slot t a rank runs its next local micro-batch, or its next ring micro-batch if that ring is
 next on all its members, or (a ring not yet ready) the first local micro-batch it has left,
 or nothing. Every ring then sits at the same global slot on all its members, and a group's
@@ -81,7 +83,7 @@ def align_expert_slots(plan: Plan, expert_parallel: int) -> Plan:
     if expert_parallel == 1:
         return plan
     groups = ep_groups(plan.num_ranks, expert_parallel)
-    queues = [list(mbs) for mbs in plan.ranks]
+    queues = [_longest_first(mbs) for mbs in plan.ranks]
     slotted: list[dict[int, MicroBatch]] = [{} for _ in plan.ranks]  # rank -> global slot -> mb
     t = 0
     while any(queues):
@@ -153,6 +155,23 @@ class GroupPlacer(RingPlacer):
         busiest = loads.reshape(-1, e).max(axis=1)
         chosen = np.sort(np.lexsort((np.arange(busiest.size), busiest))[: ring_size // e])
         return (chosen[:, None] * e + np.arange(e)[None, :]).ravel()
+
+
+def _longest_first(mbs) -> list[MicroBatch]:
+    """The micro-batches with each run of local ones (between two ring micro-batches) in
+    descending token order: slot k of an EP group then pairs the members' k-th largest, and a
+    slot waits less for its slowest member."""
+    out: list[MicroBatch] = []
+    run: list[MicroBatch] = []
+    for mb in mbs:
+        if mb.ring is None:
+            run.append(mb)
+            continue
+        out.extend(sorted(run, key=lambda m: -m.tokens))
+        run = []
+        out.append(mb)
+    out.extend(sorted(run, key=lambda m: -m.tokens))
+    return out
 
 
 def _slot_nodes(plan: Plan) -> tuple[dict, list[str]]:
