@@ -401,6 +401,7 @@ TRAINING_MODULES = {
                                                                "synchronize (:212), set_device (:488)",
     "megatron.core.dist_checkpointing.exchange_utils": "exchange buffers on 'cuda' (:104, :110, :326)",
     "megatron.core.dist_checkpointing.tensor_aware_state_dict": "synchronize (:304)",
+    "megatron.core.transformer.moe.moe_utils": "training_log's track_moe_metrics tensors on device='cuda' (:998)",
 }
 
 
