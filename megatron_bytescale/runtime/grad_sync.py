@@ -157,10 +157,13 @@ class StepGradSync:
     the parameter all-gathers, which micro-batch reduces gradients during backward, and the
     explicit launch for ranks where none does."""
 
-    def __init__(self, model, micro_batches, forward_only: bool = False):
+    def __init__(self, model, micro_batches, forward_only: bool = False, expert_parallel: int = 1):
         self.model = model
         self.launcher = None if forward_only else in_order_launch(model)
-        last_is_local = bool(micro_batches) and micro_batches[-1].ring is None
+        # under expert parallelism every backward runs MoE all-to-alls, which EP partners must
+        # meet in the same order as on every rank: no bucket collective may come between them,
+        # so every rank launches its buckets after its last backward
+        last_is_local = bool(micro_batches) and micro_batches[-1].ring is None and expert_parallel == 1
         self.sync_index = len(micro_batches) - 1 if self.launcher is not None and last_is_local else None
         if not forward_only and overlaps_param_gather(model):
             self._gather_params(idle=not micro_batches)

@@ -248,7 +248,7 @@ def run_hdp_step(
     last_stage = link.last
     running: dict[int, list] = {}  # micro-batch -> [start, forward_end, forward_wait_s, offload handle]
     active: dict[int, tuple] = {}  # micro-batch -> (layout, positions), for its backward
-    sync = StepGradSync(model, [d.micro_batch for d in step.micro_batches], forward_only)
+    sync = StepGradSync(model, [d.micro_batch for d in step.micro_batches], forward_only, step.plan.expert_parallel)
     multiple = sequence_parallel_multiple(config)  # sequence parallelism: tokens padded to TP
 
     def forward(i: int, input_tensor):
