@@ -202,8 +202,10 @@ def test_hdp_step_equals_one_hdp_rank(tp, data, work):
         both = dict(pool.map(lambda a: run(*a), ((f"tp{tp}_hdp{4 // tp}", 4), (f"tp{tp}_hdp1", tp))))
     hdp, one = both[f"tp{tp}_hdp{4 // tp}"], both[f"tp{tp}_hdp1"]
     assert f"tensor model parallel with size {tp}" in hdp.log
-    assert hdp.losses[1] == one.losses[1], (hdp.losses, one.losses)
-    assert hdp.grad_norms[1] == one.grad_norms[1]
+    # fp32 sums in another order: the logged 7-digit loss and 3-decimal grad norm may round to
+    # the neighbouring value (the batch is the package's own sources, so it changes with them)
+    assert float(hdp.losses[1]) == pytest.approx(float(one.losses[1]), rel=1e-6), (hdp.losses, one.losses)
+    assert float(hdp.grad_norms[1]) == pytest.approx(float(one.grad_norms[1]), abs=1.01e-3)
     params_hdp, params_one = _parameters(work / f"ckpt_tp{tp}_hdp{4 // tp}"), _parameters(work / f"ckpt_tp{tp}_hdp1")
     assert params_hdp.keys() == params_one.keys() and len(params_one) >= 8  # layers are stacked
     worst = max(float((params_hdp[k].double() - params_one[k].double()).abs().max()) for k in params_one)
