@@ -27,6 +27,14 @@ to the lower bound (and to max(lower bound, critical path)), and of the planner'
 estimate against the simulated step.
 
     PYTHONPATH=. python benchmarks/bench_simulate.py --pipeline-grid [--dataset github] [--steps 2] [--json OUT]
+
+Expert parallelism (``--ep-grid``): the MoE models on 1,024 GPUs without pipelines (EP needs
+PP 1 under HDP), Mistral-8x7B at TP 2 with EP 1 and 4 (an EP group in one node) and
+Mistral-8x22B at TP 4 with EP 1, 2 and 8 (across four nodes): medians of static's and
+hdp-balanced's step, of hdp-balanced's exposed MoE all-to-alls and idle time (empty and
+waiting slots), and of its ratios to static and to the lower bound.
+
+    PYTHONPATH=. python benchmarks/bench_simulate.py --ep-grid [--dataset github] [--steps 1] [--json OUT]
 """
 
 from __future__ import annotations
@@ -68,6 +76,12 @@ def goal_verdicts(steps: list[dict[str, dict]]) -> dict[str, dict]:
 # the pipeline rows: (model, PP) on 8,192 GPUs with TP 8
 PIPELINE_GRID = (("llama-70b", 2), ("llama-70b", 4), ("mistral-8x22b", 2), ("mistral-8x22b", 4))
 PIPELINE_FLAGS = ["--gpus", "8192", "--tp", "8", "--strategies", "static,hdp-naive,hdp-balanced"]
+
+
+# the expert-parallel rows: (model, TP, EP) on 1,024 GPUs, PP 1
+EP_GRID = (("mistral-8x7b", 2, 1), ("mistral-8x7b", 2, 4), ("mistral-8x22b", 4, 1), ("mistral-8x22b", 4, 2),
+           ("mistral-8x22b", 4, 8))
+EP_FLAGS = ["--strategies", "static,hdp-balanced"]
 
 
 def _median(values):
@@ -113,9 +127,45 @@ def pipeline_grid(argv: list[str]) -> int:
     return 0
 
 
+def ep_grid(argv: list[str]) -> int:
+    """One row per (model, TP, EP): medians over the steps (ratios taken per step)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    ap.add_argument("--ep-grid", action="store_true")
+    rows = []
+    for model, tp, ep in EP_GRID:
+        args = ap.parse_args(HEADLINE + EP_FLAGS + argv + ["--model", model, "--tp", str(tp), "--ep", str(ep)])
+        cfg = config_from_args(args)
+        report = run(cfg)
+        per_step = list(zip(report.steps["static"], report.steps["hdp-balanced"]))
+        rows.append({
+            "model": model, "tp": tp, "ep": ep, "dataset": cfg.dataset, "steps": len(per_step), "gpus": cfg.gpus,
+            "static_s": _median([s["step_time_s"] for s, _ in per_step]),
+            "balanced_s": _median([b["step_time_s"] for _, b in per_step]),
+            "balanced_moe_a2a_s": _median([b["exposed_moe_a2a_s"] for _, b in per_step]),
+            "balanced_idle_s": _median([b["idle_mean_s"] for _, b in per_step]),
+            "balanced_vs_static": _median([s["step_time_s"] / b["step_time_s"] for s, b in per_step]),
+            "balanced_x_lb": _median([b["x_lower_bound"] for _, b in per_step]),
+            "estimate_vs_sim": _median([b["planner_estimate_s"] / b["step_time_s"] for _, b in per_step]),
+        })
+        r = rows[-1]
+        print(
+            f"{model:<14} TP {tp} EP {ep}  static {r['static_s']:7.2f}  balanced {r['balanced_s']:7.2f}"
+            f"  MoE a2a {r['balanced_moe_a2a_s']:5.2f}  idle {r['balanced_idle_s']:5.2f}  vs static {r['balanced_vs_static']:5.2f}x"
+            f"  x LB {r['balanced_x_lb']:5.3f}  estimate/sim {r['estimate_vs_sim']:5.3f}",
+            flush=True,
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main() -> int:
     if "--pipeline-grid" in sys.argv[1:]:
         return pipeline_grid(sys.argv[1:])
+    if "--ep-grid" in sys.argv[1:]:
+        return ep_grid(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     args = ap.parse_args(HEADLINE + sys.argv[1:])

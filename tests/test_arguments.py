@@ -38,6 +38,9 @@ MEGATRON = dict(
     tensor_model_parallel_size=1,
     sequence_parallel=False,
     expert_model_parallel_size=1,
+    expert_tensor_parallel_size=None,
+    moe_token_dispatcher_type="allgather",
+    overlap_moe_expert_parallel_comm=False,
     use_megatron_fsdp=False,
     use_torch_fsdp2=False,
     cuda_graph_impl="none",
@@ -216,7 +219,13 @@ CONFLICTS = {
     "hybrid cp capacity": (HDP, dict(max_seqlen_per_dp_cp_rank=4096), "--max-seqlen-per-dp-cp-rank"),
     "virtual pp": (HDP, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
     "dp balance with pp": (HDP + ["--hdp-balance", "dp"], dict(pipeline_model_parallel_size=2), "use --hdp-balance pp"),
-    "expert parallel": (HDP, dict(num_experts=8, expert_model_parallel_size=2), "--expert-model-parallel-size 1"),
+    "expert parallel allgather": (HDP, dict(num_experts=8, expert_model_parallel_size=2), "use --moe-token-dispatcher-type alltoall"),
+    "expert parallel with pp": (HDP + ["--hdp-balance", "pp"], dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
+                                pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 1"),
+    "expert a2a overlap": (HDP, dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
+                           overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
+    "expert tensor parallel": (HDP, dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
+                               tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1), "drop --expert-tensor-parallel-size"),
     "megatron fsdp": (HDP, dict(use_megatron_fsdp=True), "--use-distributed-optimizer"),
     "torch fsdp2": (HDP, dict(use_torch_fsdp2=True), "--use-distributed-optimizer"),
     "cuda graphs": (HDP, dict(cuda_graph_impl="local"), "CUDA graphs need fixed shapes"),
@@ -376,3 +385,10 @@ def test_sequence_parallelism_with_tp_is_accepted_and_divides_activations():
     assert with_sp.a2 == pytest.approx(one.a2 / 2)  # every activation divided by TP
     # tiny (h 64, q 64, kv 32, f 128, SwiGLU): whole 4h = 256, sharded 2q+2kv+3f = 576 elements
     assert without.a2 == pytest.approx(2 * (256 + 576 / 2)) and without.a2 > with_sp.a2
+
+
+def test_expert_parallelism_with_the_all_to_all_dispatcher_is_accepted_and_planned_in_slots():
+    args = validate_hdp_args(parse(HDP, num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall"))
+    config = planner_config_from_args(args)
+    assert config.expert_parallel == 2
+    assert cost_model_from_args(args).moe_a2a_bytes_per_token == 2 * 64 * 2  # top-2 x hidden 64, bf16

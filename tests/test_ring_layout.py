@@ -73,10 +73,23 @@ def test_all_local_micro_batch_has_a_ring_of_one():
     assert layout.local_rows == slice(0, 7)
 
 
+def test_an_empty_micro_batch_is_an_expert_slot_filler_of_padding_tokens():
+    from megatron_bytescale.runtime.batch import build_micro_batch_data
+    from megatron_bytescale.runtime.padding import PAD_SEQ, pad_micro_batch
+
+    empty = MicroBatch(())
+    layout = MicroBatchLayout.from_micro_batch(empty, 3)
+    assert layout.num_tokens == 0 and layout.ring == (3,)
+    data = build_micro_batch_data(empty, lambda sid, a, b: None)
+    for multiple in (1, 2):  # one padding token, or TP's multiple under sequence parallelism
+        padded, grown = pad_micro_batch(data, layout, multiple)
+        assert padded.num_tokens == grown.num_tokens == multiple
+        assert padded.loss_mask.sum() == 0 and grown.seq_ids.tolist() == [PAD_SEQ] * multiple
+
+
 @pytest.mark.parametrize(
     "mb, rank, message",
     [
-        (MicroBatch(()), 0, "empty micro-batch"),
         (MicroBatch((whole_piece(0, 4, 1),)), 0, "does not contain rank 0"),
         (MicroBatch((ring_pieces(0, 8, (0, 1))[0], ring_pieces(1, 8, (0, 2))[0])), 0, "a micro-batch has one ring"),
         (MicroBatch((ring_pieces(0, 8, (0, 1))[1],)), 0, "zigzag share"),

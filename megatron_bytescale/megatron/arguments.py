@@ -44,6 +44,9 @@ MEGATRON_ARGS_READ = (
     "tensor_model_parallel_size",
     "sequence_parallel",
     "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "moe_token_dispatcher_type",
+    "overlap_moe_expert_parallel_comm",
     "use_megatron_fsdp",
     "use_torch_fsdp2",
     "cuda_graph_impl",
@@ -359,12 +362,34 @@ def _check_parallelism(args) -> None:
         )
     # --overlap-grad-reduce / --overlap-param-gather are supported (runtime.grad_sync says how
     # ranks with different numbers of micro-batches launch the same buckets in the same order).
-    if args.expert_model_parallel_size > 1:
-        raise ConfigError(
-            f"--expert-model-parallel-size {args.expert_model_parallel_size}: expert all-to-alls run once "
-            "per micro-batch across DP ranks, and HDP ranks run different numbers of micro-batches, so they "
-            "would hang; use --expert-model-parallel-size 1 (MoE layers stay supported)"
-        )
+    # --expert-model-parallel-size > 1 is supported through aligned micro-batch slots per EP
+    # group (planner/expert_slots.py): empty slots join the all-to-alls of megatron-core's
+    # all-to-all token dispatcher, the one tested; the others are refused.
+    ep = args.expert_model_parallel_size
+    if ep > 1:
+        dispatcher = args.moe_token_dispatcher_type
+        if dispatcher != "alltoall":
+            raise ConfigError(
+                f"--moe-token-dispatcher-type {dispatcher} with --expert-model-parallel-size {ep}: HDP aligns "
+                "expert-parallel micro-batch slots for the all-to-all dispatcher: use --moe-token-dispatcher-type alltoall"
+            )
+        if pp > 1:
+            raise ConfigError(
+                f"--expert-model-parallel-size {ep} with --pipeline-model-parallel-size {pp}: HDP aligns "
+                "expert-parallel slots without pipelines; use one of them (--pipeline-model-parallel-size 1)"
+            )
+        if args.overlap_moe_expert_parallel_comm:
+            raise ConfigError(
+                "--overlap-moe-expert-parallel-comm overlaps the all-to-alls of two micro-batches through Megatron's "
+                "MoE schedule plans, which HDP's per-rank micro-batches do not have: drop it"
+            )
+        etp = args.expert_tensor_parallel_size
+        if etp is not None and etp != args.tensor_model_parallel_size:
+            raise ConfigError(
+                f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
+                f"{args.tensor_model_parallel_size}: HDP's EP groups are blocks of HDP ranks only when they "
+                "match; drop --expert-tensor-parallel-size"
+            )
     if args.use_megatron_fsdp or args.use_torch_fsdp2:
         raise ConfigError(
             "FSDP (--use-megatron-fsdp / --use-torch-fsdp2) gathers parameters once per micro-batch across "
@@ -592,4 +617,5 @@ def planner_config_from_args(args):
         slack=args.hdp_balance_slack,
         offload=args.hdp_selective_offload,
         pipeline_stages=args.pipeline_model_parallel_size,
+        expert_parallel=args.expert_model_parallel_size,
     )

@@ -20,6 +20,10 @@ What running GPTModel forward+backward (+ DDP grad sync) on CPU needed:
 * ``model_parallel_cuda_manual_seed`` stores CUDA generator states in the RNG tracker;
 * activation recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA generator
   state around the recomputed forward (the CPU state and the tracker's streams it keeps too);
+* the MoE all-to-all token dispatcher (expert parallelism) creates a ``torch.cuda.Stream`` for
+  its device-to-host copies of the split sizes and synchronises on an event of it, and those
+  copies (``maybe_move_tensor_to_cpu``) make numpy split sizes only from CUDA tensors, while
+  ``all_to_all_single`` takes no tensor as split sizes;
 * the MoE router names ``te_general_gemm`` that megatron-core only defines when Transformer
   Engine is installed (a NameError on GPUs without TE too: that one fix applies everywhere);
 * the local ``DotProductAttention`` builds its mask on CUDA: not patched, HDP replaces core
@@ -174,6 +178,44 @@ def _tied_embeddings_stay_on_cpu(setup):
 
     on_cpu._cpu_wrapped = True
     return on_cpu
+class _DispatcherStream:
+    """The all-to-all dispatcher's side stream on CPU: its copies already ran in program order."""
+
+    def __init__(self, *unused, **unused_kw):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return _DispatcherStream()  # an "event": synchronize() returns at once
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _DispatcherCuda(_CudaOnCpu):
+    Stream = _DispatcherStream
+    current_stream = staticmethod(lambda *a, **k: None)  # never the side stream: it "waits" on it
+    stream = staticmethod(lambda *a, **k: contextlib.nullcontext())
+
+
+class _DispatcherTorch:
+    """``torch`` as megatron-core's token dispatcher sees it on CPU (MoE all-to-all, EP > 1):
+    real but for ``torch.cuda``'s stream and current device."""
+
+    cuda = _DispatcherCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's ``maybe_move_tensor_to_cpu`` on CPU: the tensor is already on the host;
+    ``as_numpy`` (split sizes for ``all_to_all_single``) still gives numpy, as on a GPU."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.detach().numpy()
+    return tensor
 
 
 def _define_names_missing_without_te() -> None:
@@ -201,6 +243,10 @@ def install() -> bool:
             cpu_torch = _TorchOnCpu()
             for name in ALLOCATE_ON_CPU:
                 importlib.import_module(name).torch = cpu_torch
+            # MoEAlltoAllTokenDispatcher.__init__ creates a CUDA stream for its split-size copies
+            dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+            dispatcher.torch = _DispatcherTorch()
+            dispatcher.maybe_move_tensor_to_cpu = _splits_to_host
             # initialize_rng_tracker() builds a CudaRNGStatesTracker whose add()/fork() read and
             # write CUDA generator states; on CPU the tracked streams must be CPU generator states.
             megatron_random.initialize_rng_tracker = _initialize_cpu_rng_tracker
@@ -381,6 +427,7 @@ TRAINING_MODULES = {
                                                                "synchronize (:212), set_device (:488)",
     "megatron.core.dist_checkpointing.exchange_utils": "exchange buffers on 'cuda' (:104, :110, :326)",
     "megatron.core.dist_checkpointing.tensor_aware_state_dict": "synchronize (:304)",
+    "megatron.core.transformer.moe.moe_utils": "training_log's track_moe_metrics tensors on device='cuda' (:998)",
 }
 
 

@@ -28,20 +28,24 @@ class StepResult:
     stats: StepStats
 
 
-def setup_model(model: str = "tiny", *, tp: int = 1, pp: int = 1, seed: int = 0, **config_overrides):
+def setup_model(model: str = "tiny", *, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0, **config_overrides):
     """Parallel state on the initialised gloo world, then the GPT (this rank's pipeline stage)
-    with our attention and a token-normalised gradient reduction over the HDP group.
-    Returns (model, hdp_group)."""
+    with our attention and a token-normalised gradient reduction over the HDP group (expert
+    gradients over the expert-data-parallel group when ``ep`` > 1: a MoE model, megatron-core's
+    all-to-all token dispatcher). Returns (model, hdp_group)."""
     from megatron.core import parallel_state
 
     cpu_compat.install()
-    group = parallel.init_parallel(tp=tp, pp=pp)
+    group = parallel.init_parallel(tp=tp, pp=pp, ep=ep)
+    if ep > 1:
+        config_overrides = {"expert_model_parallel_size": ep, "moe_token_dispatcher_type": "alltoall", **config_overrides}
     gpt = build_gpt_model(model, seed=seed, **config_overrides)
     gpt.config.calculate_per_token_loss = True
     pipeline = parallel_state.get_pipeline_model_parallel_group() if pp > 1 else None
     embedding = parallel_state.get_embedding_group() if pp > 1 and parallel_state.is_rank_in_embedding_group() else None
     gpt.config.finalize_model_grads_func = make_finalize_grads(
-        group, tp_group=parallel_state.get_tensor_model_parallel_group(), pp_group=pipeline, embedding_group=embedding
+        group, tp_group=parallel_state.get_tensor_model_parallel_group(), pp_group=pipeline, embedding_group=embedding,
+        expert_group=parallel_state.get_expert_data_parallel_group() if ep > 1 else None,
     )
     return gpt, group
 

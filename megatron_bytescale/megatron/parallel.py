@@ -20,9 +20,10 @@ from ..errors import ConfigError
 from . import cpu_compat
 
 
-def init_parallel(tp: int = 1, pp: int = 1) -> dist.ProcessGroup:
-    """Initialise Megatron's model-parallel state (TP x PP, CP 1) on the initialised world and
-    return the HDP group. Installs the CPU workarounds when CUDA is absent.
+def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> dist.ProcessGroup:
+    """Initialise Megatron's model-parallel state (TP x PP, CP 1, expert parallelism ``ep``)
+    on the initialised world and return the HDP group. Installs the CPU workarounds when CUDA
+    is absent. EP groups are blocks of ``ep`` consecutive HDP ranks (planner.expert_slots).
 
     Calling it again with the same sizes returns the existing group; other sizes are an error
     (call ``destroy_parallel()`` first)."""
@@ -31,8 +32,8 @@ def init_parallel(tp: int = 1, pp: int = 1) -> dist.ProcessGroup:
             "init_parallel needs an initialised torch.distributed world: call "
             "torch.distributed.init_process_group first (local_world.run_local_world does)"
         )
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"tensor and pipeline parallel sizes must be at least 1, got tp={tp}, pp={pp}")
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ConfigError(f"tensor, pipeline and expert parallel sizes must be at least 1, got tp={tp}, pp={pp}, ep={ep}")
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ConfigError(
@@ -43,17 +44,19 @@ def init_parallel(tp: int = 1, pp: int = 1) -> dist.ProcessGroup:
         current = (
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
         )
-        if current != (tp, pp):
+        if current != (tp, pp, ep):
             raise ConfigError(
-                f"Megatron parallel state is already initialised with tp={current[0]}, pp={current[1]}; "
-                f"call destroy_parallel() before init_parallel(tp={tp}, pp={pp})"
+                f"Megatron parallel state is already initialised with tp={current[0]}, pp={current[1]}, ep={current[2]}; "
+                f"call destroy_parallel() before init_parallel(tp={tp}, pp={pp}, ep={ep})"
             )
         return hdp_group()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=1,  # HDP forms its rings per step inside the HDP group
+        expert_model_parallel_size=ep,
         # a gloo world needs no second set of gloo groups; an NCCL world keeps Megatron's default
         create_gloo_process_groups=dist.get_backend() != "gloo",
     )

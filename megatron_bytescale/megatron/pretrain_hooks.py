@@ -339,8 +339,17 @@ def hdp_forward_step(data_iterator, model, loss_func: Callable = per_token_loss)
     labels = data.labels.to(device, non_blocking=True).unsqueeze(0)
     loss_mask = data.loss_mask.to(device, non_blocking=True).unsqueeze(0)
     position_ids = data.positions.to(device, non_blocking=True).unsqueeze(0)
-    output = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask)
+    extra = {}
+    if data.padding_mask is not None and _is_moe(model):  # padding out of the router's statistics
+        extra["padding_mask"] = data.padding_mask.to(device, non_blocking=True).unsqueeze(0)
+    output = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask, **extra)
     return output, functools.partial(loss_func, loss_mask, model=model)
+
+
+def _is_moe(model) -> bool:
+    from megatron.core.utils import get_model_config
+
+    return bool(getattr(get_model_config(model), "num_moe_experts", None))
 
 
 def forward_step(base: Callable, loss_func: Optional[Callable] = None) -> Callable:

@@ -78,6 +78,9 @@ class CostModel:
     q_heads: int = 0
     kv_heads: int = 0
     q_bytes_per_token: float = 0.0
+    # MoE (planner/expert_slots.py): bytes one token's routed hidden states take in one
+    # all-to-all of one layer (top-k x hidden, bf16); 0: a dense model
+    moe_a2a_bytes_per_token: float = 0.0
 
     # ------------------------------------------------------------- formulas
     def layer_time(self, tokens: float, attention_pairs: float | None = None) -> float:
@@ -161,6 +164,9 @@ class CostModel:
             q_heads=max(1, model.num_attention_heads // tp),
             kv_heads=kv_heads_per_shard,
             q_bytes_per_token=max(1, model.num_attention_heads // tp) * model.kv_channels * BF16_BYTES,
+            moe_a2a_bytes_per_token=(
+                model.moe_router_topk * h * BF16_BYTES / (tp if sequence_parallel else 1) if model.num_experts else 0.0
+            ),
         )
 
     # -------------------------------------------------------------- profiles

@@ -136,6 +136,10 @@ class Plan:
         from .pipeline_order import decode_stage_order
 
         return decode_stage_order(self.stage_orders[rank][stage])
+    # expert-parallel size (MoE all-to-alls, planner/expert_slots.py): > 1 makes the rank lists
+    # slot lists, equal in length within each EP group, where an empty micro-batch is a slot
+    # whose rank only joins the all-to-alls
+    expert_parallel: int = 1
 
     @property
     def activation_layers(self) -> int:
@@ -239,12 +243,17 @@ class Plan:
            consecutive stages passing micro-batches on in the order the next one runs them
            (``crossing_order_mismatch``), and the pipelines free of deadlock in those orders
            (``find_pipeline_deadlock``).
+        9. with ``expert_parallel`` > 1: the members of each EP group hold the same number of
+           slots, and rings and EP groups order them without deadlock (``expert_slots``); only
+           then may a micro-batch be empty.
         """
         errors: list[str] = []
         if len(self.ranks) != self.num_ranks:
             errors.append(f"plan has {len(self.ranks)} rank lists for {self.num_ranks} ranks")
         if self.capacity <= 0:
             errors.append(f"capacity must be positive, got {self.capacity}")
+        if self.expert_parallel < 1 or self.num_ranks % self.expert_parallel:
+            errors.append(f"expert_parallel={self.expert_parallel} must divide the {self.num_ranks} ranks into EP groups")
         if not 0 <= self.recomputed_layers <= self.num_layers:
             errors.append(f"recomputed_layers={self.recomputed_layers} outside [0, num_layers={self.num_layers}]")
         for sid, s in enumerate(self.seq_lens):
@@ -265,7 +274,7 @@ class Plan:
                 where = f"rank {rank} micro-batch {m}"
                 if not 0.0 <= mb.offload_ratio <= 1.0:
                     errors.append(f"{where}: offload ratio {mb.offload_ratio} outside [0, 1]")
-                if not mb.pieces:
+                if not mb.pieces and self.expert_parallel == 1:
                     errors.append(f"{where}: empty micro-batch")
                 resident = mb.tokens * resident_fraction(mb.offload_ratio, self.activation_layers)
                 if resident > limit:
@@ -326,6 +335,10 @@ class Plan:
         errors.extend(self._check_ring_steps(ring_keys))
         if not errors:
             errors.extend(self._check_stage_orders())
+        if self.expert_parallel != 1 and not errors:
+            from .expert_slots import slot_errors  # expert_slots builds plans: imported late
+
+            errors.extend(slot_errors(self))
         if errors:
             shown = errors[:20] + ([f"... and {len(errors) - 20} more"] if len(errors) > 20 else [])
             raise PlanError("invalid plan:\n  " + "\n  ".join(shown))
@@ -430,6 +443,8 @@ class Plan:
         extra = {"recomputed_layers": self.recomputed_layers} if self.recomputed_layers else {}
         if self.stage_orders is not None:
             extra["stage_orders"] = [[list(codes) for codes in rank] for rank in self.stage_orders]
+        if self.expert_parallel != 1:
+            extra["expert_parallel"] = self.expert_parallel
         return {
             **extra,
             "version": PLAN_FORMAT_VERSION,
@@ -492,6 +507,7 @@ class Plan:
                 stage_orders=None
                 if data.get("stage_orders") is None
                 else tuple(tuple(tuple(int(c) for c in codes) for codes in rank) for rank in data["stage_orders"]),
+                expert_parallel=int(data.get("expert_parallel", 1)),
             )
         except PlanError:
             raise

@@ -26,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="a measured cost-model profile (YAML/JSON); replaces the analytic model")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size [1]")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size [1]")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE): aligned slots per EP group [1]")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job; HDP ranks = gpus / (tp * pp)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node [the hardware spec's]")
     p.add_argument("--capacity", required=True, help="tokens per micro-batch per rank without offloading, e.g. 8K")
@@ -145,6 +146,7 @@ def main(args) -> int:
         slack=args.slack,
         offload=not args.no_offload,
         pipeline_stages=args.pp,
+        expert_parallel=args.ep,
     )
     plan = plan_step(lengths, config, cost).validate()
     print(format_table(plan, args.max_rows))

@@ -40,6 +40,7 @@ from ..errors import ConfigError, PlanError
 from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
+from .expert_slots import GroupPlacer, align_expert_slots, ep_groups, round_rings_to_groups, slot_finish_times
 from .offload_policy import host_capacity
 from .pipeline_order import Item, LocalBatch, Ordered, encode_stage_orders, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
@@ -68,6 +69,7 @@ class PlannerConfig:
     pipeline_stages: int = 1
     # "1f1b": every stage runs 1F1B; "search": per-stage orders from stage_schedule when shorter
     pipeline_schedule: str = "1f1b"
+    expert_parallel: int = 1  # EP size: members of an EP group get aligned slots (expert_slots.py)
 
     def check(self) -> None:
         def whole(name: str, value, low: int, fix: str = "") -> None:
@@ -78,6 +80,13 @@ class PlannerConfig:
         whole("token capacity", self.capacity, 1, "; set --hdp-token-capacity to the tokens one rank holds per micro-batch (e.g. 8K)")
         whole("ranks_per_node", self.ranks_per_node, 1, "; pass the HDP ranks per node (GPUs per node / TP)")
         whole("pipeline_stages", self.pipeline_stages, 1)
+        whole("expert_parallel", self.expert_parallel, 1, "; pass --expert-model-parallel-size")
+        ep_groups(self.num_ranks, self.expert_parallel)
+        if self.expert_parallel > 1 and self.pipeline_stages > 1:
+            raise ConfigError(
+                f"expert parallelism (EP {self.expert_parallel}) with {self.pipeline_stages} pipeline stages is not "
+                "supported under HDP: use --pipeline-model-parallel-size 1 or --expert-model-parallel-size 1"
+            )
         check_shape(self.num_ranks, self.ranks_per_node)
         if self.balance not in BALANCE_MODES:
             raise ConfigError(f"unknown balance mode {self.balance!r}; choose one of {', '.join(BALANCE_MODES)}")
@@ -134,6 +143,8 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     lens = check_lengths(seq_lens)
     balanced = config.balance != "none"
     placer = RingPlacer(config.num_ranks, config.ranks_per_node)
+    if config.expert_parallel > 1:  # rings on whole EP groups (expert_slots.py)
+        placer = GroupPlacer(config.num_ranks, config.ranks_per_node, config.expert_parallel)
     # pinned host memory per GPU, shared by the micro-batches a 1F1B stage holds in flight
     host = host_capacity(cost, config.pipeline_stages)
     # The target is a bound, not a promise: rigid rings with little short work to fill the
@@ -153,6 +164,8 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
             for scale in RETARGET if balanced else (1.0,):
                 target = None if base is None else base * scale
                 shards = plan_ring_sizes(lens, sizer, target)
+                if config.expert_parallel > 1:
+                    shards = round_rings_to_groups(shards, config.expert_parallel, config.num_ranks)
                 units = _units(lens, shards, config, cost, placer.ranks_per_node)
                 mode = config.balance if balanced else "tokens"
                 assignment = schedule(units, placer, mode, config.slack, stages)
@@ -192,8 +205,12 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         recomputed_layers=cost.recomputed_layers,
         stage_orders=stage_orders,
     )
+    if config.expert_parallel > 1:  # aligned slots: an EP group's slot waits for its slowest member
+        plan = align_expert_slots(plan, config.expert_parallel)
+        est = np.array(slot_finish_times(plan, cost, placer.ranks_per_node))
     ring_hist = Counter(s.ring_size for s in shards.values())
     plan.meta = {
+        **plan.meta,  # expert_slots' counts
         "strategy": "hdp-balanced" if balanced else "hdp-naive",
         "balance": config.balance,
         "offload": config.offload,

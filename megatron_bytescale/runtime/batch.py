@@ -25,6 +25,9 @@ class MicroBatchData:
     labels: torch.Tensor  # int64 [T]: token at position p+1 of the same sequence
     loss_mask: torch.Tensor  # float32 [T]: 0 for the last token of each sequence (no label)
     positions: torch.Tensor  # int64 [T]: position inside its own sequence
+    # bool [T], True on padding tokens (runtime.padding); None: no padding. MoE routers leave
+    # padding out of their load-balancing statistics
+    padding_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

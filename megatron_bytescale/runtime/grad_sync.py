@@ -18,14 +18,16 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
-def make_finalize_grads(group=None, *, tp_group=None, pp_group=None, embedding_group=None):
+def make_finalize_grads(group=None, *, tp_group=None, pp_group=None, embedding_group=None, expert_group=None):
     """A ``finalize_model_grads_func`` for a TransformerConfig: sum gradients over ``group``
     and divide by the all-reduced token count. Under sequence parallelism the gradients of the
     weights marked ``sequence_parallel`` (norms: each TP rank saw its share of the tokens) are
     first summed over ``tp_group``, as Megatron's ``finalize_model_grads`` does. ``pp_group``:
     this rank's pipeline (the token count is summed over it: only the last stage counts);
     ``embedding_group``: the first and last stage, when this rank is one of them (tied
-    word-embedding gradients are summed)."""
+    word-embedding gradients are summed). ``expert_group``: with expert parallelism, the
+    expert-data-parallel group over which the gradients of this rank's experts (megatron-core
+    marks them ``allreduce=False``) are summed instead of ``group``, as Megatron's DDP does."""
 
     def finalize(models, num_tokens, pg_collection=None, force_all_reduce=False):  # noqa: ARG001
         params = [p for m in models for p in m.parameters() if p.requires_grad]
@@ -45,16 +47,22 @@ def make_finalize_grads(group=None, *, tp_group=None, pp_group=None, embedding_g
                     dist.all_reduce(tied.grad, group=embedding_group)
         if num_tokens is not None and pp_group is not None:
             dist.all_reduce(num_tokens, group=pp_group)
-        grads = [p.grad for p in params]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
+        total = None
         if num_tokens is not None:
             total = num_tokens.detach().clone().to(torch.int64)
             dist.all_reduce(total, group=group)
             num_tokens.copy_(total)
-            flat /= max(int(total.item()), 1)
-        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
+        experts = expert_group is not None
+        for over, grads in ((group, [p.grad for p in params if not experts or getattr(p, "allreduce", True)]),
+                            (expert_group, [p.grad for p in params if experts and not getattr(p, "allreduce", True)])):
+            if not grads:
+                continue
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=over)
+            if total is not None:
+                flat /= max(int(total.item()), 1)
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
 
     return finalize
 
@@ -149,13 +157,18 @@ class StepGradSync:
     the parameter all-gathers, which micro-batch reduces gradients during backward, and the
     explicit launch for ranks where none does."""
 
-    def __init__(self, model, micro_batches, forward_only: bool = False, last_backward: int | None = None):
+    def __init__(
+        self, model, micro_batches, forward_only: bool = False, last_backward: int | None = None, expert_parallel: int = 1
+    ):
         """``last_backward``: the micro-batch whose backward this stage runs last (default:
         the last one, as in 1F1B; a plan's stage order may end with another)."""
         self.model = model
         self.launcher = None if forward_only else in_order_launch(model)
         last = len(micro_batches) - 1 if last_backward is None else last_backward
-        last_is_local = bool(micro_batches) and micro_batches[last].ring is None
+        # under expert parallelism every backward runs MoE all-to-alls, which EP partners must
+        # meet in the same order as on every rank: no bucket collective may come between them,
+        # so every rank launches its buckets after its last backward
+        last_is_local = bool(micro_batches) and micro_batches[last].ring is None and expert_parallel == 1
         self.sync_index = last if self.launcher is not None and last_is_local else None
         if not forward_only and overlaps_param_gather(model):
             self._gather_params(idle=not micro_batches)

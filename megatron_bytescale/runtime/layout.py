@@ -92,8 +92,8 @@ class MicroBatchLayout:
 
     @classmethod
     def from_micro_batch(cls, mb: MicroBatch, rank: int) -> MicroBatchLayout:
-        if not mb.pieces:
-            raise PlanError(f"rank {rank}: empty micro-batch; every micro-batch needs at least one piece")
+        # no pieces: an expert-parallel slot filler (planner.expert_slots); the step pads it to
+        # padding tokens of its own (runtime.padding) so that it joins the MoE all-to-alls
         seen, rings = set(), set()
         for p in mb.pieces:
             where = f"rank {rank}: piece of sequence {p.seq_id}"

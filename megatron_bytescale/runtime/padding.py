@@ -7,6 +7,11 @@ missing tokens as a document of their own (``PAD_SEQ``): ring attention attends 
 itself, so no real token ever sees it; its loss mask is 0, so it adds nothing to the loss, the
 gradients or the token count (the count is the loss mask's sum). Only the micro-batch's data
 and layout grow; the plan, the ring blocks and so the P2P traffic stay as planned.
+
+Under expert parallelism the padding tokens pass the MoE router like any token: the experts
+they reach compute their outputs, which no real token and no loss reads, so every gradient is
+exactly unchanged; the data's ``padding_mask`` keeps them out of the router's load-balancing
+statistics (aux losses, z-loss, expert bias: megatron-core's ``padding_mask`` of MoE routing).
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ def padding_for(num_tokens: int, multiple: int) -> int:
 
 def pad_micro_batch(data: MicroBatchData, layout: MicroBatchLayout, multiple: int) -> tuple[MicroBatchData, MicroBatchLayout]:
     """``data`` and ``layout`` with padding appended up to a multiple of ``multiple`` tokens
-    (themselves when none is needed)."""
+    (themselves when none is needed). An empty micro-batch (an expert-parallel slot filler,
+    ``planner.expert_slots``) gets ``multiple`` padding tokens: megatron-core's layers do not
+    run zero tokens, and the filler must run every MoE layer to join its all-to-alls."""
     t = data.num_tokens
-    n = padding_for(t, multiple)
+    n = padding_for(t, multiple) if t else multiple
     if n == 0:
         return data, layout
     zeros = torch.zeros(n, dtype=torch.int64)
@@ -41,6 +48,10 @@ def pad_micro_batch(data: MicroBatchData, layout: MicroBatchLayout, multiple: in
         labels=torch.cat([data.labels, zeros]),
         loss_mask=torch.cat([data.loss_mask, torch.zeros(n, dtype=data.loss_mask.dtype)]),
         positions=torch.cat([data.positions, torch.arange(n, dtype=torch.int64)]),
+        padding_mask=torch.cat([
+            data.padding_mask if data.padding_mask is not None else torch.zeros(t, dtype=torch.bool),
+            torch.ones(n, dtype=torch.bool),
+        ]),
     )
     local_rows = layout.local_rows
     if isinstance(local_rows, slice):

@@ -117,6 +117,9 @@ def check_step_agreement(step: StepBatch | None, group, pp_group=None) -> None:
     else:
         try:
             step.check()
+            expert_problem = _expert_parallel_problem(step.plan, group)
+            if expert_problem:
+                raise PlanError(expert_problem)
             if stages > 1 or step.plan.stage_orders is not None:
                 stuck = plan_pipeline_deadlock(step.plan, stages)
                 schedule = "its stage orders" if step.plan.stage_orders is not None else "1F1B"
@@ -167,6 +170,35 @@ def check_step_agreement(step: StepBatch | None, group, pp_group=None) -> None:
             )
     if verdict is not None:
         raise PlanError(verdict)
+
+
+def _expert_parallel_problem(plan, group) -> str | None:
+    """Why this rank cannot run ``plan``'s slots with Megatron's expert-parallel groups, or None.
+
+    The plan's EP groups are blocks of ``plan.expert_parallel`` consecutive HDP ranks
+    (``planner.expert_slots``); Megatron's must be the same, else an all-to-all would pair a
+    rank's slot k with another slot list than planned and hang."""
+    from megatron.core import parallel_state
+
+    ep = 1
+    if parallel_state.model_parallel_is_initialized():
+        ep = parallel_state.get_expert_model_parallel_world_size()
+    if plan.expert_parallel != ep:
+        return (
+            f"the plan has expert-parallel slots for EP {plan.expert_parallel}, Megatron runs EP {ep}: "
+            "plan with expert_parallel set to --expert-model-parallel-size"
+        )
+    if ep == 1:
+        return None
+    hdp = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    members = dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group())
+    if not set(members) <= set(hdp):
+        return "Megatron's expert-parallel group leaves this rank's HDP group: use --expert-tensor-parallel-size equal to TP"
+    mine = sorted(hdp.index(r) for r in members)
+    first = mine[0] - mine[0] % ep
+    if mine != list(range(first, first + ep)):
+        return f"Megatron's expert-parallel group is HDP ranks {mine}; HDP plans for blocks of {ep} consecutive ranks"
+    return None
 
 
 def _pipeline_group(pg_collection):
@@ -226,7 +258,9 @@ def run_hdp_step(
     active: dict[int, tuple] = {}  # micro-batch -> (layout, positions), for its backward
     order = step.plan.stage_order(rank, link.stage)  # None: 1F1B
     last_backward = next((m for d, m in reversed(order) if d == BACKWARD), None) if order else None
-    sync = StepGradSync(model, [d.micro_batch for d in step.micro_batches], forward_only, last_backward)
+    sync = StepGradSync(
+        model, [d.micro_batch for d in step.micro_batches], forward_only, last_backward, step.plan.expert_parallel
+    )
     multiple = sequence_parallel_multiple(config)  # sequence parallelism: tokens padded to TP
 
     def forward(i: int, input_tensor):

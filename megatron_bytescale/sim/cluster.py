@@ -21,9 +21,10 @@ class Cluster:
     tp: int = 1
     pp: int = 1
     gpus_per_node: int = 8
+    ep: int = 1  # expert-parallel size: EP groups are blocks of ``ep`` consecutive HDP ranks
 
     def __post_init__(self):
-        for name in ("gpus", "tp", "pp", "gpus_per_node"):
+        for name in ("gpus", "tp", "pp", "gpus_per_node", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"cluster: {name} must be a positive whole number, got {value!r}")
@@ -43,6 +44,10 @@ class Cluster:
                 f"do not fill whole {self.gpus_per_node}-GPU nodes; choose GPUs, TP and PP so that "
                 "GPUs / PP is a multiple of --gpus-per-node"
             )
+        if self.d_hdp % self.ep:
+            raise ConfigError(f"cluster: EP={self.ep} does not divide the {self.d_hdp} HDP ranks; choose --ep dividing GPUs / (TP x PP)")
+        if self.ep > 1 and self.pp > 1:
+            raise ConfigError(f"cluster: EP={self.ep} with PP={self.pp}: HDP aligns expert-parallel slots without pipelines; use --pp 1")
 
     @property
     def d_hdp(self) -> int:
@@ -66,6 +71,6 @@ class Cluster:
 
     def describe(self) -> str:
         return (
-            f"{self.gpus} GPUs = TP {self.tp} x PP {self.pp} x HDP {self.d_hdp}; "
+            f"{self.gpus} GPUs = TP {self.tp} x PP {self.pp} x HDP {self.d_hdp}{f' (EP {self.ep})' if self.ep > 1 else ''}; "
             f"{self.gpus_per_node} GPUs/node, {self.hdp_per_node} HDP ranks/node"
         )

@@ -10,7 +10,8 @@ group spans nodes, NVLink otherwise).
   runs once the last rank arrives, so all of it is exposed.
 * With overlap (``runtime.grad_sync``) a rank whose last micro-batch is local launches its
   buckets during that micro-batch's backward; a rank whose last micro-batch is a ring one, and
-  a rank with none, launches after its last backward (at once, for the idle one). Buckets go
+  a rank with none, launches after its last backward (at once, for the idle one); so does every
+  rank of a plan with expert-parallel slots (its backwards run MoE all-to-alls). Buckets go
   in one order on every rank, so the reduction streams from the moment the last rank
   launches, ``L``, and ends at ``max(L + T, F + T / buckets)`` (``F``: when the last rank's
   compute ends; its final bucket cannot go before). Exposed: that end minus ``F``.
@@ -61,7 +62,7 @@ def exposed_reduction(
                 continue
             last = ops[ops[:, 1].argmax()]  # the op that ends last: the last micro-batch's backward
             finish.append(float(last[1]))
-            early = plan.ranks[rank][-1].ring is None or not hdp_rule
+            early = (plan.ranks[rank][-1].ring is None and plan.expert_parallel == 1) or not hdp_rule
             launch.append(float(last[0]) if overlap and early else float(last[1]))
         f = max(finish)
         end = max(max(launch) + total, f + total / buckets) if overlap else f + total

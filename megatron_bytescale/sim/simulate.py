@@ -45,6 +45,7 @@ class SimConfig:
     hardware: str = "h100"
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism (MoE models): aligned micro-batch slots per EP group
     gpus_per_node: int | None = None  # default: the hardware's
     dataset: str = "byted"
     lengths_file: str | None = None
@@ -100,7 +101,9 @@ class SimReport:
 def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
     model = ModelSpec.load(cfg.model)
     hw = HardwareSpec.load(cfg.hardware)
-    cluster = Cluster(cfg.gpus, cfg.tp, cfg.pp, hw.gpus_per_node if cfg.gpus_per_node is None else cfg.gpus_per_node)
+    cluster = Cluster(cfg.gpus, cfg.tp, cfg.pp, hw.gpus_per_node if cfg.gpus_per_node is None else cfg.gpus_per_node, cfg.ep)
+    if cfg.ep > 1 and not model.num_experts:
+        raise ConfigError(f"--ep {cfg.ep}: model {model.name!r} has no experts; expert parallelism needs a MoE model (e.g. mistral-8x7b)")
     cost = with_host_memory(CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp, dkv_bf16=cfg.dkv_bf16), cfg.host_memory_per_gpu)
     if cfg.capacity <= 0 or cfg.context <= 0 or cfg.global_batch_tokens <= 0:
         raise ConfigError("capacity, context and global batch tokens must be positive")
@@ -248,6 +251,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models; PP 1)")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware spec's")
     parser.add_argument("--hardware", default="h100", help="a configs/hardware name or a YAML file")
     parser.add_argument("--context", required=True, help="longest sequence, e.g. 2M")
@@ -284,6 +288,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         hardware=args.hardware,
         tp=args.tp,
         pp=args.pp,
+        ep=args.ep,
         gpus_per_node=args.gpus_per_node,
         dataset=args.dataset,
         lengths_file=args.lengths_file,

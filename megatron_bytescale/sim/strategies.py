@@ -58,6 +58,7 @@ def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True
             pipeline_stages=x.cluster.pp,
             offload=offload,
             pipeline_schedule=x.pipeline_schedule,
+            expert_parallel=x.cluster.ep,
         )
         t0 = time.perf_counter()
         plan = plan_step(list(x.seq_lens), config, x.cost)

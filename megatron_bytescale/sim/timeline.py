@@ -33,6 +33,13 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   per-stage orders (``Plan.stage_orders``); a ring micro-batch's work on a stage starts when
   every member pipeline has reached it there. Activation transfers
   between stages are not costed (the same omission for every strategy).
+* **Expert parallelism** (``plan.expert_parallel`` > 1, ``planner.expert_slots``): the
+  members of an EP group run slot k together, and a ring joins the slots of its members, so
+  the forward (and the backward) of one such merged slot starts when all its participants are
+  free and ends with the slowest; each adds its MoE all-to-alls (``all_to_all_time``: half in
+  forward, half in backward, over NVLink when the EP group sits in one node), and an empty
+  slot is a rank waiting. A plan of a strategy without its own slots (static) is aligned
+  first, as it would have to be to run with EP.
 * **Barriers.** ``plan.meta["barriers"]`` (Megatron's hybrid CP) lists, per barrier, how many
   micro-batches each rank has finished when it enters; nobody continues until all arrive,
   and pipelines are flushed there.
@@ -46,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -55,6 +62,7 @@ from ..planner import two_level
 from ..planner.cost_model import CostModel
 from ..planner.offload_policy import copy_exposure, host_bytes
 from ..planner.pipeline_order import BACKWARD, FORWARD, longest_paths, one_f_one_b
+from ..planner.expert_slots import align_expert_slots, all_to_all_time, ep_groups, slot_errors, slot_nodes
 from ..planner.plan import MicroBatch, Plan
 from .cluster import Cluster
 from .grad_reduction import exposed_reduction
@@ -69,6 +77,7 @@ class Work:
     comm: float  # exposed communication: waiting for ring hops that compute does not cover
     offload: float  # exposed PCIe copies of offloaded activations
     a2a: float = 0.0  # two-level attention's head all-to-alls inside the node (NVLink, exposed)
+    moe_a2a: float = 0.0  # expert parallelism: the MoE layers' token all-to-alls (exposed)
 
 
 @dataclass(frozen=True)
@@ -261,7 +270,7 @@ class Timeline:
     ops: list[np.ndarray] = field(repr=False)
     barriers: list[float] = field(default_factory=list)  # times all ranks leave each barrier
 
-    COLUMNS = ("start", "end", "direction", "compute", "comm", "offload", "a2a")
+    COLUMNS = ("start", "end", "direction", "compute", "comm", "offload", "a2a", "moe_a2a")
 
     def row(self, rank: int, stage: int = 0) -> np.ndarray:
         return self.ops[stage * self.num_ranks + rank]
@@ -288,8 +297,13 @@ class Timeline:
         return self.totals("a2a")
 
     @property
+    def moe_a2a(self) -> np.ndarray:
+        """Exposed MoE token all-to-alls (expert parallelism) per GPU."""
+        return self.totals("moe_a2a")
+
+    @property
     def idle(self) -> np.ndarray:
-        return self.step_time - self.busy - self.comm - self.offload - self.a2a
+        return self.step_time - self.busy - self.comm - self.offload - self.a2a - self.moe_a2a
 
 
 def parse_barriers(plan: Plan) -> list[list[int]]:
@@ -342,6 +356,8 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
             f"plan counts {plan.num_layers} layers per stage, the cost model {cost.num_layers}; build both for the same PP"
         )
     stages = cluster.pp
+    if cluster.ep > 1 and plan.expert_parallel == 1:
+        plan = align_expert_slots(plan, cluster.ep)
     work = micro_batch_work(plan, cluster, cost)
     barriers = parse_barriers(plan)
     orders = plan.decoded_stage_orders()
@@ -350,6 +366,7 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
             f"the plan orders {plan.stage_count} pipeline stages{' and has barriers' if barriers else ''}; "
             f"the cluster has PP {stages}: plan with pipeline_stages={stages} (stage orders and barriers do not mix)"
         )
+    slot_of = _expert_slots(plan, cluster, cost, work, barriers)
 
     durations: list[float] = []
     preds: list[list[int]] = []
@@ -358,13 +375,20 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
 
     def node(rank: int, stage: int, direction: int, m: int) -> int:
         key = work[rank][m][2]
-        table, k = (local_nodes, (rank, stage, direction, m)) if key is None else (ring_nodes, (key, stage, direction))
+        if slot_of is not None:  # a merged slot: one node, as long as its slowest participant
+            table, k = ring_nodes, (slot_of[(rank, m)], direction)
+        elif key is None:
+            table, k = local_nodes, (rank, stage, direction, m)
+        else:
+            table, k = ring_nodes, (key, stage, direction)
         nid = table.get(k)
         if nid is None:
             nid = len(durations)
             table[k] = nid
             durations.append(work[rank][m][direction].duration)
             preds.append([])
+        elif slot_of is not None:
+            durations[nid] = max(durations[nid], work[rank][m][direction].duration)
         return nid
 
     last: dict[tuple[int, int], int] = {}
@@ -404,7 +428,7 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
         arr = np.empty((len(row), len(Timeline.COLUMNS)))
         for j, (nid, direction, m) in enumerate(row):
             w = work[rank][m][direction]
-            arr[j] = (end[nid] - w.duration, end[nid], direction, w.compute, w.comm, w.offload, w.a2a)
+            arr[j] = (end[nid] - w.duration, end[nid], direction, w.compute, w.comm, w.offload, w.a2a, w.moe_a2a)
         ops.append(arr)
     step_time = max((float(end.max()) if len(end) else 0.0), 0.0)
     return Timeline(
@@ -414,6 +438,31 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
         ops=ops,
         barriers=[float(end[b]) for b in barrier_nodes],
     )
+
+
+def _expert_slots(plan: Plan, cluster: Cluster, cost: CostModel, work, barriers) -> dict | None:
+    """With expert parallelism: each micro-batch's merged slot (``expert_slots``), with its
+    MoE all-to-alls added to ``work`` in place; None without."""
+    e = plan.expert_parallel
+    if e == 1:
+        return None
+    if cluster.ep != e or cluster.pp > 1 or barriers:
+        raise PlanError(
+            f"a plan with EP {e} slots runs on a cluster with EP {e} and PP 1, without barriers "
+            f"(this one: EP {cluster.ep}, PP {cluster.pp}, {len(barriers)} barriers)"
+        )
+    problems = slot_errors(plan)
+    if problems:
+        raise PlanError(f"the plan's expert-parallel slots would deadlock: {problems[0]}")
+    inter = [len({cluster.node_of(r) for r in g}) > 1 for g in ep_groups(plan.num_ranks, e)]
+    for rank, mbs in enumerate(plan.ranks):
+        for m, mb in enumerate(mbs):
+            half = 0.5 * all_to_all_time(cost, max(mb.tokens, 1), e, inter[rank // e])
+            f, b, key = work[rank][m]
+            work[rank][m] = (
+                replace(f, duration=f.duration + half, moe_a2a=half), replace(b, duration=b.duration + half, moe_a2a=half), key,
+            )
+    return slot_nodes(plan)
 
 
 def _longest_paths(durations, preds, schedule, num_ranks) -> np.ndarray:
@@ -563,6 +612,7 @@ class StepResult:
             "exposed_comm_max_s": float(t.comm.max()),
             "exposed_offload_s": float(t.offload.mean()),
             "exposed_a2a_s": float(t.a2a.mean()),
+            "exposed_moe_a2a_s": float(t.moe_a2a.mean()),
             "two_level_rings": self.two_level_rings,
             "p2p_bytes": self.p2p_bytes,
             "p2p_bytes_max_gpu": self.p2p_bytes_max_gpu,
