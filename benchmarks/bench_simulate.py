@@ -121,9 +121,13 @@ def pipeline_grid(argv: list[str]) -> int:
             f"  estimate/sim {r['estimate_vs_sim']:5.3f}  plan {r['plan_s']:5.2f} s",
             flush=True,
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    return _write_rows(args.json, rows)
+
+
+def _write_rows(path: str | None, rows: list[dict]) -> int:
+    if path:
+        Path(path).write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"wrote {path}")
     return 0
 
 
@@ -155,10 +159,7 @@ def ep_grid(argv: list[str]) -> int:
             f"  x LB {r['balanced_x_lb']:5.3f}  estimate/sim {r['estimate_vs_sim']:5.3f}",
             flush=True,
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    return _write_rows(args.json, rows)
 
 
 def main() -> int:

@@ -24,3 +24,10 @@ def shard_like(full: torch.Tensor, param, tp_rank: int, tp: int) -> torch.Tensor
 
 def grads_of(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def step_batch(plan, hdp: int):
+    """HDP rank ``hdp``'s delivery of ``plan``, its tokens from ``read_tokens``."""
+    from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
+
+    return StepBatch(plan, hdp, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(hdp)])

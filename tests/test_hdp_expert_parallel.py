@@ -14,7 +14,7 @@ from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.expert_slots import align_expert_slots
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
-from hdp_helpers import read_tokens
+from hdp_helpers import step_batch
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -53,7 +53,6 @@ def _step(rank, world, plan_json, ep):
     from megatron.core import parallel_state
 
     from megatron_bytescale.megatron import local_run
-    from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
 
     # no load-balancing loss: it is a per-micro-batch statistic, different on one rank by design
     model, group = local_run.setup_model("tiny-moe", ep=ep, seed=5, moe_router_load_balancing_type="none")
@@ -68,7 +67,7 @@ def _step(rank, world, plan_json, ep):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     hdp = parallel_state.get_data_parallel_rank()
     plan = Plan.from_json(plan_json)
-    step = StepBatch(plan, hdp, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(hdp)])
+    step = step_batch(plan, hdp)
     result = local_run.run_step(step, model, group)
     out = {
         "loss": result.loss,

@@ -14,7 +14,7 @@ from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.pipeline_order import plan_pipeline_deadlock
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
-from hdp_helpers import grads_of, read_tokens
+from hdp_helpers import grads_of, read_tokens, step_batch
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -136,7 +136,6 @@ def _pipelined(rank, world, plans_json, weights):
 
     from megatron_bytescale.errors import PlanError
     from megatron_bytescale.megatron import local_run
-    from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
     from megatron_bytescale.runtime.offload import ActivationOffloader, transformer_layers
 
     # deallocate_pipeline_outputs: as Megatron-LM trains (outputs freed once sent, backward
@@ -155,7 +154,7 @@ def _pipelined(rank, world, plans_json, weights):
     }
     for case, text in plans_json.items():
         plan = Plan.from_json(text)
-        step = StepBatch(plan, hdp, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(hdp)])
+        step = step_batch(plan, hdp)
         for p in model.parameters():
             p.grad = None
         try:

@@ -15,7 +15,7 @@ import pytest
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
-from hdp_helpers import grads_of, read_tokens
+from hdp_helpers import grads_of, step_batch
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -55,12 +55,11 @@ def _run(plan: Plan, overrides: dict, offload: bool) -> dict:
     from megatron.core import parallel_state
 
     from megatron_bytescale.megatron import local_run
-    from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
     from megatron_bytescale.runtime.offload import ActivationOffloader, transformer_layers
 
     model, group = local_run.setup_model("tiny", seed=SEED, **overrides)
     hdp = parallel_state.get_data_parallel_rank()
-    step = StepBatch(plan, hdp, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(hdp)])
+    step = step_batch(plan, hdp)
     offloader = ActivationOffloader(transformer_layers(model), keep_last=1, min_tensor_bytes=0) if offload else None
     result = local_run.run_step(step, model, group, offloader=offloader)
     out = {"loss": result.loss, "p2p": result.stats.p2p_bytes, "grads": grads_of(model)}

@@ -12,7 +12,7 @@ import pytest
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
-from hdp_helpers import grads_of, read_tokens, shard_like
+from hdp_helpers import grads_of, read_tokens, shard_like, step_batch
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -52,12 +52,11 @@ def _step(rank, world, plan_json, tp=1):
     from megatron.core import parallel_state
 
     from megatron_bytescale.megatron import local_run
-    from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
 
     model, group = local_run.setup_model("tiny", tp=tp, seed=SEED)
     hdp = parallel_state.get_data_parallel_rank()
     plan = Plan.from_json(plan_json)
-    step = StepBatch(plan, hdp, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(hdp)])
+    step = step_batch(plan, hdp)
     result = local_run.run_step(step, model, group)
     out = {
         "loss": result.loss,

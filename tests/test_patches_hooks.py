@@ -22,7 +22,7 @@ from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole
 from megatron_bytescale.runtime.batch import MicroBatchData
 
 from data_support import build_corpus
-from hdp_helpers import read_tokens
+from hdp_helpers import step_batch
 from test_arguments import HDP, parse
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
@@ -261,7 +261,6 @@ def _megatron_step(rank, world, plan_json, offload):
 
     from megatron_bytescale.megatron import local_run
     from megatron_bytescale.megatron import pretrain_hooks as hooks
-    from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
     from megatron_bytescale.runtime.step import last_step_stats
 
     from test_arguments import HDP, parse
@@ -275,7 +274,7 @@ def _megatron_step(rank, world, plan_json, offload):
         offloader.min_tensor_bytes = 0  # the tiny model's activations are below the default threshold
     hdp = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     plan = Plan.from_json(plan_json)
-    step = StepBatch(plan, hdp, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(hdp)])
+    step = step_batch(plan, hdp)
     fb = hooks.get_forward_backward_func_or_hdp(lambda: None)()
     losses = fb(
         forward_step_func=hooks.forward_step(lambda *a: None, hooks.per_token_loss),
