@@ -76,6 +76,17 @@ def ring_times(cost: CostModel, seq_len, ring_sizes: np.ndarray, ranks_per_node:
     return cost.num_layers * (per_layer + exposed)
 
 
+def _ragged(todo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[(length, (lo, hi)), ...]`` flattened: each length repeated over its ring sizes
+    ``lo..hi``, those sizes, and how many each length has."""
+    counts = np.array([hi - lo + 1 for _, (lo, hi) in todo])
+    starts = np.repeat(np.array([lo for _, (lo, _) in todo]), counts)
+    offsets = np.repeat(np.cumsum(counts) - counts, counts)
+    sizes = starts + (np.arange(int(counts.sum())) - offsets)
+    lengths = np.repeat(np.array([s for s, _ in todo], dtype=np.int64), counts)
+    return lengths, sizes, counts
+
+
 class RingSizer:
     """Ring size and time for each long sequence, for a given target time (cached by length)."""
 
@@ -120,49 +131,55 @@ class RingSizer:
         """Compute the curves of many lengths at once (one vectorised ``ring_times`` over all
         of them instead of one small one per length: a 16K-rank step has ~7,000 lengths)."""
         todo = [int(s) for s in dict.fromkeys(seq_lens) if int(s) not in self._curves]
-        plain = []
+        plain, spanning = [], []
         for s in todo:
             lo, hi = self._size_range(s)
             if self.two_level and hi > self.ranks_per_node:  # rings that may span nodes
-                self._two_level_curve(s, lo)
+                spanning.append((s, (lo, self._two_level_hi(s, lo))))
             else:
                 plain.append((s, (lo, hi)))
-        if not plain:
-            return
-        todo = [s for s, _ in plain]
-        ranges = [r for _, r in plain]
-        counts = np.array([hi - lo + 1 for lo, hi in ranges])
-        starts = np.repeat(np.array([lo for lo, _ in ranges]), counts)
-        offsets = np.repeat(np.cumsum(counts) - counts, counts)
-        sizes = starts + (np.arange(int(counts.sum())) - offsets)
-        lengths = np.repeat(np.array(todo, dtype=np.int64), counts)
-        times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
+        if plain:
+            lengths, sizes, counts = _ragged(plain)
+            times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
+            self._store(plain, counts, sizes, times, np.ones(sizes.size, dtype=np.int64))
+        if spanning:
+            self._two_level_curves(spanning)
+
+    def _store(self, todo, counts, sizes, times, splits) -> None:
         end = 0
-        for s, n in zip(todo, counts.tolist()):
+        for (s, _), n in zip(todo, counts.tolist()):
             self._curves[s] = (sizes[end : end + n], times[end : end + n])
-            self._splits[s] = np.ones(n, dtype=np.int64)
+            self._splits[s] = splits[end : end + n]
             end += n
 
-    def _two_level_curve(self, seq_len: int, d_min: int) -> None:
-        """One length's curve when its ring may span nodes: per ring size, the fastest of the
-        plain ring and each two-level group size (u times the compute per hop, so larger
-        rings still pay: the size range reaches u times further)."""
+    def _two_level_hi(self, seq_len: int, d_min: int) -> int:
+        """The largest ring size a spanning length's curve covers: u times the compute per
+        hop, so larger rings still pay and the range reaches u times further."""
         cost = self.cost
         per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
         comm_bound = cost.a1 * seq_len * cost.bw_inter_node / max(per_token, 1e-30)
-        splits_here = self.two_level
-        d_hi = min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound * max(splits_here)) + 2 * self.ranks_per_node))
-        sizes = np.arange(d_min, d_hi + 1)
-        times = ring_times(cost, seq_len, sizes, self.ranks_per_node)
+        return min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound * max(self.two_level)) + 2 * self.ranks_per_node))
+
+    def _two_level_curves(self, todo) -> None:
+        """The curves of lengths whose rings may span nodes, all in one go: per ring size,
+        the fastest of the plain ring and each two-level group size."""
+        lengths, sizes, counts = _ragged(todo)
+        times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
         splits = np.ones(sizes.size, dtype=np.int64)
-        t = two_level.share_times(cost, seq_len, sizes, splits_here, self.ranks_per_node)
-        k = t.argmin(axis=0)
-        best = t[k, np.arange(sizes.size)]
+        # each group size only where it applies (a multiple of u, larger than a node: a
+        # fraction 1/u of the sizes), the smaller u first, so ties keep the smaller u
+        best = np.full(sizes.size, np.inf)
+        best_u = np.zeros(sizes.size, dtype=np.int64)
+        for u in self.two_level:
+            at = np.flatnonzero((sizes % u == 0) & (sizes > self.ranks_per_node))
+            t = two_level.share_times(self.cost, lengths[at], sizes[at], u, self.ranks_per_node)
+            won = t < best[at]
+            best[at[won]] = t[won]
+            best_u[at[won]] = u
         better = best < times
         times = np.where(better, best, times)
-        splits[better] = np.asarray(splits_here)[k[better]]
-        self._curves[seq_len] = (sizes, times)
-        self._splits[seq_len] = splits
+        splits[better] = best_u[better]
+        self._store(todo, counts, sizes, times, splits)
 
     def curve(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Candidate ring sizes (from the memory floor up to where communication dominates)
