@@ -93,6 +93,7 @@ class _Loads:
         self.last_key = [0.0] * num_ranks  # the decision key per rank (Python floats, for the heap)
         self._key = np.zeros(num_ranks)  # the same as an array, brought up to date by ``key``
         self._dirty: list[int] = []  # ranks whose key changed since
+        self._unplaced: list[int] = []  # ranks whose key changed since ``key_changes``
         self.bubble = pipeline_stages - 1
         self.by_tokens = by_tokens
         self.stamp = [0] * num_ranks
@@ -106,8 +107,16 @@ class _Loads:
             idx = self._dirty
             last = self.last_key
             self._key[idx] = [last[r] for r in idx]
+            self._unplaced += idx
             self._dirty = []
         return self._key
+
+    def key_changes(self) -> tuple[np.ndarray, list[int]]:
+        """``key`` and the ranks whose key changed since the last call (ring placement
+        keeps its per-node order up to date from them)."""
+        key = self.key
+        changed, self._unplaced = self._unplaced, []
+        return key, changed
 
     def least(self) -> int:
         """The least-loaded rank; its entry stays on top of the heap until ``push`` replaces it."""
@@ -191,7 +200,8 @@ def schedule(
 
     def give_ring(u: int) -> None:
         unit = units[u]
-        ring = placer.place(loads.key, unit.ring_size, unit.heads_split)
+        key, changed = loads.key_changes()
+        ring = placer.place(key, unit.ring_size, unit.heads_split, changed)
         ring_ranks = ring.tolist()
         start = max(loads.clock[r] for r in ring_ranks)
         for r in ring_ranks:  # synchronous: every member is held until the slowest is done

@@ -111,10 +111,14 @@ class RingSizer:
         self.ranks_per_node = min(ranks_per_node, num_ranks)
         self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._splits: dict[int, np.ndarray] = {}  # per curve entry: its two-level group size (1: plain)
+        self._floors: dict[int, OffloadDecision] = {}
         self.two_level = two_level.valid_splits(cost, self.ranks_per_node) if num_ranks > self.ranks_per_node else []
 
     def floor(self, seq_len: int) -> OffloadDecision:
-        return memory_floor(seq_len, self.capacity, self.cost, self.offload, self.num_ranks, self.host)
+        d = self._floors.get(seq_len)
+        if d is None:  # asked per length several times a step (range, sizing): decided once
+            d = self._floors[seq_len] = memory_floor(seq_len, self.capacity, self.cost, self.offload, self.num_ranks, self.host)
+        return d
 
     def _size_range(self, seq_len: int) -> tuple[int, int]:
         """Candidate ring sizes: from the memory floor up to where communication dominates."""
@@ -289,12 +293,21 @@ def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | N
     """Shards of every sequence longer than the capacity: the memory floor when ``target``
     is None (as hdp-naive uses), else the smallest ring within ``target``."""
     lens = np.asarray(seq_lens, dtype=np.int64)
-    shards = {}
-    for i in np.flatnonzero(lens > sizer.capacity).tolist():
-        s = int(lens[i])
-        d, r, _ = sizer.size(s, target)
-        shards[i] = Shard(i, s, d, r, sizer.heads_split(s, d) if target is not None else 1)
-    return shards
+    long_ids = np.flatnonzero(lens > sizer.capacity).tolist()
+    long_lens = lens[long_ids].tolist()
+    by_len: dict[int, tuple[int, float, int]] = {}  # one decision per distinct length
+    if target is None:  # the memory floor needs no time curve
+        for s in long_lens:
+            if s not in by_len:
+                d = sizer.floor(s)
+                by_len[s] = (d.ranks, d.ratio, 1)
+    else:
+        sizer.prepare(long_lens)
+        for s in long_lens:
+            if s not in by_len:
+                d, r, _ = sizer.size(s, target)
+                by_len[s] = (d, r, sizer.heads_split(s, d))
+    return {i: Shard(i, s, *by_len[s]) for i, s in zip(long_ids, long_lens)}
 
 
 # ----------------------------------------------------------------------------- packing
