@@ -13,6 +13,8 @@ idle time of the members that wait.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 
 from ..errors import ConfigError, PlanError
@@ -38,6 +40,7 @@ class RingPlacer:
         # sequences), not all of them (16,384 ranks: ~6,500 rings a step)
         self._seen: np.ndarray | None = None
         self._sorted: np.ndarray | None = None
+        self._prefix: np.ndarray | None = None
         # the caller's array the order was last kept for, and the ranks it says changed
         # since (None: unknown, compare the whole array)
         self._source: np.ndarray | None = None
@@ -68,18 +71,32 @@ class RingPlacer:
 
     def _node_order(self, loads: np.ndarray) -> np.ndarray:
         """Each node's loads, ascending, as ``ranks_per_node x num_nodes`` (row ``k``: every
-        node's ``k+1``-th smallest load, contiguous)."""
-        by_node = loads.reshape(self.num_nodes, self.ranks_per_node)
+        node's ``k+1``-th smallest load, contiguous); ``self._prefix`` holds their running
+        sums down the rows (row ``k``: the node's ``k+1`` smallest loads added in order)."""
+        rpn = self.ranks_per_node
+        by_node = loads.reshape(self.num_nodes, rpn)
         pending, self._pending, self._source = self._pending, [], loads
-        if self._seen is None or self._seen.shape != loads.shape:
-            self._sorted = np.ascontiguousarray(np.sort(by_node, axis=1).T)
+        if pending is None:  # changes unknown: compare with the loads seen last
+            if self._seen is None or self._seen.shape != loads.shape:
+                self._sorted = np.ascontiguousarray(np.sort(by_node, axis=1).T)
+                self._prefix = np.cumsum(self._sorted, axis=0)
+                self._seen = loads.copy()
+                return self._sorted
+            pending = np.flatnonzero(loads != self._seen).tolist()
             self._seen = loads.copy()
-            return self._sorted
-        changed = np.flatnonzero(loads != self._seen) if pending is None else np.array(pending, dtype=np.int64)
-        if changed.size:
-            nodes = changed // self.ranks_per_node  # repeats are harmless: the same rows again
-            self._sorted[:, nodes] = np.sort(by_node[nodes], axis=1).T
-            self._seen[changed] = loads[changed]
+        else:
+            self._seen = None  # kept from the changes told, no longer from a copy
+        if len(pending) <= 2 * rpn:  # a ring or a few sequences: a few nodes, in Python
+            for node in {r // rpn for r in pending}:
+                base = node * rpn
+                column = sorted(loads[base : base + rpn].tolist())
+                self._sorted[:, node] = column
+                self._prefix[:, node] = list(accumulate(column))
+        else:
+            nodes = np.unique(np.array(pending, dtype=np.int64) // rpn)
+            columns = np.sort(by_node[nodes], axis=1).T
+            self._sorted[:, nodes] = columns
+            self._prefix[:, nodes] = np.cumsum(columns, axis=0)
         return self._sorted
 
     def _inside_one_node(self, loads: np.ndarray, ring_size: int) -> np.ndarray:
@@ -91,7 +108,7 @@ class RingPlacer:
         tied = start == start[node]
         if np.count_nonzero(tied) > 1:
             candidates = np.flatnonzero(tied)
-            idle = ring_size * start[candidates] - ordered[:ring_size, candidates].sum(axis=0)
+            idle = ring_size * start[candidates] - self._prefix[ring_size - 1, candidates]
             node = int(candidates[np.argmin(idle)])
         # the node's ring_size least-loaded ranks, ties to lower ranks (a stable sort of 8
         # values is faster in Python than in numpy)

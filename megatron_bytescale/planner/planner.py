@@ -40,7 +40,7 @@ from .estimate import exposed_ring_time, ring_share_time
 from .offload_policy import host_capacity
 from .pipeline_order import Item, LocalBatch, Ordered, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
-from .plan import MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_piece
+from .plan import MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_pieces
 from . import two_level
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
 from .zigzag import rank_tokens
@@ -413,19 +413,20 @@ def _build(lens, units: list[Unit], members: dict[int, tuple[int, ...]], runs: l
         sid = units[u].seq_ids[0]
         split = two_level.realized_split(ring, units[u].heads_split, ranks_per_node, cost) if cost is not None else 1
         pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring, heads_split=split)))
+    ranges_of: dict[int, tuple] = {}  # shared by the whole pieces of one length
     ranks = []
     for rank, items in enumerate(runs):
         mbs = []
+        one = (rank,)
         for x in items:
             if isinstance(x, LocalBatch):
-                mbs.append(micro_batch(tuple([whole_piece(i, lens[i], rank) for i in x.seq_ids]), x.ratio))
+                mbs.append(micro_batch(whole_pieces(x.seq_ids, lens, one, ranges_of), x.ratio))
                 continue
             unit = units[x]
             piece = pieces_of[x][rank]
             if unit.fillers:
                 slot = members[x].index(rank)
-                extra = tuple([whole_piece(i, lens[i], rank) for i in unit.fillers[slot]])
-                mbs.append(micro_batch((piece,) + extra, unit.ratio))
+                mbs.append(micro_batch((piece,) + whole_pieces(unit.fillers[slot], lens, one, ranges_of), unit.ratio))
             else:
                 mbs.append(micro_batch((piece,), unit.ratio))
         ranks.append(tuple(mbs))

@@ -76,6 +76,21 @@ def ring_times(cost: CostModel, seq_len, ring_sizes: np.ndarray, ranks_per_node:
     return cost.num_layers * (per_layer + exposed)
 
 
+CHUNK = 1 << 17  # curve entries computed at once: the temporaries stay in cache
+
+
+def _chunks(todo):
+    """``[(length, (lo, hi)), ...]`` cut into runs of about ``CHUNK`` ring sizes."""
+    start, n = 0, 0
+    for i, (_, (lo, hi)) in enumerate(todo):
+        n += hi - lo + 1
+        if n >= CHUNK:
+            yield todo[start : i + 1]
+            start, n = i + 1, 0
+    if start < len(todo):
+        yield todo[start:]
+
+
 def _ragged(todo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``[(length, (lo, hi)), ...]`` flattened: each length repeated over its ring sizes
     ``lo..hi``, those sizes, and how many each length has."""
@@ -142,12 +157,12 @@ class RingSizer:
                 spanning.append((s, (lo, self._two_level_hi(s, lo))))
             else:
                 plain.append((s, (lo, hi)))
-        if plain:
-            lengths, sizes, counts = _ragged(plain)
+        for chunk in _chunks(plain):
+            lengths, sizes, counts = _ragged(chunk)
             times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
-            self._store(plain, counts, sizes, times, np.ones(sizes.size, dtype=np.int64))
-        if spanning:
-            self._two_level_curves(spanning)
+            self._store(chunk, counts, sizes, times, np.ones(sizes.size, dtype=np.int64))
+        for chunk in _chunks(spanning):
+            self._two_level_curves(chunk)
 
     def _store(self, todo, counts, sizes, times, splits) -> None:
         end = 0
