@@ -276,15 +276,35 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     held_t = held_t[order]
     held_suffix = np.concatenate([np.cumsum(held_r[order][::-1])[::-1], [0.0]])
 
+    # Per varying length, the first ring size whose time is within t (best is the running
+    # minimum, so: how many of its entries exceed t), else its last size. All lengths at
+    # once: their curves up to the first minimum (past it best no longer falls), end to end.
+    if varying:
+        stop = [int(np.argmin(b)) + 1 for _, _, _, b in varying]
+        first = np.concatenate([[0], np.cumsum(stop)[:-1]])
+        last_k = np.array(stop) - 1
+        cut_best = np.concatenate([b[:k] for (_, _, _, b), k in zip(varying, stop)])
+        cut_rs = np.concatenate([rs[:k] for (_, _, rs, _), k in zip(varying, stop)])
+        cut_sizes = np.concatenate([sz[:k] for (_, sz, _, _), k in zip(varying, stop)])
+        end_best = np.array([b[-1] for _, _, _, b in varying])
+        end_rs = np.array([rs[-1] for _, _, rs, _ in varying])
+        end_sizes = np.array([sz[-1] for _, sz, _, _ in varying])
+        n_seqs = np.array([n for n, _, _, _ in varying], dtype=np.int64)
+
     def passes(t: float) -> bool:
         total = work
         held = float(held_suffix[np.searchsorted(held_t, t / 2, side="right")])
-        for n, sizes, rank_seconds, best in varying:
-            # first ring size whose time is within t (best is the running minimum)
-            k = min(int(np.searchsorted(-best, -t, side="left")), len(best) - 1)
-            total += n * float(rank_seconds[k])
-            if best[k] > t / 2:
-                held += n * float(sizes[k])
+        if varying:
+            over = np.add.reduceat((cut_best > t).astype(np.int64), first)
+            inside = over <= last_k  # else no size is within t: the last one
+            at = first + np.minimum(over, last_k)
+            rank_seconds = np.where(inside, cut_rs[at], end_rs)
+            best = np.where(inside, cut_best[at], end_best)
+            sizes = np.where(inside, cut_sizes[at], end_sizes)
+            # added in the lengths' order, as one running sum (the same float result)
+            total = float(np.cumsum(np.concatenate(([work], n_seqs * rank_seconds)))[-1])
+            big = best > t / 2
+            held += float((n_seqs[big] * sizes[big]).sum())  # whole numbers: exact in any order
         return total / n_ranks <= t and held <= n_ranks
 
     lo = floor
