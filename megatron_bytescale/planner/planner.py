@@ -350,36 +350,58 @@ def _rank_items(lens, units: list[Unit], assignment: Assignment, capacity: int, 
 
     Short sequences are packed best-fit within each stretch between two of the rank's ring
     or long micro-batches, so the rank still reaches each ring when the schedule expects."""
-    l = cost.num_layers
+    # the local micro-batches are timed all at once at the end (one vectorised layer_time)
+    packed: list[tuple[int, ...]] = []  # their sequences
+    where: list[tuple[list, int]] = []  # their place: (a rank's items, index)
 
-    def pack(stretch: list[int], items: list) -> None:
-        if len(stretch) > 1 and sum(lens[i] for i in stretch) > capacity:
+    def pack(stretch: list[int], tokens: int, items: list) -> None:
+        if len(stretch) > 1 and tokens > capacity:
             bins = pack_best_fit([(i, lens[i]) for i in stretch], capacity)
         else:
             bins = [stretch]
         for b in bins:
-            items.append(LocalBatch(tuple(b), 0.0, l * _pack_time(lens, b, cost)))
+            packed.append(tuple(b))
+            where.append((items, len(items)))
+            items.append(None)
 
     out = []
     for run in assignment.runs:
         items: list[Item] = []
         stretch: list[int] = []
+        tokens = 0
         for u in run:
             unit = units[u]
             if unit.kind == "short":
-                stretch.append(unit.seq_ids[0])
+                sid = unit.seq_ids[0]
+                stretch.append(sid)
+                tokens += lens[sid]
                 continue
             if stretch:
-                pack(stretch, items)
-                stretch = []
+                pack(stretch, tokens, items)
+                stretch, tokens = [], 0
             if unit.kind == "ring":
                 items.append(u)
             else:  # a long sequence alone, or an hdp-naive pack
                 items.append(LocalBatch(unit.seq_ids, unit.ratio, unit.time))
         if stretch:
-            pack(stretch, items)
+            pack(stretch, tokens, items)
         out.append(items)
+    for (items, k), b, t in zip(where, packed, _pack_times(lens, packed, cost)):
+        items[k] = LocalBatch(b, 0.0, t)
     return out
+
+
+def _pack_times(lens, packs: list[tuple[int, ...]], cost: CostModel) -> list[float]:
+    """Seconds (all layers) of each pack of whole sequences: ``num_layers * _pack_time``,
+    the same figures, computed for all packs at once."""
+    if not packs:
+        return []
+    sizes = np.fromiter((len(b) for b in packs), dtype=np.int64, count=len(packs))
+    s = np.asarray(lens, dtype=np.int64)[np.fromiter((i for b in packs for i in b), dtype=np.int64, count=int(sizes.sum()))]
+    first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    tokens = np.add.reduceat(s, first)  # whole numbers: exact
+    pairs = np.add.reduceat(s * s, first)
+    return (cost.num_layers * cost.layer_time(tokens, pairs)).tolist()
 
 
 def _pack_time(lens, seq_ids, cost: CostModel) -> float:
