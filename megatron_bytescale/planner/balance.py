@@ -42,6 +42,8 @@ from ..errors import ConfigError
 from .placement import RingPlacer
 
 DEFAULT_BUCKETS = 8
+BULK_RUN = 2048  # runs of single-rank units at least this long are given out in rounds
+MIN_ROUND = 256  # ... while a round places at least this many
 
 
 @dataclass(eq=False, slots=True)  # slots: ~6 x 10^4 units a step at 16K ranks, built and read fast
@@ -145,10 +147,14 @@ class _Loads:
         the lowest), where it starts at once; returns the ranks. ``least()``, ``run`` and
         ``push`` in one loop with the loads in locals: the hot path of the DP balance
         (~5 x 10^4 short sequences a step at 16K ranks)."""
+        ranks: list[int] = []
+        if len(seconds) >= BULK_RUN:
+            ranks = self._give_in_rounds(seconds, tokens)
+            seconds, tokens = seconds[len(ranks):], tokens[len(ranks):]
         heap, stamp, clocks, counts, peaks, last = self.heap, self.stamp, self.clock, self.tokens, self.peak, self.last_key
         by_tokens, bubble, top = self.by_tokens, self.bubble, self.top
         pop, replace = heapq.heappop, heapq.heapreplace
-        ranks = []
+        given = len(ranks)
         for t, n in zip(seconds, tokens):
             while True:
                 _, r, s = heap[0]
@@ -170,7 +176,51 @@ class _Loads:
             replace(heap, (k, r, s))
             ranks.append(r)
         self.top = top
+        self._dirty += ranks[given:]
+        return ranks
+
+    def _give_in_rounds(self, seconds: Sequence[float], tokens: Sequence[int]) -> list[int]:
+        """The first units of ``give_many`` in rounds, with numpy: in a round the units go
+        to the ranks in order of (key, rank), the q-th unit to the q-th rank, for as long
+        as that is what one unit at a time would do: while every rank given a unit this
+        round is still above the next one (then each unit still finds the least-loaded
+        rank in the next of that order). A round ends at the first unit where that fails
+        (or might: equal keys); the rest go in the next round, after a fresh sort. On a
+        DP-balanced 512M-token step the ~5 x 10^4 short sequences take ~5 rounds. Stops
+        when rounds get short (the caller's loop takes the rest); returns the ranks."""
+        n_ranks = len(self.clock)
+        clock, count, peak, key = (np.array(x, dtype=np.float64) for x in (self.clock, self.tokens, self.peak, self.last_key))
+        t_all = np.asarray(seconds, dtype=np.float64)
+        n_all = np.asarray(tokens, dtype=np.float64)
+        rank_ids = np.arange(n_ranks)
+        out: list[np.ndarray] = []
+        j = 0
+        while j < t_all.size:
+            order = np.lexsort((rank_ids, key))  # least-loaded first, ties to the lowest rank
+            m = min(n_ranks, t_all.size - j)
+            r = order[:m]
+            t = t_all[j : j + m]
+            new_clock = clock[r] + t  # each starts at once: no idle time
+            new_count = count[r] + n_all[j : j + m]
+            new_peak = np.maximum(peak[r], t)
+            new_key = new_count if self.by_tokens else new_clock + self.bubble * new_peak
+            # unit q goes to r[q] while r[q] is below every rank given a unit before it
+            low = np.minimum.accumulate(new_key)
+            stop = np.flatnonzero(low[:-1] <= key[r[1:]])
+            q = int(stop[0]) + 1 if stop.size else m
+            r = r[:q]
+            clock[r], count[r], peak[r], key[r] = new_clock[:q], new_count[:q], new_peak[:q], new_key[:q]
+            out.append(r)
+            j += q
+            if q < MIN_ROUND and j < t_all.size:
+                break
+        ranks = np.concatenate(out).tolist()
+        self.clock[:], self.tokens[:], self.peak[:], self.last_key[:] = clock.tolist(), count.tolist(), peak.tolist(), key.tolist()
+        self.top = max(self.top, float(key.max()))
         self._dirty += ranks
+        # every rank's one valid entry (the rounds changed keys without the heap)
+        self.heap = [(k, r, s) for r, (k, s) in enumerate(zip(self.last_key, self.stamp))]
+        heapq.heapify(self.heap)
         return ranks
 
     def push(self, r: int) -> None:
