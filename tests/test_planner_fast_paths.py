@@ -135,3 +135,9 @@ def test_two_level_curves_of_many_lengths_match_one_length_at_a_time():
         assert np.array_equal(times, np.minimum(plain, best))
         splits = np.where(best < plain, np.asarray(many.two_level)[rows.argmin(axis=0)], 1)
         assert [many.heads_split(s, int(d)) for d in sizes] == splits.tolist()
+    # the first ring within a target, found for all lengths at once, is where size() starts
+    for stages in (1, 3):
+        sizer = RingSizer(512, cost, True, 64, 8, stages)
+        for target in (0.0, 1e-3, 0.05, 0.2, 1.0, 1e9):
+            starts = sizer.first_within(lengths, target)
+            assert [sizer.size(s, target, k) for s, k in zip(lengths, starts)] == [sizer.size(s, target) for s in lengths]
