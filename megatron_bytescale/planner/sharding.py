@@ -76,7 +76,7 @@ def ring_times(cost: CostModel, seq_len, ring_sizes: np.ndarray, ranks_per_node:
     return cost.num_layers * (per_layer + exposed)
 
 
-CHUNK = 1 << 17  # curve entries computed at once: the temporaries stay in cache
+CHUNK = 1 << 16  # curve entries computed at once: the temporaries stay in cache
 
 
 def _chunks(todo):
