@@ -99,6 +99,25 @@ def test_buckets_cut_from_the_running_sum_match_the_loop(weights, num_buckets):
     assert make_buckets(order, weights, num_buckets) == plain_buckets(order, weights, num_buckets)
 
 
+def plain_placement(loads, size, per_node):
+    """The placement rule written plainly: a ring up to a node goes to the node where it
+    starts first (its size-th least-loaded rank is free first), then where its members
+    idle least, then the lowest node; a larger ring to the least-loaded ranks. Members:
+    least-loaded first, ties to the lower rank, listed by rank."""
+    loads = [float(x) for x in loads]
+    by_load = lambda ranks: sorted(ranks, key=lambda r: (loads[r], r))[:size]
+    if size > per_node:
+        return sorted(by_load(range(len(loads))))
+    best = None
+    for node in range(len(loads) // per_node):
+        members = by_load(range(node * per_node, (node + 1) * per_node))
+        start = loads[members[-1]]
+        idle = size * start - sum(sorted(loads[r] for r in members))
+        if best is None or (start, idle) < best[0]:
+            best = ((start, idle), sorted(members))
+    return best[1]
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     st.sampled_from([(16, 4), (24, 8), (12, 3)]),
@@ -115,6 +134,7 @@ def test_placement_told_the_changes_matches_placement_that_compares(shape, steps
             changed.append(r % num_ranks)
         ring = told.place(loads, min(size, num_ranks), 1, changed)
         assert ring.tolist() == compares.place(loads.copy(), min(size, num_ranks)).tolist()
+        assert ring.tolist() == plain_placement(loads, min(size, num_ranks), per_node)
         loads[ring] += 1.0
         changed = ring.tolist()
 

@@ -105,8 +105,9 @@ class RingPlacer:
         start = ordered[ring_size - 1]  # per node: the ring starts when its last member is free
         # earliest start, then least idle (ring_size * start - the members' loads), then lowest node
         node = int(start.argmin())
-        tied = start == start[node]
-        if np.count_nonzero(tied) > 1:
+        if start[node] == 0.0 and ordered[0].min() >= 0.0:
+            pass  # every node that ties has ring_size idle ranks (idle time 0): the lowest wins
+        elif np.count_nonzero(tied := start == start[node]) > 1:
             candidates = np.flatnonzero(tied)
             idle = ring_size * start[candidates] - self._prefix[ring_size - 1, candidates]
             node = int(candidates[np.argmin(idle)])
