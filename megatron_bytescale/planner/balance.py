@@ -275,9 +275,9 @@ def schedule(
     def give_ring(u: int) -> None:
         unit = units[u]
         key, changed = loads.key_changes()
-        ring = placer.place(key, unit.ring_size, unit.heads_split, changed)
-        ring_ranks = ring.tolist()
-        start = max(loads.clock[r] for r in ring_ranks)
+        ring_ranks = placer.place_ranks(key, unit.ring_size, unit.heads_split, changed)
+        clock = loads.clock
+        start = max([clock[r] for r in ring_ranks])
         for r in ring_ranks:  # synchronous: every member is held until the slowest is done
             loads.run(r, start, unit.time, unit.tokens)
             runs[r].append(u)

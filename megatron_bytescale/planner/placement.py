@@ -53,6 +53,10 @@ class RingPlacer:
         ``changed``: the ranks whose loads changed since the last call with this same
         ``loads`` array, when the caller knows (the balance scheduler does); it spares a
         comparison of every rank."""
+        return np.asarray(self.place_ranks(loads, ring_size, group, changed), dtype=np.int64)
+
+    def place_ranks(self, loads: np.ndarray, ring_size: int, group: int = 1, changed: list[int] | None = None) -> list[int]:
+        """``place`` as a list of ranks (what the scheduler uses)."""
         if not 1 <= ring_size <= self.num_ranks:
             raise PlanError(f"a ring of {ring_size} ranks does not fit {self.num_ranks} ranks")
         if changed is not None and loads is self._source and self._pending is not None:
@@ -62,12 +66,12 @@ class RingPlacer:
         if ring_size <= self.ranks_per_node:
             return self._inside_one_node(loads, ring_size)
         if group > 1 and ring_size % group == 0 and self.ranks_per_node % group == 0:
-            return self._in_groups(loads, ring_size, group)
+            return self._in_groups(loads, ring_size, group).tolist()
         # the ring_size least-loaded ranks, ties to the lowest ranks (exact, O(N))
         threshold = np.partition(loads, ring_size - 1)[ring_size - 1]
         below = np.flatnonzero(loads < threshold)
         tied = np.flatnonzero(loads == threshold)[: ring_size - below.size]
-        return np.sort(np.concatenate([below, tied]))
+        return np.sort(np.concatenate([below, tied])).tolist()
 
     def _node_order(self, loads: np.ndarray) -> np.ndarray:
         """Each node's loads, ascending, as ``ranks_per_node x num_nodes`` (row ``k``: every
@@ -99,7 +103,7 @@ class RingPlacer:
             self._prefix[:, nodes] = np.cumsum(columns, axis=0)
         return self._sorted
 
-    def _inside_one_node(self, loads: np.ndarray, ring_size: int) -> np.ndarray:
+    def _inside_one_node(self, loads: np.ndarray, ring_size: int) -> list[int]:
         rpn = self.ranks_per_node
         ordered = self._node_order(loads)
         start = ordered[ring_size - 1]  # per node: the ring starts when its last member is free
@@ -115,8 +119,7 @@ class RingPlacer:
         # values is faster in Python than in numpy)
         base = node * rpn
         here = loads[base : base + rpn].tolist()
-        local = sorted(sorted(range(rpn), key=here.__getitem__)[:ring_size])
-        return np.array(local, dtype=np.int64) + base
+        return sorted(base + i for i in sorted(range(rpn), key=here.__getitem__)[:ring_size])
 
     def _in_groups(self, loads: np.ndarray, ring_size: int, group: int) -> np.ndarray:
         """The ring_size / group least-loaded groups: each node's ranks, least-loaded first,
