@@ -13,6 +13,8 @@ idle time of the members that wait.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 
 from ..errors import ConfigError, PlanError
@@ -38,49 +40,86 @@ class RingPlacer:
         # sequences), not all of them (16,384 ranks: ~6,500 rings a step)
         self._seen: np.ndarray | None = None
         self._sorted: np.ndarray | None = None
+        self._prefix: np.ndarray | None = None
+        # the caller's array the order was last kept for, and the ranks it says changed
+        # since (None: unknown, compare the whole array)
+        self._source: np.ndarray | None = None
+        self._pending: list[int] | None = None
 
-    def place(self, loads: np.ndarray, ring_size: int, group: int = 1) -> np.ndarray:
+    def place(self, loads: np.ndarray, ring_size: int, group: int = 1, changed: list[int] | None = None) -> np.ndarray:
         """Ordered global ranks of a new ring of ``ring_size`` members (``group`` > 1: in
-        groups of that many members of one node, consecutive in the ring: two-level)."""
+        groups of that many members of one node, consecutive in the ring: two-level).
+
+        ``changed``: the ranks whose loads changed since the last call with this same
+        ``loads`` array, when the caller knows (the balance scheduler does); it spares a
+        comparison of every rank."""
+        return np.asarray(self.place_ranks(loads, ring_size, group, changed), dtype=np.int64)
+
+    def place_ranks(self, loads: np.ndarray, ring_size: int, group: int = 1, changed: list[int] | None = None) -> list[int]:
+        """``place`` as a list of ranks (what the scheduler uses)."""
         if not 1 <= ring_size <= self.num_ranks:
             raise PlanError(f"a ring of {ring_size} ranks does not fit {self.num_ranks} ranks")
+        if changed is not None and loads is self._source and self._pending is not None:
+            self._pending.extend(changed)
+        else:
+            self._pending = None
         if ring_size <= self.ranks_per_node:
             return self._inside_one_node(loads, ring_size)
         if group > 1 and ring_size % group == 0 and self.ranks_per_node % group == 0:
-            return self._in_groups(loads, ring_size, group)
+            return self._in_groups(loads, ring_size, group).tolist()
         # the ring_size least-loaded ranks, ties to the lowest ranks (exact, O(N))
         threshold = np.partition(loads, ring_size - 1)[ring_size - 1]
         below = np.flatnonzero(loads < threshold)
         tied = np.flatnonzero(loads == threshold)[: ring_size - below.size]
-        return np.sort(np.concatenate([below, tied]))
+        return np.sort(np.concatenate([below, tied])).tolist()
 
     def _node_order(self, loads: np.ndarray) -> np.ndarray:
         """Each node's loads, ascending, as ``ranks_per_node x num_nodes`` (row ``k``: every
-        node's ``k+1``-th smallest load, contiguous)."""
-        by_node = loads.reshape(self.num_nodes, self.ranks_per_node)
-        if self._seen is None or self._seen.shape != loads.shape:
-            self._sorted = np.ascontiguousarray(np.sort(by_node, axis=1).T)
+        node's ``k+1``-th smallest load, contiguous); ``self._prefix`` holds their running
+        sums down the rows (row ``k``: the node's ``k+1`` smallest loads added in order)."""
+        rpn = self.ranks_per_node
+        by_node = loads.reshape(self.num_nodes, rpn)
+        pending, self._pending, self._source = self._pending, [], loads
+        if pending is None:  # changes unknown: compare with the loads seen last
+            if self._seen is None or self._seen.shape != loads.shape:
+                self._sorted = np.ascontiguousarray(np.sort(by_node, axis=1).T)
+                self._prefix = np.cumsum(self._sorted, axis=0)
+                self._seen = loads.copy()
+                return self._sorted
+            pending = np.flatnonzero(loads != self._seen).tolist()
             self._seen = loads.copy()
-            return self._sorted
-        changed = np.flatnonzero(loads != self._seen)
-        if changed.size:
-            nodes = changed // self.ranks_per_node  # repeats are harmless: the same rows again
-            self._sorted[:, nodes] = np.sort(by_node[nodes], axis=1).T
-            self._seen[changed] = loads[changed]
+        else:
+            self._seen = None  # kept from the changes told, no longer from a copy
+        if len(pending) <= 2 * rpn:  # a ring or a few sequences: a few nodes, in Python
+            for node in {r // rpn for r in pending}:
+                base = node * rpn
+                column = sorted(loads[base : base + rpn].tolist())
+                self._sorted[:, node] = column
+                self._prefix[:, node] = list(accumulate(column))
+        else:
+            nodes = np.unique(np.array(pending, dtype=np.int64) // rpn)
+            columns = np.sort(by_node[nodes], axis=1).T
+            self._sorted[:, nodes] = columns
+            self._prefix[:, nodes] = np.cumsum(columns, axis=0)
         return self._sorted
 
-    def _inside_one_node(self, loads: np.ndarray, ring_size: int) -> np.ndarray:
+    def _inside_one_node(self, loads: np.ndarray, ring_size: int) -> list[int]:
         rpn = self.ranks_per_node
         ordered = self._node_order(loads)
         start = ordered[ring_size - 1]  # per node: the ring starts when its last member is free
         # earliest start, then least idle (ring_size * start - the members' loads), then lowest node
         node = int(start.argmin())
-        if np.count_nonzero(start == start[node]) > 1:
-            candidates = np.flatnonzero(start == start[node])
-            idle = ring_size * start[candidates] - ordered[:ring_size, candidates].sum(axis=0)
+        if start[node] == 0.0 and ordered[0].min() >= 0.0:
+            pass  # every node that ties has ring_size idle ranks (idle time 0): the lowest wins
+        elif np.count_nonzero(tied := start == start[node]) > 1:
+            candidates = np.flatnonzero(tied)
+            idle = ring_size * start[candidates] - self._prefix[ring_size - 1, candidates]
             node = int(candidates[np.argmin(idle)])
-        local = np.argsort(loads[node * rpn : (node + 1) * rpn], kind="stable")[:ring_size]
-        return np.sort(local) + node * rpn
+        # the node's ring_size least-loaded ranks, ties to lower ranks (a stable sort of 8
+        # values is faster in Python than in numpy)
+        base = node * rpn
+        here = loads[base : base + rpn].tolist()
+        return sorted(base + i for i in sorted(range(rpn), key=here.__getitem__)[:ring_size])
 
     def _in_groups(self, loads: np.ndarray, ring_size: int, group: int) -> np.ndarray:
         """The ring_size / group least-loaded groups: each node's ranks, least-loaded first,

@@ -560,6 +560,20 @@ def whole_piece(seq_id: int, seq_len: int, rank: int) -> Piece:
     return _piece(seq_id, seq_len, ((0, seq_len),), (rank,))
 
 
+def whole_pieces(seq_ids, seq_lens, ring: tuple[int], ranges_of: dict[int, Ranges]) -> tuple[Piece, ...]:
+    """Whole-sequence pieces of ``seq_ids`` on the one rank of ``ring``. They share their
+    immutable parts: ``ring`` and ``((0, s),)`` per length (kept in ``ranges_of``), so a
+    16K-rank plan builds, and the garbage collector later walks, far fewer objects."""
+    out = []
+    for i in seq_ids:
+        s = seq_lens[i]
+        ranges = ranges_of.get(s)
+        if ranges is None:
+            ranges = ranges_of[s] = ((0, s),)
+        out.append(_piece(i, s, ranges, ring))
+    return tuple(out)
+
+
 def ring_pieces(seq_id: int, seq_len: int, ring: tuple[int, ...], heads_split: int = 1) -> list[Piece]:
     """The zigzag pieces of one sequence over ``ring``, in ring order (``heads_split``: two-level)."""
     shares = zigzag_ranges(seq_len, len(ring))

@@ -44,7 +44,7 @@ from .expert_slots import GroupPlacer, align_expert_slots, ep_groups, round_ring
 from .offload_policy import host_capacity
 from .pipeline_order import Item, LocalBatch, Ordered, encode_stage_orders, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
-from .plan import MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_piece
+from .plan import MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_pieces
 from . import two_level
 from .stage_schedule import stage_schedule
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
@@ -401,36 +401,58 @@ def _rank_items(lens, units: list[Unit], assignment: Assignment, capacity: int, 
 
     Short sequences are packed best-fit within each stretch between two of the rank's ring
     or long micro-batches, so the rank still reaches each ring when the schedule expects."""
-    l = cost.num_layers
+    # the local micro-batches are timed all at once at the end (one vectorised layer_time)
+    packed: list[tuple[int, ...]] = []  # their sequences
+    where: list[tuple[list, int]] = []  # their place: (a rank's items, index)
 
-    def pack(stretch: list[int], items: list) -> None:
-        if len(stretch) > 1 and sum(lens[i] for i in stretch) > capacity:
+    def pack(stretch: list[int], tokens: int, items: list) -> None:
+        if len(stretch) > 1 and tokens > capacity:
             bins = pack_best_fit([(i, lens[i]) for i in stretch], capacity)
         else:
             bins = [stretch]
         for b in bins:
-            items.append(LocalBatch(tuple(b), 0.0, l * _pack_time(lens, b, cost)))
+            packed.append(tuple(b))
+            where.append((items, len(items)))
+            items.append(None)
 
     out = []
     for run in assignment.runs:
         items: list[Item] = []
         stretch: list[int] = []
+        tokens = 0
         for u in run:
             unit = units[u]
             if unit.kind == "short":
-                stretch.append(unit.seq_ids[0])
+                sid = unit.seq_ids[0]
+                stretch.append(sid)
+                tokens += lens[sid]
                 continue
             if stretch:
-                pack(stretch, items)
-                stretch = []
+                pack(stretch, tokens, items)
+                stretch, tokens = [], 0
             if unit.kind == "ring":
                 items.append(u)
             else:  # a long sequence alone, or an hdp-naive pack
                 items.append(LocalBatch(unit.seq_ids, unit.ratio, unit.time))
         if stretch:
-            pack(stretch, items)
+            pack(stretch, tokens, items)
         out.append(items)
+    for (items, k), b, t in zip(where, packed, _pack_times(lens, packed, cost)):
+        items[k] = LocalBatch(b, 0.0, t)
     return out
+
+
+def _pack_times(lens, packs: list[tuple[int, ...]], cost: CostModel) -> list[float]:
+    """Seconds (all layers) of each pack of whole sequences: ``num_layers * _pack_time``,
+    the same figures, computed for all packs at once."""
+    if not packs:
+        return []
+    sizes = np.fromiter((len(b) for b in packs), dtype=np.int64, count=len(packs))
+    s = np.asarray(lens, dtype=np.int64)[np.fromiter((i for b in packs for i in b), dtype=np.int64, count=int(sizes.sum()))]
+    first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    tokens = np.add.reduceat(s, first)  # whole numbers: exact
+    pairs = np.add.reduceat(s * s, first)
+    return (cost.num_layers * cost.layer_time(tokens, pairs)).tolist()
 
 
 def _pack_time(lens, seq_ids, cost: CostModel) -> float:
@@ -464,19 +486,20 @@ def _build(lens, units: list[Unit], members: dict[int, tuple[int, ...]], runs: l
         sid = units[u].seq_ids[0]
         split = two_level.realized_split(ring, units[u].heads_split, ranks_per_node, cost) if cost is not None else 1
         pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring, heads_split=split)))
+    ranges_of: dict[int, tuple] = {}  # shared by the whole pieces of one length
     ranks = []
     for rank, items in enumerate(runs):
         mbs = []
+        one = (rank,)
         for x in items:
             if isinstance(x, LocalBatch):
-                mbs.append(micro_batch(tuple([whole_piece(i, lens[i], rank) for i in x.seq_ids]), x.ratio))
+                mbs.append(micro_batch(whole_pieces(x.seq_ids, lens, one, ranges_of), x.ratio))
                 continue
             unit = units[x]
             piece = pieces_of[x][rank]
             if unit.fillers:
                 slot = members[x].index(rank)
-                extra = tuple([whole_piece(i, lens[i], rank) for i in unit.fillers[slot]])
-                mbs.append(micro_batch((piece,) + extra, unit.ratio))
+                mbs.append(micro_batch((piece,) + whole_pieces(unit.fillers[slot], lens, one, ranges_of), unit.ratio))
             else:
                 mbs.append(micro_batch((piece,), unit.ratio))
         ranks.append(tuple(mbs))

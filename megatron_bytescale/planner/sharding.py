@@ -60,20 +60,62 @@ def memory_floor(
 def ring_times(cost: CostModel, seq_len, ring_sizes: np.ndarray, ranks_per_node: int) -> np.ndarray:
     """``ring_share_time`` for many ring sizes at once (rings up to a node stay inside it);
     ``seq_len`` is one length or one per ring size."""
+    # (the same operations as ring_share_time, in place where a temporary would be
+    # thrown away: ~10^6 entries a 16K-rank step)
     d = ring_sizes.astype(np.float64)
     s = np.asarray(seq_len, dtype=np.float64)
     share = np.ceil(s / d)
-    pairs = s * s / d
-    per_layer = cost.a1 * pairs + cost.b1 * share + cost.g
+    compute = cost.a1 * (s * s / d)  # a1 * pairs
+    per_layer = compute + cost.b1 * share
+    per_layer += cost.g
     bw = np.where(ring_sizes > ranks_per_node, cost.bw_inter_node, cost.bw_intra_node)
-    step = cost.a1 * pairs / d
-    hop_f = cost.p2p_latency_s + share * cost.kv_bytes_per_token / bw
-    hop_b = cost.p2p_latency_s + share * (cost.kv_bytes_per_token + cost.grad_bytes_per_token) / bw
-    home = cost.p2p_latency_s + share * cost.grad_bytes_per_token / bw  # the last dKV hop, never hidden
-    exposed = (d - 1) * (np.maximum(0.0, hop_f - cost.forward_share * step) + np.maximum(0.0, hop_b - (1 - cost.forward_share) * step))
+    step = compute
+    step /= d  # a1 * pairs / d
+    hop_f = share * cost.kv_bytes_per_token
+    hop_f /= bw
+    hop_f += cost.p2p_latency_s
+    hop_b = share * (cost.kv_bytes_per_token + cost.grad_bytes_per_token)
+    hop_b /= bw
+    hop_b += cost.p2p_latency_s
+    home = share * cost.grad_bytes_per_token
+    home /= bw
+    home += cost.p2p_latency_s  # the last dKV hop, never hidden
+    hop_f -= cost.forward_share * step
+    hop_b -= (1 - cost.forward_share) * step
+    exposed = np.maximum(hop_f, 0.0, out=hop_f)
+    exposed += np.maximum(hop_b, 0.0, out=hop_b)
+    exposed *= d - 1
     exposed += home
     exposed[ring_sizes <= 1] = 0.0
-    return cost.num_layers * (per_layer + exposed)
+    per_layer += exposed
+    per_layer *= cost.num_layers
+    return per_layer
+
+
+CHUNK = 1 << 16  # curve entries computed at once: the temporaries stay in cache
+
+
+def _chunks(todo):
+    """``[(length, (lo, hi)), ...]`` cut into runs of about ``CHUNK`` ring sizes."""
+    start, n = 0, 0
+    for i, (_, (lo, hi)) in enumerate(todo):
+        n += hi - lo + 1
+        if n >= CHUNK:
+            yield todo[start : i + 1]
+            start, n = i + 1, 0
+    if start < len(todo):
+        yield todo[start:]
+
+
+def _ragged(todo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[(length, (lo, hi)), ...]`` flattened: each length repeated over its ring sizes
+    ``lo..hi``, those sizes, and how many each length has."""
+    counts = np.array([hi - lo + 1 for _, (lo, hi) in todo])
+    starts = np.repeat(np.array([lo for _, (lo, _) in todo]), counts)
+    offsets = np.repeat(np.cumsum(counts) - counts, counts)
+    sizes = starts + (np.arange(int(counts.sum())) - offsets)
+    lengths = np.repeat(np.array([s for s, _ in todo], dtype=np.int64), counts)
+    return lengths, sizes, counts
 
 
 class RingSizer:
@@ -100,10 +142,14 @@ class RingSizer:
         self.ranks_per_node = min(ranks_per_node, num_ranks)
         self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._splits: dict[int, np.ndarray] = {}  # per curve entry: its two-level group size (1: plain)
+        self._floors: dict[int, OffloadDecision] = {}
         self.two_level = two_level.valid_splits(cost, self.ranks_per_node) if num_ranks > self.ranks_per_node else []
 
     def floor(self, seq_len: int) -> OffloadDecision:
-        return memory_floor(seq_len, self.capacity, self.cost, self.offload, self.num_ranks, self.host)
+        d = self._floors.get(seq_len)
+        if d is None:  # asked per length several times a step (range, sizing): decided once
+            d = self._floors[seq_len] = memory_floor(seq_len, self.capacity, self.cost, self.offload, self.num_ranks, self.host)
+        return d
 
     def _size_range(self, seq_len: int) -> tuple[int, int]:
         """Candidate ring sizes: from the memory floor up to where communication dominates."""
@@ -120,49 +166,55 @@ class RingSizer:
         """Compute the curves of many lengths at once (one vectorised ``ring_times`` over all
         of them instead of one small one per length: a 16K-rank step has ~7,000 lengths)."""
         todo = [int(s) for s in dict.fromkeys(seq_lens) if int(s) not in self._curves]
-        plain = []
+        plain, spanning = [], []
         for s in todo:
             lo, hi = self._size_range(s)
             if self.two_level and hi > self.ranks_per_node:  # rings that may span nodes
-                self._two_level_curve(s, lo)
+                spanning.append((s, (lo, self._two_level_hi(s, lo))))
             else:
                 plain.append((s, (lo, hi)))
-        if not plain:
-            return
-        todo = [s for s, _ in plain]
-        ranges = [r for _, r in plain]
-        counts = np.array([hi - lo + 1 for lo, hi in ranges])
-        starts = np.repeat(np.array([lo for lo, _ in ranges]), counts)
-        offsets = np.repeat(np.cumsum(counts) - counts, counts)
-        sizes = starts + (np.arange(int(counts.sum())) - offsets)
-        lengths = np.repeat(np.array(todo, dtype=np.int64), counts)
-        times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
+        for chunk in _chunks(plain):
+            lengths, sizes, counts = _ragged(chunk)
+            times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
+            self._store(chunk, counts, sizes, times, np.ones(sizes.size, dtype=np.int64))
+        for chunk in _chunks(spanning):
+            self._two_level_curves(chunk)
+
+    def _store(self, todo, counts, sizes, times, splits) -> None:
         end = 0
-        for s, n in zip(todo, counts.tolist()):
+        for (s, _), n in zip(todo, counts.tolist()):
             self._curves[s] = (sizes[end : end + n], times[end : end + n])
-            self._splits[s] = np.ones(n, dtype=np.int64)
+            self._splits[s] = splits[end : end + n]
             end += n
 
-    def _two_level_curve(self, seq_len: int, d_min: int) -> None:
-        """One length's curve when its ring may span nodes: per ring size, the fastest of the
-        plain ring and each two-level group size (u times the compute per hop, so larger
-        rings still pay: the size range reaches u times further)."""
+    def _two_level_hi(self, seq_len: int, d_min: int) -> int:
+        """The largest ring size a spanning length's curve covers: u times the compute per
+        hop, so larger rings still pay and the range reaches u times further."""
         cost = self.cost
         per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
         comm_bound = cost.a1 * seq_len * cost.bw_inter_node / max(per_token, 1e-30)
-        splits_here = self.two_level
-        d_hi = min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound * max(splits_here)) + 2 * self.ranks_per_node))
-        sizes = np.arange(d_min, d_hi + 1)
-        times = ring_times(cost, seq_len, sizes, self.ranks_per_node)
+        return min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound * max(self.two_level)) + 2 * self.ranks_per_node))
+
+    def _two_level_curves(self, todo) -> None:
+        """The curves of lengths whose rings may span nodes, all in one go: per ring size,
+        the fastest of the plain ring and each two-level group size."""
+        lengths, sizes, counts = _ragged(todo)
+        times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
         splits = np.ones(sizes.size, dtype=np.int64)
-        t = two_level.share_times(cost, seq_len, sizes, splits_here, self.ranks_per_node)
-        k = t.argmin(axis=0)
-        best = t[k, np.arange(sizes.size)]
+        # each group size only where it applies (a multiple of u, larger than a node: a
+        # fraction 1/u of the sizes), the smaller u first, so ties keep the smaller u
+        best = np.full(sizes.size, np.inf)
+        best_u = np.zeros(sizes.size, dtype=np.int64)
+        for u in self.two_level:
+            at = np.flatnonzero((sizes % u == 0) & (sizes > self.ranks_per_node))
+            t = two_level.share_times(self.cost, lengths[at], sizes[at], u, self.ranks_per_node)
+            won = t < best[at]
+            best[at[won]] = t[won]
+            best_u[at[won]] = u
         better = best < times
         times = np.where(better, best, times)
-        splits[better] = np.asarray(splits_here)[k[better]]
-        self._curves[seq_len] = (sizes, times)
-        self._splits[seq_len] = splits
+        splits[better] = best_u[better]
+        self._store(todo, counts, sizes, times, splits)
 
     def curve(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Candidate ring sizes (from the memory floor up to where communication dominates)
@@ -181,12 +233,44 @@ class RingSizer:
         """The least time any ring gives this sequence's members (pipeline fill included)."""
         return self.stages * float(self.curve(seq_len)[1].min())
 
-    def size(self, seq_len: int, target: float | None) -> tuple[int, float, float]:
+    def first_within(self, seq_lens: Sequence[int], target: float) -> list[int]:
+        """``size``'s starting point for many lengths at once: per length, the index of the
+        first ring whose share time is within ``target``, else of the first within 0.1% of
+        its fastest ring (one pass over all their curves end to end)."""
+        self.prepare(seq_lens)
+        if not len(seq_lens):
+            return []
+        curves = [self._curves[int(s)][1] for s in seq_lens]
+        counts = np.array([c.size for c in curves])
+        first = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        times = np.concatenate(curves)
+        segment = np.repeat(np.arange(counts.size), counts)
+
+        def first_true(mask: np.ndarray) -> np.ndarray:
+            at = np.flatnonzero(mask)  # ascending, so each segment's first hit is where it starts
+            hit = np.searchsorted(at, first)
+            ok = hit < at.size
+            found = np.full(counts.size, -1)
+            found[ok] = at[hit[ok]]
+            ok &= segment[np.maximum(found, 0)] == np.arange(counts.size)
+            return np.where(ok, found - first, -1)
+
+        k = first_true(self.stages * times <= target)
+        if (k < 0).any():
+            fastest = np.minimum.reduceat(times, first)
+            near = first_true(times <= np.repeat(fastest * (1 + 1e-3), counts))
+            k = np.where(k < 0, near, k)
+        return k.tolist()
+
+    def size(self, seq_len: int, target: float | None, start: int | None = None) -> tuple[int, float, float]:
         """(ring size, offload ratio, share time): the memory floor when ``target`` is None,
-        else the smallest ring whose share time is within ``target`` (or the fastest ring)."""
+        else the smallest ring whose share time is within ``target`` (or the fastest ring).
+        ``start``: that ring's index on the curve when known (``first_within``)."""
         sizes, times = self.curve(seq_len)
         if target is None:
             k = 0
+        elif start is not None:
+            k = start
         else:
             fits = np.flatnonzero(self.stages * times <= target)
             k = int(fits[0]) if fits.size else int(np.flatnonzero(times <= times.min() * (1 + 1e-3))[0])
@@ -240,15 +324,35 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     held_t = held_t[order]
     held_suffix = np.concatenate([np.cumsum(held_r[order][::-1])[::-1], [0.0]])
 
+    # Per varying length, the first ring size whose time is within t (best is the running
+    # minimum, so: how many of its entries exceed t), else its last size. All lengths at
+    # once: their curves up to the first minimum (past it best no longer falls), end to end.
+    if varying:
+        stop = [int(np.argmin(b)) + 1 for _, _, _, b in varying]
+        first = np.concatenate([[0], np.cumsum(stop)[:-1]])
+        last_k = np.array(stop) - 1
+        cut_best = np.concatenate([b[:k] for (_, _, _, b), k in zip(varying, stop)])
+        cut_rs = np.concatenate([rs[:k] for (_, _, rs, _), k in zip(varying, stop)])
+        cut_sizes = np.concatenate([sz[:k] for (_, sz, _, _), k in zip(varying, stop)])
+        end_best = np.array([b[-1] for _, _, _, b in varying])
+        end_rs = np.array([rs[-1] for _, _, rs, _ in varying])
+        end_sizes = np.array([sz[-1] for _, sz, _, _ in varying])
+        n_seqs = np.array([n for n, _, _, _ in varying], dtype=np.int64)
+
     def passes(t: float) -> bool:
         total = work
         held = float(held_suffix[np.searchsorted(held_t, t / 2, side="right")])
-        for n, sizes, rank_seconds, best in varying:
-            # first ring size whose time is within t (best is the running minimum)
-            k = min(int(np.searchsorted(-best, -t, side="left")), len(best) - 1)
-            total += n * float(rank_seconds[k])
-            if best[k] > t / 2:
-                held += n * float(sizes[k])
+        if varying:
+            over = np.add.reduceat((cut_best > t).astype(np.int64), first)
+            inside = over <= last_k  # else no size is within t: the last one
+            at = first + np.minimum(over, last_k)
+            rank_seconds = np.where(inside, cut_rs[at], end_rs)
+            best = np.where(inside, cut_best[at], end_best)
+            sizes = np.where(inside, cut_sizes[at], end_sizes)
+            # added in the lengths' order, as one running sum (the same float result)
+            total = float(np.cumsum(np.concatenate(([work], n_seqs * rank_seconds)))[-1])
+            big = best > t / 2
+            held += float((n_seqs[big] * sizes[big]).sum())  # whole numbers: exact in any order
         return total / n_ranks <= t and held <= n_ranks
 
     lo = floor
@@ -272,12 +376,20 @@ def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | N
     """Shards of every sequence longer than the capacity: the memory floor when ``target``
     is None (as hdp-naive uses), else the smallest ring within ``target``."""
     lens = np.asarray(seq_lens, dtype=np.int64)
-    shards = {}
-    for i in np.flatnonzero(lens > sizer.capacity).tolist():
-        s = int(lens[i])
-        d, r, _ = sizer.size(s, target)
-        shards[i] = Shard(i, s, d, r, sizer.heads_split(s, d) if target is not None else 1)
-    return shards
+    long_ids = np.flatnonzero(lens > sizer.capacity).tolist()
+    long_lens = lens[long_ids].tolist()
+    by_len: dict[int, tuple[int, float, int]] = {}  # one decision per distinct length
+    if target is None:  # the memory floor needs no time curve
+        for s in long_lens:
+            if s not in by_len:
+                d = sizer.floor(s)
+                by_len[s] = (d.ranks, d.ratio, 1)
+    else:
+        distinct = list(dict.fromkeys(long_lens))
+        for s, k in zip(distinct, sizer.first_within(distinct, target)):
+            d, r, _ = sizer.size(s, target, k)
+            by_len[s] = (d, r, sizer.heads_split(s, d))
+    return {i: Shard(i, s, *by_len[s]) for i, s in zip(long_ids, long_lens)}
 
 
 # ----------------------------------------------------------------------------- packing

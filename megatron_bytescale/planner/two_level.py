@@ -63,19 +63,21 @@ def a2a_time(cost: CostModel, tokens: float, u: int) -> float:
     return 4 * cost.p2p_latency_s + a2a_bytes(cost, tokens, u) / cost.bw_intra_node
 
 
-def share_times(cost: CostModel, seq_len: int, ring_sizes: np.ndarray, u, ranks_per_node: int) -> np.ndarray:
+def share_times(cost: CostModel, seq_len, ring_sizes: np.ndarray, u, ranks_per_node: int) -> np.ndarray:
     """Per-member seconds (all layers) of a sequence run two-level over each ring size (a
     multiple of u, larger than a node; others inf). Follows ``sharding.ring_times``.
-    ``u`` may be a list of group sizes: then one row per group size."""
+    ``u`` may be a list of group sizes: then one row per group size. ``seq_len`` is one
+    length or one per ring size (the planner prepares many lengths' curves at once)."""
     us = np.atleast_1d(np.asarray(u, dtype=np.int64))[:, None]
     sizes = np.asarray(ring_sizes)[None, :]
     ok = (sizes % us == 0) & (sizes > ranks_per_node)
     d = sizes.astype(np.float64)
-    share = np.ceil(seq_len / d)
+    s = np.asarray(seq_len, dtype=np.float64)
+    share = np.ceil(s / d)
     fq = np.array([head_fractions(cost, int(v))[0] for v in us[:, 0]])[:, None]
     fkv = fq  # whole KV groups per slice: the same share of the KV heads
     m = d / us
-    pairs = float(seq_len) * seq_len / d * (us * fq)
+    pairs = s * s / d * (us * fq)
     per_layer = cost.a1 * pairs + cost.b1 * share + cost.g
     step = cost.a1 * pairs / m
     block = us * share * fkv  # a cross-ring block, in full-head token equivalents

@@ -1,0 +1,163 @@
+"""The planner's fast paths give exactly what their plain versions give (same plans, bit for bit).
+
+Each fast path (rounds of numpy work for long runs of short sequences, bucket cuts from a
+running sum, ring placement told which ranks changed, two-level curves of many lengths at
+once) is checked against a plain one-at-a-time version on random inputs, ties included.
+"""
+
+import heapq
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from megatron_bytescale.planner import balance
+from megatron_bytescale.planner.balance import _Loads, make_buckets
+from megatron_bytescale.planner.placement import RingPlacer
+from megatron_bytescale.planner.sharding import RingSizer, ring_times
+from megatron_bytescale.planner import two_level
+
+from planner_cases import small_cost
+
+# coarse values make equal keys and equal unit times common (the tie rules must agree)
+coarse = st.integers(0, 6).map(lambda v: v / 4)
+
+
+def one_at_a_time(clock, seconds, tokens, pipeline_stages=1, by_tokens=False):
+    """The DP rule written plainly: each unit to the least-loaded rank, ties to the lowest."""
+    n = len(clock)
+    clock, count, peak = list(clock), [0.0] * n, [0.0] * n
+    bubble = pipeline_stages - 1
+    key = [count[r] if by_tokens else clock[r] + bubble * peak[r] for r in range(n)]
+    ranks = []
+    for t, k in zip(seconds, tokens):
+        r = min(range(n), key=lambda i: (key[i], i))
+        clock[r] += t
+        count[r] += k
+        peak[r] = max(peak[r], t)
+        key[r] = count[r] if by_tokens else clock[r] + bubble * peak[r]
+        ranks.append(r)
+    return ranks, clock, key
+
+
+def loads_at(clock, pipeline_stages=1, by_tokens=False) -> _Loads:
+    """Loads as if each rank had been busy ``clock[r]`` seconds (no unit counted in its peak)."""
+    loads = _Loads(len(clock), pipeline_stages, by_tokens)
+    loads.clock = list(clock)
+    loads.last_key = [0.0] * len(clock) if by_tokens else list(clock)
+    loads.top = max(loads.last_key)
+    loads._dirty = list(range(len(clock)))  # the key array follows
+    loads.heap = [(k, r, 0) for r, k in enumerate(loads.last_key)]
+    heapq.heapify(loads.heap)
+    return loads
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(coarse, min_size=1, max_size=12),
+    st.lists(st.tuples(st.integers(1, 8).map(lambda v: v / 8), st.integers(1, 50)), min_size=1, max_size=60),
+    st.sampled_from([(1, False), (3, False), (1, True)]),
+    st.booleans(),
+)
+def test_rounds_give_what_one_unit_at_a_time_gives(clock, units, mode, longest_first):
+    stages, by_tokens = mode
+    if longest_first:  # the scheduler's order
+        units = sorted(units, key=lambda u: -u[0])
+    seconds, tokens = [u[0] for u in units], [u[1] for u in units]
+    then = seconds[:3], tokens[:3]  # more units after the run: the heap must be whole again
+    ranks, clocks, keys = one_at_a_time(clock, seconds + then[0], tokens + then[1], stages, by_tokens)
+    # the loop alone, rounds alone, rounds until one is short and then the loop
+    for bulk_run, min_round in ((10**9, 1), (1, 1), (1, 4)):
+        loads = loads_at(clock, stages, by_tokens)
+        old = balance.BULK_RUN, balance.MIN_ROUND
+        balance.BULK_RUN, balance.MIN_ROUND = bulk_run, min_round
+        try:
+            got = loads.give_many(seconds, tokens) + loads.give_many(*then)
+        finally:
+            balance.BULK_RUN, balance.MIN_ROUND = old
+        assert got == ranks
+        assert loads.clock == clocks and loads.last_key == keys
+        assert loads.top == max(keys)
+        assert loads.key.tolist() == keys
+
+
+def plain_buckets(order, weights, num_buckets):
+    total = float(sum(weights[u] for u in order))
+    buckets = [[]]
+    acc = 0.0
+    for u in order:
+        if acc >= total * len(buckets) / num_buckets and buckets[-1] and len(buckets) < num_buckets:
+            buckets.append([])
+        buckets[-1].append(u)
+        acc += weights[u]
+    return buckets
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 20).map(float), min_size=1, max_size=40), st.integers(1, 10))
+def test_buckets_cut_from_the_running_sum_match_the_loop(weights, num_buckets):
+    order = sorted(range(len(weights)), key=lambda u: -weights[u])
+    assert make_buckets(order, weights, num_buckets) == plain_buckets(order, weights, num_buckets)
+
+
+def plain_placement(loads, size, per_node):
+    """The placement rule written plainly: a ring up to a node goes to the node where it
+    starts first (its size-th least-loaded rank is free first), then where its members
+    idle least, then the lowest node; a larger ring to the least-loaded ranks. Members:
+    least-loaded first, ties to the lower rank, listed by rank."""
+    loads = [float(x) for x in loads]
+    by_load = lambda ranks: sorted(ranks, key=lambda r: (loads[r], r))[:size]
+    if size > per_node:
+        return sorted(by_load(range(len(loads))))
+    best = None
+    for node in range(len(loads) // per_node):
+        members = by_load(range(node * per_node, (node + 1) * per_node))
+        start = loads[members[-1]]
+        idle = size * start - sum(sorted(loads[r] for r in members))
+        if best is None or (start, idle) < best[0]:
+            best = ((start, idle), sorted(members))
+    return best[1]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.sampled_from([(16, 4), (24, 8), (12, 3)]),
+    st.lists(st.tuples(st.integers(1, 12), st.lists(st.tuples(st.integers(0, 23), coarse), max_size=5)), min_size=1, max_size=25),
+)
+def test_placement_told_the_changes_matches_placement_that_compares(shape, steps):
+    num_ranks, per_node = shape
+    told, compares = RingPlacer(num_ranks, per_node), RingPlacer(num_ranks, per_node)
+    loads = np.zeros(num_ranks)  # one array, changed in place, as the scheduler's
+    changed: list[int] = []
+    for size, bumps in steps:
+        for r, add in bumps:
+            loads[r % num_ranks] += add
+            changed.append(r % num_ranks)
+        ring = told.place(loads, min(size, num_ranks), 1, changed)
+        assert ring.tolist() == compares.place(loads.copy(), min(size, num_ranks)).tolist()
+        assert ring.tolist() == plain_placement(loads, min(size, num_ranks), per_node)
+        loads[ring] += 1.0
+        changed = ring.tolist()
+
+
+def test_two_level_curves_of_many_lengths_match_one_length_at_a_time():
+    cost = small_cost().with_overrides(q_heads=32, kv_heads=8, q_bytes_per_token=4096.0)
+    lengths = [3000, 3001, 5000, 12345, 40000]
+    many = RingSizer(512, cost, True, 64, 8)
+    assert many.two_level == [2, 4, 8]
+    many.prepare(lengths)
+    for s in lengths:
+        sizes, times = many.curve(s)
+        assert sizes[-1] > 8  # rings that may span nodes
+        # one length alone: the plain ring, and each two-level group size where it applies
+        plain = ring_times(cost, s, sizes, 8)
+        rows = two_level.share_times(cost, s, sizes, many.two_level, 8)
+        best = rows.min(axis=0)
+        assert np.array_equal(times, np.minimum(plain, best))
+        splits = np.where(best < plain, np.asarray(many.two_level)[rows.argmin(axis=0)], 1)
+        assert [many.heads_split(s, int(d)) for d in sizes] == splits.tolist()
+    # the first ring within a target, found for all lengths at once, is where size() starts
+    for stages in (1, 3):
+        sizer = RingSizer(512, cost, True, 64, 8, stages)
+        for target in (0.0, 1e-3, 0.05, 0.2, 1.0, 1e9):
+            starts = sizer.first_within(lengths, target)
+            assert [sizer.size(s, target, k) for s, k in zip(lengths, starts)] == [sizer.size(s, target) for s in lengths]
