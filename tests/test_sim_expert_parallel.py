@@ -2,13 +2,15 @@
 member plus the MoE all-to-alls, rings join the slots of their members, and the planner's
 estimate of an aligned plan is what the simulator measures."""
 
+import argparse
+
 import pytest
 
 from megatron_bytescale.errors import ConfigError, PlanError
 from megatron_bytescale.planner.expert_slots import align_expert_slots
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.sim.cluster import Cluster
-from megatron_bytescale.sim.simulate import SimConfig, run
+from megatron_bytescale.sim.simulate import SimConfig, add_arguments, check_config, config_from_args, run
 from megatron_bytescale.sim.timeline import simulate
 
 from test_sim_timeline import MS, cost_model
@@ -74,3 +76,16 @@ def test_simulated_ep_steps_match_the_planner_estimate():
     bal = report.steps["hdp-balanced"][0]
     assert bal["planner_estimate_s"] == pytest.approx(bal["step_time_s"], rel=1e-6)
     assert bal["exposed_moe_a2a_s"] > 0 and report.steps["static"][0]["exposed_moe_a2a_s"] > 0
+
+
+def test_megatron_dcp_is_left_out_under_ep_and_refused_when_asked_for():
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    base = ["--model", "mistral-8x7b", "--gpus", "64", "--tp", "2", "--context", "64K", "--capacity", "16K",
+            "--global-batch-tokens", "1M"]
+    cfg = config_from_args(ap.parse_args(base + ["--ep", "4"]))
+    assert "megatron-dcp" not in cfg.strategies and "hdp-balanced" in cfg.strategies
+    assert "megatron-dcp" in config_from_args(ap.parse_args(base)).strategies
+    asked = config_from_args(ap.parse_args(base + ["--ep", "4", "--strategies", "static,megatron-dcp"]))
+    with pytest.raises(ConfigError, match="megatron-dcp is not simulated with expert parallelism"):
+        check_config(asked)

@@ -148,13 +148,14 @@ class GroupPlacer(RingPlacer):
         ep_groups(num_ranks, expert_parallel)
         self.expert_parallel = expert_parallel
 
-    def place(self, loads: np.ndarray, ring_size: int, group: int = 1) -> np.ndarray:
+    def place_ranks(self, loads: np.ndarray, ring_size: int, group: int = 1, changed: list[int] | None = None) -> list[int]:
         e = self.expert_parallel
         if ring_size % e or group > 1:
-            return super().place(loads, ring_size, group)
+            return super().place_ranks(loads, ring_size, group, changed)
+        self._note_changes(loads, changed)  # the base class's kept node order stays current
         busiest = loads.reshape(-1, e).max(axis=1)
         chosen = np.sort(np.lexsort((np.arange(busiest.size), busiest))[: ring_size // e])
-        return (chosen[:, None] * e + np.arange(e)[None, :]).ravel()
+        return (chosen[:, None] * e + np.arange(e)[None, :]).ravel().tolist()
 
 
 def _longest_first(mbs) -> list[MicroBatch]:

@@ -59,10 +59,7 @@ class RingPlacer:
         """``place`` as a list of ranks (what the scheduler uses)."""
         if not 1 <= ring_size <= self.num_ranks:
             raise PlanError(f"a ring of {ring_size} ranks does not fit {self.num_ranks} ranks")
-        if changed is not None and loads is self._source and self._pending is not None:
-            self._pending.extend(changed)
-        else:
-            self._pending = None
+        self._note_changes(loads, changed)
         if ring_size <= self.ranks_per_node:
             return self._inside_one_node(loads, ring_size)
         if group > 1 and ring_size % group == 0 and self.ranks_per_node % group == 0:
@@ -72,6 +69,14 @@ class RingPlacer:
         below = np.flatnonzero(loads < threshold)
         tied = np.flatnonzero(loads == threshold)[: ring_size - below.size]
         return np.sort(np.concatenate([below, tied])).tolist()
+
+    def _note_changes(self, loads: np.ndarray, changed: list[int] | None) -> None:
+        """Keep the ranks told changed for the next ``_node_order`` (every call must pass its
+        ``changed`` here, placed by this class or not, or the kept order goes stale)."""
+        if changed is not None and loads is self._source and self._pending is not None:
+            self._pending.extend(changed)
+        else:
+            self._pending = None
 
     def _node_order(self, loads: np.ndarray) -> np.ndarray:
         """Each node's loads, ascending, as ``ranks_per_node x num_nodes`` (row ``k``: every
