@@ -161,3 +161,56 @@ def test_two_level_curves_of_many_lengths_match_one_length_at_a_time():
         for target in (0.0, 1e-3, 0.05, 0.2, 1.0, 1e9):
             starts = sizer.first_within(lengths, target)
             assert [sizer.size(s, target, k) for s, k in zip(lengths, starts)] == [sizer.size(s, target) for s in lengths]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(coarse, min_size=2, max_size=10),
+    st.lists(st.tuples(st.integers(1, 8).map(lambda v: v / 8), st.integers(1, 50), st.integers(1, 4)), min_size=1, max_size=12),
+    st.sampled_from([(1, False), (3, False), (1, True)]),
+)
+def test_ring_members_given_at_once_match_run_then_push(clock, rings, mode):
+    """``run_ring`` is ``run`` + ``push`` per member: same loads, keys, heap and least rank."""
+    stages, by_tokens = mode
+    plain, fast = loads_at(clock, stages, by_tokens), loads_at(clock, stages, by_tokens)
+    for seconds, tokens, size in rings:
+        ring = sorted(range(len(clock)), key=lambda r: (plain.last_key[r], r))[: min(size, len(clock))]
+        start = max(plain.clock[r] for r in ring)
+        for r in ring:
+            plain.run(r, start, seconds, tokens)
+            plain.push(r)
+        fast.run_ring(ring, start, seconds, tokens)
+        for attr in ("clock", "idle", "tokens", "peak", "last_key", "stamp", "heap", "top"):
+            assert getattr(fast, attr) == getattr(plain, attr), attr
+        assert fast.key.tolist() == plain.key.tolist() and fast.least() == plain.least()
+
+
+def test_plan_step_leaves_the_garbage_collector_as_it_found_it():
+    """Planning pauses the collector and moves what it made to the oldest generation (no
+    walk of the young one on return); it must leave the collector on, nothing frozen, and
+    leave it off (untouched) when the caller had turned it off or frozen objects."""
+    import gc
+
+    from megatron_bytescale.planner.planner import PlannerConfig, plan_step
+
+    lengths = [300, 5000, 70, 1200, 40, 2500]
+    config = PlannerConfig(num_ranks=4, capacity=1024, balance="dp")
+    assert gc.isenabled()
+    plan = plan_step(lengths, config, small_cost())
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    plan.validate()
+    gc.disable()
+    try:
+        plan_step(lengths, config, small_cost())
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    frozen = [object() for _ in range(3)]
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        plan_step(lengths, config, small_cost())
+        assert gc.get_freeze_count() == before and gc.isenabled()
+    finally:
+        gc.unfreeze()
+    del frozen

@@ -223,6 +223,31 @@ class _Loads:
         heapq.heapify(self.heap)
         return ranks
 
+    def run_ring(self, ring_ranks: Sequence[int], start: float, seconds: float, tokens: int) -> None:
+        """``run`` then ``push`` for each member of a ring, with the loads in locals (the
+        same operations in the same order: ~3 x 10^4 members a step at 16K ranks)."""
+        idle, clocks, counts, peaks, last, stamp, heap = (
+            self.idle, self.clock, self.tokens, self.peak, self.last_key, self.stamp, self.heap)
+        by_tokens, bubble, top = self.by_tokens, self.bubble, self.top
+        push, replace = heapq.heappush, heapq.heapreplace
+        for r in ring_ranks:
+            idle[r] += start - clocks[r]
+            clock = clocks[r] = start + seconds
+            total = counts[r] = counts[r] + tokens
+            if seconds > peaks[r]:
+                peaks[r] = seconds
+            k = total if by_tokens else clock + bubble * peaks[r]
+            last[r] = k
+            if k > top:
+                top = k
+            s = stamp[r] = stamp[r] + 1
+            if heap and heap[0][1] == r:  # its old entry, stale now: one sift instead of pop + push
+                replace(heap, (k, r, s))
+            else:
+                push(heap, (k, r, s))
+        self.top = top
+        self._dirty += ring_ranks
+
     def push(self, r: int) -> None:
         entry = (self.last_key[r], r, self.stamp[r])
         if self.heap and self.heap[0][1] == r:  # its old entry, stale now: one sift instead of pop + push
@@ -278,10 +303,10 @@ def schedule(
         ring_ranks = placer.place_ranks(key, unit.ring_size, unit.heads_split, changed)
         clock = loads.clock
         start = max([clock[r] for r in ring_ranks])
-        for r in ring_ranks:  # synchronous: every member is held until the slowest is done
-            loads.run(r, start, unit.time, unit.tokens)
+        # synchronous: every member is held until the slowest is done
+        loads.run_ring(ring_ranks, start, unit.time, unit.tokens)
+        for r in ring_ranks:
             runs[r].append(u)
-            loads.push(r)
         members[u] = tuple(ring_ranks)
         given.append(u)
 

@@ -565,12 +565,20 @@ def whole_pieces(seq_ids, seq_lens, ring: tuple[int], ranges_of: dict[int, Range
     immutable parts: ``ring`` and ``((0, s),)`` per length (kept in ``ranges_of``), so a
     16K-rank plan builds, and the garbage collector later walks, far fewer objects."""
     out = []
-    for i in seq_ids:
+    new, cls, known = _new_object, Piece, ranges_of.get
+    for i in seq_ids:  # ``_piece`` inlined: the plan's most common object
         s = seq_lens[i]
-        ranges = ranges_of.get(s)
+        ranges = known(s)
         if ranges is None:
             ranges = ranges_of[s] = ((0, s),)
-        out.append(_piece(i, s, ranges, ring))
+        p = new(cls)
+        d = p.__dict__
+        d["seq_id"] = i
+        d["seq_len"] = s
+        d["ranges"] = ranges
+        d["ring"] = ring
+        d["heads_split"] = 1
+        out.append(p)
     return tuple(out)
 
 
