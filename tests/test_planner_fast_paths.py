@@ -214,3 +214,15 @@ def test_plan_step_leaves_the_garbage_collector_as_it_found_it():
     finally:
         gc.unfreeze()
     del frozen
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 30)), min_size=1, max_size=8),
+       st.integers(1, 9), st.integers(0, 20))
+def test_multiples_of_a_group_size_match_the_modulo_mask(runs, u, above):
+    from megatron_bytescale.planner.sharding import _multiples, _ragged
+
+    todo = [(1000 + i, (lo, lo + extra)) for i, (lo, extra) in enumerate(runs)]
+    _, sizes, counts = _ragged(todo)
+    expected = np.flatnonzero((sizes % u == 0) & (sizes > above))
+    assert _multiples(todo, counts, u, above).tolist() == expected.tolist()

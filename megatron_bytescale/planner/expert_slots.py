@@ -67,13 +67,18 @@ EMPTY = micro_batch(())  # an empty slot: the rank runs one padding token throug
 
 def ep_groups(num_ranks: int, expert_parallel: int) -> list[tuple[int, ...]]:
     """HDP ranks of each EP group: blocks of ``expert_parallel`` consecutive ranks."""
+    check_expert_parallel(num_ranks, expert_parallel)
+    e = expert_parallel
+    return [tuple(range(g * e, (g + 1) * e)) for g in range(num_ranks // e)]
+
+
+def check_expert_parallel(num_ranks: int, expert_parallel: int) -> None:
+    """An error unless EP groups of ``expert_parallel`` ranks tile the HDP ranks."""
     if expert_parallel < 1 or num_ranks % expert_parallel:
         raise ConfigError(
             f"expert-parallel size {expert_parallel} does not divide the {num_ranks} HDP ranks; choose "
             "--expert-model-parallel-size dividing world size / (TP x PP)"
         )
-    e = expert_parallel
-    return [tuple(range(g * e, (g + 1) * e)) for g in range(num_ranks // e)]
 
 
 def align_expert_slots(plan: Plan, expert_parallel: int) -> Plan:

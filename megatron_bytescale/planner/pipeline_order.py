@@ -46,7 +46,7 @@ FORWARD, BACKWARD = 0, 1
 LOOKAHEAD = 16  # rings of the schedule tried for the next slot before local work moves between ranks
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: ~6 x 10^4 a step at 16K ranks, built and read fast
 class LocalBatch:
     """A micro-batch of whole sequences on one rank (whichever rank it ends up on)."""
 

@@ -40,7 +40,7 @@ from ..errors import ConfigError, PlanError
 from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
-from .expert_slots import GroupPlacer, align_expert_slots, ep_groups, round_rings_to_groups, slot_finish_times
+from .expert_slots import GroupPlacer, align_expert_slots, check_expert_parallel, round_rings_to_groups, slot_finish_times
 from .offload_policy import host_capacity
 from .pipeline_order import Item, LocalBatch, Ordered, encode_stage_orders, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
@@ -81,7 +81,7 @@ class PlannerConfig:
         whole("ranks_per_node", self.ranks_per_node, 1, "; pass the HDP ranks per node (GPUs per node / TP)")
         whole("pipeline_stages", self.pipeline_stages, 1)
         whole("expert_parallel", self.expert_parallel, 1, "; pass --expert-model-parallel-size")
-        ep_groups(self.num_ranks, self.expert_parallel)
+        check_expert_parallel(self.num_ranks, self.expert_parallel)
         if self.expert_parallel > 1 and self.pipeline_stages > 1:
             raise ConfigError(
                 f"expert parallelism (EP {self.expert_parallel}) with {self.pipeline_stages} pipeline stages is not "

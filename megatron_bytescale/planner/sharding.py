@@ -118,6 +118,18 @@ def _ragged(todo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return lengths, sizes, counts
 
 
+def _multiples(todo, counts: np.ndarray, u: int, above: int) -> np.ndarray:
+    """Where ``_ragged(todo)``'s sizes are multiples of ``u`` larger than ``above``, ascending:
+    ``flatnonzero((sizes % u == 0) & (sizes > above))`` from each run's first such size on,
+    every ``u``-th entry (no modulo over all ~10^6 entries)."""
+    lo = np.array([a for _, (a, _) in todo], dtype=np.int64)
+    hi = lo + counts - 1
+    first = (np.maximum(lo, above + 1) + (u - 1)) // u * u
+    n = np.maximum(hi // u - first // u + 1, 0)
+    start = np.repeat(np.cumsum(counts) - counts + (first - lo), n)
+    return start + u * (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+
+
 class RingSizer:
     """Ring size and time for each long sequence, for a given target time (cached by length)."""
 
@@ -206,7 +218,7 @@ class RingSizer:
         best = np.full(sizes.size, np.inf)
         best_u = np.zeros(sizes.size, dtype=np.int64)
         for u in self.two_level:
-            at = np.flatnonzero((sizes % u == 0) & (sizes > self.ranks_per_node))
+            at = _multiples(todo, counts, u, self.ranks_per_node)
             t = two_level.share_times(self.cost, lengths[at], sizes[at], u, self.ranks_per_node)
             won = t < best[at]
             best[at[won]] = t[won]
