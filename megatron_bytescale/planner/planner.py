@@ -496,12 +496,17 @@ def _build(lens, units: list[Unit], members: dict[int, tuple[int, ...]], runs: l
         pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring, heads_split=split)))
     ranges_of: dict[int, tuple] = {}  # shared by the whole pieces of one length
     ranks = []
+    new = object.__new__  # ``micro_batch`` inlined for the ~5 x 10^4 local micro-batches
     for rank, items in enumerate(runs):
         mbs = []
         one = (rank,)
         for x in items:
-            if isinstance(x, LocalBatch):
-                mbs.append(micro_batch(whole_pieces(x.seq_ids, lens, one, ranges_of), x.ratio))
+            if type(x) is LocalBatch:
+                mb = new(MicroBatch)
+                d = mb.__dict__
+                d["pieces"] = whole_pieces(x.seq_ids, lens, one, ranges_of)
+                d["offload_ratio"] = x.ratio
+                mbs.append(mb)
                 continue
             unit = units[x]
             piece = pieces_of[x][rank]
