@@ -2,7 +2,6 @@
 file's round trip through CostModel.from_profile, P2P on two ranks, and the GPU offload
 check's shared logic run on CPU."""
 
-import importlib.util
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -21,7 +20,7 @@ from megatron_bytescale.runtime.offload import ActivationOffloader
 from megatron_bytescale.tools import offload_bench, profiler
 from megatron_bytescale.tools.layer_stack import LayerStack
 
-REPO = Path(__file__).resolve().parents[1]
+from gpu_scripts import load_gpu_script
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -232,9 +231,7 @@ def test_layers_that_fit():
 
 
 def test_gpu_check_script_is_importable_and_refuses_without_a_gpu(capsys):
-    spec = importlib.util.spec_from_file_location("check_offload", REPO / "scripts/gpu/check_offload.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_gpu_script("check_offload")
     args = module.parse_args(["--tokens", "4K,16K"])
     assert args.model == "llama-7b" and args.keep_last == 2
     if not torch.cuda.is_available():

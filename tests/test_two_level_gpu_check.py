@@ -1,17 +1,12 @@
 """The two-level GPU check script imports, and its logic runs in its CPU smoke mode."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "check_two_level_attention.py"
+from gpu_scripts import load_gpu_script
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("check_two_level_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_gpu_script("check_two_level_attention")
 
 
 def test_smoke_run_is_exact_and_writes_figures(tmp_path):

@@ -193,16 +193,45 @@ def speed(token_counts, ring_sizes, hq, hkv, d, dtype, device, backend_name, rep
     return records
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every attention GPU check takes besides its own sizes."""
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (fp32, torch backend)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536, 131072])
-    parser.add_argument("--rings", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the figures here")
+
+
+def cuda_with_flash(heads: int, head_dim: int):
+    """(device, dtype) for the full check: CUDA in bf16 with a usable flash kernel, or None
+    after saying on stderr why not."""
+    if not torch.cuda.is_available():
+        print("no CUDA device; run with --smoke for the CPU dry run", file=sys.stderr)
+        return None
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    if flash_kernel(torch.zeros(1, heads, head_dim, device=device, dtype=dtype)) is None:
+        print("no usable flash kernel (flash-attn or torch's built-in FA2) for this GPU/dtype", file=sys.stderr)
+        return None
+    return device, dtype
+
+
+def print_device(device, dtype) -> None:
+    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}, {dtype}")
+
+
+def write_figures(path: str | None, device, dtype, args, acc: list[dict], spd: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": str(device), "torch": torch.__version__, "dtype": str(dtype),
+                       "heads": [args.heads, args.kv_heads, args.head_dim], "accuracy": acc, "speed": spd}, f, indent=1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536, 131072])
+    parser.add_argument("--rings", type=int, nargs="+", default=[2, 4, 8])
+    add_common_arguments(parser)
     args = parser.parse_args(argv)
 
     if args.smoke:
@@ -210,27 +239,19 @@ def main(argv=None) -> int:
         args.tokens, args.rings, args.heads, args.kv_heads, args.head_dim, args.repeats = [96], [2, 4], 4, 2, 8, 1
         acc_heads = (4, 2, 8)
     else:
-        if not torch.cuda.is_available():
-            print("no CUDA device; run with --smoke for the CPU dry run", file=sys.stderr)
+        found = cuda_with_flash(args.heads, args.head_dim)
+        if found is None:
             return 2
-        device, dtype, cases, speed_backend = torch.device("cuda"), torch.bfloat16, ACCURACY_CASES, "flash"
-        probe = torch.zeros(1, args.heads, args.head_dim, device=device, dtype=dtype)
-        if flash_kernel(probe) is None:
-            print("no usable flash kernel (flash-attn or torch's built-in FA2) for this GPU/dtype", file=sys.stderr)
-            return 2
-        backends = ["flash", "torch"]
+        (device, dtype), cases, speed_backend, backends = found, ACCURACY_CASES, "flash", ["flash", "torch"]
         acc_heads = (8, 2, 128)
-    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}, {dtype}")
+    print_device(device, dtype)
     if device.type == "cuda":
         print(f"flash kernel: {type(flash_kernel(torch.zeros(1, 8, 128, device=device, dtype=dtype))).__name__}")
 
     acc = accuracy(cases, *acc_heads, dtype, device, backends)
     spd = speed(args.tokens, args.rings, args.heads, args.kv_heads, args.head_dim, dtype, device, speed_backend, args.repeats)
     bad = [r for r in acc if not all(math.isfinite(v) for v in r["ring_err"].values())]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": str(device), "torch": torch.__version__, "dtype": str(dtype),
-                       "heads": [args.heads, args.kv_heads, args.head_dim], "accuracy": acc, "speed": spd}, f, indent=1)
+    write_figures(args.json, device, dtype, args, acc, spd)
     return 1 if bad else 0
 
 

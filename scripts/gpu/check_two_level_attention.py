@@ -27,7 +27,6 @@ Run from the repository root on a machine with a GPU (about 3-5 minutes on one H
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -39,16 +38,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_ring_attention import (
     Sequences,
+    add_common_arguments,
+    cuda_with_flash,
     max_errors,
     oracle,
     prepare,
+    print_device,
     run_fused,
     run_ring,
     timed,
+    write_figures,
 )
 
 from megatron_bytescale.planner.plan import MicroBatch, ring_pieces, whole_piece
-from megatron_bytescale.runtime.attention_ops import flash_kernel, get_backend
+from megatron_bytescale.runtime.attention_ops import get_backend
 from megatron_bytescale.runtime.group_exchange import LocalGroup, SelfRing
 from megatron_bytescale.runtime.ring_comm import LocalRing
 from megatron_bytescale.runtime.two_level_attention import two_level_with
@@ -165,15 +168,10 @@ def speed(token_counts, ring_size, splits, hq, hkv, d, dtype, device, backend_na
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (fp32, torch backend)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[65536, 131072])
     parser.add_argument("--ring", type=int, default=8)
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", help="write the figures here")
+    add_common_arguments(parser)
     args = parser.parse_args(argv)
 
     if args.smoke:
@@ -181,27 +179,19 @@ def main(argv=None) -> int:
         args.tokens, args.ring, args.splits, args.heads, args.kv_heads, args.head_dim, args.repeats = [96], 4, [1, 2, 4], 8, 4, 8, 1
         acc_heads = (8, 4, 8)
     else:
-        if not torch.cuda.is_available():
-            print("no CUDA device; run with --smoke for the CPU dry run", file=sys.stderr)
+        found = cuda_with_flash(args.heads, args.head_dim)
+        if found is None:
             return 2
-        device, dtype, cases, speed_backend = torch.device("cuda"), torch.bfloat16, ACCURACY_CASES, "flash"
-        probe = torch.zeros(1, args.heads, args.head_dim, device=device, dtype=dtype)
-        if flash_kernel(probe) is None:
-            print("no usable flash kernel (flash-attn or torch's built-in FA2) for this GPU/dtype", file=sys.stderr)
-            return 2
-        backends = ["flash", "torch"]
+        (device, dtype), cases, speed_backend, backends = found, ACCURACY_CASES, "flash", ["flash", "torch"]
         acc_heads = (8, 2, 128)
-    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}, {dtype}")
+    print_device(device, dtype)
 
     acc = accuracy(cases, *acc_heads, dtype, device, backends)
     spd = speed(args.tokens, args.ring, args.splits, args.heads, args.kv_heads, args.head_dim, dtype, device,
                 speed_backend, args.repeats)
     bad = [r for r in acc if not all(math.isfinite(v) for key in ("two_level_err", "two_level_bf16_dkv_err")
                                      for v in r[key].values())]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": str(device), "torch": torch.__version__, "dtype": str(dtype),
-                       "heads": [args.heads, args.kv_heads, args.head_dim], "accuracy": acc, "speed": spd}, f, indent=1)
+    write_figures(args.json, device, dtype, args, acc, spd)
     return 1 if bad else 0
 
 
