@@ -31,3 +31,22 @@ def step_batch(plan, hdp: int):
     from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
 
     return StepBatch(plan, hdp, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(hdp)])
+
+
+def run_plan(plan_json: str, model, group, **kwargs):
+    """This rank's part of a JSON plan, run through the HDP step (``local_run.run_step``)."""
+    from megatron.core import parallel_state
+
+    from megatron_bytescale.megatron import local_run
+    from megatron_bytescale.planner.plan import Plan
+
+    step = step_batch(Plan.from_json(plan_json), parallel_state.get_data_parallel_rank())
+    return local_run.run_step(step, model, group, **kwargs)
+
+
+def shard_info(model) -> dict[str, tuple]:
+    """How each parameter is cut over TP: (tensor-parallel?, partition dim, partition stride)."""
+    return {
+        n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1), getattr(p, "partition_stride", 1))
+        for n, p in model.named_parameters()
+    }

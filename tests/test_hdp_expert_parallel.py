@@ -14,7 +14,7 @@ from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.expert_slots import align_expert_slots
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
-from hdp_helpers import step_batch
+from hdp_helpers import run_plan
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -65,10 +65,7 @@ def _step(rank, world, plan_json, ep):
             if "layernorm" not in name:
                 gen = torch.Generator().manual_seed(zlib.crc32(global_name(name, ep_rank, local).encode()))
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    hdp = parallel_state.get_data_parallel_rank()
-    plan = Plan.from_json(plan_json)
-    step = step_batch(plan, hdp)
-    result = local_run.run_step(step, model, group)
+    result = run_plan(plan_json, model, group)
     out = {
         "loss": result.loss,
         "tokens": result.global_tokens,

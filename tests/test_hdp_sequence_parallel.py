@@ -12,7 +12,7 @@ from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.runtime.padding import padding_for
 
-from hdp_helpers import grads_of, shard_like, step_batch
+from hdp_helpers import grads_of, run_plan, shard_info, shard_like
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -42,10 +42,7 @@ def _step(rank, world, plan_json, tp, sequence_parallel):
     from megatron_bytescale.megatron import local_run
 
     model, group = local_run.setup_model("tiny", tp=tp, seed=SEED, sequence_parallel=sequence_parallel)
-    hdp = parallel_state.get_data_parallel_rank()
-    plan = Plan.from_json(plan_json)
-    step = step_batch(plan, hdp)
-    result = local_run.run_step(step, model, group)
+    result = run_plan(plan_json, model, group)
     out = {
         "loss": result.loss,
         "tokens": result.global_tokens,
@@ -53,10 +50,7 @@ def _step(rank, world, plan_json, tp, sequence_parallel):
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
         "sp_weights": sum(bool(getattr(p, "sequence_parallel", False)) for p in model.parameters()),
         "grads": grads_of(model),
-        "shard_info": {
-            n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1), getattr(p, "partition_stride", 1))
-            for n, p in model.named_parameters()
-        },
+        "shard_info": shard_info(model),
     }
     local_run.teardown()
     return out

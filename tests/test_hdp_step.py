@@ -12,7 +12,7 @@ import pytest
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
-from hdp_helpers import grads_of, read_tokens, shard_like, step_batch
+from hdp_helpers import grads_of, read_tokens, run_plan, shard_info, shard_like
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -54,10 +54,7 @@ def _step(rank, world, plan_json, tp=1):
     from megatron_bytescale.megatron import local_run
 
     model, group = local_run.setup_model("tiny", tp=tp, seed=SEED)
-    hdp = parallel_state.get_data_parallel_rank()
-    plan = Plan.from_json(plan_json)
-    step = step_batch(plan, hdp)
-    result = local_run.run_step(step, model, group)
+    result = run_plan(plan_json, model, group)
     out = {
         "loss": result.loss,
         "tokens": result.global_tokens,
@@ -65,10 +62,7 @@ def _step(rank, world, plan_json, tp=1):
         "mbs": result.stats.micro_batches,
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
         "grads": grads_of(model),
-        "shard_info": {
-            n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1), getattr(p, "partition_stride", 1))
-            for n, p in model.named_parameters()
-        },
+        "shard_info": shard_info(model),
     }
     local_run.teardown()
     return out
