@@ -1,6 +1,8 @@
 """Shared fixtures for the planner tests: small cost models whose rings and offloading show
 up at a few hundred tokens, so property tests stay fast."""
 
+from hypothesis import strategies as st
+
 from megatron_bytescale.planner.cost_model import CostModel
 
 
@@ -23,3 +25,14 @@ def small_cost(bw_offload: float = 1e12, num_layers: int = 6, **changes) -> Cost
     )
     base.update(changes)
     return CostModel(**base)
+
+
+def draw_lengths(draw, capacity: int, num_ranks: int, max_short: int, max_long: int, min_long: int = 0,
+                 shuffle: bool = False) -> list[int]:
+    """A batch for a property test: short sequences (one rank holds each) and, when there is
+    more than one rank, long ones that need a ring; ``[capacity]`` if both come out empty."""
+    short = draw(st.lists(st.integers(1, capacity), max_size=max_short))
+    long = (draw(st.lists(st.integers(capacity + 1, capacity * num_ranks), min_size=min_long, max_size=max_long))
+            if num_ranks > 1 else [])
+    lens = draw(st.permutations(short + long)) if shuffle else short + long
+    return lens or [capacity]

@@ -14,7 +14,7 @@ from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
 
-from planner_cases import small_cost
+from planner_cases import draw_lengths, small_cost
 
 
 @st.composite
@@ -22,9 +22,7 @@ def cases(draw):
     ep = draw(st.sampled_from([2, 4]))
     num_ranks = ep * draw(st.integers(1, 4))
     capacity = draw(st.integers(8, 120))
-    short = draw(st.lists(st.integers(1, capacity), max_size=30))
-    long = draw(st.lists(st.integers(capacity + 1, capacity * num_ranks), max_size=4))
-    lens = short + long or [capacity]
+    lens = draw_lengths(draw, capacity, num_ranks, max_short=30, max_long=4)
     config = PlannerConfig(
         num_ranks=num_ranks, capacity=capacity, ranks_per_node=draw(st.sampled_from([1, 2, 4])) if num_ranks % 4 == 0 else 1,
         balance=draw(st.sampled_from(["none", "dp", "pp"])), offload=draw(st.booleans()), expert_parallel=ep,

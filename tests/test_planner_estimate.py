@@ -11,7 +11,7 @@ from megatron_bytescale.planner.sharding import ring_times
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import simulate
 
-from planner_cases import small_cost
+from planner_cases import draw_lengths, small_cost
 
 
 @st.composite
@@ -19,9 +19,7 @@ def small_plans(draw, balances=("none", "dp", "pp")):
     rpn = draw(st.sampled_from([1, 2, 3, 4]))
     num_ranks = rpn * draw(st.integers(1, 3))
     capacity = draw(st.integers(20, 200))
-    short = draw(st.lists(st.integers(1, capacity), max_size=25))
-    long = draw(st.lists(st.integers(capacity + 1, capacity * num_ranks), min_size=1, max_size=3)) if num_ranks > 1 else []
-    lens = short + long or [capacity]
+    lens = draw_lengths(draw, capacity, num_ranks, max_short=25, max_long=3, min_long=1)
     config = PlannerConfig(
         num_ranks=num_ranks,
         capacity=capacity,

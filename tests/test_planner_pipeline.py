@@ -15,7 +15,7 @@ from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import ring_key, simulate
 
-from planner_cases import small_cost
+from planner_cases import draw_lengths, small_cost
 
 
 def slot_offsets(runs_keys) -> dict[int, int] | None:
@@ -62,9 +62,7 @@ def pipeline_cases(draw):
     rpn = draw(st.sampled_from([1, 2, 4]))
     num_ranks = rpn * draw(st.integers(1, 3))
     capacity = draw(st.integers(8, 200))
-    short = draw(st.lists(st.integers(1, capacity), max_size=30))
-    long = draw(st.lists(st.integers(capacity + 1, capacity * num_ranks), max_size=5)) if num_ranks > 1 else []
-    lens = draw(st.permutations(short + long)) or [capacity]
+    lens = draw_lengths(draw, capacity, num_ranks, max_short=30, max_long=5, shuffle=True)
     config = PlannerConfig(
         num_ranks=num_ranks,
         capacity=capacity,

@@ -24,7 +24,7 @@ from megatron_bytescale.planner.stage_schedule import stage_schedule
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import simulate
 
-from planner_cases import small_cost
+from planner_cases import draw_lengths, small_cost
 
 
 def peak_in_flight(orders) -> int:
@@ -127,9 +127,7 @@ def planner_cases(draw):
     rpn = draw(st.sampled_from([1, 2]))
     num_ranks = rpn * draw(st.integers(1, 3))
     capacity = draw(st.integers(8, 120))
-    short = draw(st.lists(st.integers(1, capacity), max_size=24))
-    long = draw(st.lists(st.integers(capacity + 1, capacity * num_ranks), max_size=3)) if num_ranks > 1 else []
-    lens = draw(st.permutations(short + long)) or [capacity]
+    lens = draw_lengths(draw, capacity, num_ranks, max_short=24, max_long=3, shuffle=True)
     config = PlannerConfig(
         num_ranks=num_ranks,
         capacity=capacity,
