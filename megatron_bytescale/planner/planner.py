@@ -150,9 +150,11 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     config.check()
     lens = check_lengths(seq_lens)
     balanced = config.balance != "none"
-    placer = RingPlacer(config.num_ranks, config.ranks_per_node)
-    if config.expert_parallel > 1:  # rings on whole EP groups (expert_slots.py)
-        placer = GroupPlacer(config.num_ranks, config.ranks_per_node, config.expert_parallel)
+    placer = (  # under EP rings go on whole EP groups (expert_slots.py)
+        GroupPlacer(config.num_ranks, config.ranks_per_node, config.expert_parallel)
+        if config.expert_parallel > 1
+        else RingPlacer(config.num_ranks, config.ranks_per_node)
+    )
     # pinned host memory per GPU, shared by the micro-batches a 1F1B stage holds in flight
     host = host_capacity(cost, config.pipeline_stages)
     # The target is a bound, not a promise: rigid rings with little short work to fill the
