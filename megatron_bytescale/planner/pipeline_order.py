@@ -33,8 +33,10 @@ otherwise: a member waits in a forward for a partner that waits in a backward).
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import accumulate
 
 import numpy as np
@@ -515,18 +517,93 @@ def one_f_one_b(count: int, stages: int, stage: int) -> list[tuple[int, int]]:
     return order
 
 
-def _one_f_one_b_graph(ring_keys: Sequence[Sequence[object | None]], stages: int, orders=None):
+def interleaved_order(count: int, stages: int, stage: int, chunks: int) -> list[tuple[int, int, int]]:
+    """(direction, micro-batch, chunk) in interleaved 1F1B order on device ``stage`` of a
+    pipeline of ``stages`` devices holding ``chunks`` model chunks each (virtual pipeline
+    stages, Megatron's interleaved layout); ``interleaved_orders`` says how it is made.
+    ``chunks == 1`` is ``one_f_one_b``'s order."""
+    if chunks == 1:
+        return [(d, m, 0) for d, m in one_f_one_b(count, stages, stage)]
+    return list(_interleaved_orders(count, stages, chunks)[stage])
+
+
+@lru_cache(maxsize=256)
+def _interleaved_orders(count: int, stages: int, chunks: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """Every device's interleaved order for ``count`` micro-batches, found by running the
+    pipeline: forwards in groups of ``stages`` micro-batches, each group chunk by chunk (the
+    order Megatron's interleaved schedule uses), backwards in the same order with the chunks
+    reversed; a device runs a ready backward first, else its next forward while it holds fewer
+    chunk forwards than Megatron's warm-up allows (``2 (stages - 1 - device) + (chunks - 1)
+    stages + 1``). Every device runs its forwards (backwards) in one fixed sequence, so two
+    devices agree on the order of the messages between them; and the orders are those of a
+    run that completed, so they cannot deadlock, whatever ``count`` is (Megatron's fixed
+    warm-up counts deadlock when ``count`` is not a multiple of ``stages``). Forwards last 1,
+    backwards 2."""
+    p, v = stages, chunks
+    forwards, backwards = [], []
+    for g in range(0, count, p):
+        group = range(g, min(g + p, count))
+        forwards.extend((m, c) for c in range(v) for m in group)
+        backwards.extend((m, c) for c in reversed(range(v)) for m in group)
+    last = p * v - 1
+    done: dict[tuple[int, int, int], float] = {}  # (direction, micro-batch, virtual stage) -> end
+    nf, nb = [0] * p, [0] * p  # next forward / backward per device
+    free = [0.0] * p
+    orders: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
+    cap = [2 * (p - 1 - d) + (v - 1) * p + 1 for d in range(p)]
+    for _ in range(2 * len(forwards) * p):
+        best = None
+        for d in range(p):
+            cands = []
+            if nb[d] < len(backwards):
+                m, c = backwards[nb[d]]
+                vs = c * p + d
+                need = (FORWARD, m, vs) if vs == last else (BACKWARD, m, vs + 1)
+                if need in done:
+                    cands.append((max(free[d], done[need]), 0, BACKWARD, m, c, vs))
+            if nf[d] < len(forwards) and nf[d] - nb[d] < cap[d]:
+                m, c = forwards[nf[d]]
+                vs = c * p + d
+                if vs == 0 or (FORWARD, m, vs - 1) in done:
+                    cands.append((max(free[d], done.get((FORWARD, m, vs - 1), 0.0)), 1, FORWARD, m, c, vs))
+            for cand in cands:
+                if best is None or cand[:2] < best[0][:2]:
+                    best = (cand, d)
+        if best is None:
+            break
+        (start, _, direction, m, c, vs), d = best
+        end = start + (1.0 if direction == FORWARD else 2.0)
+        done[direction, m, vs] = free[d] = end
+        orders[d].append((direction, m, c))
+        if direction == FORWARD:
+            nf[d] += 1
+        else:
+            nb[d] += 1
+    if any(len(o) != 2 * len(forwards) for o in orders):  # cannot happen: the caps admit every warm-up
+        raise AssertionError(f"interleaved order for {count} micro-batches over {p} x {v} stages did not complete")
+    return tuple(tuple(o) for o in orders)
+
+
+def _op_triples(order) -> list[tuple[int, int, int]]:
+    """An order's entries as (direction, micro-batch, chunk); (direction, micro-batch) pairs are chunk 0."""
+    return [op if len(op) == 3 else (op[0], op[1], 0) for op in order]
+
+
+def _one_f_one_b_graph(ring_keys: Sequence[Sequence[object | None]], stages: int, orders=None, chunks: int = 1):
     """The operations of every rank's 1F1B (or ``orders[r][stage]``: (direction,
-    micro-batch) per stage, e.g. ``Plan.stage_orders``) over ``stages`` stages and what each waits for:
-    the previous operation of its stage, the previous stage's forward (the next stage's
-    backward) of the same micro-batch. A ring micro-batch's operation on a stage is one node
-    shared by its members. Returns (succ, indeg, chains, owners): ``chains`` per (rank, stage)
-    lists (node, direction, micro-batch); ``owners[node]``: its (rank, micro-batch, direction)
-    for every member."""
+    micro-batch[, chunk]) per device, e.g. ``Plan.stage_orders``) over ``stages`` devices of
+    ``chunks`` model chunks each, and what each waits for: the previous operation of its
+    device, the previous virtual stage's forward (the next one's backward) of the same
+    micro-batch. Virtual stage ``chunk * stages + device`` runs the ``chunk``-th block of layers
+    held by ``device`` (Megatron's interleaved layout; ``chunks == 1``: plain stages). A ring
+    micro-batch's operation on a virtual stage is one node shared by its members. Returns
+    (succ, indeg, chains, owners): ``chains`` per (rank, device) lists (node, direction,
+    micro-batch); ``owners[node]``: its (rank, micro-batch, direction) for every member."""
     node_of: dict[tuple, int] = {}
     succ: list[list[int]] = []
     indeg: list[int] = []
     owners: list[list[tuple[int, int, int]]] = []
+    last = stages * chunks - 1  # the last virtual stage
 
     def node(key) -> int:
         v = node_of.get(key)
@@ -541,25 +618,30 @@ def _one_f_one_b_graph(ring_keys: Sequence[Sequence[object | None]], stages: int
         succ[a].append(b)
         indeg[b] += 1
 
-    chains = []  # per rank and stage: (node, direction, micro-batch) in 1F1B order
+    chains = []  # per rank and device: (node, direction, micro-batch) in run order
     for r, keys in enumerate(ring_keys):
 
-        def op(stage: int, direction: int, m: int) -> int:
+        def op(vs: int, direction: int, m: int) -> int:
             k = keys[m]
-            return node(("local", r, m, stage, direction) if k is None else ("ring", k, stage, direction))
+            return node(("local", r, m, vs, direction) if k is None else ("ring", k, vs, direction))
 
         for stage in range(stages):
             prev = None
             chain = []
-            for direction, m in one_f_one_b(len(keys), stages, stage) if orders is None else orders[r][stage]:
-                v = op(stage, direction, m)
+            if orders is None:
+                steps = interleaved_order(len(keys), stages, stage, chunks)
+            else:
+                steps = _op_triples(orders[r][stage])
+            for direction, m, c in steps:
+                vs = c * stages + stage
+                v = op(vs, direction, m)
                 owners[v].append((r, m, direction))
                 if prev is not None:
                     edge(prev, v)
-                if direction == FORWARD and stage > 0:
-                    edge(op(stage - 1, FORWARD, m), v)
+                if direction == FORWARD and vs > 0:
+                    edge(op(vs - 1, FORWARD, m), v)
                 elif direction == BACKWARD:
-                    edge(op(stage + 1, BACKWARD, m) if stage < stages - 1 else op(stage, FORWARD, m), v)
+                    edge(op(vs + 1, BACKWARD, m) if vs < last else op(vs, FORWARD, m), v)
                 prev = v
                 chain.append((v, direction, m))
             chains.append((r, stage, chain))
@@ -587,12 +669,15 @@ def longest_paths(succ: Sequence[Sequence[int]], indeg: list[int], duration: Seq
     return end if done == len(succ) else None
 
 
-def find_pipeline_deadlock(ring_keys: Sequence[Sequence[object | None]], stages: int, orders=None) -> str | None:
-    """None if ranks running 1F1B (or ``orders``: per rank and stage, (direction,
-    micro-batch) in run order) over ``stages`` stages always make progress, else a
-    description of where they get stuck. ``ring_keys[r][m]``: the ring micro-batch that rank
-    ``r``'s micro-batch ``m`` belongs to (shared by its members), or None for local work."""
-    succ, indeg, chains, _ = _one_f_one_b_graph(ring_keys, stages, orders)
+def find_pipeline_deadlock(
+    ring_keys: Sequence[Sequence[object | None]], stages: int, orders=None, chunks: int = 1
+) -> str | None:
+    """None if ranks running 1F1B (or ``orders``: per rank and device, (direction,
+    micro-batch[, chunk]) in run order) over ``stages`` devices of ``chunks`` model chunks
+    always make progress, else a description of where they get stuck. ``ring_keys[r][m]``:
+    the ring micro-batch that rank ``r``'s micro-batch ``m`` belongs to (shared by its
+    members), or None for local work."""
+    succ, indeg, chains, _ = _one_f_one_b_graph(ring_keys, stages, orders, chunks)
     if longest_paths(succ, indeg, [0.0] * len(succ)) is not None:
         return None
     stuck = []
@@ -610,15 +695,17 @@ def pipelined_finish_times(
     stages: int,
     forward_share: float = FORWARD_SHARE,
     orders=None,
+    chunks: int = 1,
 ) -> list[float] | None:
     """Estimated finish per rank when every rank runs 1F1B (or ``orders``) over ``stages``
-    equal stages and a ring micro-batch's operation on a stage starts once all its members
-    are ready for it (then lasts its slowest member's time): the longest path through the
-    graph, each forward ``forward_share`` (``CostModel.forward_share``) of the micro-batch's
-    ``times[r][m]``. None if it deadlocks."""
-    succ, indeg, _, owners = _one_f_one_b_graph(ring_keys, stages, orders)
-    fs = forward_share
-    duration = [max((fs if d == FORWARD else 1.0 - fs) * times[r][m] for r, m, d in own) for own in owners]
+    equal stages (of ``chunks`` equal model chunks each) and a ring micro-batch's operation on
+    a stage starts once all its members are ready for it (then lasts its slowest member's
+    time): the longest path through the graph, each forward ``forward_share``
+    (``CostModel.forward_share``) of the micro-batch's ``times[r][m]`` / ``chunks``. None if it
+    deadlocks."""
+    succ, indeg, _, owners = _one_f_one_b_graph(ring_keys, stages, orders, chunks)
+    fs, share = forward_share, 1.0 / chunks
+    duration = [max((fs if d == FORWARD else 1.0 - fs) * share * times[r][m] for r, m, d in own) for own in owners]
     end = longest_paths(succ, indeg, duration)
     if end is None:
         return None
@@ -643,31 +730,78 @@ def plan_pipeline_deadlock(plan, stages: int) -> str | None:
     orders = plan.decoded_stage_orders()
     if orders is not None and plan.stage_count != stages:
         return f"the plan orders {plan.stage_count} pipeline stages but the pipeline has {stages}"
-    if stages <= 1:
+    if stages <= 1 and plan.virtual_stages <= 1:
         return None
-    return find_pipeline_deadlock(plan_ring_keys(plan), stages, orders)
+    return find_pipeline_deadlock(plan_ring_keys(plan), stages, orders, plan.virtual_stages)
 
 
-def crossing_order_mismatch(stage_orders: Sequence[Sequence[tuple[int, int]]]) -> str | None:
-    """None if consecutive stages of one pipeline agree on the order in which micro-batches
-    cross between them, else where they differ. Activations go down and their gradients up
-    in posting order (NCCL matches point-to-point messages in order), so stage ``k + 1`` must
-    run its forwards in stage ``k``'s order of forwards, and stage ``k`` its backwards in
-    stage ``k + 1``'s order of backwards. ``stage_orders``: (direction, micro-batch) per stage."""
-    for k in range(len(stage_orders) - 1):
-        for direction, name in ((FORWARD, "forwards"), (BACKWARD, "backwards")):
-            a = [m for d, m in stage_orders[k] if d == direction]
-            b = [m for d, m in stage_orders[k + 1] if d == direction]
-            if a != b:
-                return f"stages {k} and {k + 1} run their {name} in different orders ({a} vs {b})"
+def crossing_order_mismatch(stage_orders: Sequence[Sequence[tuple]], chunks: int = 1) -> str | None:
+    """None if the devices of one pipeline agree on the order of the messages between them,
+    else where they differ. Activations go to the next virtual stage and their gradients back
+    in posting order (NCCL matches point-to-point messages between two ranks of one
+    communicator in order; the runtime sends activations and gradients on two, so each
+    direction is its own stream), so for every ordered pair of devices and direction, the
+    sender's sends and the receiver's receives must list the same (micro-batch, virtual stage)
+    in the same order.
+    Without chunks this is: stage ``k + 1`` runs its forwards in stage ``k``'s order of
+    forwards, stage ``k`` its backwards in stage ``k + 1``'s order. ``stage_orders``: per
+    device, (direction, micro-batch[, chunk]) in run order."""
+    p = len(stage_orders)
+    last = p * chunks - 1
+    sent: dict[tuple[int, int], list] = defaultdict(list)
+    received: dict[tuple[int, int], list] = defaultdict(list)
+    for d, order in enumerate(stage_orders):
+        for direction, m, c in _op_triples(order):
+            vs = c * p + d
+            step = 1 if direction == FORWARD else -1
+            if 0 <= vs + step <= last:  # sends to the next virtual stage (the previous one, backward)
+                sent[d, (vs + step) % p, direction].append((direction, m, vs + step))
+            if 0 <= vs - step <= last:  # received from the previous virtual stage (the next one)
+                received[(vs - step) % p, d, direction].append((direction, m, vs))
+    for pair in sorted(set(sent) | set(received)):
+        a, b = sent.get(pair, []), received.get(pair, [])
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+            def name(msgs):
+                if i >= len(msgs):
+                    return "nothing"
+                d, m, vs = msgs[i]
+                kind = "forward" if d == FORWARD else "backward"
+                return f"the {kind} of micro-batch {m}" + (f" at virtual stage {vs}" if chunks > 1 else "")
+
+            if chunks == 1:
+                k = min(pair[:2])
+                kind = "forwards" if pair[2] == FORWARD else "backwards"
+                ma = [m for _, m, _ in a]
+                mb = [m for _, m, _ in b]
+                return f"stages {k} and {k + 1} run their {kind} in different orders ({ma} vs {mb})"
+            return (
+                f"device {pair[0]} sends {name(a)} as its {i}-th message of that direction to device "
+                f"{pair[1]}, which expects {name(b)}"
+            )
     return None
 
 
-def encode_stage_orders(orders) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """``Plan.stage_orders`` from (direction, micro-batch) lists per rank and stage: ``m``
-    for the forward of micro-batch ``m``, ``-1 - m`` for its backward."""
-    return tuple(tuple(tuple(m if d == FORWARD else -1 - m for d, m in stage) for stage in rank) for rank in orders)
+def encode_stage_orders(orders, chunks: int = 1) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """``Plan.stage_orders`` from (direction, micro-batch[, chunk]) lists per rank and device:
+    ``m * chunks + c`` for the forward of micro-batch ``m``'s chunk ``c``, ``-1 - (m * chunks + c)``
+    for its backward (``chunks == 1``: ``m`` and ``-1 - m``)."""
+    return tuple(
+        tuple(tuple(m * chunks + c if d == FORWARD else -1 - (m * chunks + c) for d, m, c in _op_triples(stage)) for stage in rank)
+        for rank in orders
+    )
 
 
 def decode_stage_order(codes: Sequence[int]) -> list[tuple[int, int]]:
+    """(direction, micro-batch) from one device's codes of a plan without chunks."""
     return [(FORWARD, c) if c >= 0 else (BACKWARD, -1 - c) for c in codes]
+
+
+def decode_chunk_order(codes: Sequence[int], chunks: int) -> list[tuple[int, int, int]]:
+    """(direction, micro-batch, chunk) from one device's codes (``encode_stage_orders``)."""
+    out = []
+    for code in codes:
+        direction, x = (FORWARD, code) if code >= 0 else (BACKWARD, -1 - code)
+        out.append((direction, *divmod(x, chunks)))
+    return out

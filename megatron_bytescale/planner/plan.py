@@ -109,9 +109,11 @@ class Plan:
     # layers recomputed whole (--recompute-granularity full): they keep no activations, so
     # capacity and offloading concern the other num_layers - recomputed_layers
     recomputed_layers: int = 0
-    # per rank, per pipeline stage: the stage's operations in run order, ``m`` for the forward
-    # of micro-batch ``m`` and ``-1 - m`` for its backward (``pipeline_order.encode_stage_orders``);
-    # None: every stage runs 1F1B (``pipeline_order.one_f_one_b``)
+    # per rank, per pipeline stage (device): its operations in run order, ``m * V + c`` for the
+    # forward of chunk ``c`` of micro-batch ``m`` and ``-1 - (m * V + c)`` for its backward, V =
+    # ``virtual_stages`` (V = 1: ``m`` and ``-1 - m``; ``pipeline_order.encode_stage_orders``);
+    # None: every stage runs 1F1B (``pipeline_order.one_f_one_b``), or with V > 1 the
+    # interleaved order (``pipeline_order.interleaved_order``)
     stage_orders: tuple[tuple[tuple[int, ...], ...], ...] | None = None
 
     @property
@@ -121,25 +123,42 @@ class Plan:
             return None
         return len(self.stage_orders[0]) if self.stage_orders else 0
 
-    def decoded_stage_orders(self) -> list[list[list[tuple[int, int]]]] | None:
-        """``stage_orders`` as (direction, micro-batch) per rank and stage, or None."""
+    def decoded_stage_orders(self) -> list[list[list[tuple[int, ...]]]] | None:
+        """``stage_orders`` per rank and stage as (direction, micro-batch), or (direction,
+        micro-batch, chunk) with virtual stages; None without orders."""
         if self.stage_orders is None:
             return None
-        from .pipeline_order import decode_stage_order
+        return [[self._decode(codes) for codes in rank] for rank in self.stage_orders]
 
-        return [[decode_stage_order(codes) for codes in rank] for rank in self.stage_orders]
-
-    def stage_order(self, rank: int, stage: int) -> list[tuple[int, int]] | None:
-        """(direction, micro-batch) in run order on one stage of one rank's pipeline, or None (1F1B)."""
+    def stage_order(self, rank: int, stage: int) -> list[tuple[int, ...]] | None:
+        """(direction, micro-batch), or with virtual stages (direction, micro-batch, chunk), in
+        run order on one stage of one rank's pipeline; None: 1F1B."""
         if self.stage_orders is None:
             return None
-        from .pipeline_order import decode_stage_order
+        return self._decode(self.stage_orders[rank][stage])
 
-        return decode_stage_order(self.stage_orders[rank][stage])
+    def chunk_order(self, rank: int, stage: int, stages: int) -> list[tuple[int, int, int]]:
+        """(direction, micro-batch, chunk) in run order on ``stage`` of ``stages``: the plan's
+        order, else 1F1B (chunk 0) or, with virtual stages, the interleaved order."""
+        from .pipeline_order import _op_triples, interleaved_order
+
+        order = self.stage_order(rank, stage)
+        if order is None:
+            return interleaved_order(len(self.ranks[rank]), stages, stage, self.virtual_stages)
+        return _op_triples(order)
+
+    def _decode(self, codes):
+        from .pipeline_order import decode_chunk_order, decode_stage_order
+
+        return decode_stage_order(codes) if self.virtual_stages == 1 else decode_chunk_order(codes, self.virtual_stages)
     # expert-parallel size (MoE all-to-alls, planner/expert_slots.py): > 1 makes the rank lists
     # slot lists, equal in length within each EP group, where an empty micro-batch is a slot
     # whose rank only joins the all-to-alls
     expert_parallel: int = 1
+    # model chunks per pipeline device (virtual pipeline stages, Megatron's interleaved layout:
+    # chunk c of device d holds layer block c * PP + d); ``num_layers`` stays the layers of a
+    # device, all its chunks together
+    virtual_stages: int = 1
 
     @property
     def activation_layers(self) -> int:
@@ -239,10 +258,10 @@ class Plan:
         7. no micro-batch parks more than ``host_capacity`` token-equivalents in host memory
            (``tokens * (1 - resident_fraction)``), when the plan has a host budget;
         8. ``stage_orders``, when given: the same number of stages for every rank, each stage
-           running every micro-batch of its rank once forward and then once backward,
-           consecutive stages passing micro-batches on in the order the next one runs them
-           (``crossing_order_mismatch``), and the pipelines free of deadlock in those orders
-           (``find_pipeline_deadlock``).
+           running every micro-batch (every chunk of it, with ``virtual_stages`` > 1) of its
+           rank once forward and then once backward, devices passing micro-batches on in the
+           order the receiver runs them (``crossing_order_mismatch``), and the pipelines free
+           of deadlock in those orders (``find_pipeline_deadlock``).
         9. with ``expert_parallel`` > 1: the members of each EP group hold the same number of
            slots, and rings and EP groups order them without deadlock (``expert_slots``); only
            then may a micro-batch be empty.
@@ -252,6 +271,8 @@ class Plan:
             errors.append(f"plan has {len(self.ranks)} rank lists for {self.num_ranks} ranks")
         if self.capacity <= 0:
             errors.append(f"capacity must be positive, got {self.capacity}")
+        if self.virtual_stages < 1:
+            errors.append(f"virtual_stages={self.virtual_stages} must be at least 1 (model chunks per pipeline device)")
         if self.expert_parallel < 1 or self.num_ranks % self.expert_parallel:
             errors.append(f"expert_parallel={self.expert_parallel} must divide the {self.num_ranks} ranks into EP groups")
         if not 0 <= self.recomputed_layers <= self.num_layers:
@@ -412,24 +433,26 @@ class Plan:
             if len(per_stage) != stages:
                 errors.append(f"rank {rank}: stage_orders gives {len(per_stage)} stages, rank 0 gives {stages}")
                 continue
-            count = len(self.ranks[rank])
-            want = sorted(list(range(count)) + [-1 - m for m in range(count)])
+            count, v = len(self.ranks[rank]), self.virtual_stages
+            want = sorted(list(range(count * v)) + [-1 - x for x in range(count * v)])
             for stage, codes in enumerate(per_stage):
                 where = f"rank {rank} stage {stage}"
                 if sorted(codes) != want:
-                    errors.append(f"{where}: the order must run each of the {count} micro-batches once forward and once backward")
+                    chunks = f" (each of its {v} chunks)" if v > 1 else ""
+                    errors.append(f"{where}: the order must run each of the {count} micro-batches{chunks} once forward and once backward")
                     continue
                 seen = set()
                 for c in codes:
                     if c < 0 and -1 - c not in seen:
-                        errors.append(f"{where}: the backward of micro-batch {-1 - c} comes before its forward")
+                        m, chunk = divmod(-1 - c, v)
+                        errors.append(f"{where}: the backward of micro-batch {m}{f' chunk {chunk}' if v > 1 else ''} comes before its forward")
                         break
                     seen.add(c)
         if not errors:
             from .pipeline_order import crossing_order_mismatch, plan_pipeline_deadlock
 
             for rank, orders in enumerate(self.decoded_stage_orders()):
-                mismatch = crossing_order_mismatch(orders)
+                mismatch = crossing_order_mismatch(orders, self.virtual_stages)
                 if mismatch:
                     errors.append(f"rank {rank}: {mismatch}")
         if not errors:
@@ -445,6 +468,8 @@ class Plan:
             extra["stage_orders"] = [[list(codes) for codes in rank] for rank in self.stage_orders]
         if self.expert_parallel != 1:
             extra["expert_parallel"] = self.expert_parallel
+        if self.virtual_stages != 1:
+            extra["virtual_stages"] = self.virtual_stages
         return {
             **extra,
             "version": PLAN_FORMAT_VERSION,
@@ -508,6 +533,7 @@ class Plan:
                 if data.get("stage_orders") is None
                 else tuple(tuple(tuple(int(c) for c in codes) for codes in rank) for rank in data["stage_orders"]),
                 expert_parallel=int(data.get("expert_parallel", 1)),
+                virtual_stages=int(data.get("virtual_stages", 1)),
             )
         except PlanError:
             raise

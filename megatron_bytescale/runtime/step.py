@@ -129,7 +129,7 @@ def check_step_agreement(step: StepBatch | None, group, pp_group=None) -> None:
                         "plan with pipeline_stages set to the pipeline-parallel size"
                     )
                 orders = step.plan.decoded_stage_orders()
-                mismatch = crossing_order_mismatch(orders[rank]) if orders is not None else None
+                mismatch = crossing_order_mismatch(orders[rank], step.plan.virtual_stages) if orders is not None else None
                 if mismatch:
                     raise PlanError(
                         f"the plan's stage orders for HDP rank {rank} cannot run: {mismatch}; "
