@@ -70,6 +70,9 @@ class PlannerConfig:
     # "1f1b": every stage runs 1F1B; "search": per-stage orders from stage_schedule when shorter
     pipeline_schedule: str = "1f1b"
     expert_parallel: int = 1  # EP size: members of an EP group get aligned slots (expert_slots.py)
+    # model chunks per pipeline device (virtual pipeline stages; Plan.virtual_stages); > 1
+    # needs pipeline_stages > 1
+    virtual_stages: int = 1
 
     def check(self) -> None:
         def whole(name: str, value, low: int, fix: str = "") -> None:
@@ -81,6 +84,12 @@ class PlannerConfig:
         whole("ranks_per_node", self.ranks_per_node, 1, "; pass the HDP ranks per node (GPUs per node / TP)")
         whole("pipeline_stages", self.pipeline_stages, 1)
         whole("expert_parallel", self.expert_parallel, 1, "; pass --expert-model-parallel-size")
+        whole("virtual_stages", self.virtual_stages, 1, "; pass the model chunks per pipeline stage (1 without VPP)")
+        if self.virtual_stages > 1 and self.pipeline_stages == 1:
+            raise ConfigError(
+                f"virtual_stages={self.virtual_stages} needs pipeline stages: virtual pipeline stages interleave the "
+                "chunks of a pipeline; set pipeline_stages > 1 or virtual_stages=1"
+            )
         check_expert_parallel(self.num_ranks, self.expert_parallel)
         if self.expert_parallel > 1 and self.pipeline_stages > 1:
             raise ConfigError(
@@ -214,6 +223,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         host_capacity=host,
         recomputed_layers=cost.recomputed_layers,
         stage_orders=stage_orders,
+        virtual_stages=config.virtual_stages,
     )
     if config.expert_parallel > 1:  # aligned slots: an EP group's slot waits for its slowest member
         plan = align_expert_slots(plan, config.expert_parallel)
