@@ -149,6 +149,7 @@ def build_gpt_model(
     hidden_dropout: float = 0.0,
     max_sequence_length: int = 1 << 21,
     device: str | torch.device = "cpu",
+    vp_stage: int | None = None,
     **config_overrides,
 ) -> GPTModel:
     """Megatron GPTModel (local layer spec + HDP core attention + true-position RoPE) for this
@@ -160,11 +161,18 @@ def build_gpt_model(
     ``hidden_dropout`` defaults to 0 (Megatron's default is 0.1) so that runs compare exactly.
     ``device``: where the model lives (weights are drawn on the CPU, then moved; "cuda" on a GPU).
     ``config_overrides``: extra TransformerConfig fields.
+    ``vp_stage``: with virtual pipeline stages (``parallel.init_parallel(vpp=V)``), the model
+    chunk to build (``build_gpt_chunks`` builds all of them).
     With PP > 1 each stage draws only its own layers, so stage weights differ from PP = 1's.
     """
     if not parallel.is_initialized():
         raise ConfigError("build_gpt_model needs Megatron's parallel state: call parallel.init_parallel(tp, pp) first")
     spec, arch = load_model(model)
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None:
+        if vp_stage is None or not 0 <= vp_stage < vpp:
+            raise ConfigError(f"the parallel state has {vpp} virtual pipeline stages: build chunk vp_stage in 0..{vpp - 1}")
+        config_overrides = {"virtual_pipeline_model_parallel_size": vpp, **config_overrides}
     config = transformer_config(spec, arch, dtype=dtype, hidden_dropout=hidden_dropout, **config_overrides)
     tp = config.tensor_model_parallel_size
     # Dropout streams (Megatron's RNG tracker), then the CPU generator the weights are drawn from.
@@ -174,15 +182,28 @@ def build_gpt_model(
         config=config,
         transformer_layer_spec=hdp_gpt_layer_spec(
             num_experts=spec.num_experts or None, normalization=arch.normalization,
-            sequence_parallel=config.sequence_parallel, num_layers=get_num_layers_to_build(config),
+            sequence_parallel=config.sequence_parallel, num_layers=get_num_layers_to_build(config, vp_stage=vp_stage),
         ),
         vocab_size=padded_vocab_size(spec.vocab_size, arch.make_vocab_size_divisible_by, tp),
         max_sequence_length=max_sequence_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=not arch.untie_embeddings,
         position_embedding_type="rope",
         rotary_percent=arch.rotary_percent,
         rotary_base=arch.rotary_base,
+        vp_stage=vp_stage,
     )
+    if vp_stage is not None:
+        gpt.vp_stage = vp_stage  # as Megatron's get_model marks its chunks
     return use_true_positions(gpt.to(device))
+
+
+def build_gpt_chunks(model: str | Path | ModelSpec, **kwargs) -> list[GPTModel]:
+    """This device's model chunks under virtual pipeline stages (Megatron's interleaved layout:
+    chunk ``c`` holds layer block ``c * PP + stage``), each a ``build_gpt_model``; one model
+    without them. ``kwargs``: as for ``build_gpt_model``."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is None:
+        return [build_gpt_model(model, **kwargs)]
+    return [build_gpt_model(model, vp_stage=c, **kwargs) for c in range(vpp)]

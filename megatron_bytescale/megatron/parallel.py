@@ -20,10 +20,11 @@ from ..errors import ConfigError
 from . import cpu_compat
 
 
-def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> dist.ProcessGroup:
-    """Initialise Megatron's model-parallel state (TP x PP, CP 1, expert parallelism ``ep``)
-    on the initialised world and return the HDP group. Installs the CPU workarounds when CUDA
-    is absent. EP groups are blocks of ``ep`` consecutive HDP ranks (planner.expert_slots).
+def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, vpp: int = 1) -> dist.ProcessGroup:
+    """Initialise Megatron's model-parallel state (TP x PP, CP 1, expert parallelism ``ep``,
+    ``vpp`` virtual pipeline stages per device) on the initialised world and return the HDP
+    group. Installs the CPU workarounds when CUDA is absent. EP groups are blocks of ``ep``
+    consecutive HDP ranks (planner.expert_slots).
 
     Calling it again with the same sizes returns the existing group; other sizes are an error
     (call ``destroy_parallel()`` first)."""
@@ -34,6 +35,8 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> dist.ProcessGroup:
         )
     if tp < 1 or pp < 1 or ep < 1:
         raise ConfigError(f"tensor, pipeline and expert parallel sizes must be at least 1, got tp={tp}, pp={pp}, ep={ep}")
+    if vpp < 1 or (vpp > 1 and pp < 2):
+        raise ConfigError(f"vpp={vpp} virtual pipeline stages need pp >= 2 (got pp={pp}); use vpp=1 or more stages")
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ConfigError(
@@ -45,16 +48,18 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> dist.ProcessGroup:
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
         )
-        if current != (tp, pp, ep):
+        if current != (tp, pp, ep, vpp):
             raise ConfigError(
-                f"Megatron parallel state is already initialised with tp={current[0]}, pp={current[1]}, ep={current[2]}; "
-                f"call destroy_parallel() before init_parallel(tp={tp}, pp={pp}, ep={ep})"
+                f"Megatron parallel state is already initialised with tp={current[0]}, pp={current[1]}, ep={current[2]}, "
+                f"vpp={current[3]}; call destroy_parallel() before init_parallel(tp={tp}, pp={pp}, ep={ep}, vpp={vpp})"
             )
         return hdp_group()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         context_parallel_size=1,  # HDP forms its rings per step inside the HDP group
         expert_model_parallel_size=ep,
         # a gloo world needs no second set of gloo groups; an NCCL world keeps Megatron's default

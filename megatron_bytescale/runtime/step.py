@@ -14,6 +14,10 @@ and run its micro-batches through 1F1B, or the plan's per-stage orders (``runtim
 stage of the other pipelines (the HDP group of a stage). The loss and the token count come from
 the last stage; ``finalize_model_grads`` takes the count to every stage and sums tied
 embedding gradients between the first and last stage, as Megatron's does.
+
+With virtual pipeline stages the model is Megatron's list of chunks (one DDP module each):
+the forward of chunk ``c`` runs ``model[c]``, the loss comes from the last virtual stage, and
+``finalize_model_grads`` takes the whole list, as in Megatron's interleaved schedule.
 """
 
 from __future__ import annotations
@@ -27,14 +31,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..errors import PlanError
+from ..errors import ConfigError, PlanError
 from .batch import StepBatch
 from .context import active_micro_batch
 from ..planner.pipeline_order import BACKWARD, crossing_order_mismatch, plan_pipeline_deadlock
-from .grad_sync import StepGradSync
+from .grad_sync import StepGradSync, overlaps_grad_reduce, overlaps_param_gather
 from .layout import MicroBatchLayout
 from .padding import pad_micro_batch, sequence_parallel_multiple
-from .pipeline import StageLink, run_one_f_one_b
+from .pipeline import StageLink, gradient_group, run_one_f_one_b
 from .ring_comm import P2PCounter
 
 
@@ -92,15 +96,16 @@ def _collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def check_step_agreement(step: StepBatch | None, group, pp_group=None) -> None:
+def check_step_agreement(step: StepBatch | None, group, pp_group=None, chunks: int = 1) -> None:
     """Every rank must hold a usable delivery of the same plan before any ring starts.
 
     Problems found on one rank (no delivery, data not matching the plan, another plan than
     its peers) would otherwise leave its ring peers waiting in P2P; one tiny all-gather of
     plan digests makes every rank raise the same clear error instead. With pipelines, the
     stages of one pipeline must also hold the same plan and HDP rank (a second all-gather over
-    ``pp_group``), and the plan's order must be free of deadlock under 1F1B. Every rank joins
-    both all-gathers before any raises, so none is left waiting in one.
+    ``pp_group``), and the plan's order must be free of deadlock under 1F1B. ``chunks``: the
+    model chunks per device (virtual pipeline stages), which the plan must be made for. Every
+    rank joins both all-gathers before any raises, so none is left waiting in one.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     stages = dist.get_world_size(pp_group) if pp_group is not None else 1
@@ -114,13 +119,19 @@ def check_step_agreement(step: StepBatch | None, group, pp_group=None) -> None:
         )
     elif step.rank != rank:
         problem = f"HDP rank {rank} received the micro-batches of rank {step.rank}"
+    elif step.plan.virtual_stages != chunks:
+        problem = (
+            f"the plan was made for {step.plan.virtual_stages} virtual pipeline stages per device but the model "
+            f"has {chunks} chunks: plan with PlannerConfig.virtual_stages={chunks} (Megatron's "
+            "virtual_pipeline_model_parallel_size)"
+        )
     else:
         try:
             step.check()
             expert_problem = _expert_parallel_problem(step.plan, group)
             if expert_problem:
                 raise PlanError(expert_problem)
-            if stages > 1 or step.plan.stage_orders is not None:
+            if stages > 1 or step.plan.stage_orders is not None or chunks > 1:
                 stuck = plan_pipeline_deadlock(step.plan, stages)
                 schedule = "its stage orders" if step.plan.stage_orders is not None else "1F1B"
                 if stuck:
@@ -231,7 +242,8 @@ def run_hdp_step(
 
     With pipeline parallelism this rank is one stage of its pipeline: the pipeline's
     micro-batches run through 1F1B (``runtime.pipeline``), ring attention joins this stage of
-    the other pipelines, and the loss (and the token count) comes from the last stage."""
+    the other pipelines, and the loss (and the token count) comes from the last stage.
+    ``model``: one module, or Megatron's list of model chunks (virtual pipeline stages)."""
     from megatron.core.pipeline_parallel.schedules import (
         backward_step,
         check_first_val_step,
@@ -241,29 +253,35 @@ def run_hdp_step(
     from megatron.core.utils import get_model_type
 
     global _last_stats
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    virtual = len(chunks)
+    if virtual > 1:
+        _refuse_overlap_with_chunks(chunks)
     rank = dist.get_rank(group)
     pp_group = _pipeline_group(pg_collection)
-    check_step_agreement(step, group, pp_group)
+    check_step_agreement(step, group, pp_group, virtual)
 
     stats = StepStats()
     counter = P2PCounter()
     forward_data_store: list = []
     total_tokens = torch.zeros([], dtype=torch.int, device=_collective_device(group))  # finalize_model_grads all-reduces it
-    model_type = get_model_type(model)
-    no_sync = config.no_sync_func or contextlib.nullcontext
+    model_type = get_model_type(chunks[0])
     count = len(step.micro_batches)
-    link = StageLink(pp_group, _collective_device(group))
-    last_stage = link.last
-    running: dict[int, list] = {}  # micro-batch -> [start, forward_end, forward_wait_s, offload handle]
-    active: dict[int, tuple] = {}  # micro-batch -> (layout, positions), for its backward
-    order = step.plan.stage_order(rank, link.stage)  # None: 1F1B
-    last_backward = next((m for d, m in reversed(order) if d == BACKWARD), None) if order else None
-    sync = StepGradSync(
-        model, [d.micro_batch for d in step.micro_batches], forward_only, last_backward, step.plan.expert_parallel
-    )
+    grads = gradient_group(pp_group, _collective_device(None)) if pp_group is not None else None
+    link = StageLink(pp_group, _collective_device(group), chunks=virtual, grad_group=grads)
+    running: dict[int, list] = {}  # micro-batch -> [start, forward_end, forward_wait_s, offload handles, backward_wait_s, chunks left]
+    active: dict[tuple[int, int], tuple] = {}  # (micro-batch, chunk) -> (layout, positions), for its backward
+    order = step.plan.stage_order(rank, link.stage)  # None: 1F1B (interleaved with chunks)
+    last_backward = next((op[1] for op in reversed(order) if op[0] == BACKWARD), None) if order else None
+    if virtual == 1:
+        sync = StepGradSync(
+            chunks[0], [d.micro_batch for d in step.micro_batches], forward_only, last_backward, step.plan.expert_parallel
+        )
+    else:  # no overlapped reduction with chunks (refused above): finalize_model_grads reduces
+        sync = None
     multiple = sequence_parallel_multiple(config)  # sequence parallelism: tokens padded to TP
 
-    def forward(i: int, input_tensor):
+    def forward(i: int, c: int, input_tensor):
         nonlocal total_tokens
         data = step.micro_batches[i]
         mb = data.micro_batch
@@ -275,7 +293,7 @@ def run_hdp_step(
             output_tensor, num_tokens = forward_step(
                 forward_step_func,
                 iter([data]),
-                model,
+                chunks[c],
                 count,
                 input_tensor,
                 forward_data_store,
@@ -284,37 +302,52 @@ def run_hdp_step(
                 collect_non_loss_data,
                 is_first_microbatch=check_first_val_step(first_val_step, forward_only, i == 0),
                 current_microbatch=i,
-                is_last_stage=last_stage,
+                vp_stage=c if virtual > 1 else None,
+                is_last_stage=link.is_last(c),
             )
         total_tokens += num_tokens
-        running[i] = [start, time.perf_counter(), counter.wait_s - wait0, handle]
-        stats.tokens += mb.tokens
+        entry = running.setdefault(i, [start, 0.0, 0.0, [], 0.0, virtual])
+        entry[1] = time.perf_counter()
+        entry[2] += counter.wait_s - wait0
+        entry[3].append(handle)
+        stats.compute_s += entry[1] - start
+        if c == 0:
+            stats.tokens += mb.tokens
         if forward_only:
-            _record(i, None)
+            _chunk_done(i, None)
         else:
-            active[i] = (layout, data.positions)
+            active[i, c] = (layout, data.positions)
         return output_tensor
 
-    def backward(i: int, input_tensor, output_tensor, output_grad):
-        wait0 = counter.wait_s
-        layout, positions = active.pop(i)
+    def backward(i: int, c: int, input_tensor, output_tensor, output_grad):
+        start, wait0 = time.perf_counter(), counter.wait_s
+        layout, positions = active.pop((i, c))
         # Activation recompute re-runs layer forwards here, ring attention included: the layout
         # is active again (and its recomputed KV hops are counted), offloading not.
-        with active_micro_batch(layout, positions, group=group, counter=counter), sync.backward(i):
+        around = sync.backward(i) if sync is not None else contextlib.nullcontext()
+        with active_micro_batch(layout, positions, group=group, counter=counter), around:
             grad = backward_step(input_tensor, output_tensor, output_grad, model_type, config)
-        _record(i, counter.wait_s - wait0)
+        stats.compute_s += time.perf_counter() - start
+        _chunk_done(i, counter.wait_s - wait0)
         return grad
 
-    def _record(i: int, backward_wait_s):
-        start, forward_end, forward_wait, handle = running.pop(i)
+    def _chunk_done(i: int, backward_wait_s):
+        """One chunk of micro-batch ``i`` finished (its backward, or its forward when forward
+        only); the last one records the micro-batch's timing."""
+        entry = running[i]
+        entry[4] += backward_wait_s or 0.0
+        entry[5] -= 1
+        if entry[5]:
+            return
+        start, forward_end, forward_wait, handles, backward_wait, _ = running.pop(i)
         end = time.perf_counter()
         ring = step.micro_batches[i].micro_batch.ring is not None
-        stats.timings.append(MicroBatchTiming(start, forward_end, end, forward_wait, backward_wait_s or 0.0, ring))
-        stats.compute_s += (forward_end - start) + (end - forward_end if backward_wait_s is not None else 0.0)
-        if handle is not None:
-            off = handle.stats()
-            stats.offloaded_bytes += off.offloaded_bytes
-            stats.peak_resident_activation_bytes = max(stats.peak_resident_activation_bytes, off.peak_resident_bytes)
+        stats.timings.append(MicroBatchTiming(start, forward_end, end, forward_wait, backward_wait, ring))
+        for handle in handles:
+            if handle is not None:
+                off = handle.stats()
+                stats.offloaded_bytes += off.offloaded_bytes
+                stats.peak_resident_activation_bytes = max(stats.peak_resident_activation_bytes, off.peak_resident_bytes)
 
     def release(output_tensor):
         deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
@@ -322,14 +355,14 @@ def run_hdp_step(
     # All micro-batches run under no_sync: ranks run different numbers of them, so the one
     # gradient reduction happens in finalize_model_grads, identically on every rank; with
     # --overlap-grad-reduce a local last micro-batch reduces during its backward (grad_sync).
-    with no_sync():
+    with _no_sync(config):
         run_one_f_one_b(
             count,
             link,
             forward,
             backward,
             dtype=config.pipeline_dtype or config.params_dtype,
-            device=_model_device(model),
+            device=_model_device(chunks[0]),
             forward_only=forward_only,
             release=release,
             order=order,
@@ -342,12 +375,37 @@ def run_hdp_step(
     stats.pipeline_bytes = link.bytes_sent
 
     if config.finalize_model_grads_func is not None and not forward_only:
-        sync.launch_rest()
+        if sync is not None:
+            sync.launch_rest()
         config.finalize_model_grads_func(
-            [model], total_tokens if config.calculate_per_token_loss else None, pg_collection=pg_collection
+            chunks, total_tokens if config.calculate_per_token_loss else None, pg_collection=pg_collection
         )
     _last_stats = stats
     return forward_data_store, stats
+
+
+def _no_sync(config):
+    """Megatron's ``no_sync_func``: one context, or with model chunks one per chunk (all entered)."""
+    funcs = config.no_sync_func
+    if funcs is None:
+        return contextlib.nullcontext()
+    if not isinstance(funcs, (list, tuple)):
+        return funcs()
+    stack = contextlib.ExitStack()
+    for func in funcs:
+        stack.enter_context(func())
+    return stack
+
+
+def _refuse_overlap_with_chunks(chunks) -> None:
+    """Overlapped gradient reduction and parameter gathering decide per DDP module which
+    micro-batch launches its buckets; with model chunks that is not done (yet): refuse."""
+    for chunk in chunks:
+        if overlaps_grad_reduce(chunk) or overlaps_param_gather(chunk):
+            raise ConfigError(
+                "--overlap-grad-reduce / --overlap-param-gather with virtual pipeline stages: HDP launches "
+                "overlapped buckets for one model chunk only; drop them or the virtual pipeline stages"
+            )
 
 
 def _model_device(model) -> torch.device:
@@ -379,11 +437,9 @@ def hdp_forward_backward(
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
 
-    if isinstance(model, list):
-        if len(model) != 1:
-            raise PlanError("HDP does not support virtual pipeline model chunks; drop --num-layers-per-virtual-pipeline-stage")
+    if isinstance(model, list) and len(model) == 1:
         model = model[0]
-    if isinstance(data_iterator, list):
+    if isinstance(data_iterator, list):  # one per model chunk with virtual stages: the first delivers
         data_iterator = data_iterator[0]
     group = getattr(pg_collection, "dp_cp", None) if pg_collection is not None else None
     if group is None:
@@ -396,7 +452,7 @@ def hdp_forward_backward(
         step,
         forward_step_func=forward_step_func,
         model=model,
-        config=get_model_config(model),
+        config=get_model_config(model[0] if isinstance(model, list) else model),
         group=group,
         forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data,

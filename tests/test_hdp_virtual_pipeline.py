@@ -1,0 +1,184 @@
+"""Virtual pipeline stages under HDP: PP 2 x V 2 x HDP 2 on gloo trains exactly like one rank.
+
+Four processes: two pipelines of two devices, each device holding two model chunks of one
+layer (Megatron's interleaved layout: chunk c of device d is virtual stage c * 2 + d, so
+device 0 holds layers 0 and 2, device 1 layers 1 and 3). Each pipeline runs its own
+micro-batches through the interleaved order (``pipeline_order.interleaved_order``), which runs
+any count; rings join the same device of both pipelines. The reference runs every sequence
+whole on one rank without PP, from the same full weights. All cases run in one launch each way.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_bytescale.local_world import preload, run_local_world
+from megatron_bytescale.planner.pipeline_order import encode_stage_orders, interleaved_order, plan_pipeline_deadlock
+from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+
+from hdp_helpers import grads_of, read_tokens, step_batch
+
+preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
+
+SEED = 7
+TOL = 2e-5
+PP, V = 2, 2
+
+
+def _interleaved(ranks) -> tuple:
+    """Every pipeline's interleaved orders, as the plan's stage orders (so ``validate`` checks them)."""
+    return encode_stage_orders([[interleaved_order(len(mbs), PP, d, V) for d in range(PP)] for mbs in ranks], V)
+
+
+def ring_plan() -> Plan:
+    """Pipeline 0 runs three micro-batches (not a multiple of PP), pipeline 1 two; a ring spans
+    both pipelines (first on each) and offloads half of its activations."""
+    lens = (22, 9, 6, 11, 5)
+    ring = ring_pieces(0, 22, (0, 1))
+    ranks = (
+        (MicroBatch((ring[0],), offload_ratio=0.5), MicroBatch((whole_piece(1, 9, 0),)), MicroBatch((whole_piece(2, 6, 0),))),
+        (MicroBatch((ring[1],), offload_ratio=0.5), MicroBatch((whole_piece(3, 11, 1), whole_piece(4, 5, 1)))),
+    )
+    return Plan(
+        num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks, stage_orders=_interleaved(ranks), virtual_stages=V
+    ).validate()
+
+
+def idle_plan() -> Plan:
+    """Pipeline 1 has no micro-batch (it still joins the reduction); pipeline 0 runs three in
+    the runtime's own interleaved order (the plan gives none)."""
+    lens = (13, 7, 10)
+    ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)), ())
+    return Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks, virtual_stages=V).validate()
+
+
+def one_chunk_plan() -> Plan:
+    """``idle_plan`` made for one chunk per device: the V = 2 model refuses it."""
+    plan = idle_plan()
+    return Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=plan.seq_lens, ranks=plan.ranks).validate()
+
+
+CASES = {"ring": ring_plan, "idle": idle_plan}
+
+
+def one_rank_plan(lens) -> Plan:
+    ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)),)
+    return Plan(num_ranks=1, capacity=max(lens), num_layers=4, seq_lens=tuple(lens), ranks=ranks).validate()
+
+
+def _global_names(chunks) -> dict[str, str]:
+    """``c<chunk>.<name>`` of this device's parameters -> the names the same weights have
+    without PP (``layer_number`` is the global layer, Megatron's offset for the virtual stage)."""
+    names = {}
+    for c, model in enumerate(chunks):
+        for name, _ in model.named_parameters():
+            if name.startswith("decoder.layers."):
+                local, rest = name[len("decoder.layers.") :].split(".", 1)
+                layer = model.decoder.layers[int(local)]
+                names[f"c{c}.{name}"] = f"decoder.layers.{layer.layer_number - 1}.{rest}"
+            else:
+                names[f"c{c}.{name}"] = name
+    return names
+
+
+def _reference(rank, world, lens_by_case):
+    from megatron_bytescale.megatron import local_run
+    from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
+
+    model, group = local_run.setup_model("tiny", seed=SEED)
+    out = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    for case, lens in lens_by_case.items():
+        plan = one_rank_plan(lens)
+        step = StepBatch(plan, 0, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(0)])
+        for p in model.parameters():
+            p.grad = None
+        result = local_run.run_step(step, model, group)
+        out[case] = {"loss": result.loss, "tokens": result.global_tokens, "grads": grads_of(model)}
+    local_run.teardown()
+    return out
+
+
+def _interleaved_run(rank, world, plans_json, weights):
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_bytescale.errors import PlanError
+    from megatron_bytescale.megatron import local_run
+    from megatron_bytescale.runtime.offload import ActivationOffloader, transformer_layers
+
+    chunks, group = local_run.setup_model("tiny", pp=PP, vpp=V, seed=SEED, deallocate_pipeline_outputs=True)
+    names = _global_names(chunks)
+    params = {f"c{c}.{n}": p for c, m in enumerate(chunks) for n, p in m.named_parameters()}
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(weights[names[n]])
+    layers = [layer for m in chunks for layer in transformer_layers(m)]
+    offloader = ActivationOffloader(layers, keep_last=0, min_tensor_bytes=0)
+    hdp = parallel_state.get_data_parallel_rank()
+    out = {"stage": parallel_state.get_pipeline_model_parallel_rank(), "hdp": hdp, "names": names,
+           "layers": [[layer.layer_number for layer in m.decoder.layers] for m in chunks]}
+    for case, text in plans_json.items():
+        step = step_batch(Plan.from_json(text), hdp)
+        for p in params.values():
+            p.grad = None
+        try:
+            result = local_run.run_step(step, chunks, group, offloader=offloader)
+        except PlanError as exc:
+            out[case] = {"error": str(exc)}
+            continue
+        out[case] = {
+            "loss": result.loss,
+            "tokens": result.global_tokens,
+            "mbs": result.stats.micro_batches,
+            "timings": len(result.stats.timings),
+            "ring_bytes": result.stats.p2p_bytes,
+            "stage_bytes": result.stats.pipeline_bytes,
+            "offloaded": result.stats.offloaded_bytes,
+            "grads": {n: p.grad.detach().clone() for n, p in params.items()},
+        }
+    offloader.remove()
+    local_run.teardown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    plans = {case: make() for case, make in CASES.items()}
+    for plan in plans.values():
+        assert plan_pipeline_deadlock(plan, PP) is None
+    (ref,) = run_local_world(_reference, 1, {c: p.seq_lens for c, p in plans.items()}, timeout_s=120)
+    texts = {c: p.to_json() for c, p in plans.items()} | {"one-chunk": one_chunk_plan().to_json()}
+    outs = run_local_world(_interleaved_run, 4, texts, ref["weights"], timeout_s=180)
+    return plans, ref, outs
+
+
+def test_pp2_v2_by_hdp2_equals_one_rank(runs):
+    plans, ref, outs = runs
+    assert [(o["stage"], o["hdp"]) for o in outs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # Megatron's interleaved layout: device 0 holds layers 1 and 3 (1-based), device 1 layers 2 and 4
+    assert [o["layers"] for o in outs] == [[[1], [3]], [[1], [3]], [[2], [4]], [[2], [4]]]
+    for case, plan in plans.items():
+        want = ref[case]
+        assert want["tokens"] == sum(s - 1 for s in plan.seq_lens)
+        worst = 0.0
+        for o in outs:
+            got = o[case]
+            assert got["tokens"] == want["tokens"], case
+            assert got["loss"] == pytest.approx(want["loss"], abs=TOL), case
+            assert got["mbs"] == got["timings"] == len(plan.ranks[o["hdp"]])
+            for name, grad in got["grads"].items():
+                worst = max(worst, float((grad - want["grads"][o["names"][name]]).abs().max()))
+        assert worst < TOL, (case, worst)
+        # the chunks of all devices together hold every weight (nothing untested)
+        assert {o["names"][n] for o in outs for n in o[case]["grads"]} == set(want["grads"])
+    by = {(o["stage"], o["hdp"]): o for o in outs}
+    assert all(o["ring"]["ring_bytes"] > 0 and o["ring"]["offloaded"] > 0 for o in outs)  # the ring ran, offloading
+    assert all(o["ring"]["stage_bytes"] > 0 for o in outs)  # every device sends (device 1's chunk 0 to device 0's chunk 1)
+    assert [by[(s, 1)]["idle"]["stage_bytes"] for s in range(PP)] == [0, 0]
+
+
+def test_a_plan_for_another_chunk_count_is_refused_on_every_rank(runs):
+    _, _, outs = runs
+    errors = [o["one-chunk"].get("error") for o in outs]
+    assert all(e is not None for e in errors), errors
+    assert any("made for 1 virtual pipeline stages per device but the model has 2 chunks" in e for e in errors), errors
