@@ -97,6 +97,19 @@ print(json.dumps({k: getattr(args, k) for k in ("hdp_size", "hdp_balance", "hdp_
     assert out == {"hdp_size": 8, "hdp_balance": "dp", "hdp_token_capacity": 1024, "dataloader_type": "external"}
 
 
+def test_virtual_pipeline_stages_after_megatron_validation():
+    out = run(
+        """
+from megatron_bytescale.megatron.arguments import planner_config_from_args
+args = validated(["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "1K",
+                  "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"])
+print(json.dumps({"hdp_size": args.hdp_size, "balance": args.hdp_balance, "vpp": args.virtual_pipeline_model_parallel_size,
+                  "virtual_stages": planner_config_from_args(args).virtual_stages}))
+"""
+    )
+    assert out == {"hdp_size": 4, "balance": "pp", "vpp": 2, "virtual_stages": 2}
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
@@ -104,7 +117,8 @@ print(json.dumps({k: getattr(args, k) for k in ("hdp_size", "hdp_balance", "hdp_
         (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "1K",
           "--micro-batch-size", "2"], "use --micro-batch-size 1"),
         (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "1K",
-          "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], "virtual pipeline"),
+          "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--overlap-grad-reduce"],
+         "with 2 virtual pipeline stages per rank"),
         (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "256"], "does not fit"),
     ],
 )

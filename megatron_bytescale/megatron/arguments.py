@@ -347,14 +347,16 @@ def _check_parallelism(args) -> None:
             "cannot run together with --hybrid-data-parallel: drop them (the HDP capacity is "
             "--hdp-token-capacity)"
         )
-    vpp = args.virtual_pipeline_model_parallel_size  # Megatron derives it from the three VPP flags
-    if vpp is not None and vpp > 1:
-        raise ConfigError(
-            f"virtual pipeline parallelism ({vpp} stages per rank, from --num-layers-per-virtual-pipeline-stage, "
-            "--num-virtual-stages-per-pipeline-rank or --pipeline-model-parallel-layout) is not supported "
-            "with --hybrid-data-parallel: drop it"
-        )
     pp = args.pipeline_model_parallel_size
+    # Virtual pipeline stages (Megatron derives the count from --num-layers-per-virtual-pipeline-stage,
+    # --num-virtual-stages-per-pipeline-rank or --pipeline-model-parallel-layout) run in the HDP
+    # step's interleaved order; overlapped bucket launches are decided per model, not per chunk.
+    vpp = args.virtual_pipeline_model_parallel_size
+    if vpp is not None and vpp > 1 and (getattr(args, "overlap_grad_reduce", False) or getattr(args, "overlap_param_gather", False)):
+        raise ConfigError(
+            f"--overlap-grad-reduce / --overlap-param-gather with {vpp} virtual pipeline stages per rank: HDP "
+            "launches overlapped buckets for one model chunk only; drop them or the virtual pipeline stages"
+        )
     if pp > 1 and args.hdp_balance == "dp":
         raise ConfigError(
             f"--hdp-balance dp with --pipeline-model-parallel-size {pp}: DP-balance gives pipelines "
@@ -617,5 +619,6 @@ def planner_config_from_args(args):
         slack=args.hdp_balance_slack,
         offload=args.hdp_selective_offload,
         pipeline_stages=args.pipeline_model_parallel_size,
+        virtual_stages=args.virtual_pipeline_model_parallel_size or 1,
         expert_parallel=args.expert_model_parallel_size,
     )

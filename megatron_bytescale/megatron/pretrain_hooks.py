@@ -154,16 +154,17 @@ _offloaders: dict[int, Any] = {}
 
 
 def _offloader(model):
-    """One ActivationOffloader per model for --hdp-selective-offload (its layers: the decoder's)."""
+    """One ActivationOffloader per model for --hdp-selective-offload (its layers: the decoder's,
+    of every model chunk in order with virtual pipeline stages)."""
     args = _hdp_args()
     if args is None or not args.hdp_selective_offload:
         return None
-    chunk = model[0] if isinstance(model, list) else model
-    key = id(chunk)
+    chunks = model if isinstance(model, list) else [model]
+    key = id(chunks[0])
     if key not in _offloaders:
         from ..runtime.offload import ActivationOffloader, transformer_layers
 
-        _offloaders[key] = ActivationOffloader(transformer_layers(chunk))
+        _offloaders[key] = ActivationOffloader([layer for chunk in chunks for layer in transformer_layers(chunk)])
     return _offloaders[key]
 
 
@@ -502,13 +503,17 @@ def hdp_data_iterators(args, rank: Optional[int] = None):
 def datasets_provider(base: Callable) -> Callable:
     """Wrap pretrain_gpt's ``train_valid_test_datasets_provider``: under HDP it returns the HDP
     iterators, which Megatron's ``--dataloader-type external`` passes through untouched. Every
-    rank builds its own (``is_distributed``): all TP ranks of one HDP rank read the same plan."""
+    rank builds its own (``is_distributed``): all TP ranks of one HDP rank read the same plan.
+    With virtual pipeline stages Megatron asks once per model chunk (``vp_stage``); the HDP
+    step reads the first chunk's iterator only, so the others get none."""
 
     @functools.wraps(base)
     def provider(train_val_test_num_samples, *args, **kwargs):
         hdp = _hdp_args()
         if hdp is None:
             return base(train_val_test_num_samples, *args, **kwargs)
+        if kwargs.get("vp_stage") or (args and args[0]):
+            return None, None, None
         return hdp_data_iterators(hdp)
 
     provider.is_distributed = True
