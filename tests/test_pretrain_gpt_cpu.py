@@ -11,7 +11,8 @@ one invocation where they can (the first run also writes the checkpoint the resu
   exactly the uninterrupted run's losses, gradient norms and validation loss at iterations 3-5;
 * 4 HDP ranks and TP=2 x HDP=2: Megatron's iteration-1 loss equals one HDP rank's (same TP) on
   the same global batch, and the parameters after iteration 1 equal that run's (fp32 tolerance);
-* PP=2 x HDP=2 with tied embeddings: the losses and gradient norms of one rank without PP;
+* PP=2 x HDP=2 with tied embeddings, and with virtual pipeline stages (PP=2 x V=2 x HDP=2): the
+  losses and gradient norms of one rank without PP;
 * wrong launches stop with one line naming the problem, not a traceback.
 
 Needs MEGATRON_LM_DIR (a core_v0.16.1 checkout); skipped, with that reason, without it.
@@ -223,26 +224,33 @@ def test_pipeline_parallel_hdp_equals_one_rank_with_tied_embeddings(patched_run,
     stage holds a copy, and Megatron's finalize_model_grads sums its gradient with the first
     stage's over the embedding group (measured: without that sum iteration 2's loss is off by
     4e-4). Megatron seeds initialisation per pipeline stage, so both runs start from the same
-    weights: the 4-rank run's checkpoint (--finetune: the model only, fresh optimizer, iteration 0)."""
+    weights: the 4-rank run's checkpoint (--finetune: the model only, fresh optimizer, iteration 0).
+    The same with virtual pipeline stages (PP=2 x V=2 x HDP=2, ``--num-layers-per-virtual-pipeline-stage
+    1``: device 0 holds layers 1 and 3, device 1 layers 2 and 4; the tied copies sit in chunk 0
+    of device 0 and chunk 1 of device 1)."""
     model = work / "tiny-tied.args"
     model.write_text("".join(line for line in (ROOT / "configs/models/tiny.args").read_text().splitlines(True)
                              if "--untie-embeddings-and-output-weights" not in line))
     flags = ("--hidden-dropout", "0", "--ckpt-format", "torch_dist", "--finetune")
     common = dict(MODEL=model, GLOBAL_BATCH_SIZE=8, TRAIN_ITERS=3, DATA_PATH=data["train"], LOAD_DIR=work / "ckpt_dist")
 
-    def run(pp):
-        return train(patched_tree, *flags, **common, PP=pp, NPROC=4 if pp > 1 else 1)
+    def run(layout):
+        pp, vpp = layout
+        extra = ("--num-layers-per-virtual-pipeline-stage", "1") if vpp else ()
+        return train(patched_tree, *flags, *extra, **common, PP=pp, NPROC=4 if pp > 1 else 1)
 
-    with ThreadPoolExecutor(2) as pool:  # mostly start-up: overlap them
-        pipelined, one = (r.check() for r in pool.map(run, (2, 1)))
+    with ThreadPoolExecutor(3) as pool:  # mostly start-up: overlap them
+        pipelined, interleaved, one = (r.check() for r in pool.map(run, ((2, False), (2, True), (1, False))))
     assert "pipeline model parallel with size 2" in pipelined.log and "successfully loaded checkpoint" in pipelined.log
     assert re.search(r"untie_embeddings_and_output_weights \.+ False", pipelined.log)
-    assert sorted(pipelined.losses) == sorted(one.losses) == [1, 2, 3], (pipelined.summary(), one.summary())
-    print(f"PP=2 x HDP=2 losses {pipelined.losses}, grad norms {pipelined.grad_norms}; "
-          f"one rank {one.losses}, {one.grad_norms}")
-    for i in (1, 2, 3):  # Megatron prints 7 digits: fp32 summation orders differ in the last
-        assert abs(float(pipelined.losses[i]) - float(one.losses[i])) < 5e-6, (i, pipelined.losses, one.losses)
-        assert abs(float(pipelined.grad_norms[i]) - float(one.grad_norms[i])) <= 1e-3, (i, pipelined.grad_norms, one.grad_norms)
+    assert re.search(r"virtual_pipeline_model_parallel_size \.+ 2", interleaved.log), interleaved.summary()
+    assert re.search(r"virtual_pipeline_model_parallel_size \.+ None", pipelined.log)
+    for name, run_ in (("PP=2 x HDP=2", pipelined), ("PP=2 x V=2 x HDP=2", interleaved)):
+        assert sorted(run_.losses) == sorted(one.losses) == [1, 2, 3], (run_.summary(), one.summary())
+        print(f"{name} losses {run_.losses}, grad norms {run_.grad_norms}; one rank {one.losses}, {one.grad_norms}")
+        for i in (1, 2, 3):  # Megatron prints 7 digits: fp32 summation orders differ in the last
+            assert abs(float(run_.losses[i]) - float(one.losses[i])) < 5e-6, (name, i, run_.losses, one.losses)
+            assert abs(float(run_.grad_norms[i]) - float(one.grad_norms[i])) <= 1e-3, (name, i, run_.grad_norms, one.grad_norms)
 
 
 def _drop(flag):
@@ -304,3 +312,4 @@ def _direct(args: list[str], **variables) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megatron_bytescale.launch", str(Path(MEGATRON_LM_DIR) / "pretrain_gpt.py"), *args],
                           env=_environment(Path(MEGATRON_LM_DIR), **variables), capture_output=True, text=True,
                           timeout=TIMEOUT, cwd=ROOT)
+
