@@ -168,6 +168,8 @@ def test_pp2_v2_by_hdp2_equals_one_rank(runs):
             assert got["mbs"] == got["timings"] == len(plan.ranks[o["hdp"]])
             for name, grad in got["grads"].items():
                 worst = max(worst, float((grad - want["grads"][o["names"][name]]).abs().max()))
+        print(f"PP=2 x V=2 x HDP=2, {case}: loss {outs[0][case]['loss']:.8f} vs one rank {want['loss']:.8f}, "
+              f"max gradient difference {worst:.3g}")
         assert worst < TOL, (case, worst)
         # the chunks of all devices together hold every weight (nothing untested)
         assert {o["names"][n] for o in outs for n in o[case]["grads"]} == set(want["grads"])
