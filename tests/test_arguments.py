@@ -201,6 +201,7 @@ def test_pipeline_parallel_is_accepted_with_pp_balance():
 def test_virtual_pipeline_stages_are_accepted_and_planned_with_their_chunk_count():
     args = validate_hdp_args(parse(HDP, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=4))
     assert (args.hdp_balance, planner_config_from_args(args).virtual_stages) == ("pp", 2)
+    validate_hdp_args(parse(HDP, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_grad_reduce=True))
     assert planner_config_from_args(validate_hdp_args(parse(HDP))).virtual_stages == 1
 
 
@@ -223,8 +224,8 @@ CONFLICTS = {
     "static cp": (HDP, dict(context_parallel_size=2), "drop --context-parallel-size"),
     "hybrid cp": (HDP, dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
     "hybrid cp capacity": (HDP, dict(max_seqlen_per_dp_cp_rank=4096), "--max-seqlen-per-dp-cp-rank"),
-    "virtual pp with overlap": (HDP, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_grad_reduce=True),
-                                "--overlap-grad-reduce / --overlap-param-gather with 2 virtual pipeline stages"),
+    "virtual pp with param gather": (HDP, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_param_gather=True),
+                                     "--overlap-param-gather with 2 virtual pipeline stages"),
     "dp balance with pp": (HDP + ["--hdp-balance", "dp"], dict(pipeline_model_parallel_size=2), "use --hdp-balance pp"),
     "expert parallel allgather": (HDP, dict(num_experts=8, expert_model_parallel_size=2), "use --moe-token-dispatcher-type alltoall"),
     "expert parallel with pp": (HDP + ["--hdp-balance", "pp"], dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",

@@ -117,8 +117,8 @@ print(json.dumps({"hdp_size": args.hdp_size, "balance": args.hdp_balance, "vpp":
         (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "1K",
           "--micro-batch-size", "2"], "use --micro-batch-size 1"),
         (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "1K",
-          "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--overlap-grad-reduce"],
-         "with 2 virtual pipeline stages per rank"),
+          "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer",
+          "--overlap-grad-reduce", "--overlap-param-gather"], "--overlap-param-gather with 2 virtual pipeline stages per rank"),
         (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "256"], "does not fit"),
     ],
 )

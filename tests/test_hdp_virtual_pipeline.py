@@ -5,7 +5,9 @@ layer (Megatron's interleaved layout: chunk c of device d is virtual stage c * 2
 device 0 holds layers 0 and 2, device 1 layers 1 and 3). Each pipeline runs its own
 micro-batches through the interleaved order (``pipeline_order.interleaved_order``), which runs
 any count; rings join the same device of both pipelines. The reference runs every sequence
-whole on one rank without PP, from the same full weights. All cases run in one launch each way.
+whole on one rank without PP, from the same full weights. All cases run in one launch each way;
+the last wraps each chunk in Megatron's DistributedDataParallel with ``overlap_grad_reduce``
+and reduces with Megatron's ``finalize_model_grads`` over the list of chunks.
 """
 
 from __future__ import annotations
@@ -137,7 +139,39 @@ def _interleaved_run(rank, world, plans_json, weights):
             "grads": {n: p.grad.detach().clone() for n, p in params.items()},
         }
     offloader.remove()
+    out["ddp"] = _ddp_steps(chunks, group, plans_json["ring"], hdp)
     local_run.teardown()
+    return out
+
+
+BUCKET = 4000  # parameters per bucket: several per chunk
+
+
+def _ddp_steps(chunks, group, plan_json, hdp, steps=2):
+    """Each chunk its own DDP (overlapped reduction, small buckets), as Megatron builds VPP
+    models; two steps (the first is DDP's first batch). Gradients: the chunks' main_grad."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from megatron_bytescale.megatron import local_run
+
+    config = chunks[0].config
+    ddps = [
+        DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=BUCKET), m)
+        for m in chunks
+    ]
+    config.no_sync_func = [d.no_sync for d in ddps]
+    config.finalize_model_grads_func = finalize_model_grads
+    out = []
+    for _ in range(steps):
+        for d in ddps:
+            d.zero_grad_buffer()
+        result = local_run.run_step(step_batch(Plan.from_json(plan_json), hdp), ddps, group)
+        out.append({
+            "loss": result.loss,
+            "buckets": sum(len(d.bucket_groups) for d in ddps),
+            "in_backward": sum(d._hdp_in_order_launch.launched_in_backward for d in ddps),
+            "grads": {f"c{c}.{n}": p.main_grad.detach().clone() for c, m in enumerate(chunks) for n, p in m.named_parameters()},
+        })
     return out
 
 
@@ -177,6 +211,19 @@ def test_pp2_v2_by_hdp2_equals_one_rank(runs):
     assert all(o["ring"]["ring_bytes"] > 0 and o["ring"]["offloaded"] > 0 for o in outs)  # the ring ran, offloading
     assert all(o["ring"]["stage_bytes"] > 0 for o in outs)  # every device sends (device 1's chunk 0 to device 0's chunk 1)
     assert [by[(s, 1)]["idle"]["stage_bytes"] for s in range(PP)] == [0, 0]
+
+
+def test_chunks_in_ddp_with_overlapped_reduction_are_exact(runs):
+    """Every chunk's buckets launch after the device's last backward (none from backward
+    hooks: a later backward may still post ring transfers), chunk by chunk on every rank."""
+    _, ref, outs = runs
+    want = ref["ring"]
+    for o in outs:
+        for st in o["ddp"]:
+            assert st["buckets"] >= V and st["in_backward"] == 0  # Megatron buckets only the first stage finely
+            assert st["loss"] == pytest.approx(want["loss"], abs=TOL)
+            worst = max(float((g - want["grads"][o["names"][n]]).abs().max()) for n, g in st["grads"].items())
+            assert worst < TOL, worst
 
 
 def test_a_plan_for_another_chunk_count_is_refused_on_every_rank(runs):

@@ -350,12 +350,12 @@ def _check_parallelism(args) -> None:
     pp = args.pipeline_model_parallel_size
     # Virtual pipeline stages (Megatron derives the count from --num-layers-per-virtual-pipeline-stage,
     # --num-virtual-stages-per-pipeline-rank or --pipeline-model-parallel-layout) run in the HDP
-    # step's interleaved order; overlapped bucket launches are decided per model, not per chunk.
+    # step's interleaved order; the overlapped parameter all-gather is dispatched per model, not per chunk.
     vpp = args.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp > 1 and (getattr(args, "overlap_grad_reduce", False) or getattr(args, "overlap_param_gather", False)):
+    if vpp is not None and vpp > 1 and getattr(args, "overlap_param_gather", False):
         raise ConfigError(
-            f"--overlap-grad-reduce / --overlap-param-gather with {vpp} virtual pipeline stages per rank: HDP "
-            "launches overlapped buckets for one model chunk only; drop them or the virtual pipeline stages"
+            f"--overlap-param-gather with {vpp} virtual pipeline stages per rank: HDP dispatches the overlapped "
+            "parameter all-gather for one model chunk only; drop --overlap-param-gather or the virtual pipeline stages"
         )
     if pp > 1 and args.hdp_balance == "dp":
         raise ConfigError(

@@ -78,6 +78,9 @@ def make_finalize_grads(group=None, *, tp_group=None, pp_group=None, embedding_g
 #   reached its own collective yet), so a ring micro-batch last keeps sync off;
 # * a rank whose buckets did not launch that way (ring micro-batch last, no micro-batch at
 #   all) launches every bucket explicitly after its last backward;
+# * with virtual pipeline stages each model chunk is its own DDP: no chunk launches from
+#   backward hooks (a later backward of another chunk may still post ring P2P), and after the
+#   device's last backward every chunk launches its buckets, chunk by chunk, on every rank;
 # * every bucket launches in the DDP's bucket order on every rank, whoever launches it:
 #   ``in_order_launch`` holds a bucket that is ready before its predecessors until they go.
 #   (Backward finishes buckets slightly out of order, e.g. 0, 1, 2, 4, 3 for the tiny GPT, and
@@ -158,17 +161,27 @@ class StepGradSync:
     explicit launch for ranks where none does."""
 
     def __init__(
-        self, model, micro_batches, forward_only: bool = False, last_backward: int | None = None, expert_parallel: int = 1
+        self,
+        model,
+        micro_batches,
+        forward_only: bool = False,
+        last_backward: int | None = None,
+        expert_parallel: int = 1,
+        reduce_in_backward: bool = True,
     ):
         """``last_backward``: the micro-batch whose backward this stage runs last (default:
-        the last one, as in 1F1B; a plan's stage order may end with another)."""
+        the last one, as in 1F1B; a plan's stage order may end with another).
+        ``reduce_in_backward=False``: no micro-batch reduces during its backward; every bucket
+        launches in ``launch_rest`` (one model chunk of several)."""
         self.model = model
         self.launcher = None if forward_only else in_order_launch(model)
         last = len(micro_batches) - 1 if last_backward is None else last_backward
         # under expert parallelism every backward runs MoE all-to-alls, which EP partners must
         # meet in the same order as on every rank: no bucket collective may come between them,
         # so every rank launches its buckets after its last backward
-        last_is_local = bool(micro_batches) and micro_batches[last].ring is None and expert_parallel == 1
+        last_is_local = (
+            reduce_in_backward and bool(micro_batches) and micro_batches[last].ring is None and expert_parallel == 1
+        )
         self.sync_index = last if self.launcher is not None and last_is_local else None
         if not forward_only and overlaps_param_gather(model):
             self._gather_params(idle=not micro_batches)

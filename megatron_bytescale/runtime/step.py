@@ -35,7 +35,7 @@ from ..errors import ConfigError, PlanError
 from .batch import StepBatch
 from .context import active_micro_batch
 from ..planner.pipeline_order import BACKWARD, crossing_order_mismatch, plan_pipeline_deadlock
-from .grad_sync import StepGradSync, overlaps_grad_reduce, overlaps_param_gather
+from .grad_sync import StepGradSync, overlaps_param_gather
 from .layout import MicroBatchLayout
 from .padding import pad_micro_batch, sequence_parallel_multiple
 from .pipeline import StageLink, gradient_group, run_one_f_one_b
@@ -256,7 +256,7 @@ def run_hdp_step(
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     virtual = len(chunks)
     if virtual > 1:
-        _refuse_overlap_with_chunks(chunks)
+        _refuse_param_gather_with_chunks(chunks)
     rank = dist.get_rank(group)
     pp_group = _pipeline_group(pg_collection)
     check_step_agreement(step, group, pp_group, virtual)
@@ -273,12 +273,14 @@ def run_hdp_step(
     active: dict[tuple[int, int], tuple] = {}  # (micro-batch, chunk) -> (layout, positions), for its backward
     order = step.plan.stage_order(rank, link.stage)  # None: 1F1B (interleaved with chunks)
     last_backward = next((op[1] for op in reversed(order) if op[0] == BACKWARD), None) if order else None
-    if virtual == 1:
-        sync = StepGradSync(
-            chunks[0], [d.micro_batch for d in step.micro_batches], forward_only, last_backward, step.plan.expert_parallel
+    # one per model chunk (each its own DDP); with several, buckets launch after the last backward
+    syncs = [
+        StepGradSync(
+            chunk, [d.micro_batch for d in step.micro_batches], forward_only, last_backward, step.plan.expert_parallel,
+            reduce_in_backward=virtual == 1,
         )
-    else:  # no overlapped reduction with chunks (refused above): finalize_model_grads reduces
-        sync = None
+        for chunk in chunks
+    ]
     multiple = sequence_parallel_multiple(config)  # sequence parallelism: tokens padded to TP
 
     def forward(i: int, c: int, input_tensor):
@@ -324,8 +326,7 @@ def run_hdp_step(
         layout, positions = active.pop((i, c))
         # Activation recompute re-runs layer forwards here, ring attention included: the layout
         # is active again (and its recomputed KV hops are counted), offloading not.
-        around = sync.backward(i) if sync is not None else contextlib.nullcontext()
-        with active_micro_batch(layout, positions, group=group, counter=counter), around:
+        with active_micro_batch(layout, positions, group=group, counter=counter), syncs[c].backward(i):
             grad = backward_step(input_tensor, output_tensor, output_grad, model_type, config)
         stats.compute_s += time.perf_counter() - start
         _chunk_done(i, counter.wait_s - wait0)
@@ -375,7 +376,7 @@ def run_hdp_step(
     stats.pipeline_bytes = link.bytes_sent
 
     if config.finalize_model_grads_func is not None and not forward_only:
-        if sync is not None:
+        for sync in syncs:  # chunk by chunk, the same order on every rank
             sync.launch_rest()
         config.finalize_model_grads_func(
             chunks, total_tokens if config.calculate_per_token_loss else None, pg_collection=pg_collection
@@ -397,14 +398,14 @@ def _no_sync(config):
     return stack
 
 
-def _refuse_overlap_with_chunks(chunks) -> None:
-    """Overlapped gradient reduction and parameter gathering decide per DDP module which
-    micro-batch launches its buckets; with model chunks that is not done (yet): refuse."""
+def _refuse_param_gather_with_chunks(chunks) -> None:
+    """The overlapped parameter all-gather is dispatched per DDP module at the step's start
+    (``grad_sync``); with model chunks that path is not tested: refuse it."""
     for chunk in chunks:
-        if overlaps_grad_reduce(chunk) or overlaps_param_gather(chunk):
+        if overlaps_param_gather(chunk):
             raise ConfigError(
-                "--overlap-grad-reduce / --overlap-param-gather with virtual pipeline stages: HDP launches "
-                "overlapped buckets for one model chunk only; drop them or the virtual pipeline stages"
+                "--overlap-param-gather with virtual pipeline stages: HDP dispatches the overlapped parameter "
+                "all-gather for one model chunk only; drop --overlap-param-gather or the virtual pipeline stages"
             )
 
 
