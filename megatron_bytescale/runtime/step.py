@@ -133,7 +133,9 @@ def check_step_agreement(step: StepBatch | None, group, pp_group=None, chunks: i
                 raise PlanError(expert_problem)
             if stages > 1 or step.plan.stage_orders is not None or chunks > 1:
                 stuck = plan_pipeline_deadlock(step.plan, stages)
-                schedule = "its stage orders" if step.plan.stage_orders is not None else "1F1B"
+                schedule = (
+                    "its stage orders" if step.plan.stage_orders is not None else "the interleaved order" if chunks > 1 else "1F1B"
+                )
                 if stuck:
                     raise PlanError(
                         f"this plan's micro-batch order deadlocks under {schedule} with {stages} stages ({stuck}); "
