@@ -134,19 +134,20 @@ def order_runs(
 
 
 def rank_estimates(
-    ordered: Ordered, stages: int, ring_time: dict[int, float], forward_share: float = FORWARD_SHARE
+    ordered: Ordered, stages: int, ring_time: dict[int, float], forward_share: float = FORWARD_SHARE, chunks: int = 1
 ) -> list[float]:
     """Estimated seconds per rank. Without pipelines: its clock (micro-batches back to back,
     each ring starting when its last member reaches it). With pipelines: its finish when
     every rank runs 1F1B and rings start on each stage when all members are ready there
     (``pipelined_finish_times``; a ring counts its slowest member's time), which is how the
-    simulator runs them; an order that would deadlock gets each rank's 1F1B makespan
+    simulator runs them; with ``chunks`` model chunks per device, the interleaved order); an
+    order that would deadlock gets each rank's 1F1B makespan
     (``estimate.one_f_one_b_time``) or clock, the longer."""
     times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
     if stages <= 1:
         return list(ordered.clock)
     keys = [[None if isinstance(x, LocalBatch) else x for x in run] for run in ordered.runs]
-    finish = pipelined_finish_times(keys, times, stages, forward_share)
+    finish = pipelined_finish_times(keys, times, stages, forward_share, chunks=chunks)
     if finish is not None:
         return finish
     return [max(clock, one_f_one_b_time(t, stages, forward_share)) for clock, t in zip(ordered.clock, times)]

@@ -203,7 +203,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         )
     ring_time = {u: units[u].time for u in assignment.members}
     ranks = _build(lens, units, ordered.members or assignment.members, ordered.runs, placer.ranks_per_node, cost)
-    est = np.array(rank_estimates(ordered, stages, ring_time, cost.forward_share))
+    est = np.array(rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages))
     stage_orders, one_f_one_b_est, notes = None, float(est.max()) if est.size else 0.0, []
     if stages > 1 and config.pipeline_schedule == "search":
         found = _search_stage_orders(ordered, stages, ring_time, cost)
@@ -324,7 +324,9 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     for _, shards, target, units, assignment, scale in sorted(candidates, key=lambda c: c[0])[:PIPELINE_ORDERED]:
         ordered = _order(lens, units, assignment, config, cost, placer, fallback=False)
         ring_time = {u: units[u].time for u in assignment.members}
-        step = float("inf") if ordered.deadlock else max(rank_estimates(ordered, stages, ring_time, cost.forward_share), default=0.0)
+        step = float("inf") if ordered.deadlock else max(
+            rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages), default=0.0
+        )
         if best is None or step < best[0]:
             best = (step, shards, target, units, assignment, scale, ordered)
     step, shards, target, units, assignment, scale, ordered = best
