@@ -42,7 +42,7 @@ from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
 from .expert_slots import GroupPlacer, align_expert_slots, check_expert_parallel, round_rings_to_groups, slot_finish_times
 from .offload_policy import host_capacity
-from .pipeline_order import Item, LocalBatch, Ordered, encode_stage_orders, order_runs, rank_estimates
+from .pipeline_order import Item, LocalBatch, Ordered, encode_stage_orders, find_pipeline_deadlock, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
 from .plan import MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_pieces
 from . import two_level
@@ -205,13 +205,25 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     ranks = _build(lens, units, ordered.members or assignment.members, ordered.runs, placer.ranks_per_node, cost)
     est = np.array(rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages))
     stage_orders, one_f_one_b_est, notes = None, float(est.max()) if est.size else 0.0, []
-    if stages > 1 and config.pipeline_schedule == "search":
-        found = _search_stage_orders(ordered, stages, ring_time, cost)
+    chunks = config.virtual_stages
+    if stages > 1 and (config.pipeline_schedule == "search" or chunks > 1):
+        # With virtual stages the slot alignment of pipeline_order (made for 1F1B) does not
+        # keep the interleaved order free of deadlock, so chunk orders are always searched:
+        # the list schedule over chunk ops (memory cap p x V chunk forwards: the activations
+        # of 1F1B's p micro-batches, what capacity, offload ratios and the host budget are
+        # sized for) against the default interleaved order; the shorter safe one is kept.
+        found = _search_stage_orders(ordered, stages, ring_time, cost, chunks)
+        base = "1F1B" if chunks == 1 else "the interleaved order"
         if found is not None:
-            stage_orders, est = encode_stage_orders(found.orders), np.array(found.finish)
+            stage_orders, est = encode_stage_orders(found.orders, chunks), np.array(found.finish)
+        elif chunks > 1 and find_pipeline_deadlock(_run_keys(ordered), stages, None, chunks):
+            raise PlanError(
+                f"no deadlock-free order of {chunks} model chunks over {stages} pipeline stages found for this batch; "
+                "use --vpp 1 or fewer pipeline stages"
+            )
         notes.append(
             "searched stage orders: "
-            + (f"kept ({found.makespan:.4g} s against 1F1B's {one_f_one_b_est:.4g} s)" if found else "none shorter than 1F1B")
+            + (f"kept ({found.makespan:.4g} s against {base}'s {one_f_one_b_est:.4g} s)" if found else f"none shorter than {base}")
         )
 
     plan = Plan(
@@ -284,11 +296,16 @@ def _order(
     )
 
 
-def _search_stage_orders(ordered: Ordered, stages: int, ring_time: dict[int, float], cost: CostModel):
-    """Per-stage orders shorter than 1F1B for the ordered runs (``stage_schedule``), or None."""
-    keys = [[None if isinstance(x, LocalBatch) else x for x in run] for run in ordered.runs]
+def _search_stage_orders(ordered: Ordered, stages: int, ring_time: dict[int, float], cost: CostModel, chunks: int = 1):
+    """Per-stage orders shorter than 1F1B (with chunks: the interleaved order) for the
+    ordered runs (``stage_schedule``), or None."""
     times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
-    return stage_schedule(keys, times, stages, cost.forward_share)
+    return stage_schedule(_run_keys(ordered), times, stages, cost.forward_share, chunks=chunks)
+
+
+def _run_keys(ordered: Ordered) -> list[list[int | None]]:
+    """Per rank and item: its ring unit, None for local work (``find_pipeline_deadlock``'s keys)."""
+    return [[None if isinstance(x, LocalBatch) else x for x in run] for run in ordered.runs]
 
 
 def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: RingPlacer):

@@ -195,8 +195,11 @@ def stage_schedule(
     from .pipeline_order import interleaved_order  # pipeline_order imports this module
 
     p = stages
-    cap = p * chunks if cap is None else cap
-    if cap < 1:
+    # With chunks: first 1F1B's memory (p x V chunk forwards); gangs of rings can stall each
+    # other under it, so also Megatron's interleaved warm-up (p x V + p - 1: what the
+    # default interleaved order holds on the first device anyway); the shorter is kept.
+    caps = ([p] if chunks == 1 else [p * chunks, p * chunks + p - 1]) if cap is None else [cap]
+    if min(caps) < 1:
         raise ValueError(f"cap must be >= 1 micro-batch in flight, got {cap}")
     ops = _Ops(ring_keys, times, p, forward_share, chunks)
     if base_orders is None:
@@ -205,13 +208,20 @@ def stage_schedule(
     base_end = ops.evaluate(base)
     best = None
     best_time = max(ops.finish(base_end), default=0.0) if base_end is not None else float("inf")
-    seqs = _list_schedule(ops, cap)
-    if seqs is not None:
-        end = ops.evaluate(seqs)
-        if end is not None:
-            t = max(ops.finish(end), default=0.0)
-            if t < best_time * (1 - 1e-9):
-                best = (seqs, end)
+    ran = False
+    if cap is None and chunks > 1:  # only if both stall: more memory, then no cap (the peak is reported)
+        caps += [2 * p * chunks, ops.total]
+    for c in caps:
+        if ran and c > p * chunks + p - 1:
+            break
+        seqs = _list_schedule(ops, c)
+        ran = ran or seqs is not None
+        if seqs is not None:
+            end = ops.evaluate(seqs)
+            if end is not None:
+                t = max(ops.finish(end), default=0.0)
+                if t < best_time * (1 - 1e-9):
+                    best, best_time = (seqs, end), t
     if best is None:
         return None
     seqs, end = best
