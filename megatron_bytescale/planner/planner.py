@@ -204,7 +204,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     ring_time = {u: units[u].time for u in assignment.members}
     ranks = _build(lens, units, ordered.members or assignment.members, ordered.runs, placer.ranks_per_node, cost)
     est = np.array(rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages))
-    stage_orders, one_f_one_b_est, notes = None, float(est.max()) if est.size else 0.0, []
+    stage_orders, one_f_one_b_est, notes, found_cap = None, float(est.max()) if est.size else 0.0, [], None
     chunks = config.virtual_stages
     if stages > 1 and (config.pipeline_schedule == "search" or chunks > 1):
         # With virtual stages the slot alignment of pipeline_order (made for 1F1B) does not
@@ -216,6 +216,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         base = "1F1B" if chunks == 1 else "the interleaved order"
         if found is not None:
             stage_orders, est = encode_stage_orders(found.orders, chunks), np.array(found.finish)
+            found_cap = found.cap
         elif chunks > 1 and find_pipeline_deadlock(_run_keys(ordered), stages, None, chunks):
             raise PlanError(
                 f"no deadlock-free order of {chunks} model chunks over {stages} pipeline stages found for this batch; "
@@ -270,7 +271,10 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
             "rings_placed_again": ordered.members is not None,
         },
         # with pipeline_schedule="search": the 1F1B estimate the stage orders beat (if found)
-        "stage_orders": {"found": stage_orders is not None, "one_f_one_b_est_s": one_f_one_b_est},
+        # (with virtual stages the base is the interleaved order; chunk_cap: the chunk forwards
+        # a device may hold under the orders found, None for the interleaved order)
+        "stage_orders": {"found": stage_orders is not None, "one_f_one_b_est_s": one_f_one_b_est,
+                         "chunk_cap": found_cap},
         **({"notes": notes} if notes else {}),
         "plan_time_s": time.perf_counter() - t0,
     }

@@ -51,7 +51,8 @@ _EPS = 1e-12
 class StageSchedule:
     orders: list[list[list[tuple[int, int]]]]  # per rank, per stage: (direction, micro-batch) in run order
     finish: list[float]  # estimated finish per rank (its stages' last end)
-    peak_in_flight: int  # most micro-batches any stage held between forward and backward
+    peak_in_flight: int  # most micro-batches (chunk forwards) any stage held between forward and backward
+    cap: int = 0  # the memory cap the orders were scheduled under (chunk forwards with chunks)
 
     @property
     def makespan(self) -> float:
@@ -221,11 +222,11 @@ def stage_schedule(
             if end is not None:
                 t = max(ops.finish(end), default=0.0)
                 if t < best_time * (1 - 1e-9):
-                    best, best_time = (seqs, end), t
+                    best, best_time = (seqs, end, c), t
     if best is None:
         return None
-    seqs, end = best
-    return StageSchedule(ops.orders(seqs), ops.finish(end), ops.peak(seqs))
+    seqs, end, c = best
+    return StageSchedule(ops.orders(seqs), ops.finish(end), ops.peak(seqs), c)
 
 
 def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
@@ -235,7 +236,11 @@ def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
     size, pos, dur, res_of = ops.size, ops.pos, ops.dur, ops.res
     nres = n * p
     busy_until = [0.0] * nres
+    # memory in chunk forwards: a micro-batch entering a device (its chunk 0 there) reserves
+    # the places of all its V chunks at once, released by its backwards, so its later chunks
+    # never wait for memory that earlier micro-batches hold (no memory deadlock across chunks)
     inflight = [0] * nres
+    v = ops.v
     announced: list[set[int]] = [set() for _ in range(nres)]  # known ready time, not started
     ready_at = [0.0] * ops.total
     started = [False] * ops.total
@@ -297,7 +302,7 @@ def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
         def full(q: int) -> bool:
             f = full_memo.get(q)
             if f is None:
-                f = full_memo[q] = any(inflight[x] >= cap for x in res_of[q // 2])
+                f = full_memo[q] = (q // 2) % vp < p and any(inflight[x] + v > cap for x in res_of[q // 2])
             return f
 
         cands = set()
@@ -313,7 +318,8 @@ def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
             if any(busy_until[res] > t + _EPS for res in resources):
                 continue
             d, me = op % 2, size[op // (2 * vp)]
-            if d == FORWARD and any(inflight[res] >= cap for res in resources):
+            enters = d == FORWARD and (op // 2) % vp < p  # chunk 0: the micro-batch enters the device
+            if enters and any(inflight[res] + v > cap for res in resources):
                 continue
             if not in_turn(op):
                 continue
@@ -326,7 +332,7 @@ def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
                     if q % 2 == FORWARD:
                         if full(q):
                             continue  # waits for memory anyway: no reservation
-                        if d == FORWARD and cap > 1 and inflight[res] + 1 >= cap:
+                        if enters and cap > v and inflight[res] + 2 * v > cap:
                             ok = False  # keep the larger ring's forward a place on this stage
                             break
                     if op_end > est_of(q) + _EPS:
@@ -344,7 +350,7 @@ def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
             for res in resources:
                 busy_until[res] = op_end
                 announced[res].discard(op)
-                inflight[res] += 1 if d == FORWARD else -1
+                inflight[res] += (v if enters else 0) if d == FORWARD else -1
                 seqs[res].append(op)
                 if d == FORWARD:
                     if vs < vp - 1:

@@ -584,7 +584,9 @@ def pipeline_ring_floor(plan: Plan, cluster: Cluster, cost: CostModel) -> float:
     alone, which other work cannot shorten (it can only fill the idle stages around them).
     With ``V`` model chunks per device (``plan.virtual_stages``) a forward crosses the
     ``p - 1`` devices above the last one chunk by chunk, ``F_i / V`` each, so both bubble
-    terms shrink by ``V``: ``(m + (p - 1) / V) x`` one ring's stage time."""
+    terms shrink by ``V``: ``(m + (p - 1) / V) x`` one ring's stage time. But one ring alone
+    still passes every virtual stage one after another, ``p (F_i + B_i)``, which no order
+    shortens: with fewer rings than stages (``m < p``) that chain is the floor."""
     p = cluster.pp
     if p <= 1:
         return 0.0
@@ -606,7 +608,8 @@ def pipeline_ring_floor(plan: Plan, cluster: Cluster, cost: CostModel) -> float:
     fs = [f for f, _ in spans.values()]
     bs = [b for _, b in spans.values()]
     v = plan.virtual_stages
-    return (p - 1) * min(fs) / v + sum(fs) + sum(bs) + (p - 1) * min(bs) / v
+    chain = p * max(f + b for f, b in zip(fs, bs))
+    return max((p - 1) * min(fs) / v + sum(fs) + sum(bs) + (p - 1) * min(bs) / v, chain)
 
 
 @dataclass
