@@ -45,6 +45,9 @@ from dataclasses import dataclass
 
 FORWARD, BACKWARD = 0, 1
 _EPS = 1e-12
+# With chunks, Megatron's warm-up cap is tried after 1F1B's only on batches of at most this
+# many operations (each try simulates every operation; ~2 s per 10^5 on one core)
+SECOND_CAP_OPS = 60_000
 
 
 @dataclass
@@ -212,8 +215,8 @@ def stage_schedule(
     ran = False
     if cap is None and chunks > 1:  # only if both stall: more memory, then no cap (the peak is reported)
         caps += [2 * p * chunks, ops.total]
-    for c in caps:
-        if ran and c > p * chunks + p - 1:
+    for i, c in enumerate(caps):
+        if ran and (c > p * chunks + p - 1 or (i > 0 and ops.total > SECOND_CAP_OPS)):
             break
         seqs = _list_schedule(ops, c)
         ran = ran or seqs is not None
