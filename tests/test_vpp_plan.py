@@ -190,3 +190,28 @@ def test_vpp_refusals_name_the_fix():
     with pytest.raises(ConfigError, match="whole number"):
         check_vpp(0, 2, 16)
     check_vpp(4, 2, 16)
+
+
+def test_cli_plans_and_simulates_with_vpp_and_refuses_bad_values(tmp_path, capsys):
+    from megatron_bytescale.cli import main
+
+    out = tmp_path / "p.json"
+    rc = main(["plan", "--model", "llama-7b", "--gpus", "16", "--capacity", "8K", "--pp", "2", "--vpp", "2",
+               "--lengths", "20K,2K,3K,1K,40K,5K", "--json", str(out)])
+    assert rc == 0
+    plan = Plan.from_json(out).validate()
+    assert plan.virtual_stages == 2
+    sim = ["simulate", "--gpus", "16", "--gpus-per-node", "4", "--context", "64K", "--capacity", "8K",
+           "--global-batch-tokens", "512K", "--pp", "2", "--steps", "1", "--strategies", "static,hdp-balanced"]
+    rc = main(sim + ["--vpp", "2", "--json", str(tmp_path / "s.json")])
+    text = capsys.readouterr().out
+    assert rc == 0 and "VPP 2" in text and "interleaved 1F1B" in text
+    import json
+
+    results = json.loads((tmp_path / "s.json").read_text())["results"]
+    for res in results.values():
+        assert res["virtual_stages"] == 2 and res["chunks_in_flight_max"] >= 2
+    for bad, problem in ((["--pp", "1", "--vpp", "2"], "needs pipeline stages"), (["--vpp", "3"], "does not divide the 16 layers")):
+        assert main(sim + bad) != 0
+        err = capsys.readouterr().err
+        assert problem in err and len(err.strip().splitlines()) == 1
