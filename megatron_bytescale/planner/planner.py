@@ -42,11 +42,11 @@ from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
 from .expert_slots import GroupPlacer, align_expert_slots, check_expert_parallel, round_rings_to_groups, slot_finish_times
 from .offload_policy import host_capacity
-from .pipeline_order import Item, LocalBatch, Ordered, encode_stage_orders, find_pipeline_deadlock, order_runs, rank_estimates
+from .pipeline_order import Item, LocalBatch, Ordered, encode_stage_orders, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
 from .plan import MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_pieces
 from . import two_level
-from .stage_schedule import stage_schedule
+from .stage_schedule import chunk_schedule, stage_schedule
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
 from .zigzag import rank_tokens
 
@@ -206,25 +206,32 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     est = np.array(rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages))
     stage_orders, one_f_one_b_est, notes, found_cap = None, float(est.max()) if est.size else 0.0, [], None
     chunks = config.virtual_stages
-    if stages > 1 and (config.pipeline_schedule == "search" or chunks > 1):
+    if stages > 1 and chunks > 1:
         # With virtual stages the slot alignment of pipeline_order (made for 1F1B) does not
-        # keep the interleaved order free of deadlock, so chunk orders are always searched:
-        # the list schedule over chunk ops (memory cap p x V chunk forwards: the activations
-        # of 1F1B's p micro-batches, what capacity, offload ratios and the host budget are
-        # sized for) against the default interleaved order; the shorter safe one is kept.
-        found = _search_stage_orders(ordered, stages, ring_time, cost, chunks)
-        base = "1F1B" if chunks == 1 else "the interleaved order"
-        if found is not None:
-            stage_orders, est = encode_stage_orders(found.orders, chunks), np.array(found.finish)
-            found_cap = found.cap
-        elif chunks > 1 and find_pipeline_deadlock(_run_keys(ordered), stages, None, chunks):
+        # keep the default interleaved order free of deadlock, so chunk orders are always
+        # chosen (stage_schedule.chunk_schedule): the default and slot-aligned interleaved
+        # orders (at most Megatron's p V + p - 1 chunk forwards in flight) and the list
+        # schedule over chunk ops (p V first: the activations of 1F1B's p micro-batches, what
+        # capacity, offload ratios and the host budget are sized for); the shortest safe one.
+        times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
+        chosen = chunk_schedule(_run_keys(ordered), times, stages, cost.forward_share, chunks)
+        if chosen is None:
             raise PlanError(
                 f"no deadlock-free order of {chunks} model chunks over {stages} pipeline stages found for this batch; "
                 "use --vpp 1 or fewer pipeline stages"
             )
+        orders, finish, found_cap, what = chosen
+        est = np.array(finish)
+        if orders is not None:
+            stage_orders = encode_stage_orders(orders, chunks)
+        notes.append(f"chunk orders: {what}")
+    elif stages > 1 and config.pipeline_schedule == "search":
+        found = _search_stage_orders(ordered, stages, ring_time, cost)
+        if found is not None:
+            stage_orders, est = encode_stage_orders(found.orders), np.array(found.finish)
         notes.append(
             "searched stage orders: "
-            + (f"kept ({found.makespan:.4g} s against {base}'s {one_f_one_b_est:.4g} s)" if found else f"none shorter than {base}")
+            + (f"kept ({found.makespan:.4g} s against 1F1B's {one_f_one_b_est:.4g} s)" if found else "none shorter than 1F1B")
         )
 
     plan = Plan(
@@ -300,11 +307,10 @@ def _order(
     )
 
 
-def _search_stage_orders(ordered: Ordered, stages: int, ring_time: dict[int, float], cost: CostModel, chunks: int = 1):
-    """Per-stage orders shorter than 1F1B (with chunks: the interleaved order) for the
-    ordered runs (``stage_schedule``), or None."""
+def _search_stage_orders(ordered: Ordered, stages: int, ring_time: dict[int, float], cost: CostModel):
+    """Per-stage orders shorter than 1F1B for the ordered runs (``stage_schedule``), or None."""
     times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
-    return stage_schedule(_run_keys(ordered), times, stages, cost.forward_share, chunks=chunks)
+    return stage_schedule(_run_keys(ordered), times, stages, cost.forward_share)
 
 
 def _run_keys(ordered: Ordered) -> list[list[int | None]]:

@@ -385,3 +385,42 @@ def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
             if nxt is not None:
                 todo.update(res_of[nxt // 2])
     return seqs
+
+
+def chunk_schedule(
+    ring_keys: Sequence[Sequence[object | None]], times: Sequence[Sequence[float]], stages: int, forward_share: float,
+    chunks: int,
+) -> tuple[list | None, list[float], int, str] | None:
+    """Chunk orders for pipelines of ``chunks`` model chunks per device: the shortest estimated
+    of the default interleaved order (if it does not deadlock), the slot-aligned interleaved
+    orders (``pipeline_order.slot_interleaved_orders``: safe whenever the rings sit at one
+    slot, as ``order_runs`` places them) and, where they all deadlock or the batch is small,
+    the list schedule over chunk operations (``stage_schedule``). Returns (orders, None for
+    the default; finish per rank; the most chunk forwards a device may hold under them; what
+    was kept), or None if every candidate deadlocks."""
+    from .pipeline_order import pipelined_finish_times, slot_interleaved_orders
+
+    p = stages
+    megatron_cap = p * chunks + p - 1  # Megatron's interleaved warm-up, first device
+    cands = []
+    finish = pipelined_finish_times(ring_keys, times, p, forward_share, None, chunks)
+    if finish is not None:
+        cands.append((max(finish, default=0.0), None, finish, "the interleaved order"))
+    for slot_times in (False, True):
+        orders = slot_interleaved_orders(ring_keys, times, p, chunks, forward_share, slot_times)
+        finish = None if orders is None else pipelined_finish_times(ring_keys, times, p, forward_share, orders, chunks)
+        if finish is not None:
+            name = "the slot-aligned interleaved order" + (" (slot times)" if slot_times else "")
+            cands.append((max(finish, default=0.0), orders, finish, name))
+    best = min(cands, key=lambda c: c[0]) if cands else None
+    ops = 2 * p * chunks * sum(len(k) for k in ring_keys)
+    if best is None or ops <= SECOND_CAP_OPS:
+        found = stage_schedule(ring_keys, times, p, forward_share, chunks=chunks,
+                               base_orders=None if best is None else best[1])
+        if found is not None and (best is None or found.makespan < best[0]):
+            what = f"the list schedule ({found.makespan:.4g} s" + (f" against {best[3]}'s {best[0]:.4g} s)" if best else ")")
+            return found.orders, found.finish, found.cap, what
+    if best is None:
+        return None
+    others = ", ".join(f"{c[3]} {c[0]:.4g} s" for c in cands if c is not best)
+    return best[1], best[2], megatron_cap, f"{best[3]} ({best[0]:.4g} s" + (f"; {others})" if others else ")")
