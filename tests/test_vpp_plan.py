@@ -215,3 +215,37 @@ def test_cli_plans_and_simulates_with_vpp_and_refuses_bad_values(tmp_path, capsy
         assert main(sim + bad) != 0
         err = capsys.readouterr().err
         assert problem in err and len(err.strip().splitlines()) == 1
+
+
+@st.composite
+def slot_aligned_pipelines(draw):
+    """Pipelines whose rings each sit at one slot (index + the rank's offset) on all members,
+    as ``order_runs`` places them; the counts differ, so the default interleaved order may
+    deadlock."""
+    n = draw(st.integers(1, 4))
+    p = draw(st.sampled_from([2, 3, 4]))
+    v = draw(st.sampled_from([2, 3]))
+    offsets = [draw(st.integers(0, 3)) for _ in range(n)]
+    counts = [draw(st.integers(0, 6)) for _ in range(n)]
+    keys = [[None] * c for c in counts]
+    for s in range(max(o + c for o, c in zip(offsets, counts))):
+        here = [r for r in range(n) if offsets[r] <= s < offsets[r] + counts[r]]
+        if len(here) >= 2 and draw(st.booleans()):
+            ring = draw(st.sets(st.sampled_from(here), min_size=2))
+            for r in ring:
+                keys[r][s - offsets[r]] = ("ring", s)
+    times = [[draw(st.floats(0.1, 5.0)) for _ in k] for k in keys]
+    return keys, times, p, v
+
+
+@settings(max_examples=80, deadline=None)
+@given(slot_aligned_pipelines())
+def test_slot_aligned_interleaved_orders_never_deadlock(case):
+    from megatron_bytescale.planner.pipeline_order import slot_interleaved_orders
+
+    keys, times, p, v = case
+    for slot_times in (False, True):
+        orders = slot_interleaved_orders(keys, times, p, v, FORWARD_SHARE, slot_times)
+        assert orders is not None
+        check_chunk_orders(keys, orders, p, v)
+        assert chunk_peak(orders) <= p * v + p - 1
