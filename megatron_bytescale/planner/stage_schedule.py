@@ -35,6 +35,13 @@ members, and the bubble around a ring that spans every pipeline is set by memory
 order. Work that enters the pipeline after the ring's forward sits between its forward
 and backward waves until the backward passes, and a stage holds ``p`` micro-batches, so at
 most ``p - 1`` micro-batches ahead of the ring can use the stages it leaves idle.
+
+With ``chunks = V > 1`` model chunks per device the same list schedule runs over chunk
+operations (``P = p V`` virtual stages, virtual stage ``vs`` on device ``vs % p``; one
+message stream per device pair and direction; memory in chunk forwards, a micro-batch
+reserving its ``V`` places when it enters a device). ``chunk_schedule`` puts it beside the
+default and slot-aligned interleaved orders (``pipeline_order``) and keeps the shortest: on
+PP-balance plans of 2M-context batches the slot-aligned order with slot times wins.
 """
 
 from __future__ import annotations
