@@ -4,7 +4,9 @@ list schedule are complete, safe and within their memory cap, and plans with V >
 every token once and are estimated as the simulator runs them."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from planner_cases import draw_lengths, small_cost
 
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.planner.cost_model import FORWARD_SHARE, CostModel
@@ -23,8 +25,6 @@ from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.stage_schedule import stage_schedule
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import evaluate, pipeline_ring_floor, simulate
-
-from planner_cases import draw_lengths, small_cost
 
 MS = 1e-3
 
