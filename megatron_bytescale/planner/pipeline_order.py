@@ -545,7 +545,8 @@ def _interleaved_orders(count: int, stages: int, chunks: int) -> tuple[tuple[tup
     run that completed, so they cannot deadlock, whatever ``count`` is (Megatron's fixed
     warm-up counts deadlock when ``count`` is not a multiple of ``stages``). Forwards last 1,
     backwards 2."""
-    return tuple(tuple(o) for o in _run_one_pipeline([1.0] * count, [2.0] * count, stages, chunks))
+    # chunk ops of 1 and 2 exactly (``_run_one_pipeline`` divides by ``chunks``)
+    return tuple(tuple(o) for o in _run_one_pipeline([1.0 * chunks] * count, [2.0 * chunks] * count, stages, chunks))
 
 
 def _run_one_pipeline(fwd: Sequence[float], bwd: Sequence[float], stages: int, chunks: int) -> list[list[tuple[int, int, int]]]:
