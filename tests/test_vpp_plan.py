@@ -249,3 +249,13 @@ def test_slot_aligned_interleaved_orders_never_deadlock(case):
         assert orders is not None
         check_chunk_orders(keys, orders, p, v)
         assert chunk_peak(orders) <= p * v + p - 1
+
+
+def test_interleaved_order_is_pinned():
+    """The runtime runs this order: the planner's generalisations must not move it (V = 3
+    once drifted through rounding of thirds)."""
+    f = [(FORWARD, m, c) for c in range(3) for m in range(4)]
+    last = f[:9] + [x for m in range(4) for x in ((BACKWARD, m, 2), (FORWARD, m + 1, 2))][:7]
+    last += [(BACKWARD, m, c) for c in (1, 0) for m in range(4)]
+    last += [(FORWARD, 4, c) for c in range(3)] + [(BACKWARD, 4, c) for c in (2, 1, 0)]
+    assert interleaved_order(5, 4, 3, 3) == last
