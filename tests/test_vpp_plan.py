@@ -206,6 +206,7 @@ def test_cli_plans_and_simulates_with_vpp_and_refuses_bad_values(tmp_path, capsy
     rc = main(sim + ["--vpp", "2", "--json", str(tmp_path / "s.json")])
     text = capsys.readouterr().out
     assert rc == 0 and "VPP 2" in text and "interleaved 1F1B" in text
+    assert "chunk forwards a device holds at most (1F1B's memory: 4; Megatron's interleaved warm-up: 5)" in text
     import json
 
     results = json.loads((tmp_path / "s.json").read_text())["results"]

@@ -234,6 +234,13 @@ def format_table(report: SimReport) -> str:
             "ring micro-batches spanning every pipeline alone, in any stage order (a floor of the step, s per step; "
             "0: no such ring): " + "; ".join(floors)
         )
+    if report.config.vpp > 1:
+        p, v = report.config.pp, report.config.vpp
+        held = [f"{n} {max(r['chunks_in_flight_max'] for r in rows):.0f}" for n, rows in report.steps.items() if rows]
+        lines.append(
+            f"chunk forwards a device holds at most (1F1B's memory: {p * v}; Megatron's interleaved warm-up: "
+            f"{p * v + p - 1}): " + "; ".join(held)
+        )
     reduce = [f"{n} {m['exposed_grad_reduce_s']:.2f} -> {m['exposed_grad_reduce_overlap_s']:.2f}"
               for n, m in med.items() if "exposed_grad_reduce_s" in m]
     if reduce:
