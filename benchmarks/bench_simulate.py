@@ -28,6 +28,14 @@ estimate against the simulated step.
 
     PYTHONPATH=. python benchmarks/bench_simulate.py --pipeline-grid [--dataset github] [--steps 2] [--json OUT]
 
+Virtual pipeline stages (``--vpp-grid``): LLaMA-70B on 8,192 GPUs, TP 8, PP 4, with 1, 2
+and 4 model chunks per device for every strategy (static runs Megatron's interleaved 1F1B
+over its micro-batches): medians of static's and hdp-balanced's step, of hdp-balanced's
+ratios to static and to the lower bound, of the planner's estimate against the simulated
+step, of the floor of rings spanning every pipeline, and of the chunk forwards a device holds.
+
+    PYTHONPATH=. python benchmarks/bench_simulate.py --vpp-grid [--dataset github] [--steps 2] [--json OUT]
+
 Expert parallelism (``--ep-grid``): the MoE models on 1,024 GPUs without pipelines (EP needs
 PP 1 under HDP), Mistral-8x7B at TP 2 with EP 1 and 4 (an EP group in one node) and
 Mistral-8x22B at TP 4 with EP 1, 2 and 8 (across four nodes): medians of static's and
@@ -124,6 +132,46 @@ def pipeline_grid(argv: list[str]) -> int:
     return _write_rows(args.json, rows)
 
 
+# the virtual-stage rows: LLaMA-70B, TP 8, PP 4, V chunks per device
+VPP_GRID = (1, 2, 4)
+VPP_FLAGS = ["--gpus", "8192", "--tp", "8", "--pp", "4", "--model", "llama-70b", "--strategies", "static,hdp-balanced"]
+
+
+def vpp_grid(argv: list[str]) -> int:
+    """One row per V: medians over the steps (ratios taken per step)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    ap.add_argument("--vpp-grid", action="store_true")
+    rows = []
+    for v in VPP_GRID:
+        args = ap.parse_args(HEADLINE + VPP_FLAGS + argv + ["--vpp", str(v)])
+        cfg = config_from_args(args)
+        report = run(cfg)
+        per_step = list(zip(report.steps["static"], report.steps["hdp-balanced"]))
+        rows.append({
+            "model": cfg.model, "pp": cfg.pp, "vpp": v, "dataset": cfg.dataset, "steps": len(per_step), "gpus": cfg.gpus,
+            "static_s": _median([s["step_time_s"] for s, _ in per_step]),
+            "balanced_s": _median([b["step_time_s"] for _, b in per_step]),
+            "balanced_vs_static": _median([s["step_time_s"] / b["step_time_s"] for s, b in per_step]),
+            "balanced_x_lb": _median([b["x_lower_bound"] for _, b in per_step]),
+            "lower_bound_s": _median([b["lower_bound_s"] for _, b in per_step]),
+            "ring_floor_s": _median([b["pipeline_ring_floor_s"] for _, b in per_step]),
+            "estimate_vs_sim": _median([b["planner_estimate_s"] / b["step_time_s"] for _, b in per_step]),
+            "chunks_in_flight_max": max(b["chunks_in_flight_max"] for _, b in per_step),
+            "host_gb_max_gpu": max(b["host_bytes_max_gpu"] for _, b in per_step) / 1e9,
+            "plan_s": _median([b["plan_time_s"] for _, b in per_step]),
+        })
+        r = rows[-1]
+        print(
+            f"{cfg.model} PP {cfg.pp} VPP {v}  static {r['static_s']:7.2f}  balanced {r['balanced_s']:7.2f}"
+            f"  vs static {r['balanced_vs_static']:5.2f}x  x LB {r['balanced_x_lb']:5.2f}  ring floor {r['ring_floor_s']:6.2f}"
+            f"  estimate/sim {r['estimate_vs_sim']:5.3f}  chunks in flight {r['chunks_in_flight_max']}"
+            f"  host {r['host_gb_max_gpu']:5.1f} GB  plan {r['plan_s']:5.2f} s",
+            flush=True,
+        )
+    return _write_rows(args.json, rows)
+
+
 def _write_rows(path: str | None, rows: list[dict]) -> int:
     if path:
         Path(path).write_text(json.dumps(rows, indent=2) + "\n")
@@ -167,6 +215,8 @@ def main() -> int:
         return pipeline_grid(sys.argv[1:])
     if "--ep-grid" in sys.argv[1:]:
         return ep_grid(sys.argv[1:])
+    if "--vpp-grid" in sys.argv[1:]:
+        return vpp_grid(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     args = ap.parse_args(HEADLINE + sys.argv[1:])

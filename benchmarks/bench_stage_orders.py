@@ -17,6 +17,11 @@ beside the lower bound (all FLOPs spread over all GPUs) and the floor of the rin
 every pipeline (``sim.timeline.pipeline_ring_floor``: what no stage order beats). Search
 results are simulated through ``Plan.stage_orders``; a search that finds nothing shorter
 than 1F1B reports 1F1B's step.
+
+With ``--vpp V`` (> 1) the rows are the hdp-balanced plan with V model chunks per device as
+the planner makes it (``planned``) and the list schedule over chunk operations alone at three
+memory caps: ``p V`` chunk forwards (1F1B's activations), ``p V + p - 1`` (Megatron's
+interleaved warm-up) and none (a what-if): what memory leaves to any order.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from megatron_bytescale.data.workloads import sample_lengths  # noqa: E402
 from megatron_bytescale.errors import PlanError  # noqa: E402
 from megatron_bytescale.planner.estimate import crosses_nodes, micro_batch_time  # noqa: E402
 from megatron_bytescale.planner.pipeline_order import FORWARD, BACKWARD, encode_stage_orders, plan_ring_keys  # noqa: E402
-from megatron_bytescale.planner.stage_schedule import stage_schedule  # noqa: E402
+from megatron_bytescale.planner.stage_schedule import _list_schedule, _Ops, stage_schedule  # noqa: E402
 from megatron_bytescale.sim.simulate import add_arguments, check_config, config_from_args  # noqa: E402
 from megatron_bytescale.sim.strategies import StrategyInput, make_plan  # noqa: E402
 from megatron_bytescale.sim.timeline import lower_bound, pipeline_ring_floor, simulate  # noqa: E402
@@ -62,6 +67,8 @@ def main() -> int:
     p = cluster.pp
     rng = np.random.default_rng(cfg.seed)
     rows = []
+    if cfg.vpp > 1:
+        return chunk_rows(cfg, cluster, cost, rng, args.json)
     for step in range(cfg.steps):
         lens = sample_lengths(cfg.dataset, cfg.global_batch_tokens, cfg.context, rng)
         plan = make_plan("hdp-balanced", StrategyInput(lens, cluster, cost, cfg.capacity, cfg.context))
@@ -95,6 +102,37 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"dataset": cfg.dataset, "model": cfg.model, "pp": p, "rows": rows}, indent=2) + "\n")
         print(f"wrote {args.json}")
+    return 0
+
+
+def chunk_rows(cfg, cluster, cost, rng, out) -> int:
+    """``--vpp V``: the planned chunk orders against the list schedule at three memory caps."""
+    p, v = cluster.pp, cfg.vpp
+    rows = []
+    for step in range(cfg.steps):
+        lens = sample_lengths(cfg.dataset, cfg.global_batch_tokens, cfg.context, rng)
+        plan = make_plan("hdp-balanced", StrategyInput(lens, cluster, cost, cfg.capacity, cfg.context, virtual_stages=v))
+        rpn = plan.meta["ranks_per_node"]
+        keys = plan_ring_keys(plan)
+        times = [[micro_batch_time(cost, mb, mb.ring is not None and crosses_nodes(mb.ring, rpn)) for mb in mbs] for mbs in plan.ranks]
+        row = {"step": step, "vpp": v, "planned_s": simulate(plan, cluster, cost).step_time}
+        ops = _Ops(keys, times, p, cost.forward_share, v)
+        for name, cap in (("list_pv_s", p * v), ("list_megatron_s", p * v + p - 1), ("list_unlimited_s", ops.total)):
+            seqs = _list_schedule(ops, cap)
+            orders = None if seqs is None else encode_stage_orders(ops.orders(seqs), v)
+            row[name] = float("nan") if orders is None else simulate(dataclasses.replace(plan, stage_orders=orders), cluster, cost).step_time
+        row["lower_bound_s"] = lower_bound(lens, cluster, cost)
+        row["ring_floor_s"] = pipeline_ring_floor(plan, cluster, cost)
+        rows.append(row)
+        print(
+            f"step {step + 1}, VPP {v}: planned {row['planned_s']:.2f} s; list schedule at p V {row['list_pv_s']:.2f} s, "
+            f"at p V + p - 1 {row['list_megatron_s']:.2f} s, unlimited {row['list_unlimited_s']:.2f} s; lower bound "
+            f"{row['lower_bound_s']:.2f} s, floor of the rings on every pipeline {row['ring_floor_s']:.2f} s",
+            flush=True,
+        )
+    if out:
+        Path(out).write_text(json.dumps({"dataset": cfg.dataset, "model": cfg.model, "pp": p, "vpp": v, "rows": rows}, indent=2) + "\n")
+        print(f"wrote {out}")
     return 0
 
 

@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size [1]")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size [1]")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE): aligned slots per EP group [1]")
+    p.add_argument("--vpp", type=int, default=1, metavar="V",
+                   help="model chunks per pipeline device (virtual pipeline stages); needs --pp > 1 [1]")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job; HDP ranks = gpus / (tp * pp)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node [the hardware spec's]")
     p.add_argument("--capacity", required=True, help="tokens per micro-batch per rank without offloading, e.g. 8K")
@@ -121,6 +123,19 @@ def with_host_memory(cost: CostModel, text: str | int | None) -> CostModel:
     return cost.with_overrides(host_memory_bytes=float(parse_size(text, "--host-memory-per-gpu")))
 
 
+def check_vpp(vpp: int, pp: int, layers_per_stage: int) -> None:
+    """Refuse virtual pipeline stages that cannot be laid out, before any work."""
+    if isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1:
+        raise ConfigError(f"--vpp {vpp!r}: give a whole number of model chunks per pipeline device >= 1 (1: no VPP)")
+    if vpp > 1 and pp <= 1:
+        raise ConfigError(f"--vpp {vpp} needs pipeline stages: virtual stages interleave a pipeline's chunks; pass --pp > 1 or --vpp 1")
+    if layers_per_stage % vpp:
+        raise ConfigError(
+            f"--vpp {vpp} does not divide the {layers_per_stage} layers of a pipeline stage into equal chunks; "
+            f"use a divisor of {layers_per_stage}"
+        )
+
+
 def hdp_shape(gpus: int, tp: int, pp: int, gpus_per_node: int) -> tuple[int, int]:
     """(HDP ranks, HDP ranks per node): TP shards share a node first (Megatron's rank order)."""
     if gpus <= 0 or tp <= 0 or pp <= 0 or gpus_per_node <= 0:
@@ -134,6 +149,7 @@ def main(args) -> int:
     per_node = HardwareSpec.load(args.hardware).gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
     num_ranks, ranks_per_node = hdp_shape(args.gpus, args.tp, args.pp, per_node)
     cost = build_cost(args)
+    check_vpp(args.vpp, args.pp, cost.num_layers)
     capacity = parse_size(args.capacity, "--capacity")
     context = parse_size(args.context, "--context")
     lengths = parse_lengths(args.lengths) if args.lengths is not None else read_lengths_file(args.lengths_file)
@@ -147,6 +163,7 @@ def main(args) -> int:
         offload=not args.no_offload,
         pipeline_stages=args.pp,
         expert_parallel=args.ep,
+        virtual_stages=args.vpp,
     )
     plan = plan_step(lengths, config, cost).validate()
     print(format_table(plan, args.max_rows))

@@ -46,7 +46,7 @@ from .pipeline_order import Item, LocalBatch, Ordered, encode_stage_orders, orde
 from .placement import RingPlacer, check_shape
 from .plan import MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_pieces
 from . import two_level
-from .stage_schedule import stage_schedule
+from .stage_schedule import chunk_schedule, stage_schedule
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
 from .zigzag import rank_tokens
 
@@ -203,9 +203,29 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         )
     ring_time = {u: units[u].time for u in assignment.members}
     ranks = _build(lens, units, ordered.members or assignment.members, ordered.runs, placer.ranks_per_node, cost)
-    est = np.array(rank_estimates(ordered, stages, ring_time, cost.forward_share))
-    stage_orders, one_f_one_b_est, notes = None, float(est.max()) if est.size else 0.0, []
-    if stages > 1 and config.pipeline_schedule == "search":
+    est = np.array(rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages))
+    stage_orders, one_f_one_b_est, notes, found_cap = None, float(est.max()) if est.size else 0.0, [], None
+    chunks = config.virtual_stages
+    if stages > 1 and chunks > 1:
+        # With virtual stages the slot alignment of pipeline_order (made for 1F1B) does not
+        # keep the default interleaved order free of deadlock, so chunk orders are always
+        # chosen (stage_schedule.chunk_schedule): the default and slot-aligned interleaved
+        # orders (at most Megatron's p V + p - 1 chunk forwards in flight) and the list
+        # schedule over chunk ops (p V first: the activations of 1F1B's p micro-batches, what
+        # capacity, offload ratios and the host budget are sized for); the shortest safe one.
+        times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
+        chosen = chunk_schedule(_run_keys(ordered), times, stages, cost.forward_share, chunks)
+        if chosen is None:
+            raise PlanError(
+                f"no deadlock-free order of {chunks} model chunks over {stages} pipeline stages found for this batch; "
+                "use --vpp 1 or fewer pipeline stages"
+            )
+        orders, finish, found_cap, what = chosen
+        est = np.array(finish)
+        if orders is not None:
+            stage_orders = encode_stage_orders(orders, chunks)
+        notes.append(f"chunk orders: {what}")
+    elif stages > 1 and config.pipeline_schedule == "search":
         found = _search_stage_orders(ordered, stages, ring_time, cost)
         if found is not None:
             stage_orders, est = encode_stage_orders(found.orders), np.array(found.finish)
@@ -258,7 +278,10 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
             "rings_placed_again": ordered.members is not None,
         },
         # with pipeline_schedule="search": the 1F1B estimate the stage orders beat (if found)
-        "stage_orders": {"found": stage_orders is not None, "one_f_one_b_est_s": one_f_one_b_est},
+        # (with virtual stages the base is the interleaved order; chunk_cap: the chunk forwards
+        # a device may hold under the orders found, None for the interleaved order)
+        "stage_orders": {"found": stage_orders is not None, "one_f_one_b_est_s": one_f_one_b_est,
+                         "chunk_cap": found_cap},
         **({"notes": notes} if notes else {}),
         "plan_time_s": time.perf_counter() - t0,
     }
@@ -286,9 +309,13 @@ def _order(
 
 def _search_stage_orders(ordered: Ordered, stages: int, ring_time: dict[int, float], cost: CostModel):
     """Per-stage orders shorter than 1F1B for the ordered runs (``stage_schedule``), or None."""
-    keys = [[None if isinstance(x, LocalBatch) else x for x in run] for run in ordered.runs]
     times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
-    return stage_schedule(keys, times, stages, cost.forward_share)
+    return stage_schedule(_run_keys(ordered), times, stages, cost.forward_share)
+
+
+def _run_keys(ordered: Ordered) -> list[list[int | None]]:
+    """Per rank and item: its ring unit, None for local work (``find_pipeline_deadlock``'s keys)."""
+    return [[None if isinstance(x, LocalBatch) else x for x in run] for run in ordered.runs]
 
 
 def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: RingPlacer):
@@ -324,7 +351,9 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     for _, shards, target, units, assignment, scale in sorted(candidates, key=lambda c: c[0])[:PIPELINE_ORDERED]:
         ordered = _order(lens, units, assignment, config, cost, placer, fallback=False)
         ring_time = {u: units[u].time for u in assignment.members}
-        step = float("inf") if ordered.deadlock else max(rank_estimates(ordered, stages, ring_time, cost.forward_share), default=0.0)
+        step = float("inf") if ordered.deadlock else max(
+            rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages), default=0.0
+        )
         if best is None or step < best[0]:
             best = (step, shards, target, units, assignment, scale, ordered)
     step, shards, target, units, assignment, scale, ordered = best

@@ -35,6 +35,13 @@ members, and the bubble around a ring that spans every pipeline is set by memory
 order. Work that enters the pipeline after the ring's forward sits between its forward
 and backward waves until the backward passes, and a stage holds ``p`` micro-batches, so at
 most ``p - 1`` micro-batches ahead of the ring can use the stages it leaves idle.
+
+With ``chunks = V > 1`` model chunks per device the same list schedule runs over chunk
+operations (``P = p V`` virtual stages, virtual stage ``vs`` on device ``vs % p``; one
+message stream per device pair and direction; memory in chunk forwards, a micro-batch
+reserving its ``V`` places when it enters a device). ``chunk_schedule`` puts it beside the
+default and slot-aligned interleaved orders (``pipeline_order``) and keeps the shortest: on
+PP-balance plans of 2M-context batches the slot-aligned order with slot times wins.
 """
 
 from __future__ import annotations
@@ -45,13 +52,17 @@ from dataclasses import dataclass
 
 FORWARD, BACKWARD = 0, 1
 _EPS = 1e-12
+# With chunks, Megatron's warm-up cap is tried after 1F1B's only on batches of at most this
+# many operations (each try simulates every operation; ~2 s per 10^5 on one core)
+SECOND_CAP_OPS = 60_000
 
 
 @dataclass
 class StageSchedule:
     orders: list[list[list[tuple[int, int]]]]  # per rank, per stage: (direction, micro-batch) in run order
     finish: list[float]  # estimated finish per rank (its stages' last end)
-    peak_in_flight: int  # most micro-batches any stage held between forward and backward
+    peak_in_flight: int  # most micro-batches (chunk forwards) any stage held between forward and backward
+    cap: int = 0  # the memory cap the orders were scheduled under (chunk forwards with chunks)
 
     @property
     def makespan(self) -> float:
@@ -60,10 +71,15 @@ class StageSchedule:
 
 class _Ops:
     """The operations of a batch: one unit per ring micro-batch (shared by its members) or
-    local micro-batch; operation id ``(unit * p + stage) * 2 + direction``."""
+    local micro-batch; ``P = stages * chunks`` virtual stages (virtual stage ``vs`` runs on
+    device ``vs % stages``, Megatron's interleaved layout); operation id
+    ``(unit * P + vs) * 2 + direction``. A chunk operation lasts ``1 / chunks`` of the
+    micro-batch's stage time in its direction."""
 
-    def __init__(self, ring_keys, times, stages: int, forward_share: float):
+    def __init__(self, ring_keys, times, stages: int, forward_share: float, chunks: int = 1):
         p = self.p = stages
+        self.v = chunks
+        vp = self.vp = stages * chunks
         self.n = len(ring_keys)
         unit_of: dict[object, int] = {}
         self.members: list[list[tuple[int, int]]] = []
@@ -86,31 +102,32 @@ class _Ops:
         self.units = len(self.members)
         self.size = [len(ms) for ms in self.members]
         self.pos = [min(m for _, m in ms) for ms in self.members]  # the schedule's order
-        self.total = self.units * p * 2
+        self.total = self.units * vp * 2
         self.dur = [0.0] * self.total
         for u, t in enumerate(utime):
-            for k in range(p):
-                base = (u * p + k) * 2
-                self.dur[base] = forward_share * t
-                self.dur[base + 1] = (1.0 - forward_share) * t
-        self.res = [[r * p + k for r, _ in self.members[u]] for u in range(self.units) for k in range(p)]
+            for vs in range(vp):
+                base = (u * vp + vs) * 2
+                self.dur[base] = forward_share * t / chunks
+                self.dur[base + 1] = (1.0 - forward_share) * t / chunks
+        self.res = [[r * p + vs % p for r, _ in self.members[u]] for u in range(self.units) for vs in range(vp)]
 
-    def op(self, r: int, k: int, d: int, m: int) -> int:
-        return (self.unit_at[r][m] * self.p + k) * 2 + d
+    def op(self, r: int, vs: int, d: int, m: int) -> int:
+        return (self.unit_at[r][m] * self.vp + vs) * 2 + d
 
     def next_op(self, op: int) -> int | None:
         """The operation that waits for ``op`` in the same micro-batch."""
-        u, k, d = op // (2 * self.p), (op // 2) % self.p, op % 2
+        vp = self.vp
+        u, vs, d = op // (2 * vp), (op // 2) % vp, op % 2
         if d == FORWARD:
-            return (u * self.p + k + 1) * 2 if k < self.p - 1 else op + 1
-        return (u * self.p + k - 1) * 2 + 1 if k > 0 else None
+            return (u * vp + vs + 1) * 2 if vs < vp - 1 else op + 1
+        return (u * vp + vs - 1) * 2 + 1 if vs > 0 else None
 
     def sequences(self, orders) -> list[list[int]]:
-        """Per resource (rank * p + stage): its operation ids in run order."""
+        """Per resource (rank * p + device): its operation ids in run order."""
         out = []
         for r in range(self.n):
             for k in range(self.p):
-                out.append([self.op(r, k, d, m) for d, m in orders[r][k]])
+                out.append([self.op(r, c * self.p + k, d, m) for d, m, c in _triples(orders[r][k])])
         return out
 
     def evaluate(self, seqs: Sequence[Sequence[int]]) -> list[float] | None:
@@ -135,18 +152,23 @@ class _Ops:
     def finish(self, end: Sequence[float]) -> list[float]:
         finish = [0.0] * self.n
         for u in range(self.units):
-            e = end[(u * self.p) * 2 + 1]  # its backward on the first stage ends last
+            e = end[(u * self.vp) * 2 + 1]  # its backward on the first virtual stage ends last
             for r, _ in self.members[u]:
                 if e > finish[r]:
                     finish[r] = e
         return finish
 
-    def orders(self, seqs: Sequence[Sequence[int]]) -> list[list[list[tuple[int, int]]]]:
+    def orders(self, seqs: Sequence[Sequence[int]]) -> list[list[list[tuple[int, ...]]]]:
+        """Per rank and device: (direction, micro-batch), with chunks (direction, micro-batch, chunk)."""
         out = [[[] for _ in range(self.p)] for _ in range(self.n)]
+        vp = self.vp
         for idx, seq in enumerate(seqs):
             r, k = divmod(idx, self.p)
             mine = {self.unit_at[r][m]: m for m in range(len(self.unit_at[r]))}
-            out[r][k] = [(op % 2, mine[op // (2 * self.p)]) for op in seq]
+            if self.v == 1:
+                out[r][k] = [(op % 2, mine[op // (2 * vp)]) for op in seq]
+            else:
+                out[r][k] = [(op % 2, mine[op // (2 * vp)], ((op // 2) % vp) // self.p) for op in seq]
         return out
 
     def peak(self, seqs: Sequence[Sequence[int]]) -> int:
@@ -159,6 +181,10 @@ class _Ops:
         return peak
 
 
+def _triples(order) -> list[tuple[int, int, int]]:
+    return [op if len(op) == 3 else (op[0], op[1], 0) for op in order]
+
+
 def stage_schedule(
     ring_keys: Sequence[Sequence[object | None]],
     times: Sequence[Sequence[float]],
@@ -166,75 +192,98 @@ def stage_schedule(
     forward_share: float,
     cap: int | None = None,
     base_orders=None,
+    chunks: int = 1,
 ) -> StageSchedule | None:
     """The list schedule's per-stage orders for these pipelines (see the module docstring),
     or None when they do not beat ``base_orders`` (default 1F1B). They are timed by
     ``_Ops.evaluate`` (the simulator's rule), so the finish times are what the simulator
     will find. ``ring_keys[r][m]``: the ring micro-batch rank ``r``'s micro-batch ``m``
     belongs to (None: local); ``times[r][m]``: its seconds on one stage, forward + backward
-    (a ring operation lasts its slowest member's share)."""
-    from .pipeline_order import one_f_one_b  # pipeline_order imports this module
+    (a ring operation lasts its slowest member's share). With ``chunks`` model chunks per
+    device the operations are chunk operations, ``cap`` counts chunk forwards (default
+    ``p * chunks``: the activations of 1F1B's ``p`` micro-batches) and the default base is
+    the interleaved order; the orders are (direction, micro-batch, chunk)."""
+    from .pipeline_order import interleaved_order  # pipeline_order imports this module
 
     p = stages
-    cap = p if cap is None else cap
-    if cap < 1:
+    # With chunks: first 1F1B's memory (p x V chunk forwards); gangs of rings can stall each
+    # other under it, so also Megatron's interleaved warm-up (p x V + p - 1: what the
+    # default interleaved order holds on the first device anyway); the shorter is kept.
+    caps = ([p] if chunks == 1 else [p * chunks, p * chunks + p - 1]) if cap is None else [cap]
+    if min(caps) < 1:
         raise ValueError(f"cap must be >= 1 micro-batch in flight, got {cap}")
-    ops = _Ops(ring_keys, times, p, forward_share)
+    ops = _Ops(ring_keys, times, p, forward_share, chunks)
     if base_orders is None:
-        base_orders = [[one_f_one_b(len(keys), p, k) for k in range(p)] for keys in ring_keys]
+        base_orders = [[interleaved_order(len(keys), p, k, chunks) for k in range(p)] for keys in ring_keys]
     base = ops.sequences(base_orders)
     base_end = ops.evaluate(base)
     best = None
     best_time = max(ops.finish(base_end), default=0.0) if base_end is not None else float("inf")
-    seqs = _list_schedule(ops, cap)
-    if seqs is not None:
-        end = ops.evaluate(seqs)
-        if end is not None:
-            t = max(ops.finish(end), default=0.0)
-            if t < best_time * (1 - 1e-9):
-                best = (seqs, end)
+    ran = False
+    if cap is None and chunks > 1:  # only if both stall: more memory, then no cap (the peak is reported)
+        caps += [2 * p * chunks, ops.total]
+    for i, c in enumerate(caps):
+        if ran and (c > p * chunks + p - 1 or (i > 0 and ops.total > SECOND_CAP_OPS)):
+            break
+        seqs = _list_schedule(ops, c)
+        ran = ran or seqs is not None
+        if seqs is not None:
+            end = ops.evaluate(seqs)
+            if end is not None:
+                t = max(ops.finish(end), default=0.0)
+                if t < best_time * (1 - 1e-9):
+                    best, best_time = (seqs, end, c), t
     if best is None:
         return None
-    seqs, end = best
-    return StageSchedule(ops.orders(seqs), ops.finish(end), ops.peak(seqs))
+    seqs, end, c = best
+    return StageSchedule(ops.orders(seqs), ops.finish(end), ops.peak(seqs), c)
 
 
 def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
     """Per-resource sequences from simulating all pipelines with the rules of the module
     docstring (event by event), or None if the simulation stalls."""
-    p, n = ops.p, ops.n
+    p, n, vp = ops.p, ops.n, ops.vp
     size, pos, dur, res_of = ops.size, ops.pos, ops.dur, ops.res
     nres = n * p
     busy_until = [0.0] * nres
+    # memory in chunk forwards: a micro-batch entering a device (its chunk 0 there) reserves
+    # the places of all its V chunks at once, released by its backwards, so its later chunks
+    # never wait for memory that earlier micro-batches hold (no memory deadlock across chunks)
     inflight = [0] * nres
+    v = ops.v
     announced: list[set[int]] = [set() for _ in range(nres)]  # known ready time, not started
     ready_at = [0.0] * ops.total
     started = [False] * ops.total
     seqs: list[list[int]] = [[] for _ in range(nres)]
     events: list[tuple[float, int]] = []  # (end, op) of running operations
-    # Stages exchange activations in posting order: stage k + 1 runs its forwards in stage
-    # k's order of forwards, stage k its backwards in stage k + 1's order of backwards.
-    # Per resource: the units whose forward (backward) it ran, and how many it ran itself.
-    f_seq: list[list[int]] = [[] for _ in range(nres)]
-    b_seq: list[list[int]] = [[] for _ in range(nres)]
+    # Devices exchange activations in posting order, one stream per device pair and
+    # direction (device d sends forwards to d + 1 mod p, backwards to d - 1 mod p): a
+    # receiving operation runs only when it is the next message of its stream. Per resource:
+    # the (unit, virtual stage) messages it sent forward (backward), and how many it received.
+    f_sent: list[list[tuple[int, int]]] = [[] for _ in range(nres)]
+    b_sent: list[list[tuple[int, int]]] = [[] for _ in range(nres)]
+    f_got = [0] * nres
+    b_got = [0] * nres
 
     def in_turn(op: int) -> bool:
-        u, k, d = op // (2 * p), (op // 2) % p, op % 2
-        if d == FORWARD and k > 0:
+        u, vs, d = op // (2 * vp), (op // 2) % vp, op % 2
+        if d == FORWARD and vs > 0:
             for res in res_of[op // 2]:
-                up, here = f_seq[res - 1], f_seq[res]
-                if len(here) >= len(up) or up[len(here)] != u:
+                sent = f_sent[(res // p) * p + (vs - 1) % p]
+                got = f_got[res]
+                if got >= len(sent) or sent[got] != (u, vs):
                     return False
-        elif d == BACKWARD and k < p - 1:
+        elif d == BACKWARD and vs < vp - 1:
             for res in res_of[op // 2]:
-                down, here = b_seq[res + 1], b_seq[res]
-                if len(here) >= len(down) or down[len(here)] != u:
+                sent = b_sent[(res // p) * p + (vs + 1) % p]
+                got = b_got[res]
+                if got >= len(sent) or sent[got] != (u, vs):
                     return False
         return True
 
-    def prio(op: int) -> tuple:
-        u, d = op // (2 * p), op % 2
-        return (-d, -size[u], pos[u], op)
+    def prio(op: int) -> tuple:  # backwards, larger rings, list order, deeper chunks first
+        u, d = op // (2 * vp), op % 2
+        return (-d, -size[u], pos[u], -((op // 2) % vp), u)
 
     def announce(op: int, when: float) -> None:
         ready_at[op] = when
@@ -242,7 +291,7 @@ def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
             announced[res].add(op)
 
     for u in range(ops.units):
-        announce((u * p) * 2, 0.0)  # forwards on the first stage need nothing
+        announce((u * vp) * 2, 0.0)  # forwards on the first virtual stage need nothing
     done = 0
     t = 0.0
     todo = set(range(nres))
@@ -263,7 +312,7 @@ def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
         def full(q: int) -> bool:
             f = full_memo.get(q)
             if f is None:
-                f = full_memo[q] = any(inflight[x] >= cap for x in res_of[q // 2])
+                f = full_memo[q] = (q // 2) % vp < p and any(inflight[x] + v > cap for x in res_of[q // 2])
             return f
 
         cands = set()
@@ -278,8 +327,9 @@ def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
             resources = res_of[op // 2]
             if any(busy_until[res] > t + _EPS for res in resources):
                 continue
-            d, me = op % 2, size[op // (2 * p)]
-            if d == FORWARD and any(inflight[res] >= cap for res in resources):
+            d, me = op % 2, size[op // (2 * vp)]
+            enters = d == FORWARD and (op // 2) % vp < p  # chunk 0: the micro-batch enters the device
+            if enters and any(inflight[res] + v > cap for res in resources):
                 continue
             if not in_turn(op):
                 continue
@@ -287,12 +337,12 @@ def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
             ok = True
             for res in resources:
                 for q in announced[res]:
-                    if q == op or size[q // (2 * p)] <= me or not in_turn(q):
+                    if q == op or size[q // (2 * vp)] <= me or not in_turn(q):
                         continue  # only a larger ring's operation that may run next reserves
                     if q % 2 == FORWARD:
                         if full(q):
                             continue  # waits for memory anyway: no reservation
-                        if d == FORWARD and cap > 1 and inflight[res] + 1 >= cap:
+                        if enters and cap > v and inflight[res] + 2 * v > cap:
                             ok = False  # keep the larger ring's forward a place on this stage
                             break
                     if op_end > est_of(q) + _EPS:
@@ -306,12 +356,22 @@ def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
             done += 1
             full_memo.clear()
             est_memo.clear()
+            u, vs = op // (2 * vp), (op // 2) % vp
             for res in resources:
                 busy_until[res] = op_end
                 announced[res].discard(op)
-                inflight[res] += 1 if d == FORWARD else -1
+                inflight[res] += (v if enters else 0) if d == FORWARD else -1
                 seqs[res].append(op)
-                (f_seq if d == FORWARD else b_seq)[res].append(op // (2 * p))
+                if d == FORWARD:
+                    if vs < vp - 1:
+                        f_sent[res].append((u, vs + 1))
+                    if vs > 0:
+                        f_got[res] += 1
+                else:
+                    if vs > 0:
+                        b_sent[res].append((u, vs - 1))
+                    if vs < vp - 1:
+                        b_got[res] += 1
             heapq.heappush(events, (op_end, op))
             nxt = ops.next_op(op)
             if nxt is not None:
@@ -332,3 +392,42 @@ def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
             if nxt is not None:
                 todo.update(res_of[nxt // 2])
     return seqs
+
+
+def chunk_schedule(
+    ring_keys: Sequence[Sequence[object | None]], times: Sequence[Sequence[float]], stages: int, forward_share: float,
+    chunks: int,
+) -> tuple[list | None, list[float], int, str] | None:
+    """Chunk orders for pipelines of ``chunks`` model chunks per device: the shortest estimated
+    of the default interleaved order (if it does not deadlock), the slot-aligned interleaved
+    orders (``pipeline_order.slot_interleaved_orders``: safe whenever the rings sit at one
+    slot, as ``order_runs`` places them) and, where they all deadlock or the batch is small,
+    the list schedule over chunk operations (``stage_schedule``). Returns (orders, None for
+    the default; finish per rank; the most chunk forwards a device may hold under them; what
+    was kept), or None if every candidate deadlocks."""
+    from .pipeline_order import pipelined_finish_times, slot_interleaved_orders
+
+    p = stages
+    megatron_cap = p * chunks + p - 1  # Megatron's interleaved warm-up, first device
+    cands = []
+    finish = pipelined_finish_times(ring_keys, times, p, forward_share, None, chunks)
+    if finish is not None:
+        cands.append((max(finish, default=0.0), None, finish, "the interleaved order"))
+    for slot_times in (False, True):
+        orders = slot_interleaved_orders(ring_keys, times, p, chunks, forward_share, slot_times)
+        finish = None if orders is None else pipelined_finish_times(ring_keys, times, p, forward_share, orders, chunks)
+        if finish is not None:
+            name = "the slot-aligned interleaved order" + (" (slot times)" if slot_times else "")
+            cands.append((max(finish, default=0.0), orders, finish, name))
+    best = min(cands, key=lambda c: c[0]) if cands else None
+    ops = 2 * p * chunks * sum(len(k) for k in ring_keys)
+    if best is None or ops <= SECOND_CAP_OPS:
+        found = stage_schedule(ring_keys, times, p, forward_share, chunks=chunks,
+                               base_orders=None if best is None else best[1])
+        if found is not None and (best is None or found.makespan < best[0]):
+            what = f"the list schedule ({found.makespan:.4g} s" + (f" against {best[3]}'s {best[0]:.4g} s)" if best else ")")
+            return found.orders, found.finish, found.cap, what
+    if best is None:
+        return None
+    others = ", ".join(f"{c[3]} {c[0]:.4g} s" for c in cands if c is not best)
+    return best[1], best[2], megatron_cap, f"{best[3]} ({best[0]:.4g} s" + (f"; {others})" if others else ")")

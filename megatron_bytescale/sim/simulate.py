@@ -26,7 +26,7 @@ from tqdm import tqdm
 from ..data.workloads import lengths_from_file, read_lengths_file, sample_lengths, training_batches
 from ..errors import ConfigError
 from ..planner.cost_model import CostModel
-from ..planner.plan_cli import with_host_memory
+from ..planner.plan_cli import check_vpp, with_host_memory
 from ..planner.specs import HardwareSpec, ModelSpec
 from ..units import format_size, parse_size
 from .cluster import Cluster
@@ -57,6 +57,7 @@ class SimConfig:
     host_memory_per_gpu: int | None = None  # bytes; default: the hardware spec's host_memory_bytes
     data_path: str | None = None  # a Megatron indexed dataset: draw the batches training would see
     pipeline_schedule: str = "1f1b"  # HDP plans with PP: "1f1b", or "search" for per-stage orders
+    vpp: int = 1  # model chunks per pipeline device (virtual pipeline stages), every strategy
 
 
 @dataclass
@@ -129,6 +130,7 @@ def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
         raise ConfigError(f"--steps must be positive, got {cfg.steps}")
     if cfg.validate not in ("first", "all", "none"):
         raise ConfigError(f"--validate must be first, all or none, got {cfg.validate!r}")
+    check_vpp(cfg.vpp, cfg.pp, cost.num_layers)
     parse_strategies(",".join(cfg.strategies))
     if cfg.ep > 1 and NO_EXPERT_SLOTS in cfg.strategies:
         raise ConfigError(
@@ -160,7 +162,7 @@ def run(cfg: SimConfig, progress: bool = True) -> SimReport:
         else:
             lengths = sample_lengths(cfg.dataset, cfg.global_batch_tokens, cfg.context, rng)
         report.batch_stats.append((len(lengths), max(lengths), sum(lengths)))
-        x = StrategyInput(lengths, cluster, cost, cfg.capacity, cfg.context, cfg.pipeline_schedule)
+        x = StrategyInput(lengths, cluster, cost, cfg.capacity, cfg.context, cfg.pipeline_schedule, cfg.vpp)
         this_step: dict[str, dict] = {}
         for name in cfg.strategies:
             bar.set_description(f"step {step + 1}/{cfg.steps} {name}")
@@ -232,6 +234,13 @@ def format_table(report: SimReport) -> str:
             "ring micro-batches spanning every pipeline alone, in any stage order (a floor of the step, s per step; "
             "0: no such ring): " + "; ".join(floors)
         )
+    if report.config.vpp > 1:
+        p, v = report.config.pp, report.config.vpp
+        held = [f"{n} {max(r['chunks_in_flight_max'] for r in rows):.0f}" for n, rows in report.steps.items() if rows]
+        lines.append(
+            f"chunk forwards a device holds at most (1F1B's memory: {p * v}; Megatron's interleaved warm-up: "
+            f"{p * v + p - 1}): " + "; ".join(held)
+        )
     reduce = [f"{n} {m['exposed_grad_reduce_s']:.2f} -> {m['exposed_grad_reduce_overlap_s']:.2f}"
               for n, m in med.items() if "exposed_grad_reduce_s" in m]
     if reduce:
@@ -289,6 +298,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "search"],
                         help="with --pp > 1, the HDP plans' stage orders: 1F1B, or per-stage orders searched by "
                              "simulating all pipelines together, kept when shorter (planner/stage_schedule.py)")
+    parser.add_argument("--vpp", type=int, default=1, metavar="V",
+                        help="model chunks per pipeline device (virtual pipeline stages, interleaved 1F1B); every "
+                             "strategy runs with them, the static baseline Megatron's interleaved order [1]")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the config and median results as JSON")
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart of the first step")
 
@@ -314,6 +326,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         dkv_bf16=args.dkv_bf16,
         data_path=args.data_path,
         pipeline_schedule=args.pipeline_schedule,
+        vpp=args.vpp,
         host_memory_per_gpu=(
             parse_size(args.host_memory_per_gpu, "--host-memory-per-gpu") if args.host_memory_per_gpu else None
         ),
@@ -339,6 +352,8 @@ def main(args: argparse.Namespace) -> int:
         f"{cfg.model} on {report.cluster.describe()}; context {format_size(cfg.context)}, capacity "
         f"{format_size(cfg.capacity)}, {format_size(cfg.global_batch_tokens)} tokens/step of {source}; "
         f"medians over {cfg.steps} step(s)"
+        + (f"; VPP {cfg.vpp}: {cfg.vpp} model chunks per pipeline device for every strategy (static and "
+           "megatron-dcp run Megatron's interleaved 1F1B over their micro-batches)" if cfg.vpp > 1 else "")
     )
     print(format_table(report))
     verdict = shadow_verdict(report)

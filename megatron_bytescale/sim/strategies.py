@@ -34,14 +34,22 @@ class StrategyInput:
     capacity: int
     context: int
     pipeline_schedule: str = "1f1b"  # HDP plans with PP (PlannerConfig.pipeline_schedule)
+    virtual_stages: int = 1  # model chunks per pipeline device (VPP), the same for every strategy
+
+
+def _with_chunks(plan: Plan, x: StrategyInput) -> Plan:
+    """A baseline's plan run with ``x``'s virtual stages: Megatron's interleaved 1F1B over its
+    fixed micro-batches (``pipeline_order.interleaved_order``), so VPP is compared like for like."""
+    plan.virtual_stages = x.virtual_stages
+    return plan
 
 
 def _static(x: StrategyInput) -> Plan:
-    return static_plan(x.seq_lens, x.cluster, x.capacity, x.context, x.cost.num_layers)
+    return _with_chunks(static_plan(x.seq_lens, x.cluster, x.capacity, x.context, x.cost.num_layers), x)
 
 
 def _megatron_dcp(x: StrategyInput) -> Plan:
-    return megatron_dcp_plan(x.seq_lens, x.cluster, x.capacity, x.cost.num_layers)
+    return _with_chunks(megatron_dcp_plan(x.seq_lens, x.cluster, x.capacity, x.cost.num_layers), x)
 
 
 def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True) -> Callable[[StrategyInput], Plan]:
@@ -59,6 +67,7 @@ def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True
             offload=offload,
             pipeline_schedule=x.pipeline_schedule,
             expert_parallel=x.cluster.ep,
+            virtual_stages=x.virtual_stages,
         )
         t0 = time.perf_counter()
         plan = plan_step(list(x.seq_lens), config, x.cost)

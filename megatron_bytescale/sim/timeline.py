@@ -31,7 +31,12 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
 * **Pipelines.** Each HDP rank is one pipeline of ``pp`` stages (equal layer counts) running
   its micro-batches with 1F1B (warm-up, steady state, cool-down), or in the plan's own
   per-stage orders (``Plan.stage_orders``); a ring micro-batch's work on a stage starts when
-  every member pipeline has reached it there. Activation transfers
+  every member pipeline has reached it there. With ``plan.virtual_stages = V > 1`` every
+  device holds ``V`` model chunks (virtual stage ``c * pp + d``, Megatron's interleaved
+  layout) and follows ``Plan.chunk_order`` (the plan's orders, else the interleaved order):
+  an op is one chunk of one micro-batch and does ``1 / V`` of the stage's work (compute,
+  ring hops, offload copies); a ring's op is one gang of its members per virtual stage, a
+  forward waits for the previous virtual stage's, a backward for the next one's. Activation transfers
   between stages are not costed (the same omission for every strategy).
 * **Expert parallelism** (``plan.expert_parallel`` > 1, ``planner.expert_slots``): the
   members of an EP group run slot k together, and a ring joins the slots of its members, so
@@ -61,7 +66,7 @@ from ..errors import PlanError
 from ..planner import two_level
 from ..planner.cost_model import CostModel
 from ..planner.offload_policy import copy_exposure, host_bytes
-from ..planner.pipeline_order import BACKWARD, FORWARD, longest_paths, one_f_one_b
+from ..planner.pipeline_order import BACKWARD, FORWARD, _op_triples, interleaved_order, longest_paths, one_f_one_b  # noqa: F401 (one_f_one_b: re-exported)
 from ..planner.expert_slots import align_expert_slots, all_to_all_time, ep_groups, slot_errors, slot_nodes
 from ..planner.plan import MicroBatch, Plan
 from .cluster import Cluster
@@ -269,6 +274,10 @@ class Timeline:
     # per row: array of ops, columns start, end, direction, compute, comm, offload
     ops: list[np.ndarray] = field(repr=False)
     barriers: list[float] = field(default_factory=list)  # times all ranks leave each barrier
+    chunks: int = 1  # model chunks per device (virtual stages); each op is one chunk's
+    # most forwards (chunk forwards, with chunks > 1) any device held before their backward:
+    # 1F1B's first stage holds p micro-batches, i.e. p x chunks chunk forwards of activations
+    peak_in_flight: int = 0
 
     COLUMNS = ("start", "end", "direction", "compute", "comm", "offload", "a2a", "moe_a2a")
 
@@ -368,19 +377,25 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
         )
     slot_of = _expert_slots(plan, cluster, cost, work, barriers)
 
+    chunks = plan.virtual_stages
+    if chunks > 1 and stages <= 1:
+        raise PlanError(f"the plan has {chunks} virtual stages per device but the cluster has PP {stages}; plan with virtual_stages=1")
+    if chunks > 1:  # a chunk op does 1/V of the micro-batch's work on the device
+        work = [[(_scaled(f, chunks), _scaled(b, chunks), key) for f, b, key in row] for row in work]
+    last_vs = stages * chunks - 1
     durations: list[float] = []
     preds: list[list[int]] = []
     ring_nodes: dict[tuple, int] = {}
     local_nodes: dict[tuple, int] = {}
 
-    def node(rank: int, stage: int, direction: int, m: int) -> int:
+    def node(rank: int, vs: int, direction: int, m: int) -> int:
         key = work[rank][m][2]
         if slot_of is not None:  # a merged slot: one node, as long as its slowest participant
             table, k = ring_nodes, (slot_of[(rank, m)], direction)
         elif key is None:
-            table, k = local_nodes, (rank, stage, direction, m)
-        else:
-            table, k = ring_nodes, (key, stage, direction)
+            table, k = local_nodes, (rank, vs, direction, m)
+        else:  # one gang per virtual stage across the ring's members
+            table, k = ring_nodes, (key, vs, direction)
         nid = table.get(k)
         if nid is None:
             nid = len(durations)
@@ -400,16 +415,18 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
             lo, hi = bounds[rank][seg], bounds[rank][seg + 1]
             for stage in range(stages):
                 row = schedule[stage * plan.num_ranks + rank]
-                for direction, i in one_f_one_b(hi - lo, stages, stage) if orders is None else orders[rank][stage]:
+                steps = interleaved_order(hi - lo, stages, stage, chunks) if orders is None else _op_triples(orders[rank][stage])
+                for direction, i, c in steps:
                     m = lo + i
-                    nid = node(rank, stage, direction, m)
+                    vs = c * stages + stage
+                    nid = node(rank, vs, direction, m)
                     p = preds[nid]
                     if (rank, stage) in last:
                         p.append(last[(rank, stage)])
-                    if direction == FORWARD and stage > 0:
-                        p.append(node(rank, stage - 1, FORWARD, m))
+                    if direction == FORWARD and vs > 0:
+                        p.append(node(rank, vs - 1, FORWARD, m))
                     elif direction == BACKWARD:
-                        p.append(node(rank, stage + 1, BACKWARD, m) if stage < stages - 1 else node(rank, stage, FORWARD, m))
+                        p.append(node(rank, vs + 1, BACKWARD, m) if vs < last_vs else node(rank, vs, FORWARD, m))
                     last[(rank, stage)] = nid
                     row.append((nid, direction, m))
         if seg < len(barriers):
@@ -423,12 +440,16 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
 
     end = _longest_paths(durations, preds, schedule, plan.num_ranks)
     ops = []
+    peak = 0
     for idx, row in enumerate(schedule):
         rank = idx % plan.num_ranks
         arr = np.empty((len(row), len(Timeline.COLUMNS)))
+        held = 0
         for j, (nid, direction, m) in enumerate(row):
             w = work[rank][m][direction]
             arr[j] = (end[nid] - w.duration, end[nid], direction, w.compute, w.comm, w.offload, w.a2a, w.moe_a2a)
+            held += 1 if direction == FORWARD else -1
+            peak = max(peak, held)
         ops.append(arr)
     step_time = max((float(end.max()) if len(end) else 0.0), 0.0)
     return Timeline(
@@ -437,7 +458,14 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
         stages=stages,
         ops=ops,
         barriers=[float(end[b]) for b in barrier_nodes],
+        chunks=chunks,
+        peak_in_flight=peak,
     )
+
+
+def _scaled(w: Work, share: float) -> Work:
+    """``w`` divided among ``share`` model chunks: each chunk op does 1/share of it."""
+    return Work(w.duration / share, w.compute / share, w.comm / share, w.offload / share, w.a2a / share, w.moe_a2a / share)
 
 
 def _expert_slots(plan: Plan, cluster: Cluster, cost: CostModel, work, barriers) -> dict | None:
@@ -553,7 +581,12 @@ def pipeline_ring_floor(plan: Plan, cluster: Cluster, cost: CostModel) -> float:
 
     with ``F_i``, ``B_i`` ring ``i``'s forward and backward on one stage. For ``m`` equal
     rings that is ``(m + p - 1) x`` one ring's stage time: the 1F1B makespan of those rings
-    alone, which other work cannot shorten (it can only fill the idle stages around them)."""
+    alone, which other work cannot shorten (it can only fill the idle stages around them).
+    With ``V`` model chunks per device (``plan.virtual_stages``) a forward crosses the
+    ``p - 1`` devices above the last one chunk by chunk, ``F_i / V`` each, so both bubble
+    terms shrink by ``V``: ``(m + (p - 1) / V) x`` one ring's stage time. But one ring alone
+    still passes every virtual stage one after another, ``p (F_i + B_i)``, which no order
+    shortens: with fewer rings than stages (``m < p``) that chain is the floor."""
     p = cluster.pp
     if p <= 1:
         return 0.0
@@ -574,7 +607,9 @@ def pipeline_ring_floor(plan: Plan, cluster: Cluster, cost: CostModel) -> float:
                 spans[key] = (max(spans[key][0], f.duration), max(spans[key][1], b.duration))
     fs = [f for f, _ in spans.values()]
     bs = [b for _, b in spans.values()]
-    return (p - 1) * min(fs) + sum(fs) + sum(bs) + (p - 1) * min(bs)
+    v = plan.virtual_stages
+    chain = p * max(f + b for f, b in zip(fs, bs))
+    return max((p - 1) * min(fs) / v + sum(fs) + sum(bs) + (p - 1) * min(bs) / v, chain)
 
 
 @dataclass
@@ -594,6 +629,8 @@ class StepResult:
     grad_reduce_overlap_s: float = 0.0  # the same with --overlap-grad-reduce
     two_level_rings: int = 0  # ring micro-batches run two-level
     pipeline_ring_floor: float = 0.0  # rings spanning every pipeline: what no stage order beats
+    virtual_stages: int = 1  # model chunks per pipeline device
+    peak_in_flight: int = 0  # most (chunk) forwards any device held before their backward
 
     def metrics(self) -> dict:
         t = self.timeline
@@ -603,6 +640,8 @@ class StepResult:
             "lower_bound_s": self.lower_bound,
             "critical_path_s": self.critical_path,
             "pipeline_ring_floor_s": self.pipeline_ring_floor,
+            "virtual_stages": self.virtual_stages,
+            "chunks_in_flight_max": self.peak_in_flight,
             "x_lower_bound": t.step_time / self.lower_bound,
             "x_bound": t.step_time / max(self.lower_bound, self.critical_path),
             "busy_max_s": float(busy.max()),
@@ -636,14 +675,18 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
     gpus_per_rank = cluster.tp * cluster.pp  # every TP shard of every stage sends its share
     offload = 0.0
     host_max = 0.0
+    v = plan.virtual_stages
     for mbs in plan.ranks:
         parked = []
         for mb in mbs:
             if mb.offload_ratio > 0:
                 parked.append(offload_exposure(MemberLoad.of(mb), cost, plan.num_layers)[2])
         offload += sum(parked)
-        # 1F1B: stage 0 holds up to pp micro-batches' activations before its first backward
-        host_max = max(host_max, sum(sorted(parked, reverse=True)[: cluster.pp]))
+        # 1F1B: stage 0 holds up to pp micro-batches' activations before its first backward;
+        # with V chunks a chunk forward holds 1/V of one, and the order may hold more or fewer
+        # than pp x V of them (timeline.peak_in_flight): its micro-batch equivalents, rounded up
+        held = cluster.pp if v == 1 else -(-timeline.peak_in_flight // v)
+        host_max = max(host_max, sum(sorted(parked, reverse=True)[:held]))
     strategy = str(plan.meta.get("strategy", "?"))
     hdp = strategy not in ("static", "megatron-dcp")  # their rings run on a CP group of their own
     return StepResult(
@@ -654,6 +697,8 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         lower_bound=lower_bound(plan.seq_lens, cluster, cost),
         critical_path=critical_path(plan.seq_lens, cluster, cost),
         pipeline_ring_floor=pipeline_ring_floor(plan, cluster, cost),
+        virtual_stages=v,
+        peak_in_flight=timeline.peak_in_flight,
         p2p_bytes=float(sum(p2p)) * gpus_per_rank,
         p2p_bytes_max_gpu=float(max(p2p)) if p2p else 0.0,
         offload_bytes=offload * gpus_per_rank,

@@ -1,0 +1,262 @@
+"""Virtual pipeline stages (VPP) in the planner and the simulator: a chunk op does 1/V of a
+stage's work, the interleaved bubble is (p - 1)/V of a stage time, chunk orders found by the
+list schedule are complete, safe and within their memory cap, and plans with V > 1 hold
+every token once and are estimated as the simulator runs them."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from planner_cases import draw_lengths, small_cost
+
+from megatron_bytescale.errors import ConfigError
+from megatron_bytescale.planner.cost_model import FORWARD_SHARE, CostModel
+from megatron_bytescale.planner.pipeline_order import (
+    BACKWARD,
+    FORWARD,
+    crossing_order_mismatch,
+    find_pipeline_deadlock,
+    interleaved_order,
+    pipelined_finish_times,
+    plan_ring_keys,
+)
+from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.plan_cli import check_vpp
+from megatron_bytescale.planner.planner import PlannerConfig, plan_step
+from megatron_bytescale.planner.stage_schedule import stage_schedule
+from megatron_bytescale.sim.cluster import Cluster
+from megatron_bytescale.sim.timeline import evaluate, pipeline_ring_floor, simulate
+
+MS = 1e-3
+
+
+def unit_cost(layers: int = 4) -> CostModel:
+    """1 ms per token per layer, nothing else."""
+    return CostModel(a1=0.0, b1=1 * MS, g=0.0, a2=1.0, b2=0.0, num_layers=layers, kv_bytes_per_token=1.0,
+                     grad_bytes_per_token=2.0, bw_d2h=10.0, bw_h2d=10.0, bw_intra_node=1000.0,
+                     bw_inter_node=100.0, p2p_latency_s=0.0)
+
+
+def local_plan(m: int, tokens: int, chunks: int, layers: int = 4) -> Plan:
+    mbs = tuple(MicroBatch((whole_piece(i, tokens, 0),)) for i in range(m))
+    return Plan(num_ranks=1, capacity=1000, num_layers=layers, seq_lens=(tokens,) * m, ranks=(mbs,),
+                virtual_stages=chunks).validate()
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (4, 2), (4, 4), (3, 2)])
+def test_one_pipeline_of_p_equal_micro_batches_takes_m_plus_bubble_over_v(p, v):
+    """m = p equal local micro-batches of t = 10 tokens x 4 layers x 1 ms = 40 ms per stage:
+    interleaved 1F1B finishes in (m + (p - 1) / V) t (1F1B: (m + p - 1) t); every device
+    still computes m t, in 2 m V chunk ops of t / V."""
+    t = 40 * MS
+    plan = local_plan(p, 10, v)
+    timeline = simulate(plan, Cluster(p, pp=p, gpus_per_node=8), unit_cost())
+    assert timeline.step_time == pytest.approx((p + (p - 1) / v) * t)
+    assert list(timeline.busy) == pytest.approx([p * t] * p)
+    assert all(len(timeline.row(0, k)) == 2 * p * v for k in range(p))
+    chunk_forward = timeline.row(0, 0)[0]
+    assert chunk_forward[1] - chunk_forward[0] == pytest.approx(FORWARD_SHARE * t / v)
+    one_f_one_b = simulate(local_plan(p, 10, 1), Cluster(p, pp=p, gpus_per_node=8), unit_cost()).step_time
+    assert one_f_one_b == pytest.approx((2 * p - 1) * t)
+
+
+def test_the_ring_floor_shrinks_its_bubble_by_v():
+    """Two pipelines of p = 2 stages share m rings of 20 tokens (10 each: t = 40 ms per
+    stage): alone they take (m + (p - 1) / V) t, but never less than one ring's chain
+    through every virtual stage, p t; the simulator finds the same."""
+    cost = unit_cost().with_overrides(kv_bytes_per_token=0.0, grad_bytes_per_token=0.0)
+    cluster = Cluster(4, pp=2, gpus_per_node=8)
+    t = 40 * MS
+    for m in (1, 2, 4):
+        rings = [ring_pieces(i, 20, (0, 1)) for i in range(m)]
+        ranks = tuple(tuple(MicroBatch((r[k],)) for r in rings) for k in range(2))
+        for v in (1, 2, 4):
+            plan = Plan(num_ranks=2, capacity=100, num_layers=4, seq_lens=(20,) * m, ranks=ranks, virtual_stages=v).validate()
+            floor = pipeline_ring_floor(plan, cluster, cost)
+            assert floor == pytest.approx(max(m + 1 / v, 2) * t)
+            step = simulate(plan, cluster, cost).step_time
+            if m <= 2:  # one group of p: the interleaved order reaches the floor
+                assert step == pytest.approx(floor)
+            assert step >= floor * (1 - 1e-9)
+
+
+def check_chunk_orders(keys, orders, p, v):
+    for r, rank in enumerate(orders):
+        for stage in rank:  # every chunk of every micro-batch once forward, then once backward
+            assert sorted(stage) == sorted((d, m, c) for m in range(len(keys[r])) for c in range(v) for d in (FORWARD, BACKWARD))
+            seen = set()
+            for d, m, c in stage:
+                assert d == FORWARD or (m, c) in seen
+                seen.add((m, c))
+        assert crossing_order_mismatch(rank, v) is None
+    assert find_pipeline_deadlock(keys, p, orders, v) is None
+
+
+def chunk_peak(orders) -> int:
+    peak = 0
+    for rank in orders:
+        for stage in rank:
+            held = 0
+            for d, _, _ in stage:
+                held += 1 if d == FORWARD else -1
+                peak = max(peak, held)
+    return peak
+
+
+@st.composite
+def pipelines(draw):
+    """Rings over random member sets in one order, local micro-batches around them."""
+    n = draw(st.integers(1, 4))
+    p = draw(st.sampled_from([2, 3, 4]))
+    v = draw(st.sampled_from([2, 3]))
+    keys = [[] for _ in range(n)]
+    times = [[] for _ in range(n)]
+    rings = draw(st.lists(st.sets(st.integers(0, n - 1), min_size=2, max_size=n), max_size=3)) if n > 1 else []
+    for k, ring in enumerate(rings):
+        t = draw(st.floats(0.5, 10.0))
+        for r in sorted(ring):
+            for _ in range(draw(st.integers(0, 2))):
+                keys[r].append(None)
+                times[r].append(draw(st.floats(0.05, 2.0)))
+            keys[r].append(("ring", k))
+            times[r].append(t)
+    for r in range(n):
+        for _ in range(draw(st.integers(0 if rings else 1, 5))):
+            keys[r].append(None)
+            times[r].append(draw(st.floats(0.05, 2.0)))
+    return keys, times, p, v
+
+
+@settings(max_examples=80, deadline=None)
+@given(pipelines())
+def test_chunk_orders_are_complete_safe_and_within_their_memory_cap(case):
+    keys, times, p, v = case
+    for cap in (p * v, p * v + p - 1):
+        found = stage_schedule(keys, times, p, FORWARD_SHARE, cap=cap, chunks=v)
+        if found is None:
+            continue  # not shorter than the interleaved order (or stalled)
+        check_chunk_orders(keys, found.orders, p, v)
+        assert chunk_peak(found.orders) == found.peak_in_flight <= cap
+        again = pipelined_finish_times(keys, times, p, FORWARD_SHARE, found.orders, v)
+        assert again == pytest.approx(found.finish, rel=1e-9, abs=1e-12)  # the simulator's rule
+
+
+@st.composite
+def planner_cases(draw):
+    rpn = draw(st.sampled_from([1, 2]))
+    num_ranks = rpn * draw(st.integers(1, 3))
+    capacity = draw(st.integers(8, 120))
+    lens = draw_lengths(draw, capacity, num_ranks, max_short=20, max_long=3, shuffle=True)
+    p = draw(st.sampled_from([2, 3]))
+    v = draw(st.sampled_from([2, 4]))
+    config = PlannerConfig(num_ranks=num_ranks, capacity=capacity, ranks_per_node=rpn, balance=draw(st.sampled_from(["none", "pp"])),
+                           offload=draw(st.booleans()), pipeline_stages=p, virtual_stages=v)
+    return lens, config, small_cost(num_layers=4)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(planner_cases())
+def test_plans_with_virtual_stages_run_every_token_once_safely_and_as_estimated(case):
+    lens, config, cost = case
+    plan = plan_step(lens, config, cost).validate()  # every token once; chunk orders complete, in message order, safe
+    p, v = config.pipeline_stages, config.virtual_stages
+    assert plan.virtual_stages == v
+    cluster = Cluster(config.num_ranks * p, pp=p, gpus_per_node=config.ranks_per_node)
+    result = evaluate(plan, cluster, cost)
+    assert plan.meta["est_time_max_s"] == pytest.approx(result.timeline.step_time, rel=0.05)
+    orders = plan.decoded_stage_orders()
+    if orders is not None:
+        check_chunk_orders(plan_ring_keys(plan), orders, p, v)
+        cap = plan.meta["stage_orders"]["chunk_cap"]
+    else:  # the interleaved order: Megatron's warm-up, at most p V + p - 1 chunk forwards
+        cap = p * v + p - 1
+        assert find_pipeline_deadlock(plan_ring_keys(plan), p, None, v) is None
+    assert result.peak_in_flight <= cap
+    assert result.metrics()["chunks_in_flight_max"] == result.peak_in_flight
+
+
+def test_interleaved_order_holds_megatrons_warmup_at_most():
+    for p in (2, 3, 4):
+        for v in (2, 4):
+            for count in (1, p, p + 1, 3 * p):
+                peak = chunk_peak([[interleaved_order(count, p, d, v) for d in range(p)]])
+                assert peak <= p * v + p - 1
+
+
+def test_vpp_refusals_name_the_fix():
+    with pytest.raises(ConfigError, match="--vpp 2 needs pipeline stages.*--pp > 1"):
+        check_vpp(2, 1, 16)
+    with pytest.raises(ConfigError, match="--vpp 3 does not divide the 16 layers.*divisor of 16"):
+        check_vpp(3, 2, 16)
+    with pytest.raises(ConfigError, match="whole number"):
+        check_vpp(0, 2, 16)
+    check_vpp(4, 2, 16)
+
+
+def test_cli_plans_and_simulates_with_vpp_and_refuses_bad_values(tmp_path, capsys):
+    from megatron_bytescale.cli import main
+
+    out = tmp_path / "p.json"
+    rc = main(["plan", "--model", "llama-7b", "--gpus", "16", "--capacity", "8K", "--pp", "2", "--vpp", "2",
+               "--lengths", "20K,2K,3K,1K,40K,5K", "--json", str(out)])
+    assert rc == 0
+    plan = Plan.from_json(out).validate()
+    assert plan.virtual_stages == 2
+    sim = ["simulate", "--gpus", "16", "--gpus-per-node", "4", "--context", "64K", "--capacity", "8K",
+           "--global-batch-tokens", "512K", "--pp", "2", "--steps", "1", "--strategies", "static,hdp-balanced"]
+    rc = main(sim + ["--vpp", "2", "--json", str(tmp_path / "s.json")])
+    text = capsys.readouterr().out
+    assert rc == 0 and "VPP 2" in text and "interleaved 1F1B" in text
+    assert "chunk forwards a device holds at most (1F1B's memory: 4; Megatron's interleaved warm-up: 5)" in text
+    import json
+
+    results = json.loads((tmp_path / "s.json").read_text())["results"]
+    for res in results.values():
+        assert res["virtual_stages"] == 2 and res["chunks_in_flight_max"] >= 2
+    for bad, problem in ((["--pp", "1", "--vpp", "2"], "needs pipeline stages"), (["--vpp", "3"], "does not divide the 16 layers")):
+        assert main(sim + bad) != 0
+        err = capsys.readouterr().err
+        assert problem in err and len(err.strip().splitlines()) == 1
+
+
+@st.composite
+def slot_aligned_pipelines(draw):
+    """Pipelines whose rings each sit at one slot (index + the rank's offset) on all members,
+    as ``order_runs`` places them; the counts differ, so the default interleaved order may
+    deadlock."""
+    n = draw(st.integers(1, 4))
+    p = draw(st.sampled_from([2, 3, 4]))
+    v = draw(st.sampled_from([2, 3]))
+    offsets = [draw(st.integers(0, 3)) for _ in range(n)]
+    counts = [draw(st.integers(0, 6)) for _ in range(n)]
+    keys = [[None] * c for c in counts]
+    for s in range(max(o + c for o, c in zip(offsets, counts))):
+        here = [r for r in range(n) if offsets[r] <= s < offsets[r] + counts[r]]
+        if len(here) >= 2 and draw(st.booleans()):
+            ring = draw(st.sets(st.sampled_from(here), min_size=2))
+            for r in ring:
+                keys[r][s - offsets[r]] = ("ring", s)
+    times = [[draw(st.floats(0.1, 5.0)) for _ in k] for k in keys]
+    return keys, times, p, v
+
+
+@settings(max_examples=80, deadline=None)
+@given(slot_aligned_pipelines())
+def test_slot_aligned_interleaved_orders_never_deadlock(case):
+    from megatron_bytescale.planner.pipeline_order import slot_interleaved_orders
+
+    keys, times, p, v = case
+    for slot_times in (False, True):
+        orders = slot_interleaved_orders(keys, times, p, v, FORWARD_SHARE, slot_times)
+        assert orders is not None
+        check_chunk_orders(keys, orders, p, v)
+        assert chunk_peak(orders) <= p * v + p - 1
+
+
+def test_interleaved_order_is_pinned():
+    """The runtime runs this order: the planner's generalisations must not move it (V = 3
+    once drifted through rounding of thirds)."""
+    f = [(FORWARD, m, c) for c in range(3) for m in range(4)]
+    last = f[:9] + [x for m in range(4) for x in ((BACKWARD, m, 2), (FORWARD, m + 1, 2))][:7]
+    last += [(BACKWARD, m, c) for c in (1, 0) for m in range(4)]
+    last += [(FORWARD, 4, c) for c in range(3)] + [(BACKWARD, 4, c) for c in (2, 1, 0)]
+    assert interleaved_order(5, 4, 3, 3) == last
