@@ -44,10 +44,12 @@ def test_layer_time_fit_recovers_coefficients(a1, b1, g):
     fitted = [fa1 * x * x + fb1 * x + fg for x in s]
     assert fitted == pytest.approx(t, rel=1e-7)
     assert r2 == pytest.approx(1.0)
-    # each coefficient is recovered wherever its term is visible in the measurements
+    # each coefficient is recovered wherever its term is visible in the measurements; the fit's
+    # round-off (~1e-7 of t) reaches a coefficient amplified by 1 / its term's share of t
     for got, want, term in ((fa1, a1, [a1 * x * x for x in s]), (fb1, b1, [b1 * x for x in s]), (fg, g, [g] * 5)):
-        if max(p / q for p, q in zip(term, t)) > 1e-3:
-            assert got == pytest.approx(want, rel=1e-5)
+        visible = max(p / q for p, q in zip(term, t))
+        if visible > 1e-3:
+            assert got == pytest.approx(want, rel=max(1e-5, 1e-6 / visible))
 
 
 def test_fits_never_return_negative_coefficients():
