@@ -60,7 +60,18 @@ def one_chunk_plan() -> Plan:
     return Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=plan.seq_lens, ranks=plan.ranks).validate()
 
 
-CASES = {"ring": ring_plan, "idle": idle_plan}
+def planned_plan() -> Plan:
+    """What the planner makes with two chunks per device: rings across both pipelines and
+    its own chunk orders (``Plan.stage_orders``), run as planned."""
+    from megatron_bytescale.planner.planner import PlannerConfig, plan_step
+
+    from planner_cases import small_cost
+
+    config = PlannerConfig(num_ranks=2, capacity=20, ranks_per_node=2, balance="none", pipeline_stages=PP, virtual_stages=V)
+    return plan_step([30, 38, 12, 17, 5, 14], config, small_cost(num_layers=2)).validate()
+
+
+CASES = {"ring": ring_plan, "idle": idle_plan, "planned": planned_plan}
 
 
 def one_rank_plan(lens) -> Plan:
@@ -208,6 +219,8 @@ def test_pp2_v2_by_hdp2_equals_one_rank(runs):
         # the chunks of all devices together hold every weight (nothing untested)
         assert {o["names"][n] for o in outs for n in o[case]["grads"]} == set(want["grads"])
     by = {(o["stage"], o["hdp"]): o for o in outs}
+    assert plans["planned"].stage_orders is not None and plans["planned"].virtual_stages == V
+    assert all(o["planned"]["ring_bytes"] > 0 for o in outs)  # the planner's rings ran
     assert all(o["ring"]["ring_bytes"] > 0 and o["ring"]["offloaded"] > 0 for o in outs)  # the ring ran, offloading
     assert all(o["ring"]["stage_bytes"] > 0 for o in outs)  # every device sends (device 1's chunk 0 to device 0's chunk 1)
     assert [by[(s, 1)]["idle"]["stage_bytes"] for s in range(PP)] == [0, 0]
