@@ -226,3 +226,68 @@ def test_multiples_of_a_group_size_match_the_modulo_mask(runs, u, above):
     _, sizes, counts = _ragged(todo)
     expected = np.flatnonzero((sizes % u == 0) & (sizes > above))
     assert _multiples(todo, counts, u, above).tolist() == expected.tolist()
+
+
+def plain_balanced_target(lens, sizer):
+    """``balanced_target`` written plainly: per length its curve, running minimum and rank-
+    seconds, the tests of T summed one length at a time, the same bisection."""
+    cost, cap, p, n_ranks = sizer.cost, sizer.capacity, sizer.stages, sizer.num_ranks
+    l = cost.num_layers
+    short = lens[lens <= cap].astype(np.float64)
+    short_times = l * (cost.a1 * short * short + cost.b1 * short + cost.g * short / cap)
+    work = float(short_times.sum())
+    short_times = np.sort(p * short_times)
+    floor = float(short_times[-1]) if short.size else 0.0
+    long_lens, counts = np.unique(lens[lens > cap], return_counts=True)
+    curves = []
+    for s, n in zip(long_lens.tolist(), counts.tolist()):
+        sizes, times = sizer.curve(s)
+        floor = max(floor, p * float(times.min()))
+        curves.append((n, sizes.tolist(), (sizes * times).tolist(), (p * np.minimum.accumulate(times)).tolist()))
+    fixed = [c for c in curves if c[3][0] <= floor]
+    varying = [c for c in curves if c[3][0] > floor]
+    work += sum(n * rs[0] for n, _, rs, _ in fixed)
+    held = sorted([(t, 1) for t in short_times.tolist()] + [(b[0], n * sz[0]) for n, sz, _, b in fixed], key=lambda x: x[0])
+
+    def passes(t):
+        total = work
+        ranks = sum(r for x, r in held if x > t / 2)
+        for n, sz, rs, b in varying:
+            k = next((j for j, x in enumerate(b) if x <= t), len(b) - 1)  # first within t, else the last
+            total += n * rs[k]
+            if b[k] > t / 2:
+                ranks += n * sz[k]
+        return total / n_ranks <= t and ranks <= n_ranks
+
+    lo = floor
+    if passes(lo):
+        return lo
+    hi = 2 * max(lo, work / n_ranks, 1e-12)
+    while not passes(hi):
+        hi *= 2
+        if hi > 1e12:
+            return max(floor, work / n_ranks)
+    while hi - lo > 1e-4 * hi:
+        mid = 0.5 * (lo + hi)
+        if passes(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 512), max_size=30),
+    st.lists(st.integers(513, 4000), max_size=12),
+    st.sampled_from([(16, 4, 1), (64, 8, 1), (32, 8, 3), (8, 8, 2)]),
+)
+def test_balanced_target_of_all_lengths_at_once_matches_one_length_at_a_time(short, long, shape):
+    from megatron_bytescale.planner.sharding import balanced_target
+
+    num_ranks, per_node, stages = shape
+    lens = np.array((short + long + long[:3]) or [100])  # repeated lengths: counts > 1
+    cost = small_cost().with_overrides(q_heads=32, kv_heads=8, q_bytes_per_token=4096.0)
+    sizer = RingSizer(512, cost, True, num_ranks, per_node, stages)
+    got = balanced_target(lens, sizer)
+    assert got == plain_balanced_target(lens, RingSizer(512, cost, True, num_ranks, per_node, stages))

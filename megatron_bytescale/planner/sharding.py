@@ -295,6 +295,25 @@ class RingSizer:
         return d.ranks, d.ratio, float(times[0])
 
 
+class _CurveTable:
+    """The curves of many lengths end to end (``balanced_target``'s view of them)."""
+
+    def __init__(self, sizer: RingSizer, seq_lens: list[int]):
+        sizer.prepare(seq_lens)
+        curves = [sizer._curves[s] for s in seq_lens]
+        self.sizes = np.concatenate([c[0] for c in curves])
+        self.times = np.concatenate([c[1] for c in curves])
+        self.counts = np.array([c[0].size for c in curves], dtype=np.int64)
+        self.first = np.concatenate(([0], np.cumsum(self.counts)[:-1]))  # where each length starts
+        self.least = np.minimum.reduceat(self.times, self.first)  # each length's fastest ring
+
+    def first_min(self, values: np.ndarray) -> np.ndarray:
+        """Per length, the index within its curve of the first minimum of ``values``."""
+        low = np.repeat(np.minimum.reduceat(values, self.first), self.counts)
+        at = np.flatnonzero(values == low)  # ascending: each length's first hit first
+        return at[np.searchsorted(at, self.first)] - self.first
+
+
 def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     """The step time rings are sized for: the smallest ``T`` that passes three tests.
 
@@ -319,47 +338,57 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     short_times = np.sort(p * short_times)
     floor = float(short_times[-1]) if short.size else 0.0
     long_lens, counts = np.unique(lens[lens > cap], return_counts=True)
-    sizer.prepare(long_lens.tolist())
-    curves = []
-    for s, n in zip(long_lens.tolist(), counts.tolist()):
-        sizes, times = sizer.curve(s)
-        floor = max(floor, p * float(times.min()))
-        curves.append((n, sizes, sizes * times, p * np.minimum.accumulate(times)))
-    # sequences whose floor ring is already within the floor keep it for every T >= floor
-    fixed = [c for c in curves if c[3][0] <= floor]
-    varying = [c for c in curves if c[3][0] > floor]
-    work += sum(n * float(rank_seconds[0]) for n, _, rank_seconds, _ in fixed)
+    table = _CurveTable(sizer, long_lens.tolist()) if long_lens.size else None
+    if table is not None:  # per length: its floor ring and its fastest ring
+        floor = max(floor, float((p * table.least).max()))
+        best0 = p * table.times[table.first]  # the floor ring's time, pipeline fill included
+        fixed = best0 <= floor  # these keep their floor ring for every T >= floor
+        varying = np.flatnonzero(~fixed)
+        fixed = np.flatnonzero(fixed)
+        rs0 = table.sizes[table.first] * table.times[table.first]  # rank-seconds of the floor ring
+        work += sum((counts[fixed] * rs0[fixed]).tolist())  # added one by one, in the lengths' order
+        held_t = np.concatenate([short_times, best0[fixed]])
+        held_r = np.concatenate([np.ones(short_times.size), (counts[fixed] * table.sizes[table.first][fixed]).astype(np.float64)])
+    else:
+        varying = []
+        held_t, held_r = short_times, np.ones(short_times.size)
     # ranks held by fixed work longer than T/2: sorted times, suffix sums of ranks
-    held_t = np.concatenate([short_times, np.array([c[3][0] for c in fixed])])
-    held_r = np.concatenate([np.ones(short_times.size), np.array([c[0] * c[1][0] for c in fixed], dtype=np.float64)])
     order = np.argsort(held_t, kind="stable")
     held_t = held_t[order]
     held_suffix = np.concatenate([np.cumsum(held_r[order][::-1])[::-1], [0.0]])
 
-    # Per varying length, the first ring size whose time is within t (best is the running
-    # minimum, so: how many of its entries exceed t), else its last size. All lengths at
-    # once: their curves up to the first minimum (past it best no longer falls), end to end.
-    if varying:
-        stop = [int(np.argmin(b)) + 1 for _, _, _, b in varying]
+    # Per varying length, the first ring size whose time is within t, else its last size.
+    # All lengths at once: their curves up to the first minimum, end to end. (The running
+    # minimum ``best`` of a curve first falls to t or below where the curve itself first
+    # does, and there it equals the curve: so the first entry within t is read, and past
+    # the first minimum neither falls.)
+    if len(varying):
+        pt = p * table.times  # share times, pipeline fill included
+        stop = table.first_min(pt)[varying] + 1
         first = np.concatenate([[0], np.cumsum(stop)[:-1]])
-        last_k = np.array(stop) - 1
-        cut_best = np.concatenate([b[:k] for (_, _, _, b), k in zip(varying, stop)])
-        cut_rs = np.concatenate([rs[:k] for (_, _, rs, _), k in zip(varying, stop)])
-        cut_sizes = np.concatenate([sz[:k] for (_, sz, _, _), k in zip(varying, stop)])
-        end_best = np.array([b[-1] for _, _, _, b in varying])
-        end_rs = np.array([rs[-1] for _, _, rs, _ in varying])
-        end_sizes = np.array([sz[-1] for _, sz, _, _ in varying])
-        n_seqs = np.array([n for n, _, _, _ in varying], dtype=np.int64)
+        last_k = stop - 1
+        take = np.repeat(table.first[varying] - first, stop) + np.arange(int(stop.sum()))
+        cut_pt = pt[take]
+        rank_seconds_all = table.sizes * table.times
+        cut_rs = rank_seconds_all[take]
+        cut_sizes = table.sizes[take]
+        end = table.first[varying] + table.counts[varying] - 1
+        end_best = p * table.least[varying]  # the running minimum's last entry
+        end_rs = rank_seconds_all[end]
+        end_sizes = table.sizes[end]
+        n_seqs = counts[varying].astype(np.int64)
 
     def passes(t: float) -> bool:
         total = work
         held = float(held_suffix[np.searchsorted(held_t, t / 2, side="right")])
-        if varying:
-            over = np.add.reduceat((cut_best > t).astype(np.int64), first)
-            inside = over <= last_k  # else no size is within t: the last one
-            at = first + np.minimum(over, last_k)
+        if len(varying):
+            hits = np.flatnonzero(cut_pt <= t)  # ascending: each length's first hit first
+            k = np.searchsorted(hits, first)
+            at = hits[np.minimum(k, max(hits.size - 1, 0))] if hits.size else first + last_k
+            inside = (k < hits.size) & (at < first + stop)  # else no size is within t: the last one
+            at = np.where(inside, at, first + last_k)
             rank_seconds = np.where(inside, cut_rs[at], end_rs)
-            best = np.where(inside, cut_best[at], end_best)
+            best = np.where(inside, cut_pt[at], end_best)
             sizes = np.where(inside, cut_sizes[at], end_sizes)
             # added in the lengths' order, as one running sum (the same float result)
             total = float(np.cumsum(np.concatenate(([work], n_seqs * rank_seconds)))[-1])
