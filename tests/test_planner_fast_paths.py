@@ -291,3 +291,25 @@ def test_balanced_target_of_all_lengths_at_once_matches_one_length_at_a_time(sho
     sizer = RingSizer(512, cost, True, num_ranks, per_node, stages)
     got = balanced_target(lens, sizer)
     assert got == plain_balanced_target(lens, RingSizer(512, cost, True, num_ranks, per_node, stages))
+
+
+def test_curves_prepared_at_once_match_each_length_alone():
+    """Ring-size ranges found for all lengths at once are ``_size_range`` / ``_two_level_hi``
+    per length, and the in-place two-level times are ``two_level.share_times``'."""
+    cost = small_cost().with_overrides(q_heads=32, kv_heads=8, q_bytes_per_token=4096.0)
+    for num_ranks, per_node in ((64, 8), (8, 8), (24, 4), (256, 8)):
+        lengths = [s for s in (513, 700, 3000, 3001, 5000, 12345, 40000, 90001) if s <= 400 * num_ranks]
+        sizer = RingSizer(512, cost, True, num_ranks, per_node)
+        sizer.prepare(lengths)
+        for s in lengths:
+            sizes = sizer.curve(s)[0]
+            lo, hi = sizer._size_range(s)
+            if sizer.two_level and hi > sizer.ranks_per_node:
+                hi = sizer._two_level_hi(s, lo)
+            assert (int(sizes[0]), int(sizes[-1])) == (lo, hi)
+    rng = np.random.default_rng(0)
+    for u in two_level.valid_splits(cost, 8):
+        d = (rng.integers(8 // u + 1, 400, 5000) * u).astype(np.int64)  # multiples of u past a node
+        s = rng.integers(600, 10**6, d.size)
+        expected = two_level.share_times(cost, s, d, u, 8)
+        assert np.array_equal(two_level.valid_share_times(cost, s.astype(np.float64), d.astype(np.float64), u), expected)

@@ -179,12 +179,15 @@ class RingSizer:
         of them instead of one small one per length: a 16K-rank step has ~7,000 lengths)."""
         todo = [int(s) for s in dict.fromkeys(seq_lens) if int(s) not in self._curves]
         plain, spanning = [], []
-        for s in todo:
-            lo, hi = self._size_range(s)
-            if self.two_level and hi > self.ranks_per_node:  # rings that may span nodes
-                spanning.append((s, (lo, self._two_level_hi(s, lo))))
+        # ``_size_range`` and ``_two_level_hi`` of every length at once (the same operations)
+        lo = [self.floor(s).ranks for s in todo]
+        hi = self._range_ends(todo, lo, 1)
+        wide = self._range_ends(todo, lo, max(self.two_level)).tolist() if self.two_level else None
+        for s, a, b, w in zip(todo, lo, hi.tolist(), wide or hi.tolist()):
+            if self.two_level and b > self.ranks_per_node:  # rings that may span nodes
+                spanning.append((s, (a, w)))
             else:
-                plain.append((s, (lo, hi)))
+                plain.append((s, (a, b)))
         for chunk in _chunks(plain):
             lengths, sizes, counts = _ragged(chunk)
             times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
@@ -199,6 +202,19 @@ class RingSizer:
             self._splits[s] = splits[end : end + n]
             end += n
 
+    def _range_ends(self, seq_lens: list[int], d_min: list[int], reach: int) -> np.ndarray:
+        """``_size_range``'s upper ends (``reach`` 1) or ``_two_level_hi``'s (``reach``: the
+        largest group size) of many lengths, as those compute them one at a time."""
+        cost = self.cost
+        per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
+        s = np.array(seq_lens, dtype=np.int64)
+        comm_bound = cost.a1 * s.astype(np.float64) * cost.bw_inter_node / max(per_token, 1e-30)
+        x = 4 * comm_bound
+        if reach != 1:
+            x = x * reach
+        ahead = np.trunc(x).astype(np.int64) + 2 * self.ranks_per_node  # int(): toward zero
+        return np.minimum(np.minimum(self.num_ranks, s), np.maximum(np.array(d_min, dtype=np.int64), ahead))
+
     def _two_level_hi(self, seq_len: int, d_min: int) -> int:
         """The largest ring size a spanning length's curve covers: u times the compute per
         hop, so larger rings still pay and the range reaches u times further."""
@@ -212,21 +228,24 @@ class RingSizer:
         the fastest of the plain ring and each two-level group size."""
         lengths, sizes, counts = _ragged(todo)
         times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
-        splits = np.ones(sizes.size, dtype=np.int64)
+        s, d = lengths.astype(np.float64), sizes.astype(np.float64)
         # each group size only where it applies (a multiple of u, larger than a node: a
         # fraction 1/u of the sizes), the smaller u first, so ties keep the smaller u
         best = np.full(sizes.size, np.inf)
         best_u = np.zeros(sizes.size, dtype=np.int64)
-        for u in self.two_level:
+        for i, u in enumerate(self.two_level):
             at = _multiples(todo, counts, u, self.ranks_per_node)
-            t = two_level.share_times(self.cost, lengths[at], sizes[at], u, self.ranks_per_node)
-            won = t < best[at]
-            best[at[won]] = t[won]
-            best_u[at[won]] = u
+            t = two_level.valid_share_times(self.cost, s[at], d[at], u)
+            if i == 0:  # nothing to beat yet (inf)
+                best[at] = t
+                best_u[at] = u
+            else:
+                won = t < best[at]
+                best[at[won]] = t[won]
+                best_u[at[won]] = u
         better = best < times
         times = np.where(better, best, times)
-        splits[better] = best_u[better]
-        self._store(todo, counts, sizes, times, splits)
+        self._store(todo, counts, sizes, times, np.where(better, best_u, 1))
 
     def curve(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Candidate ring sizes (from the memory floor up to where communication dominates)
