@@ -76,6 +76,14 @@ def test_rounds_give_what_one_unit_at_a_time_gives(clock, units, mode, longest_f
             balance.BULK_RUN, balance.MIN_ROUND = old
         assert got == ranks
         assert loads.clock == clocks and loads.last_key == keys
+        if bulk_run == 1:  # the scheduler passes long runs as arrays: the same result
+            arrays = loads_at(clock, stages, by_tokens)
+            balance.BULK_RUN, balance.MIN_ROUND = bulk_run, min_round
+            try:
+                assert arrays.give_many(np.array(seconds), np.array(tokens, dtype=np.float64)) + arrays.give_many(*then) == ranks
+            finally:
+                balance.BULK_RUN, balance.MIN_ROUND = old
+            assert arrays.clock == clocks and arrays.last_key == keys and arrays.tokens == loads.tokens
         assert loads.top == max(keys)
         assert loads.key.tolist() == keys
 

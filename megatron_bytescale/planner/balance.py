@@ -151,6 +151,8 @@ class _Loads:
         if len(seconds) >= BULK_RUN:
             ranks = self._give_in_rounds(seconds, tokens)
             seconds, tokens = seconds[len(ranks):], tokens[len(ranks):]
+            if isinstance(seconds, np.ndarray):  # the loop below works on Python numbers
+                seconds, tokens = seconds.tolist(), np.asarray(tokens).tolist()
         heap, stamp, clocks, counts, peaks, last = self.heap, self.stamp, self.clock, self.tokens, self.peak, self.last_key
         by_tokens, bubble, top = self.by_tokens, self.bubble, self.top
         pop, replace = heapq.heappop, heapq.heapreplace
@@ -316,8 +318,18 @@ def schedule(
         # one, each stretch of single-rank units between them in one go
         singles: list[int] = []
 
+        columns: list[np.ndarray] = []  # every unit's time and tokens, once a long run needs them
+
         def give_singles() -> None:
-            for u, r in zip(singles, loads.give_many([units[u].time for u in singles], [units[u].tokens for u in singles])):
+            if len(singles) >= BULK_RUN:  # given in rounds of numpy work: pass arrays
+                if not columns:
+                    columns[:] = (np.fromiter((u.time for u in units), dtype=np.float64, count=len(units)),
+                                  np.fromiter((u.tokens for u in units), dtype=np.float64, count=len(units)))
+                at = np.array(singles, dtype=np.int64)
+                seconds, tokens = columns[0][at], columns[1][at]
+            else:
+                seconds, tokens = [units[u].time for u in singles], [units[u].tokens for u in singles]
+            for u, r in zip(singles, loads.give_many(seconds, tokens)):
                 runs[r].append(u)
             given.extend(singles)
             singles.clear()

@@ -332,13 +332,16 @@ def _compute_bound(lens, cost: CostModel, num_ranks: int) -> float:
 # ----------------------------------------------------------------------------- units
 def _units(lens, shards: dict[int, Shard], config: PlannerConfig, cost: CostModel, ranks_per_node: int) -> list[Unit]:
     units = _long_units(shards, cost, ranks_per_node)
-    short_ids = [i for i, s in enumerate(lens) if s <= config.capacity]
+    arr = np.asarray(lens, dtype=np.int64)
+    short = np.flatnonzero(arr <= config.capacity)
+    short_ids = short.tolist()
     if config.balance == "none":
         return units + _naive_packs(units, short_ids, lens, config.capacity, cost, ranks_per_node)
     # a short sequence's share of its micro-batch's fixed cost g, before packing decides it
-    s = np.asarray([lens[i] for i in short_ids], dtype=np.float64)
+    tokens = arr[short]
+    s = tokens.astype(np.float64)
     times = cost.num_layers * (cost.a1 * s * s + cost.b1 * s + cost.g * s / config.capacity)
-    return units + [Unit("short", (i,), 1, t, lens[i]) for i, t in zip(short_ids, times.tolist())]
+    return units + [Unit("short", (i,), 1, t, n) for i, t, n in zip(short_ids, times.tolist(), tokens.tolist())]
 
 
 def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) -> list[Unit]:
