@@ -41,6 +41,7 @@ class RingPlacer:
         self._seen: np.ndarray | None = None
         self._sorted: np.ndarray | None = None
         self._prefix: np.ndarray | None = None
+        self._negative: set[int] = set()  # nodes with a load below 0 (none from the scheduler)
         # the caller's array the order was last kept for, and the ranks it says changed
         # since (None: unknown, compare the whole array)
         self._source: np.ndarray | None = None
@@ -89,6 +90,7 @@ class RingPlacer:
             if self._seen is None or self._seen.shape != loads.shape:
                 self._sorted = np.ascontiguousarray(np.sort(by_node, axis=1).T)
                 self._prefix = np.cumsum(self._sorted, axis=0)
+                self._negative = set(np.flatnonzero(self._sorted[0] < 0.0).tolist())
                 self._seen = loads.copy()
                 return self._sorted
             pending = np.flatnonzero(loads != self._seen).tolist()
@@ -101,11 +103,18 @@ class RingPlacer:
                 column = sorted(loads[base : base + rpn].tolist())
                 self._sorted[:, node] = column
                 self._prefix[:, node] = list(accumulate(column))
+                if column[0] < 0.0:
+                    self._negative.add(node)
+                else:
+                    self._negative.discard(node)
         else:
             nodes = np.unique(np.array(pending, dtype=np.int64) // rpn)
             columns = np.sort(by_node[nodes], axis=1).T
             self._sorted[:, nodes] = columns
             self._prefix[:, nodes] = np.cumsum(columns, axis=0)
+            below = columns[0] < 0.0
+            self._negative.difference_update(nodes[~below].tolist())
+            self._negative.update(nodes[below].tolist())
         return self._sorted
 
     def _inside_one_node(self, loads: np.ndarray, ring_size: int) -> list[int]:
@@ -114,11 +123,12 @@ class RingPlacer:
         start = ordered[ring_size - 1]  # per node: the ring starts when its last member is free
         # earliest start, then least idle (ring_size * start - the members' loads), then lowest node
         node = int(start.argmin())
-        if start[node] == 0.0 and ordered[0].min() >= 0.0:
+        first = float(start[node])
+        if first == 0.0 and not self._negative:
             pass  # every node that ties has ring_size idle ranks (idle time 0): the lowest wins
-        elif np.count_nonzero(tied := start == start[node]) > 1:
-            candidates = np.flatnonzero(tied)
-            idle = ring_size * start[candidates] - self._prefix[ring_size - 1, candidates]
+        elif (candidates := np.flatnonzero(start == first)).size > 1:
+            # the tied nodes all start at ``first``: idle = ring_size * first - their loads
+            idle = ring_size * first - self._prefix[ring_size - 1, candidates]
             node = int(candidates[np.argmin(idle)])
         # the node's ring_size least-loaded ranks, ties to lower ranks (a stable sort of 8
         # values is faster in Python than in numpy)
