@@ -322,3 +322,15 @@ def test_curves_prepared_at_once_match_each_length_alone():
         s = rng.integers(600, 10**6, d.size)
         expected = two_level.share_times(cost, s, d, u, 8)
         assert np.array_equal(two_level.valid_share_times(cost, s.astype(np.float64), d.astype(np.float64), u), expected)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 40), max_size=30), st.integers(40, 64))
+def test_best_fit_packing_inlined_matches_the_best_fit_class(sizes, capacity):
+    from megatron_bytescale.planner.sharding import BestFit, pack_best_fit
+
+    items = [(100 + i, s) for i, s in enumerate(sizes)]
+    packer = BestFit(capacity)
+    for item, size in sorted(items, key=lambda x: (-x[1], x[0])):
+        packer.add(item, size)
+    assert pack_best_fit(items, capacity) == packer.bins
