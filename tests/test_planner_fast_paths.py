@@ -334,3 +334,30 @@ def test_best_fit_packing_inlined_matches_the_best_fit_class(sizes, capacity):
     for item, size in sorted(items, key=lambda x: (-x[1], x[0])):
         packer.add(item, size)
     assert pack_best_fit(items, capacity) == packer.bins
+
+
+def plain_group_placement(loads, size, group, per_node):
+    """Two-level placement written plainly: each node's ranks least-loaded first (ties to the
+    lower rank) cut into groups of ``group``; the size / group groups whose busiest member is
+    least loaded (ties to the lower node, then group), by node; each group's ranks by rank."""
+    loads = [float(x) for x in loads]
+    groups = []
+    for node in range(len(loads) // per_node):
+        ranks = sorted(range(node * per_node, (node + 1) * per_node), key=lambda r: (loads[r], r))
+        for g in range(per_node // group):
+            members = ranks[g * group : (g + 1) * group]
+            groups.append((loads[members[-1]], node, g, sorted(members)))
+    chosen = sorted(sorted(groups, key=lambda x: x[:3])[: size // group], key=lambda x: x[1:3])
+    return [r for *_, members in chosen for r in members]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.0, 0.0, 0.25, 0.5, 1.0]), min_size=32, max_size=32),
+       st.sampled_from([2, 4, 8]), st.integers(2, 4))
+def test_placement_in_groups_matches_the_plain_rule(loads, group, nodes_worth):
+    """Groups at the least load taken directly (rings placed early) or by the full sort: both
+    are the plain rule."""
+    loads = np.array(loads)
+    size = nodes_worth * 8 // group * group  # a multiple of the group, more than a node
+    ring = RingPlacer(32, 8).place(loads, size, group)
+    assert ring.tolist() == plain_group_placement(loads, size, group, 8)

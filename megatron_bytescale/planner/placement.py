@@ -66,6 +66,10 @@ class RingPlacer:
         if group > 1 and ring_size % group == 0 and self.ranks_per_node % group == 0:
             return self._in_groups(loads, ring_size, group).tolist()
         # the ring_size least-loaded ranks, ties to the lowest ranks (exact, O(N))
+        least = loads.min()
+        idle = np.flatnonzero(loads == least)
+        if idle.size >= ring_size:  # enough ranks at the least load (rings placed early): the lowest of them
+            return idle[:ring_size].tolist()
         threshold = np.partition(loads, ring_size - 1)[ring_size - 1]
         below = np.flatnonzero(loads < threshold)
         tied = np.flatnonzero(loads == threshold)[: ring_size - below.size]
@@ -126,10 +130,10 @@ class RingPlacer:
         first = float(start[node])
         if first == 0.0 and not self._negative:
             pass  # every node that ties has ring_size idle ranks (idle time 0): the lowest wins
-        elif (candidates := np.flatnonzero(start == first)).size > 1:
+        elif (candidates := (start == first).nonzero()[0]).size > 1:
             # the tied nodes all start at ``first``: idle = ring_size * first - their loads
             idle = ring_size * first - self._prefix[ring_size - 1, candidates]
-            node = int(candidates[np.argmin(idle)])
+            node = int(candidates[idle.argmin()])
         # the node's ring_size least-loaded ranks, ties to lower ranks (a stable sort of 8
         # values is faster in Python than in numpy)
         base = node * rpn
@@ -142,6 +146,14 @@ class RingPlacer:
         lower nodes); ordered by node, each group by rank."""
         rpn = self.ranks_per_node
         by_node = loads.reshape(self.num_nodes, rpn)
+        # Rings placed early find enough groups all at the least load: those groups come
+        # first (least busiest member, then lowest node and group), and a node's such groups
+        # are its ranks at the least load, in rank order, cut into runs of ``group``.
+        idle = by_node == loads.min()
+        place = np.cumsum(idle, axis=1)  # 1, 2, ... over each node's ranks at the least load
+        whole = place[:, -1] // group * group  # per node: its ranks in groups all at the least load
+        if int(whole.sum()) >= ring_size:
+            return (idle & (place <= whole[:, None])).ravel().nonzero()[0][:ring_size]
         local = np.argsort(by_node, axis=1, kind="stable").reshape(self.num_nodes, rpn // group, group)
         busiest = np.take_along_axis(by_node, local[:, :, -1], axis=1)  # [node, group]
         flat = np.lexsort((np.arange(busiest.size), busiest.ravel()))[: ring_size // group]
