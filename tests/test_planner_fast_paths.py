@@ -361,3 +361,54 @@ def test_placement_in_groups_matches_the_plain_rule(loads, group, nodes_worth):
     size = nodes_worth * 8 // group * group  # a multiple of the group, more than a node
     ring = RingPlacer(32, 8).place(loads, size, group)
     assert ring.tolist() == plain_group_placement(loads, size, group, 8)
+
+
+def plain_pp_schedule(units, placer, slack, stages, num_buckets=balance.DEFAULT_BUCKETS):
+    """PP-balance written plainly: per single-rank unit ``least``, ``run`` and ``push``, the
+    run going on while the key after the next unit stays within the level."""
+    weights = [u.time for u in units]
+    order = sorted(range(len(units)), key=lambda u: (-weights[u], units[u].seq_ids[0]))
+    loads = _Loads(placer.num_ranks, stages, False)
+    runs = [[] for _ in range(placer.num_ranks)]
+    bubble = stages - 1
+    water = (1 + slack) * sum(weights) / placer.num_ranks
+
+    def give(u, r):
+        loads.run(r, loads.clock[r], units[u].time, units[u].tokens)
+        runs[r].append(u)
+        loads.push(r)
+
+    for bucket in make_buckets(order, weights, num_buckets):
+        i = 0
+        while i < len(bucket):
+            u = bucket[i]
+            i += 1
+            if units[u].ring_size > 1:
+                key, changed = loads.key_changes()
+                ring = placer.place_ranks(key, units[u].ring_size, units[u].heads_split, changed)
+                loads.run_ring(ring, max(loads.clock[r] for r in ring), units[u].time, units[u].tokens)
+                for r in ring:
+                    runs[r].append(u)
+                continue
+            rank = loads.least()
+            give(u, rank)
+            level = max(water, loads.top)
+            while i < len(bucket) and units[bucket[i]].ring_size == 1:
+                w = weights[bucket[i]]
+                if loads.clock[rank] + w + bubble * max(loads.peak[rank], w) > level:
+                    break
+                give(bucket[i], rank)
+                i += 1
+    return runs, loads.clock, loads.last_key
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 16).map(lambda v: v / 8), st.sampled_from([1, 1, 1, 2, 3])), min_size=1, max_size=60),
+       st.sampled_from([1, 2, 4]), st.sampled_from([0.0, 0.05, 0.3]))
+def test_pp_runs_given_in_one_loop_match_least_run_push(specs, stages, slack):
+    from megatron_bytescale.planner.balance import Unit, schedule
+
+    units = [Unit("ring" if n > 1 else "short", (i,), n, t, 10) for i, (t, n) in enumerate(specs)]
+    got = schedule(units, RingPlacer(8, 4), "pp", slack, stages)
+    runs, clock, keys = plain_pp_schedule(units, RingPlacer(8, 4), slack, stages)
+    assert got.runs == runs and got.clock.tolist() == clock and got.key.tolist() == keys
