@@ -412,3 +412,16 @@ def test_pp_runs_given_in_one_loop_match_least_run_push(specs, stages, slack):
     got = schedule(units, RingPlacer(8, 4), "pp", slack, stages)
     runs, clock, keys = plain_pp_schedule(units, RingPlacer(8, 4), slack, stages)
     assert got.runs == runs and got.clock.tolist() == clock and got.key.tolist() == keys
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=12), st.lists(st.integers(1, 40), max_size=30))
+def test_ring_spare_filling_inlined_matches_the_best_fit_class(spare, sizes):
+    from megatron_bytescale.planner.sharding import BestFit, fill_ring_spare
+
+    items = [(100 + i, s) for i, s in enumerate(sizes)]
+    packer = BestFit(max(spare, default=0))
+    for free in spare:
+        packer.open_bin(free)
+    left = [(i, s) for i, s in sorted(items, key=lambda x: (-x[1], x[0])) if packer.try_add(i, s) is None]
+    assert fill_ring_spare(spare, items) == (packer.bins, left)

@@ -395,17 +395,9 @@ def _naive_packs(
         # takes the two maxima, which may be different members (as sim.timeline runs it)
         u.fillers, u.tokens = tuple(fillers), max(tokens)
         u.time = cost.num_layers * (cost.layer_time(max(tokens), pairs_share + max(local_pairs)) + exposed)
-    packs = pack_best_fit([(i, lens[i]) for i, _ in left], capacity)
-    return [
-        Unit(
-            "pack",
-            tuple(b),
-            1,
-            cost.num_layers * cost.layer_time(sum(lens[i] for i in b), sum(lens[i] ** 2 for i in b)),
-            sum(lens[i] for i in b),
-        )
-        for b in packs
-    ]
+    packs = [tuple(b) for b in pack_best_fit([(i, lens[i]) for i, _ in left], capacity)]
+    # num_layers * layer_time(tokens, sum of squares) of every pack at once (the same figures)
+    return [Unit("pack", b, 1, t, sum(lens[i] for i in b)) for b, t in zip(packs, _pack_times(lens, packs, cost))]
 
 
 # --------------------------------------------------------------------- micro-batches
