@@ -229,23 +229,20 @@ class RingSizer:
         lengths, sizes, counts = _ragged(todo)
         times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
         s, d = lengths.astype(np.float64), sizes.astype(np.float64)
+        splits = np.ones(sizes.size, dtype=np.int64)
         # each group size only where it applies (a multiple of u, larger than a node: a
-        # fraction 1/u of the sizes), the smaller u first, so ties keep the smaller u
-        best = np.full(sizes.size, np.inf)
-        best_u = np.zeros(sizes.size, dtype=np.int64)
-        for i, u in enumerate(self.two_level):
+        # fraction 1/u of the sizes), the smaller u first, each taken only where it is
+        # strictly faster than what the entry has: so ties keep the plain ring, then the
+        # smaller u (the fastest of all, as one minimum over the group sizes compared with
+        # the plain ring would give)
+        for u in self.two_level:
             at = _multiples(todo, counts, u, self.ranks_per_node)
             t = two_level.valid_share_times(self.cost, s[at], d[at], u)
-            if i == 0:  # nothing to beat yet (inf)
-                best[at] = t
-                best_u[at] = u
-            else:
-                won = t < best[at]
-                best[at[won]] = t[won]
-                best_u[at[won]] = u
-        better = best < times
-        times = np.where(better, best, times)
-        self._store(todo, counts, sizes, times, np.where(better, best_u, 1))
+            won = t < times[at]
+            at = at[won]
+            times[at] = t[won]
+            splits[at] = u
+        self._store(todo, counts, sizes, times, splits)
 
     def curve(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Candidate ring sizes (from the memory floor up to where communication dominates)
