@@ -121,7 +121,12 @@ class _Loads:
         if self._dirty:
             idx = self._dirty
             last = self.last_key
-            self._key[idx] = [last[r] for r in idx]
+            if len(idx) <= 32:  # a ring's members or a few sequences: one store each
+                key = self._key
+                for r in idx:
+                    key[r] = last[r]
+            else:
+                self._key[idx] = [last[r] for r in idx]
             self._unplaced += idx
             self._dirty = []
         return self._key
