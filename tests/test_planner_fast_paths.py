@@ -425,3 +425,25 @@ def test_ring_spare_filling_inlined_matches_the_best_fit_class(spare, sizes):
         packer.open_bin(free)
     left = [(i, s) for i, s in sorted(items, key=lambda x: (-x[1], x[0])) if packer.try_add(i, s) is None]
     assert fill_ring_spare(spare, items) == (packer.bins, left)
+
+
+def test_ring_sizes_without_offload_checks_where_shares_fit_match_ratio_for_ranks():
+    """``RingSizer.size`` skips ``ratio_for_ranks`` where every share fits the capacity (it
+    gives 0 there); the sizes, ratios and times are those of the check at every ring size."""
+    from megatron_bytescale.planner.offload_policy import ratio_for_ranks
+
+    cost = small_cost(bw_offload=2e5).with_overrides(q_heads=32, kv_heads=8, q_bytes_per_token=4096.0)
+    for host in (None, 300):
+        sizer = RingSizer(512, cost, True, 64, 8, 1, host)
+        for s in (513, 900, 1500, 3001, 7000, 20000):
+            sizes, times = sizer.curve(s)
+            for target in (0.0, float(times.min()), float(np.median(times)), 1e9):
+                fits = np.flatnonzero(times <= target)
+                k = int(fits[0]) if fits.size else int(np.flatnonzero(times <= times.min() * (1 + 1e-3))[0])
+                expected = None
+                for j in range(k, len(sizes)):
+                    r = sizer.floor(s).ratio if j == 0 else ratio_for_ranks(s, int(sizes[j]), 512, cost, host)
+                    if r is not None:
+                        expected = (int(sizes[j]), r, float(times[j]))
+                        break
+                assert sizer.size(s, target) == expected

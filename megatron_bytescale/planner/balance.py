@@ -71,7 +71,7 @@ class Assignment:
 
 def make_buckets(order: Sequence[int], weights: Sequence[float], num_buckets: int) -> list[list[int]]:
     """Cut ``order`` (heaviest first) into at most ``num_buckets`` runs of about equal weight."""
-    total = float(sum(weights[u] for u in order))
+    total = float(sum(map(weights.__getitem__, order)))  # added in order, as a loop would
     w = np.asarray(weights, dtype=np.float64)[np.asarray(order, dtype=np.int64)] if len(order) else np.zeros(0)
     if w.size and w.min() >= 0:
         # a new bucket starts at the first unit whose preceding weight reaches the next

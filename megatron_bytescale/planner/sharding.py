@@ -155,6 +155,7 @@ class RingSizer:
         self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._splits: dict[int, np.ndarray] = {}  # per curve entry: its two-level group size (1: plain)
         self._floors: dict[int, OffloadDecision] = {}
+        self._table: _CurveTable | None = None  # the last lengths' curves end to end (balanced_target)
         self.two_level = two_level.valid_splits(cost, self.ranks_per_node) if num_ranks > self.ranks_per_node else []
 
     def floor(self, seq_len: int) -> OffloadDecision:
@@ -268,19 +269,21 @@ class RingSizer:
         self.prepare(seq_lens)
         if not len(seq_lens):
             return []
-        curves = [self._curves[int(s)][1] for s in seq_lens]
-        counts = np.array([c.size for c in curves])
-        first = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        times = np.concatenate(curves)
-        segment = np.repeat(np.arange(counts.size), counts)
+        table = self._table
+        if table is not None and table.seq_lens == list(seq_lens):  # balanced_target's, end to end already
+            counts, first, times = table.counts, table.first, table.times
+        else:
+            curves = [self._curves[int(s)][1] for s in seq_lens]
+            counts = np.array([c.size for c in curves])
+            first = np.concatenate(([0], np.cumsum(counts)[:-1]))
+            times = np.concatenate(curves)
 
         def first_true(mask: np.ndarray) -> np.ndarray:
             at = np.flatnonzero(mask)  # ascending, so each segment's first hit is where it starts
-            hit = np.searchsorted(at, first)
-            ok = hit < at.size
-            found = np.full(counts.size, -1)
-            found[ok] = at[hit[ok]]
-            ok &= segment[np.maximum(found, 0)] == np.arange(counts.size)
+            if not at.size:
+                return np.full(counts.size, -1)
+            found = at[np.minimum(np.searchsorted(at, first), at.size - 1)]
+            ok = (found >= first) & (found < first + counts)  # the hit is in this length's curve
             return np.where(ok, found - first, -1)
 
         k = first_true(self.stages * times <= target)
@@ -304,7 +307,12 @@ class RingSizer:
             k = int(fits[0]) if fits.size else int(np.flatnonzero(times <= times.min() * (1 + 1e-3))[0])
         for j in range(k, len(sizes)):
             d = int(sizes[j])
-            r = self.floor(seq_len).ratio if j == 0 else ratio_for_ranks(seq_len, d, self.capacity, self.cost, self.host)
+            if j == 0:
+                r = self.floor(seq_len).ratio
+            elif -(-seq_len // d) <= self.capacity:
+                r = 0.0  # what ratio_for_ranks gives when every share fits: nothing to offload, no copy
+            else:
+                r = ratio_for_ranks(seq_len, d, self.capacity, self.cost, self.host)
             if r is not None:
                 return d, r, float(times[j])
         d = self.floor(seq_len)  # unreachable for sane profiles: larger rings need smaller ratios
@@ -316,6 +324,7 @@ class _CurveTable:
 
     def __init__(self, sizer: RingSizer, seq_lens: list[int]):
         sizer.prepare(seq_lens)
+        self.seq_lens = seq_lens
         curves = [sizer._curves[s] for s in seq_lens]
         self.sizes = np.concatenate([c[0] for c in curves])
         self.times = np.concatenate([c[1] for c in curves])
@@ -355,6 +364,7 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     floor = float(short_times[-1]) if short.size else 0.0
     long_lens, counts = np.unique(lens[lens > cap], return_counts=True)
     table = _CurveTable(sizer, long_lens.tolist()) if long_lens.size else None
+    sizer._table = table  # plan_ring_sizes reads the same curves next (``first_within``)
     if table is not None:  # per length: its floor ring and its fastest ring
         floor = max(floor, float((p * table.least).max()))
         best0 = p * table.times[table.first]  # the floor ring's time, pipeline fill included
@@ -442,7 +452,7 @@ def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | N
                 d = sizer.floor(s)
                 by_len[s] = (d.ranks, d.ratio, 1)
     else:
-        distinct = list(dict.fromkeys(long_lens))
+        distinct = sorted(set(long_lens))  # as balanced_target lists them: its curves are reused
         for s, k in zip(distinct, sizer.first_within(distinct, target)):
             d, r, _ = sizer.size(s, target, k)
             by_len[s] = (d, r, sizer.heads_split(s, d))
