@@ -76,6 +76,14 @@ def test_rounds_give_what_one_unit_at_a_time_gives(clock, units, mode, longest_f
             balance.BULK_RUN, balance.MIN_ROUND = old
         assert got == ranks
         assert loads.clock == clocks and loads.last_key == keys
+        if bulk_run == 1:  # the scheduler passes long runs as arrays: the same result
+            arrays = loads_at(clock, stages, by_tokens)
+            balance.BULK_RUN, balance.MIN_ROUND = bulk_run, min_round
+            try:
+                assert arrays.give_many(np.array(seconds), np.array(tokens, dtype=np.float64)) + arrays.give_many(*then) == ranks
+            finally:
+                balance.BULK_RUN, balance.MIN_ROUND = old
+            assert arrays.clock == clocks and arrays.last_key == keys and arrays.tokens == loads.tokens
         assert loads.top == max(keys)
         assert loads.key.tolist() == keys
 
@@ -121,13 +129,14 @@ def plain_placement(loads, size, per_node):
 @settings(max_examples=80, deadline=None)
 @given(
     st.sampled_from([(16, 4), (24, 8), (12, 3)]),
-    st.lists(st.tuples(st.integers(1, 12), st.lists(st.tuples(st.integers(0, 23), coarse), max_size=5)), min_size=1, max_size=25),
+    st.lists(st.tuples(st.integers(1, 12), st.lists(st.tuples(st.integers(0, 23), coarse | st.just(-0.25)), max_size=5)),
+             min_size=1, max_size=25),
 )
 def test_placement_told_the_changes_matches_placement_that_compares(shape, steps):
     num_ranks, per_node = shape
     told, compares = RingPlacer(num_ranks, per_node), RingPlacer(num_ranks, per_node)
-    loads = np.zeros(num_ranks)  # one array, changed in place, as the scheduler's
-    changed: list[int] = []
+    loads = np.zeros(num_ranks)  # one array, changed in place, as the scheduler's (a load may
+    changed: list[int] = []  # fall below 0 here: then a node starting at 0 need not idle 0)
     for size, bumps in steps:
         for r, add in bumps:
             loads[r % num_ranks] += add
@@ -226,3 +235,215 @@ def test_multiples_of_a_group_size_match_the_modulo_mask(runs, u, above):
     _, sizes, counts = _ragged(todo)
     expected = np.flatnonzero((sizes % u == 0) & (sizes > above))
     assert _multiples(todo, counts, u, above).tolist() == expected.tolist()
+
+
+def plain_balanced_target(lens, sizer):
+    """``balanced_target`` written plainly: per length its curve, running minimum and rank-
+    seconds, the tests of T summed one length at a time, the same bisection."""
+    cost, cap, p, n_ranks = sizer.cost, sizer.capacity, sizer.stages, sizer.num_ranks
+    l = cost.num_layers
+    short = lens[lens <= cap].astype(np.float64)
+    short_times = l * (cost.a1 * short * short + cost.b1 * short + cost.g * short / cap)
+    work = float(short_times.sum())
+    short_times = np.sort(p * short_times)
+    floor = float(short_times[-1]) if short.size else 0.0
+    long_lens, counts = np.unique(lens[lens > cap], return_counts=True)
+    curves = []
+    for s, n in zip(long_lens.tolist(), counts.tolist()):
+        sizes, times = sizer.curve(s)
+        floor = max(floor, p * float(times.min()))
+        curves.append((n, sizes.tolist(), (sizes * times).tolist(), (p * np.minimum.accumulate(times)).tolist()))
+    fixed = [c for c in curves if c[3][0] <= floor]
+    varying = [c for c in curves if c[3][0] > floor]
+    work += sum(n * rs[0] for n, _, rs, _ in fixed)
+    held = sorted([(t, 1) for t in short_times.tolist()] + [(b[0], n * sz[0]) for n, sz, _, b in fixed], key=lambda x: x[0])
+
+    def passes(t):
+        total = work
+        ranks = sum(r for x, r in held if x > t / 2)
+        for n, sz, rs, b in varying:
+            k = next((j for j, x in enumerate(b) if x <= t), len(b) - 1)  # first within t, else the last
+            total += n * rs[k]
+            if b[k] > t / 2:
+                ranks += n * sz[k]
+        return total / n_ranks <= t and ranks <= n_ranks
+
+    lo = floor
+    if passes(lo):
+        return lo
+    hi = 2 * max(lo, work / n_ranks, 1e-12)
+    while not passes(hi):
+        hi *= 2
+        if hi > 1e12:
+            return max(floor, work / n_ranks)
+    while hi - lo > 1e-4 * hi:
+        mid = 0.5 * (lo + hi)
+        if passes(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 512), max_size=30),
+    st.lists(st.integers(513, 4000), max_size=12),
+    st.sampled_from([(16, 4, 1), (64, 8, 1), (32, 8, 3), (8, 8, 2)]),
+)
+def test_balanced_target_of_all_lengths_at_once_matches_one_length_at_a_time(short, long, shape):
+    from megatron_bytescale.planner.sharding import balanced_target
+
+    num_ranks, per_node, stages = shape
+    lens = np.array((short + long + long[:3]) or [100])  # repeated lengths: counts > 1
+    cost = small_cost().with_overrides(q_heads=32, kv_heads=8, q_bytes_per_token=4096.0)
+    sizer = RingSizer(512, cost, True, num_ranks, per_node, stages)
+    got = balanced_target(lens, sizer)
+    assert got == plain_balanced_target(lens, RingSizer(512, cost, True, num_ranks, per_node, stages))
+
+
+def test_curves_prepared_at_once_match_each_length_alone():
+    """Ring-size ranges found for all lengths at once are ``_size_range`` / ``_two_level_hi``
+    per length, and the in-place two-level times are ``two_level.share_times``'."""
+    cost = small_cost().with_overrides(q_heads=32, kv_heads=8, q_bytes_per_token=4096.0)
+    for num_ranks, per_node in ((64, 8), (8, 8), (24, 4), (256, 8)):
+        lengths = [s for s in (513, 700, 3000, 3001, 5000, 12345, 40000, 90001) if s <= 400 * num_ranks]
+        sizer = RingSizer(512, cost, True, num_ranks, per_node)
+        sizer.prepare(lengths)
+        for s in lengths:
+            sizes = sizer.curve(s)[0]
+            lo, hi = sizer._size_range(s)
+            if sizer.two_level and hi > sizer.ranks_per_node:
+                hi = sizer._two_level_hi(s, lo)
+            assert (int(sizes[0]), int(sizes[-1])) == (lo, hi)
+    rng = np.random.default_rng(0)
+    for u in two_level.valid_splits(cost, 8):
+        d = (rng.integers(8 // u + 1, 400, 5000) * u).astype(np.int64)  # multiples of u past a node
+        s = rng.integers(600, 10**6, d.size)
+        expected = two_level.share_times(cost, s, d, u, 8)
+        assert np.array_equal(two_level.valid_share_times(cost, s.astype(np.float64), d.astype(np.float64), u), expected)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 40), max_size=30), st.integers(40, 64))
+def test_best_fit_packing_inlined_matches_the_best_fit_class(sizes, capacity):
+    from megatron_bytescale.planner.sharding import BestFit, pack_best_fit
+
+    items = [(100 + i, s) for i, s in enumerate(sizes)]
+    packer = BestFit(capacity)
+    for item, size in sorted(items, key=lambda x: (-x[1], x[0])):
+        packer.add(item, size)
+    assert pack_best_fit(items, capacity) == packer.bins
+
+
+def plain_group_placement(loads, size, group, per_node):
+    """Two-level placement written plainly: each node's ranks least-loaded first (ties to the
+    lower rank) cut into groups of ``group``; the size / group groups whose busiest member is
+    least loaded (ties to the lower node, then group), by node; each group's ranks by rank."""
+    loads = [float(x) for x in loads]
+    groups = []
+    for node in range(len(loads) // per_node):
+        ranks = sorted(range(node * per_node, (node + 1) * per_node), key=lambda r: (loads[r], r))
+        for g in range(per_node // group):
+            members = ranks[g * group : (g + 1) * group]
+            groups.append((loads[members[-1]], node, g, sorted(members)))
+    chosen = sorted(sorted(groups, key=lambda x: x[:3])[: size // group], key=lambda x: x[1:3])
+    return [r for *_, members in chosen for r in members]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.0, 0.0, 0.25, 0.5, 1.0]), min_size=32, max_size=32),
+       st.sampled_from([2, 4, 8]), st.integers(2, 4))
+def test_placement_in_groups_matches_the_plain_rule(loads, group, nodes_worth):
+    """Groups at the least load taken directly (rings placed early) or by the full sort: both
+    are the plain rule."""
+    loads = np.array(loads)
+    size = nodes_worth * 8 // group * group  # a multiple of the group, more than a node
+    ring = RingPlacer(32, 8).place(loads, size, group)
+    assert ring.tolist() == plain_group_placement(loads, size, group, 8)
+
+
+def plain_pp_schedule(units, placer, slack, stages, num_buckets=balance.DEFAULT_BUCKETS):
+    """PP-balance written plainly: per single-rank unit ``least``, ``run`` and ``push``, the
+    run going on while the key after the next unit stays within the level."""
+    weights = [u.time for u in units]
+    order = sorted(range(len(units)), key=lambda u: (-weights[u], units[u].seq_ids[0]))
+    loads = _Loads(placer.num_ranks, stages, False)
+    runs = [[] for _ in range(placer.num_ranks)]
+    bubble = stages - 1
+    water = (1 + slack) * sum(weights) / placer.num_ranks
+
+    def give(u, r):
+        loads.run(r, loads.clock[r], units[u].time, units[u].tokens)
+        runs[r].append(u)
+        loads.push(r)
+
+    for bucket in make_buckets(order, weights, num_buckets):
+        i = 0
+        while i < len(bucket):
+            u = bucket[i]
+            i += 1
+            if units[u].ring_size > 1:
+                key, changed = loads.key_changes()
+                ring = placer.place_ranks(key, units[u].ring_size, units[u].heads_split, changed)
+                loads.run_ring(ring, max(loads.clock[r] for r in ring), units[u].time, units[u].tokens)
+                for r in ring:
+                    runs[r].append(u)
+                continue
+            rank = loads.least()
+            give(u, rank)
+            level = max(water, loads.top)
+            while i < len(bucket) and units[bucket[i]].ring_size == 1:
+                w = weights[bucket[i]]
+                if loads.clock[rank] + w + bubble * max(loads.peak[rank], w) > level:
+                    break
+                give(bucket[i], rank)
+                i += 1
+    return runs, loads.clock, loads.last_key
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 16).map(lambda v: v / 8), st.sampled_from([1, 1, 1, 2, 3])), min_size=1, max_size=60),
+       st.sampled_from([1, 2, 4]), st.sampled_from([0.0, 0.05, 0.3]))
+def test_pp_runs_given_in_one_loop_match_least_run_push(specs, stages, slack):
+    from megatron_bytescale.planner.balance import Unit, schedule
+
+    units = [Unit("ring" if n > 1 else "short", (i,), n, t, 10) for i, (t, n) in enumerate(specs)]
+    got = schedule(units, RingPlacer(8, 4), "pp", slack, stages)
+    runs, clock, keys = plain_pp_schedule(units, RingPlacer(8, 4), slack, stages)
+    assert got.runs == runs and got.clock.tolist() == clock and got.key.tolist() == keys
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=12), st.lists(st.integers(1, 40), max_size=30))
+def test_ring_spare_filling_inlined_matches_the_best_fit_class(spare, sizes):
+    from megatron_bytescale.planner.sharding import BestFit, fill_ring_spare
+
+    items = [(100 + i, s) for i, s in enumerate(sizes)]
+    packer = BestFit(max(spare, default=0))
+    for free in spare:
+        packer.open_bin(free)
+    left = [(i, s) for i, s in sorted(items, key=lambda x: (-x[1], x[0])) if packer.try_add(i, s) is None]
+    assert fill_ring_spare(spare, items) == (packer.bins, left)
+
+
+def test_ring_sizes_without_offload_checks_where_shares_fit_match_ratio_for_ranks():
+    """``RingSizer.size`` skips ``ratio_for_ranks`` where every share fits the capacity (it
+    gives 0 there); the sizes, ratios and times are those of the check at every ring size."""
+    from megatron_bytescale.planner.offload_policy import ratio_for_ranks
+
+    cost = small_cost(bw_offload=2e5).with_overrides(q_heads=32, kv_heads=8, q_bytes_per_token=4096.0)
+    for host in (None, 300):
+        sizer = RingSizer(512, cost, True, 64, 8, 1, host)
+        for s in (513, 900, 1500, 3001, 7000, 20000):
+            sizes, times = sizer.curve(s)
+            for target in (0.0, float(times.min()), float(np.median(times)), 1e9):
+                fits = np.flatnonzero(times <= target)
+                k = int(fits[0]) if fits.size else int(np.flatnonzero(times <= times.min() * (1 + 1e-3))[0])
+                expected = None
+                for j in range(k, len(sizes)):
+                    r = sizer.floor(s).ratio if j == 0 else ratio_for_ranks(s, int(sizes[j]), 512, cost, host)
+                    if r is not None:
+                        expected = (int(sizes[j]), r, float(times[j]))
+                        break
+                assert sizer.size(s, target) == expected

@@ -41,6 +41,7 @@ class RingPlacer:
         self._seen: np.ndarray | None = None
         self._sorted: np.ndarray | None = None
         self._prefix: np.ndarray | None = None
+        self._negative: set[int] = set()  # nodes with a load below 0 (none from the scheduler)
         # the caller's array the order was last kept for, and the ranks it says changed
         # since (None: unknown, compare the whole array)
         self._source: np.ndarray | None = None
@@ -65,6 +66,10 @@ class RingPlacer:
         if group > 1 and ring_size % group == 0 and self.ranks_per_node % group == 0:
             return self._in_groups(loads, ring_size, group).tolist()
         # the ring_size least-loaded ranks, ties to the lowest ranks (exact, O(N))
+        least = loads.min()
+        idle = np.flatnonzero(loads == least)
+        if idle.size >= ring_size:  # enough ranks at the least load (rings placed early): the lowest of them
+            return idle[:ring_size].tolist()
         threshold = np.partition(loads, ring_size - 1)[ring_size - 1]
         below = np.flatnonzero(loads < threshold)
         tied = np.flatnonzero(loads == threshold)[: ring_size - below.size]
@@ -89,6 +94,7 @@ class RingPlacer:
             if self._seen is None or self._seen.shape != loads.shape:
                 self._sorted = np.ascontiguousarray(np.sort(by_node, axis=1).T)
                 self._prefix = np.cumsum(self._sorted, axis=0)
+                self._negative = set(np.flatnonzero(self._sorted[0] < 0.0).tolist())
                 self._seen = loads.copy()
                 return self._sorted
             pending = np.flatnonzero(loads != self._seen).tolist()
@@ -101,11 +107,18 @@ class RingPlacer:
                 column = sorted(loads[base : base + rpn].tolist())
                 self._sorted[:, node] = column
                 self._prefix[:, node] = list(accumulate(column))
+                if column[0] < 0.0:
+                    self._negative.add(node)
+                else:
+                    self._negative.discard(node)
         else:
             nodes = np.unique(np.array(pending, dtype=np.int64) // rpn)
             columns = np.sort(by_node[nodes], axis=1).T
             self._sorted[:, nodes] = columns
             self._prefix[:, nodes] = np.cumsum(columns, axis=0)
+            below = columns[0] < 0.0
+            self._negative.difference_update(nodes[~below].tolist())
+            self._negative.update(nodes[below].tolist())
         return self._sorted
 
     def _inside_one_node(self, loads: np.ndarray, ring_size: int) -> list[int]:
@@ -114,12 +127,13 @@ class RingPlacer:
         start = ordered[ring_size - 1]  # per node: the ring starts when its last member is free
         # earliest start, then least idle (ring_size * start - the members' loads), then lowest node
         node = int(start.argmin())
-        if start[node] == 0.0 and ordered[0].min() >= 0.0:
+        first = float(start[node])
+        if first == 0.0 and not self._negative:
             pass  # every node that ties has ring_size idle ranks (idle time 0): the lowest wins
-        elif np.count_nonzero(tied := start == start[node]) > 1:
-            candidates = np.flatnonzero(tied)
-            idle = ring_size * start[candidates] - self._prefix[ring_size - 1, candidates]
-            node = int(candidates[np.argmin(idle)])
+        elif (candidates := (start == first).nonzero()[0]).size > 1:
+            # the tied nodes all start at ``first``: idle = ring_size * first - their loads
+            idle = ring_size * first - self._prefix[ring_size - 1, candidates]
+            node = int(candidates[idle.argmin()])
         # the node's ring_size least-loaded ranks, ties to lower ranks (a stable sort of 8
         # values is faster in Python than in numpy)
         base = node * rpn
@@ -132,6 +146,14 @@ class RingPlacer:
         lower nodes); ordered by node, each group by rank."""
         rpn = self.ranks_per_node
         by_node = loads.reshape(self.num_nodes, rpn)
+        # Rings placed early find enough groups all at the least load: those groups come
+        # first (least busiest member, then lowest node and group), and a node's such groups
+        # are its ranks at the least load, in rank order, cut into runs of ``group``.
+        idle = by_node == loads.min()
+        place = np.cumsum(idle, axis=1)  # 1, 2, ... over each node's ranks at the least load
+        whole = place[:, -1] // group * group  # per node: its ranks in groups all at the least load
+        if int(whole.sum()) >= ring_size:
+            return (idle & (place <= whole[:, None])).ravel().nonzero()[0][:ring_size]
         local = np.argsort(by_node, axis=1, kind="stable").reshape(self.num_nodes, rpn // group, group)
         busiest = np.take_along_axis(by_node, local[:, :, -1], axis=1)  # [node, group]
         flat = np.lexsort((np.arange(busiest.size), busiest.ravel()))[: ring_size // group]

@@ -48,7 +48,7 @@ from .plan import MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_piece
 from . import two_level
 from .stage_schedule import chunk_schedule, stage_schedule
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
-from .zigzag import rank_tokens
+from .zigzag import rank_tokens, zigzag_ranges
 
 BALANCE_MODES = ("none", "dp", "pp")
 PIPELINE_SCHEDULES = ("1f1b", "search")
@@ -371,13 +371,16 @@ def _compute_bound(lens, cost: CostModel, num_ranks: int) -> float:
 # ----------------------------------------------------------------------------- units
 def _units(lens, shards: dict[int, Shard], config: PlannerConfig, cost: CostModel, ranks_per_node: int) -> list[Unit]:
     units = _long_units(shards, cost, ranks_per_node)
-    short_ids = [i for i, s in enumerate(lens) if s <= config.capacity]
+    arr = np.asarray(lens, dtype=np.int64)
+    short = np.flatnonzero(arr <= config.capacity)
+    short_ids = short.tolist()
     if config.balance == "none":
         return units + _naive_packs(units, short_ids, lens, config.capacity, cost, ranks_per_node)
     # a short sequence's share of its micro-batch's fixed cost g, before packing decides it
-    s = np.asarray([lens[i] for i in short_ids], dtype=np.float64)
+    tokens = arr[short]
+    s = tokens.astype(np.float64)
     times = cost.num_layers * (cost.a1 * s * s + cost.b1 * s + cost.g * s / config.capacity)
-    return units + [Unit("short", (i,), 1, t, lens[i]) for i, t in zip(short_ids, times.tolist())]
+    return units + [Unit("short", (i,), 1, t, n) for i, t, n in zip(short_ids, times.tolist(), tokens.tolist())]
 
 
 def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) -> list[Unit]:
@@ -431,17 +434,9 @@ def _naive_packs(
         # takes the two maxima, which may be different members (as sim.timeline runs it)
         u.fillers, u.tokens = tuple(fillers), max(tokens)
         u.time = cost.num_layers * (cost.layer_time(max(tokens), pairs_share + max(local_pairs)) + exposed)
-    packs = pack_best_fit([(i, lens[i]) for i, _ in left], capacity)
-    return [
-        Unit(
-            "pack",
-            tuple(b),
-            1,
-            cost.num_layers * cost.layer_time(sum(lens[i] for i in b), sum(lens[i] ** 2 for i in b)),
-            sum(lens[i] for i in b),
-        )
-        for b in packs
-    ]
+    packs = [tuple(b) for b in pack_best_fit([(i, lens[i]) for i, _ in left], capacity)]
+    # num_layers * layer_time(tokens, sum of squares) of every pack at once (the same figures)
+    return [Unit("pack", b, 1, t, sum(lens[i] for i in b)) for b, t in zip(packs, _pack_times(lens, packs, cost))]
 
 
 # --------------------------------------------------------------------- micro-batches
@@ -530,14 +525,36 @@ def _build(lens, units: list[Unit], members: dict[int, tuple[int, ...]], runs: l
            ranks_per_node: int = 1, cost: CostModel | None = None) -> tuple:
     """The plan's micro-batches from each rank's ordered items (a two-level ring keeps the
     group size its placement allows: ``two_level.realized_split``)."""
-    pieces_of: dict[int, dict[int, Piece]] = {}
+    pieces_of: dict[int, dict[int, Piece]] = {}  # rings with whole sequences beside their shares
+    ring_mbs: dict[int, dict[int, MicroBatch]] = {}  # the others: each member's micro-batch
+    new = object.__new__  # ``_piece`` and ``micro_batch`` inlined: ~3.5 x 10^4 ring members a step
     for u, ring in members.items():
-        sid = units[u].seq_ids[0]
-        split = two_level.realized_split(ring, units[u].heads_split, ranks_per_node, cost) if cost is not None else 1
-        pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring, heads_split=split)))
+        unit = units[u]
+        sid = unit.seq_ids[0]
+        split = two_level.realized_split(ring, unit.heads_split, ranks_per_node, cost) if cost is not None else 1
+        if unit.fillers:
+            pieces_of[u] = dict(zip(ring, ring_pieces(sid, lens[sid], ring, heads_split=split)))
+            continue
+        s = lens[sid]
+        ring_t = tuple(ring)
+        ratio = unit.ratio
+        per_member = {}
+        for r, share in zip(ring, zigzag_ranges(s, len(ring))):  # what ``ring_pieces`` gives, in ring order
+            piece = new(Piece)
+            d = piece.__dict__
+            d["seq_id"] = sid
+            d["seq_len"] = s
+            d["ranges"] = share
+            d["ring"] = ring_t
+            d["heads_split"] = split
+            mb = new(MicroBatch)
+            d = mb.__dict__
+            d["pieces"] = (piece,)
+            d["offload_ratio"] = ratio
+            per_member[r] = mb
+        ring_mbs[u] = per_member
     ranges_of: dict[int, tuple] = {}  # shared by the whole pieces of one length
     ranks = []
-    new = object.__new__  # ``micro_batch`` inlined for the ~5 x 10^4 local micro-batches
     for rank, items in enumerate(runs):
         mbs = []
         one = (rank,)
@@ -549,12 +566,12 @@ def _build(lens, units: list[Unit], members: dict[int, tuple[int, ...]], runs: l
                 d["offload_ratio"] = x.ratio
                 mbs.append(mb)
                 continue
+            member = ring_mbs.get(x)
+            if member is not None:
+                mbs.append(member[rank])
+                continue
             unit = units[x]
-            piece = pieces_of[x][rank]
-            if unit.fillers:
-                slot = members[x].index(rank)
-                mbs.append(micro_batch((piece,) + whole_pieces(unit.fillers[slot], lens, one, ranges_of), unit.ratio))
-            else:
-                mbs.append(micro_batch((piece,), unit.ratio))
+            slot = members[x].index(rank)
+            mbs.append(micro_batch((pieces_of[x][rank],) + whole_pieces(unit.fillers[slot], lens, one, ranges_of), unit.ratio))
         ranks.append(tuple(mbs))
     return tuple(ranks)

@@ -155,6 +155,7 @@ class RingSizer:
         self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._splits: dict[int, np.ndarray] = {}  # per curve entry: its two-level group size (1: plain)
         self._floors: dict[int, OffloadDecision] = {}
+        self._table: _CurveTable | None = None  # the last lengths' curves end to end (balanced_target)
         self.two_level = two_level.valid_splits(cost, self.ranks_per_node) if num_ranks > self.ranks_per_node else []
 
     def floor(self, seq_len: int) -> OffloadDecision:
@@ -179,12 +180,15 @@ class RingSizer:
         of them instead of one small one per length: a 16K-rank step has ~7,000 lengths)."""
         todo = [int(s) for s in dict.fromkeys(seq_lens) if int(s) not in self._curves]
         plain, spanning = [], []
-        for s in todo:
-            lo, hi = self._size_range(s)
-            if self.two_level and hi > self.ranks_per_node:  # rings that may span nodes
-                spanning.append((s, (lo, self._two_level_hi(s, lo))))
+        # ``_size_range`` and ``_two_level_hi`` of every length at once (the same operations)
+        lo = [self.floor(s).ranks for s in todo]
+        hi = self._range_ends(todo, lo, 1)
+        wide = self._range_ends(todo, lo, max(self.two_level)).tolist() if self.two_level else None
+        for s, a, b, w in zip(todo, lo, hi.tolist(), wide or hi.tolist()):
+            if self.two_level and b > self.ranks_per_node:  # rings that may span nodes
+                spanning.append((s, (a, w)))
             else:
-                plain.append((s, (lo, hi)))
+                plain.append((s, (a, b)))
         for chunk in _chunks(plain):
             lengths, sizes, counts = _ragged(chunk)
             times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
@@ -199,6 +203,19 @@ class RingSizer:
             self._splits[s] = splits[end : end + n]
             end += n
 
+    def _range_ends(self, seq_lens: list[int], d_min: list[int], reach: int) -> np.ndarray:
+        """``_size_range``'s upper ends (``reach`` 1) or ``_two_level_hi``'s (``reach``: the
+        largest group size) of many lengths, as those compute them one at a time."""
+        cost = self.cost
+        per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
+        s = np.array(seq_lens, dtype=np.int64)
+        comm_bound = cost.a1 * s.astype(np.float64) * cost.bw_inter_node / max(per_token, 1e-30)
+        x = 4 * comm_bound
+        if reach != 1:
+            x = x * reach
+        ahead = np.trunc(x).astype(np.int64) + 2 * self.ranks_per_node  # int(): toward zero
+        return np.minimum(np.minimum(self.num_ranks, s), np.maximum(np.array(d_min, dtype=np.int64), ahead))
+
     def _two_level_hi(self, seq_len: int, d_min: int) -> int:
         """The largest ring size a spanning length's curve covers: u times the compute per
         hop, so larger rings still pay and the range reaches u times further."""
@@ -212,20 +229,20 @@ class RingSizer:
         the fastest of the plain ring and each two-level group size."""
         lengths, sizes, counts = _ragged(todo)
         times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
+        s, d = lengths.astype(np.float64), sizes.astype(np.float64)
         splits = np.ones(sizes.size, dtype=np.int64)
         # each group size only where it applies (a multiple of u, larger than a node: a
-        # fraction 1/u of the sizes), the smaller u first, so ties keep the smaller u
-        best = np.full(sizes.size, np.inf)
-        best_u = np.zeros(sizes.size, dtype=np.int64)
+        # fraction 1/u of the sizes), the smaller u first, each taken only where it is
+        # strictly faster than what the entry has: so ties keep the plain ring, then the
+        # smaller u (the fastest of all, as one minimum over the group sizes compared with
+        # the plain ring would give)
         for u in self.two_level:
             at = _multiples(todo, counts, u, self.ranks_per_node)
-            t = two_level.share_times(self.cost, lengths[at], sizes[at], u, self.ranks_per_node)
-            won = t < best[at]
-            best[at[won]] = t[won]
-            best_u[at[won]] = u
-        better = best < times
-        times = np.where(better, best, times)
-        splits[better] = best_u[better]
+            t = two_level.valid_share_times(self.cost, s[at], d[at], u)
+            won = t < times[at]
+            at = at[won]
+            times[at] = t[won]
+            splits[at] = u
         self._store(todo, counts, sizes, times, splits)
 
     def curve(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -252,19 +269,21 @@ class RingSizer:
         self.prepare(seq_lens)
         if not len(seq_lens):
             return []
-        curves = [self._curves[int(s)][1] for s in seq_lens]
-        counts = np.array([c.size for c in curves])
-        first = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        times = np.concatenate(curves)
-        segment = np.repeat(np.arange(counts.size), counts)
+        table = self._table
+        if table is not None and table.seq_lens == list(seq_lens):  # balanced_target's, end to end already
+            counts, first, times = table.counts, table.first, table.times
+        else:
+            curves = [self._curves[int(s)][1] for s in seq_lens]
+            counts = np.array([c.size for c in curves])
+            first = np.concatenate(([0], np.cumsum(counts)[:-1]))
+            times = np.concatenate(curves)
 
         def first_true(mask: np.ndarray) -> np.ndarray:
             at = np.flatnonzero(mask)  # ascending, so each segment's first hit is where it starts
-            hit = np.searchsorted(at, first)
-            ok = hit < at.size
-            found = np.full(counts.size, -1)
-            found[ok] = at[hit[ok]]
-            ok &= segment[np.maximum(found, 0)] == np.arange(counts.size)
+            if not at.size:
+                return np.full(counts.size, -1)
+            found = at[np.minimum(np.searchsorted(at, first), at.size - 1)]
+            ok = (found >= first) & (found < first + counts)  # the hit is in this length's curve
             return np.where(ok, found - first, -1)
 
         k = first_true(self.stages * times <= target)
@@ -288,11 +307,36 @@ class RingSizer:
             k = int(fits[0]) if fits.size else int(np.flatnonzero(times <= times.min() * (1 + 1e-3))[0])
         for j in range(k, len(sizes)):
             d = int(sizes[j])
-            r = self.floor(seq_len).ratio if j == 0 else ratio_for_ranks(seq_len, d, self.capacity, self.cost, self.host)
+            if j == 0:
+                r = self.floor(seq_len).ratio
+            elif -(-seq_len // d) <= self.capacity:
+                r = 0.0  # what ratio_for_ranks gives when every share fits: nothing to offload, no copy
+            else:
+                r = ratio_for_ranks(seq_len, d, self.capacity, self.cost, self.host)
             if r is not None:
                 return d, r, float(times[j])
         d = self.floor(seq_len)  # unreachable for sane profiles: larger rings need smaller ratios
         return d.ranks, d.ratio, float(times[0])
+
+
+class _CurveTable:
+    """The curves of many lengths end to end (``balanced_target``'s view of them)."""
+
+    def __init__(self, sizer: RingSizer, seq_lens: list[int]):
+        sizer.prepare(seq_lens)
+        self.seq_lens = seq_lens
+        curves = [sizer._curves[s] for s in seq_lens]
+        self.sizes = np.concatenate([c[0] for c in curves])
+        self.times = np.concatenate([c[1] for c in curves])
+        self.counts = np.array([c[0].size for c in curves], dtype=np.int64)
+        self.first = np.concatenate(([0], np.cumsum(self.counts)[:-1]))  # where each length starts
+        self.least = np.minimum.reduceat(self.times, self.first)  # each length's fastest ring
+
+    def first_min(self, values: np.ndarray) -> np.ndarray:
+        """Per length, the index within its curve of the first minimum of ``values``."""
+        low = np.repeat(np.minimum.reduceat(values, self.first), self.counts)
+        at = np.flatnonzero(values == low)  # ascending: each length's first hit first
+        return at[np.searchsorted(at, self.first)] - self.first
 
 
 def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
@@ -319,47 +363,58 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     short_times = np.sort(p * short_times)
     floor = float(short_times[-1]) if short.size else 0.0
     long_lens, counts = np.unique(lens[lens > cap], return_counts=True)
-    sizer.prepare(long_lens.tolist())
-    curves = []
-    for s, n in zip(long_lens.tolist(), counts.tolist()):
-        sizes, times = sizer.curve(s)
-        floor = max(floor, p * float(times.min()))
-        curves.append((n, sizes, sizes * times, p * np.minimum.accumulate(times)))
-    # sequences whose floor ring is already within the floor keep it for every T >= floor
-    fixed = [c for c in curves if c[3][0] <= floor]
-    varying = [c for c in curves if c[3][0] > floor]
-    work += sum(n * float(rank_seconds[0]) for n, _, rank_seconds, _ in fixed)
+    table = _CurveTable(sizer, long_lens.tolist()) if long_lens.size else None
+    sizer._table = table  # plan_ring_sizes reads the same curves next (``first_within``)
+    if table is not None:  # per length: its floor ring and its fastest ring
+        floor = max(floor, float((p * table.least).max()))
+        best0 = p * table.times[table.first]  # the floor ring's time, pipeline fill included
+        fixed = best0 <= floor  # these keep their floor ring for every T >= floor
+        varying = np.flatnonzero(~fixed)
+        fixed = np.flatnonzero(fixed)
+        rs0 = table.sizes[table.first] * table.times[table.first]  # rank-seconds of the floor ring
+        work += sum((counts[fixed] * rs0[fixed]).tolist())  # added one by one, in the lengths' order
+        held_t = np.concatenate([short_times, best0[fixed]])
+        held_r = np.concatenate([np.ones(short_times.size), (counts[fixed] * table.sizes[table.first][fixed]).astype(np.float64)])
+    else:
+        varying = []
+        held_t, held_r = short_times, np.ones(short_times.size)
     # ranks held by fixed work longer than T/2: sorted times, suffix sums of ranks
-    held_t = np.concatenate([short_times, np.array([c[3][0] for c in fixed])])
-    held_r = np.concatenate([np.ones(short_times.size), np.array([c[0] * c[1][0] for c in fixed], dtype=np.float64)])
     order = np.argsort(held_t, kind="stable")
     held_t = held_t[order]
     held_suffix = np.concatenate([np.cumsum(held_r[order][::-1])[::-1], [0.0]])
 
-    # Per varying length, the first ring size whose time is within t (best is the running
-    # minimum, so: how many of its entries exceed t), else its last size. All lengths at
-    # once: their curves up to the first minimum (past it best no longer falls), end to end.
-    if varying:
-        stop = [int(np.argmin(b)) + 1 for _, _, _, b in varying]
+    # Per varying length, the first ring size whose time is within t, else its last size.
+    # All lengths at once: their curves up to the first minimum, end to end. (The running
+    # minimum ``best`` of a curve first falls to t or below where the curve itself first
+    # does, and there it equals the curve: so the first entry within t is read, and past
+    # the first minimum neither falls.)
+    if len(varying):
+        pt = p * table.times  # share times, pipeline fill included
+        stop = table.first_min(pt)[varying] + 1
         first = np.concatenate([[0], np.cumsum(stop)[:-1]])
-        last_k = np.array(stop) - 1
-        cut_best = np.concatenate([b[:k] for (_, _, _, b), k in zip(varying, stop)])
-        cut_rs = np.concatenate([rs[:k] for (_, _, rs, _), k in zip(varying, stop)])
-        cut_sizes = np.concatenate([sz[:k] for (_, sz, _, _), k in zip(varying, stop)])
-        end_best = np.array([b[-1] for _, _, _, b in varying])
-        end_rs = np.array([rs[-1] for _, _, rs, _ in varying])
-        end_sizes = np.array([sz[-1] for _, sz, _, _ in varying])
-        n_seqs = np.array([n for n, _, _, _ in varying], dtype=np.int64)
+        last_k = stop - 1
+        take = np.repeat(table.first[varying] - first, stop) + np.arange(int(stop.sum()))
+        cut_pt = pt[take]
+        rank_seconds_all = table.sizes * table.times
+        cut_rs = rank_seconds_all[take]
+        cut_sizes = table.sizes[take]
+        end = table.first[varying] + table.counts[varying] - 1
+        end_best = p * table.least[varying]  # the running minimum's last entry
+        end_rs = rank_seconds_all[end]
+        end_sizes = table.sizes[end]
+        n_seqs = counts[varying].astype(np.int64)
 
     def passes(t: float) -> bool:
         total = work
         held = float(held_suffix[np.searchsorted(held_t, t / 2, side="right")])
-        if varying:
-            over = np.add.reduceat((cut_best > t).astype(np.int64), first)
-            inside = over <= last_k  # else no size is within t: the last one
-            at = first + np.minimum(over, last_k)
+        if len(varying):
+            hits = np.flatnonzero(cut_pt <= t)  # ascending: each length's first hit first
+            k = np.searchsorted(hits, first)
+            at = hits[np.minimum(k, max(hits.size - 1, 0))] if hits.size else first + last_k
+            inside = (k < hits.size) & (at < first + stop)  # else no size is within t: the last one
+            at = np.where(inside, at, first + last_k)
             rank_seconds = np.where(inside, cut_rs[at], end_rs)
-            best = np.where(inside, cut_best[at], end_best)
+            best = np.where(inside, cut_pt[at], end_best)
             sizes = np.where(inside, cut_sizes[at], end_sizes)
             # added in the lengths' order, as one running sum (the same float result)
             total = float(np.cumsum(np.concatenate(([work], n_seqs * rank_seconds)))[-1])
@@ -397,11 +452,22 @@ def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | N
                 d = sizer.floor(s)
                 by_len[s] = (d.ranks, d.ratio, 1)
     else:
-        distinct = list(dict.fromkeys(long_lens))
+        distinct = sorted(set(long_lens))  # as balanced_target lists them: its curves are reused
         for s, k in zip(distinct, sizer.first_within(distinct, target)):
             d, r, _ = sizer.size(s, target, k)
             by_len[s] = (d, r, sizer.heads_split(s, d))
-    return {i: Shard(i, s, *by_len[s]) for i, s in zip(long_ids, long_lens)}
+    return {i: _shard(i, s, *by_len[s]) for i, s in zip(long_ids, long_lens)}
+
+
+def _shard(seq_id: int, seq_len: int, ring_size: int, ratio: float, heads_split: int) -> Shard:
+    """``Shard(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (the
+    same object; ~9,000 a 16K-rank step), as ``plan._piece`` builds pieces."""
+    sh = _new_object(Shard)
+    sh.__dict__.update(seq_id=seq_id, seq_len=seq_len, ring_size=ring_size, ratio=ratio, heads_split=heads_split)
+    return sh
+
+
+_new_object = object.__new__
 
 
 # ----------------------------------------------------------------------------- packing
@@ -452,10 +518,24 @@ class BestFit:
 def pack_best_fit(items: Sequence[tuple[int, int]], capacity: int) -> list[list[int]]:
     """Pack ``(item, size)`` pairs (each size <= capacity) into bins of ``capacity`` tokens,
     best-fit decreasing; returns the bins' items, fullest-first order of opening."""
-    packer = BestFit(capacity)
+    # ``BestFit.add`` for each item, inlined (the planner packs ~6,000 stretches a step)
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free tokens, bin index), ascending
     for item, size in sorted(items, key=lambda x: (-x[1], x[0])):
-        packer.add(item, size)
-    return packer.bins
+        i = bisect_left(free, (size, -1))
+        if i == len(free):
+            if size > capacity:
+                raise PlanError(f"a {size}-token sequence does not fit a {capacity}-token micro-batch")
+            b = len(bins)
+            bins.append([item])
+            left = capacity - size
+        else:
+            left, b = free.pop(i)
+            bins[b].append(item)
+            left -= size
+        if left > 0:
+            insort(free, (left, b))
+    return bins
 
 
 def fill_ring_spare(
@@ -463,12 +543,20 @@ def fill_ring_spare(
 ) -> tuple[list[list[int]], list[tuple[int, int]]]:
     """Best-fit ``(item, size)`` pairs into the spare tokens of existing micro-batches
     (decreasing size); returns each slot's added items and the items left over."""
-    packer = BestFit(max(spare, default=0))
-    for free in spare:
-        packer.open_bin(free)
+    # ``BestFit.open_bin`` per slot, then ``try_add`` per item, inlined (hdp-naive fills
+    # ~30,000 slots with ~50,000 short sequences a 16K-rank step)
+    bins: list[list[int]] = [[] for _ in spare]
+    free = sorted((f, b) for b, f in enumerate(spare) if f > 0)  # (free tokens, bin), ascending
     left = []
     for item, size in sorted(items, key=lambda x: (-x[1], x[0])):
-        if packer.try_add(item, size) is None:
+        i = bisect_left(free, (size, -1))
+        if i == len(free):
             left.append((item, size))
-    return packer.bins, left
+            continue
+        room, b = free.pop(i)
+        bins[b].append(item)
+        room -= size
+        if room > 0:
+            insort(free, (room, b))
+    return bins, left
 
