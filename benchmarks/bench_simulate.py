@@ -28,10 +28,10 @@ estimate against the simulated step.
 
     PYTHONPATH=. python benchmarks/bench_simulate.py --pipeline-grid [--dataset github] [--steps 2] [--json OUT]
 
-Virtual pipeline stages (``--vpp-grid``): LLaMA-70B on 8,192 GPUs, TP 8, PP 4, with 1, 2
-and 4 model chunks per device for every strategy (static runs Megatron's interleaved 1F1B
+Virtual pipeline stages (``--vpp-grid``): LLaMA-70B on 8,192 GPUs, TP 8, PP 4, with 1, 2,
+4 and 5 model chunks per device for every strategy (static runs Megatron's interleaved 1F1B
 over its micro-batches): medians of static's and hdp-balanced's step, of hdp-balanced's
-ratios to static and to the lower bound, of the planner's estimate against the simulated
+ratios to static, to the lower bound and to max(lower bound, critical path), of the planner's estimate against the simulated
 step, of the floor of rings spanning every pipeline, and of the chunk forwards a device holds.
 
     PYTHONPATH=. python benchmarks/bench_simulate.py --vpp-grid [--dataset github] [--steps 2] [--json OUT]
@@ -133,7 +133,7 @@ def pipeline_grid(argv: list[str]) -> int:
 
 
 # the virtual-stage rows: LLaMA-70B, TP 8, PP 4, V chunks per device
-VPP_GRID = (1, 2, 4)
+VPP_GRID = (1, 2, 4, 5)  # V divides the 20 layers a device holds
 VPP_FLAGS = ["--gpus", "8192", "--tp", "8", "--pp", "4", "--model", "llama-70b", "--strategies", "static,hdp-balanced"]
 
 
@@ -154,6 +154,7 @@ def vpp_grid(argv: list[str]) -> int:
             "balanced_s": _median([b["step_time_s"] for _, b in per_step]),
             "balanced_vs_static": _median([s["step_time_s"] / b["step_time_s"] for s, b in per_step]),
             "balanced_x_lb": _median([b["x_lower_bound"] for _, b in per_step]),
+            "balanced_x_bound": _median([b["x_bound"] for _, b in per_step]),
             "lower_bound_s": _median([b["lower_bound_s"] for _, b in per_step]),
             "ring_floor_s": _median([b["pipeline_ring_floor_s"] for _, b in per_step]),
             "estimate_vs_sim": _median([b["planner_estimate_s"] / b["step_time_s"] for _, b in per_step]),
@@ -164,7 +165,7 @@ def vpp_grid(argv: list[str]) -> int:
         r = rows[-1]
         print(
             f"{cfg.model} PP {cfg.pp} VPP {v}  static {r['static_s']:7.2f}  balanced {r['balanced_s']:7.2f}"
-            f"  vs static {r['balanced_vs_static']:5.2f}x  x LB {r['balanced_x_lb']:5.2f}  ring floor {r['ring_floor_s']:6.2f}"
+            f"  vs static {r['balanced_vs_static']:5.2f}x  x LB {r['balanced_x_lb']:5.2f}  x bound {r['balanced_x_bound']:5.2f}  ring floor {r['ring_floor_s']:6.2f}"
             f"  estimate/sim {r['estimate_vs_sim']:5.3f}  chunks in flight {r['chunks_in_flight_max']}"
             f"  host {r['host_gb_max_gpu']:5.1f} GB  plan {r['plan_s']:5.2f} s",
             flush=True,
