@@ -306,9 +306,10 @@ def test_curves_prepared_at_once_match_each_length_alone():
     """Ring-size ranges found for all lengths at once are ``_size_range`` / ``_two_level_hi``
     per length, and the in-place two-level times are ``two_level.share_times``'."""
     cost = small_cost().with_overrides(q_heads=32, kv_heads=8, q_bytes_per_token=4096.0)
-    for num_ranks, per_node in ((64, 8), (8, 8), (24, 4), (256, 8)):
+    free_hops = small_cost().with_overrides(kv_bytes_per_token=0.0, grad_bytes_per_token=0.0)  # x beyond int64
+    for num_ranks, per_node, c in ((64, 8, cost), (8, 8, cost), (24, 4, cost), (256, 8, cost), (64, 8, free_hops)):
         lengths = [s for s in (513, 700, 3000, 3001, 5000, 12345, 40000, 90001) if s <= 400 * num_ranks]
-        sizer = RingSizer(512, cost, True, num_ranks, per_node)
+        sizer = RingSizer(512, c, True, num_ranks, per_node)
         sizer.prepare(lengths)
         for s in lengths:
             sizes = sizer.curve(s)[0]

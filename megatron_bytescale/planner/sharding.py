@@ -213,7 +213,9 @@ class RingSizer:
         x = 4 * comm_bound
         if reach != 1:
             x = x * reach
-        ahead = np.trunc(x).astype(np.int64) + 2 * self.ranks_per_node  # int(): toward zero
+        # int(): toward zero; capped first, as free hops (no KV bytes) make x astronomically
+        # large, which int() keeps but int64 cannot hold (both end at min(ranks, s) below)
+        ahead = np.trunc(np.minimum(x, 2.0**62)).astype(np.int64) + 2 * self.ranks_per_node
         return np.minimum(np.minimum(self.num_ranks, s), np.maximum(np.array(d_min, dtype=np.int64), ahead))
 
     def _two_level_hi(self, seq_len: int, d_min: int) -> int:
