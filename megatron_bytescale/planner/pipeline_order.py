@@ -598,6 +598,40 @@ def _run_one_pipeline(fwd: Sequence[float], bwd: Sequence[float], stages: int, c
     return orders
 
 
+def megatron_interleaved_orders(count: int, stages: int, chunks: int) -> list[list[tuple[int, int, int]]]:
+    """Every device's (direction, micro-batch, chunk) order under Megatron's interleaved 1F1B
+    for ``count`` micro-batches: forwards in groups of ``stages`` micro-batches, each group
+    chunk by chunk, backwards in the same order with the chunks reversed; device ``d`` runs
+    ``2 (stages - 1 - d) + (chunks - 1) stages`` warm-up forwards, then strictly one forward,
+    one backward, then the cool-down backwards. It holds at most one chunk forward more than
+    its warm-up (Megatron's memory) and, unlike the run of ``_run_one_pipeline`` (which
+    starts whatever is ready first), never lets a forward delay the backward the devices
+    before it wait for: its bubble is ``(stages - 1) / chunks`` of a micro-batch's time,
+    Megatron's, where the greedy run loses one to three micro-batches. Fixed warm-ups deadlock
+    when ``count`` is not a multiple of ``stages``, so the schedule is made for ``count``
+    rounded up to one and the phantom micro-batches are dropped: what remains runs in the time
+    order of a run that completed, so it cannot deadlock either."""
+    p, v = stages, chunks
+    padded = -(-count // p) * p
+    total = padded * v
+
+    def chunk_op(k: int, direction: int) -> tuple[int, int, int]:
+        m = (k // (p * v)) * p + k % p
+        c = (k % (p * v)) // p
+        return (direction, m, c if direction == FORWARD else v - 1 - c)
+
+    orders = []
+    for d in range(p):
+        warmup = min(2 * (p - 1 - d) + (v - 1) * p, total)
+        order = [chunk_op(k, FORWARD) for k in range(warmup)]
+        for i in range(total - warmup):
+            order.append(chunk_op(warmup + i, FORWARD))
+            order.append(chunk_op(i, BACKWARD))
+        order.extend(chunk_op(k, BACKWARD) for k in range(total - warmup, total))
+        orders.append([op for op in order if op[1] < count])
+    return orders
+
+
 def slot_offsets(ring_keys: Sequence[Sequence[object | None]]) -> list[int] | None:
     """Per rank, the offset of its micro-batch indices such that every ring micro-batch sits at
     one slot (index + offset) on all its members (``order_runs``' alignment), the smallest
@@ -636,18 +670,25 @@ def slot_offsets(ring_keys: Sequence[Sequence[object | None]]) -> list[int] | No
 
 def slot_interleaved_orders(
     ring_keys: Sequence[Sequence[object | None]], times: Sequence[Sequence[float]], stages: int, chunks: int,
-    forward_share: float = FORWARD_SHARE, slot_times: bool = False,
+    forward_share: float = FORWARD_SHARE, slot_times: bool = False, megatron: bool = False,
 ) -> list[list[list[tuple[int, int, int]]]] | None:
     """Interleaved orders that cannot deadlock when rings sit at one slot on all members: the
     order of one long pipeline over all slots (``_run_one_pipeline``; unit times, or with
-    ``slot_times`` each slot's longest micro-batch), each rank running its own slots' part of
-    it. Every operation then has one start time in that run, shared by a ring's members, and
+    ``slot_times`` each slot's longest micro-batch; with ``megatron`` Megatron's fixed
+    schedule, ``megatron_interleaved_orders``), each rank running its own slots' part of it.
+    Every operation then has one start time in that run, shared by a ring's members, and
     every device runs its operations in that time order, after all they wait for: no cycle.
     None if the rings admit no slot alignment (``slot_offsets``)."""
     off = slot_offsets(ring_keys)
     if off is None:
         return None
     slots = max((o + len(k) for o, k in zip(off, ring_keys)), default=0)
+    if megatron:
+        full = megatron_interleaved_orders(slots, stages, chunks)
+        return [
+            [[(d, m - o, c) for d, m, c in full[dev] if o <= m < o + len(keys)] for dev in range(stages)]
+            for o, keys in zip(off, ring_keys)
+        ]
     if slot_times:
         longest = [0.0] * slots
         for o, ts in zip(off, times):

@@ -413,11 +413,11 @@ def chunk_schedule(
     finish = pipelined_finish_times(ring_keys, times, p, forward_share, None, chunks)
     if finish is not None:
         cands.append((max(finish, default=0.0), None, finish, "the interleaved order"))
-    for slot_times in (False, True):
-        orders = slot_interleaved_orders(ring_keys, times, p, chunks, forward_share, slot_times)
+    for slot_times, megatron in ((False, False), (True, False), (False, True)):
+        orders = slot_interleaved_orders(ring_keys, times, p, chunks, forward_share, slot_times, megatron)
         finish = None if orders is None else pipelined_finish_times(ring_keys, times, p, forward_share, orders, chunks)
         if finish is not None:
-            name = "the slot-aligned interleaved order" + (" (slot times)" if slot_times else "")
+            name = "the slot-aligned " + ("Megatron " if megatron else "") + "interleaved order" + (" (slot times)" if slot_times else "")
             cands.append((max(finish, default=0.0), orders, finish, name))
     best = min(cands, key=lambda c: c[0]) if cands else None
     ops = 2 * p * chunks * sum(len(k) for k in ring_keys)
