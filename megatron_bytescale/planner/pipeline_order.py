@@ -141,7 +141,8 @@ def rank_estimates(
     every rank runs 1F1B and rings start on each stage when all members are ready there
     (``pipelined_finish_times``; a ring counts its slowest member's time), which is how the
     simulator runs them; with ``chunks`` model chunks per device, the interleaved order, or
-    where it deadlocks the slot-aligned one, ``slot_interleaved_orders``); an
+    where it deadlocks the shorter slot-aligned one, ``slot_interleaved_orders``: the greedy
+    run's or Megatron's fixed schedule, as ``stage_schedule.chunk_schedule`` will choose); an
     order that would deadlock gets each rank's 1F1B makespan
     (``estimate.one_f_one_b_time``) or clock, the longer."""
     times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
@@ -149,10 +150,12 @@ def rank_estimates(
         return list(ordered.clock)
     keys = [[None if isinstance(x, LocalBatch) else x for x in run] for run in ordered.runs]
     finish = pipelined_finish_times(keys, times, stages, forward_share, chunks=chunks)
-    if finish is None and chunks > 1:  # the slot-aligned interleaved order is safe where rings share slots
-        orders = slot_interleaved_orders(keys, times, stages, chunks, forward_share)
-        if orders is not None:
-            finish = pipelined_finish_times(keys, times, stages, forward_share, orders, chunks)
+    if finish is None and chunks > 1:  # the slot-aligned interleaved orders are safe where rings share slots
+        for megatron in (False, True):
+            orders = slot_interleaved_orders(keys, times, stages, chunks, forward_share, megatron=megatron)
+            found = None if orders is None else pipelined_finish_times(keys, times, stages, forward_share, orders, chunks)
+            if found is not None and (finish is None or max(found) < max(finish)):
+                finish = found
     if finish is not None:
         return finish
     return [max(clock, one_f_one_b_time(t, stages, forward_share)) for clock, t in zip(ordered.clock, times)]
