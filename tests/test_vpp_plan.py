@@ -23,7 +23,7 @@ from megatron_bytescale.planner.pipeline_order import (
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.plan_cli import check_vpp
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
-from megatron_bytescale.planner.stage_schedule import stage_schedule
+from megatron_bytescale.planner.stage_schedule import chunk_schedule, stage_schedule
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import evaluate, pipeline_ring_floor, simulate
 
@@ -246,11 +246,18 @@ def test_slot_aligned_interleaved_orders_never_deadlock(case):
     from megatron_bytescale.planner.pipeline_order import slot_interleaved_orders
 
     keys, times, p, v = case
+    shortest = float("inf")
     for slot_times, megatron in ((False, False), (True, False), (False, True)):
         orders = slot_interleaved_orders(keys, times, p, v, FORWARD_SHARE, slot_times, megatron)
         assert orders is not None
         check_chunk_orders(keys, orders, p, v)
         assert chunk_peak(orders) <= p * v + p - 1
+        shortest = min(shortest, max(pipelined_finish_times(keys, times, p, FORWARD_SHARE, orders, v), default=0.0))
+    # the planner's choice is safe and no longer than any slot-aligned candidate
+    orders, finish, _, _ = chunk_schedule(keys, times, p, FORWARD_SHARE, v)
+    if orders is not None:
+        check_chunk_orders(keys, orders, p, v)
+    assert max(finish, default=0.0) <= shortest + 1e-9
 
 
 def test_interleaved_order_is_pinned():

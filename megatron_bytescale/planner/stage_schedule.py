@@ -41,7 +41,9 @@ operations (``P = p V`` virtual stages, virtual stage ``vs`` on device ``vs % p`
 message stream per device pair and direction; memory in chunk forwards, a micro-batch
 reserving its ``V`` places when it enters a device). ``chunk_schedule`` puts it beside the
 default and slot-aligned interleaved orders (``pipeline_order``) and keeps the shortest: on
-PP-balance plans of 2M-context batches the slot-aligned order with slot times wins.
+PP-balance plans of 2M-context batches the slot-aligned Megatron order wins (its bubble is
+Megatron's (p - 1) / V of a micro-batch; the greedy run of one long pipeline loses whole
+micro-batches to forwards that delay the backwards other devices wait for).
 """
 
 from __future__ import annotations
@@ -400,7 +402,8 @@ def chunk_schedule(
 ) -> tuple[list | None, list[float], int, str] | None:
     """Chunk orders for pipelines of ``chunks`` model chunks per device: the shortest estimated
     of the default interleaved order (if it does not deadlock), the slot-aligned interleaved
-    orders (``pipeline_order.slot_interleaved_orders``: safe whenever the rings sit at one
+    orders (``pipeline_order.slot_interleaved_orders``, the greedy run's in unit and slot times
+    and Megatron's fixed schedule: safe whenever the rings sit at one
     slot, as ``order_runs`` places them) and, where they all deadlock or the batch is small,
     the list schedule over chunk operations (``stage_schedule``). Returns (orders, None for
     the default; finish per rank; the most chunk forwards a device may hold under them; what
