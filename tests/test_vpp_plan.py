@@ -277,7 +277,7 @@ def test_megatron_interleaved_order_has_megatron_bubble_for_any_count(p, v):
     micro-batches of t it takes (m + (p - 1) / V) t whenever m is a multiple of p, where the
     greedy run of ``interleaved_order`` loses whole micro-batches (m = 16, p = 4, V = 5:
     17.6 t against 16.6 t)."""
-    for m in range(0, 3 * p + 2):
+    for m in range(3 * p + 2):
         orders = megatron_interleaved_orders(m, p, v)
         keys = [[None] * m]
         check_chunk_orders(keys, [orders], p, v)
