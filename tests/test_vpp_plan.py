@@ -243,17 +243,23 @@ def slot_aligned_pipelines(draw):
 @settings(max_examples=80, deadline=None)
 @given(slot_aligned_pipelines())
 def test_slot_aligned_interleaved_orders_never_deadlock(case):
-    from megatron_bytescale.planner.pipeline_order import slot_interleaved_orders
+    from megatron_bytescale.planner.pipeline_order import (
+        slot_interleaved_orders,
+        slot_offsets,
+    )
 
     keys, times, p, v = case
+    tried = {-o % p for o in slot_offsets(keys)}  # the shifts chunk_schedule tries
     shortest = float("inf")
-    for slot_times, megatron in ((False, False), (True, False), (False, True)):
-        orders = slot_interleaved_orders(keys, times, p, v, FORWARD_SHARE, slot_times, megatron)
+    for slot_times, megatron, shift in [(False, False, 0), (True, False, 0)] + [(False, True, k) for k in range(p)]:
+        orders = slot_interleaved_orders(keys, times, p, v, FORWARD_SHARE, slot_times, megatron, shift)
         assert orders is not None
         check_chunk_orders(keys, orders, p, v)
         assert chunk_peak(orders) <= p * v + p - 1
-        shortest = min(shortest, max(pipelined_finish_times(keys, times, p, FORWARD_SHARE, orders, v), default=0.0))
-    # the planner's choice is safe and no longer than any slot-aligned candidate
+        if not megatron or shift in tried:
+            shortest = min(shortest, max(pipelined_finish_times(keys, times, p, FORWARD_SHARE, orders, v), default=0.0))
+    # the planner's choice is safe and no longer than any slot-aligned candidate it tries
+    # (Megatron's with groups starting where some pipeline starts)
     orders, finish, _, _ = chunk_schedule(keys, times, p, FORWARD_SHARE, v)
     if orders is not None:
         check_chunk_orders(keys, orders, p, v)

@@ -673,12 +673,13 @@ def slot_offsets(ring_keys: Sequence[Sequence[object | None]]) -> list[int] | No
 
 def slot_interleaved_orders(
     ring_keys: Sequence[Sequence[object | None]], times: Sequence[Sequence[float]], stages: int, chunks: int,
-    forward_share: float = FORWARD_SHARE, slot_times: bool = False, megatron: bool = False,
+    forward_share: float = FORWARD_SHARE, slot_times: bool = False, megatron: bool = False, shift: int = 0,
 ) -> list[list[list[tuple[int, int, int]]]] | None:
     """Interleaved orders that cannot deadlock when rings sit at one slot on all members: the
     order of one long pipeline over all slots (``_run_one_pipeline``; unit times, or with
     ``slot_times`` each slot's longest micro-batch; with ``megatron`` Megatron's fixed
-    schedule, ``megatron_interleaved_orders``), each rank running its own slots' part of it.
+    schedule, ``megatron_interleaved_orders``, its groups of ``stages`` slots starting
+    ``shift`` phantom slots before the first), each rank running its own slots' part of it.
     Every operation then has one start time in that run, shared by a ring's members, and
     every device runs its operations in that time order, after all they wait for: no cycle.
     None if the rings admit no slot alignment (``slot_offsets``)."""
@@ -687,10 +688,10 @@ def slot_interleaved_orders(
         return None
     slots = max((o + len(k) for o, k in zip(off, ring_keys)), default=0)
     if megatron:
-        full = megatron_interleaved_orders(slots, stages, chunks)
+        full = megatron_interleaved_orders(slots + shift, stages, chunks)
         return [
             [[(d, m - o, c) for d, m, c in full[dev] if o <= m < o + len(keys)] for dev in range(stages)]
-            for o, keys in zip(off, ring_keys)
+            for o, keys in zip((o + shift for o in off), ring_keys)
         ]
     if slot_times:
         longest = [0.0] * slots

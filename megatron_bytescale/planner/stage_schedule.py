@@ -408,7 +408,7 @@ def chunk_schedule(
     the list schedule over chunk operations (``stage_schedule``). Returns (orders, None for
     the default; finish per rank; the most chunk forwards a device may hold under them; what
     was kept), or None if every candidate deadlocks."""
-    from .pipeline_order import pipelined_finish_times, slot_interleaved_orders
+    from .pipeline_order import pipelined_finish_times, slot_interleaved_orders, slot_offsets
 
     p = stages
     megatron_cap = p * chunks + p - 1  # Megatron's interleaved warm-up, first device
@@ -416,11 +416,17 @@ def chunk_schedule(
     finish = pipelined_finish_times(ring_keys, times, p, forward_share, None, chunks)
     if finish is not None:
         cands.append((max(finish, default=0.0), None, finish, "the interleaved order"))
-    for slot_times, megatron in ((False, False), (True, False), (False, True)):
-        orders = slot_interleaved_orders(ring_keys, times, p, chunks, forward_share, slot_times, megatron)
+    # Megatron's groups of p slots, shifted by phantom slots so that a group starts where some
+    # pipeline starts (a pipeline starting mid-group runs a short first group: more bubble)
+    offsets = slot_offsets(ring_keys)
+    shifts = sorted({-o % p for o in offsets}) if offsets else [0]
+    variants = [(False, False, 0), (True, False, 0)] + [(False, True, k) for k in shifts]
+    for slot_times, megatron, shift in variants:
+        orders = slot_interleaved_orders(ring_keys, times, p, chunks, forward_share, slot_times, megatron, shift)
         finish = None if orders is None else pipelined_finish_times(ring_keys, times, p, forward_share, orders, chunks)
         if finish is not None:
-            name = "the slot-aligned " + ("Megatron " if megatron else "") + "interleaved order" + (" (slot times)" if slot_times else "")
+            name = ("the slot-aligned " + ("Megatron " if megatron else "") + "interleaved order"
+                    + (" (slot times)" if slot_times else "") + (f" (shifted {shift})" if shift else ""))
             cands.append((max(finish, default=0.0), orders, finish, name))
     best = min(cands, key=lambda c: c[0]) if cands else None
     ops = 2 * p * chunks * sum(len(k) for k in ring_keys)
