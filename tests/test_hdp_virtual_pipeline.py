@@ -61,8 +61,8 @@ def one_chunk_plan() -> Plan:
 
 
 def planned_plan() -> Plan:
-    """What the planner makes with two chunks per device: rings across both pipelines and
-    its own chunk orders (``Plan.stage_orders``), run as planned."""
+    """What the planner makes with two chunks per device: rings across both pipelines in the
+    chunk order it chose as the shortest safe one, run as planned."""
     from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 
     from planner_cases import small_cost
@@ -219,7 +219,7 @@ def test_pp2_v2_by_hdp2_equals_one_rank(runs):
         # the chunks of all devices together hold every weight (nothing untested)
         assert {o["names"][n] for o in outs for n in o[case]["grads"]} == set(want["grads"])
     by = {(o["stage"], o["hdp"]): o for o in outs}
-    assert plans["planned"].stage_orders is not None and plans["planned"].virtual_stages == V
+    assert plans["planned"].virtual_stages == V  # its chunk orders, or Megatron's when that is the shortest
     assert all(o["planned"]["ring_bytes"] > 0 for o in outs)  # the planner's rings ran
     assert all(o["ring"]["ring_bytes"] > 0 and o["ring"]["offloaded"] > 0 for o in outs)  # the ring ran, offloading
     assert all(o["ring"]["stage_bytes"] > 0 for o in outs)  # every device sends (device 1's chunk 0 to device 0's chunk 1)

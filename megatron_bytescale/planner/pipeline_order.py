@@ -529,33 +529,28 @@ def one_f_one_b(count: int, stages: int, stage: int) -> list[tuple[int, int]]:
 def interleaved_order(count: int, stages: int, stage: int, chunks: int) -> list[tuple[int, int, int]]:
     """(direction, micro-batch, chunk) in interleaved 1F1B order on device ``stage`` of a
     pipeline of ``stages`` devices holding ``chunks`` model chunks each (virtual pipeline
-    stages, Megatron's interleaved layout); ``interleaved_orders`` says how it is made.
-    ``chunks == 1`` is ``one_f_one_b``'s order."""
+    stages, Megatron's interleaved layout): Megatron's own schedule for any count
+    (``megatron_interleaved_orders``). ``chunks == 1`` is ``one_f_one_b``'s order."""
     if chunks == 1:
         return [(d, m, 0) for d, m in one_f_one_b(count, stages, stage)]
-    return list(_interleaved_orders(count, stages, chunks)[stage])
+    return list(_megatron_orders(count, stages, chunks)[stage])
 
 
 @lru_cache(maxsize=256)
-def _interleaved_orders(count: int, stages: int, chunks: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-    """Every device's interleaved order for ``count`` micro-batches, found by running the
-    pipeline: forwards in groups of ``stages`` micro-batches, each group chunk by chunk (the
-    order Megatron's interleaved schedule uses), backwards in the same order with the chunks
-    reversed; a device runs a ready backward first, else its next forward while it holds fewer
-    chunk forwards than Megatron's warm-up allows (``2 (stages - 1 - device) + (chunks - 1)
-    stages + 1``). Every device runs its forwards (backwards) in one fixed sequence, so two
-    devices agree on the order of the messages between them; and the orders are those of a
-    run that completed, so they cannot deadlock, whatever ``count`` is (Megatron's fixed
-    warm-up counts deadlock when ``count`` is not a multiple of ``stages``). Forwards last 1,
-    backwards 2."""
-    # chunk ops of 1 and 2 exactly (``_run_one_pipeline`` divides by ``chunks``)
-    return tuple(tuple(o) for o in _run_one_pipeline([1.0 * chunks] * count, [2.0 * chunks] * count, stages, chunks))
+def _megatron_orders(count: int, stages: int, chunks: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    return tuple(tuple(o) for o in megatron_interleaved_orders(count, stages, chunks))
 
 
 def _run_one_pipeline(fwd: Sequence[float], bwd: Sequence[float], stages: int, chunks: int) -> list[list[tuple[int, int, int]]]:
     """Every device's order from running one pipeline of ``len(fwd)`` micro-batches whose
-    chunk forwards (backwards) last ``fwd[m] / chunks`` (``bwd[m] / chunks``), by the rules
-    of ``_interleaved_orders``."""
+    chunk forwards (backwards) last ``fwd[m] / chunks`` (``bwd[m] / chunks``): forwards in
+    groups of ``stages`` micro-batches, each group chunk by chunk (Megatron's sequence),
+    backwards in the same order with the chunks reversed; a device runs a ready backward
+    first, else its next forward while it holds fewer chunk forwards than Megatron's warm-up
+    allows (``2 (stages - 1 - device) + (chunks - 1) stages + 1``). Every device runs its
+    forwards (backwards) in one fixed sequence, so two devices agree on the order of the
+    messages between them; and the orders are those of a run that completed, so they cannot
+    deadlock, whatever the count."""
     count, p, v = len(fwd), stages, chunks
     forwards, backwards = [], []
     for g in range(0, count, p):
