@@ -177,8 +177,9 @@ def test_rope_at_true_positions_matches_the_whole_sequence():
     assert out["runs"] == [(0, 3), (7, 2), (50_000, 1)]
     assert out["chunk_positions"] == (0, 50_015)
     # q and k reach 0.72 here. Run alone they agree exactly (0.0); two full-suite runs gave
-    # 1.0e-4 (not reproduced alone), about one ulp of a rotary angle at position ~1,000 times
-    # |q|. 1e-3 still sits two orders of magnitude below the row-index error asserted next.
+    # 1.0e-4 (not reproduced alone; cause not pinned down: the size of one ulp of a rotary
+    # angle at position ~1,000 times |q|). 1e-3 still sits two orders of magnitude below the
+    # row-index error asserted next.
     assert out["q_diff"] < 1e-3 and out["k_diff"] < 1e-3 and out["short_diff"] < 1e-5, out
     assert out["row_index_diff"] > 0.1, out
 
