@@ -50,3 +50,43 @@ def shard_info(model) -> dict[str, tuple]:
         n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1), getattr(p, "partition_stride", 1))
         for n, p in model.named_parameters()
     }
+
+
+def one_rank_plan(lens, num_layers: int = 4):
+    """Every sequence of ``lens`` whole, one micro-batch each, on one rank without PP: the
+    reference every HDP layout is compared against."""
+    from megatron_bytescale.planner.plan import MicroBatch, Plan, whole_piece
+
+    ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)),)
+    return Plan(num_ranks=1, capacity=max(lens), num_layers=num_layers, seq_lens=tuple(lens), ranks=ranks).validate()
+
+
+def global_layer_names(model, prefix: str = "") -> dict[str, str]:
+    """``prefix + name`` of a pipeline stage's (or model chunk's) parameters -> the names the
+    same weights have without PP: its layers are numbered from 0, ``layer_number`` is the
+    global one (Megatron's offset for the stage and virtual stage)."""
+    names = {}
+    for name, _ in model.named_parameters():
+        if name.startswith("decoder.layers."):
+            local, rest = name[len("decoder.layers.") :].split(".", 1)
+            layer = model.decoder.layers[int(local)]
+            names[prefix + name] = f"decoder.layers.{layer.layer_number - 1}.{rest}"
+        else:
+            names[prefix + name] = name
+    return names
+
+
+def one_rank_reference(rank, world, lens_by_case, seed):
+    """On one gloo rank: the tiny model's full weights (drawn with ``seed``), and per case the
+    loss, token count and gradients of its sequences run whole (``one_rank_plan``)."""
+    from megatron_bytescale.megatron import local_run
+
+    model, group = local_run.setup_model("tiny", seed=seed)
+    out = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    for case, lens in lens_by_case.items():
+        for p in model.parameters():
+            p.grad = None
+        result = local_run.run_step(step_batch(one_rank_plan(lens), 0), model, group)
+        out[case] = {"loss": result.loss, "tokens": result.global_tokens, "grads": grads_of(model)}
+    local_run.teardown()
+    return out

@@ -14,7 +14,7 @@ from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.expert_slots import align_expert_slots
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
-from hdp_helpers import run_plan
+from hdp_helpers import one_rank_plan, run_plan
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -36,11 +36,6 @@ def ep_plan() -> Plan:
     )
     plain = Plan(num_ranks=4, capacity=24, num_layers=2, seq_lens=lens, ranks=ranks).validate()
     return align_expert_slots(plain, 2).validate()
-
-
-def one_rank_plan(lens) -> Plan:
-    ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)),)
-    return Plan(num_ranks=1, capacity=max(lens), num_layers=2, seq_lens=tuple(lens), ranks=ranks).validate()
 
 
 def global_name(name: str, ep_rank: int, local: int) -> str:
@@ -81,7 +76,7 @@ def test_ep2_by_hdp4_with_a_ring_across_ep_groups_and_empty_slots_equals_one_ran
     empty = [[not mb.pieces for mb in mbs] for mbs in plan.ranks]
     assert empty == [[False, False], [True, False], [False, False], [False, True]]
     outs = run_local_world(_step, 4, plan.to_json(), 2, timeout_s=180)
-    (ref,) = run_local_world(_step, 1, one_rank_plan(plan.seq_lens).to_json(), 1, timeout_s=120)
+    (ref,) = run_local_world(_step, 1, one_rank_plan(plan.seq_lens, num_layers=2).to_json(), 1, timeout_s=120)
     assert len(ref["grads"]) == 2 * (5 + 2 * EXPERTS) + 3  # per layer: 2 norms, qkv, proj, router, 2 per expert
     experts_seen = set()
     for o in outs:

@@ -15,7 +15,7 @@ import pytest
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
-from hdp_helpers import read_tokens
+from hdp_helpers import one_rank_plan, read_tokens
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -33,11 +33,6 @@ def three_rank_plan() -> Plan:
         (),  # nothing to run: launches every bucket too
     )
     return Plan(num_ranks=3, capacity=20, num_layers=4, seq_lens=lens, ranks=ranks).validate()
-
-
-def one_rank_plan(lens) -> Plan:
-    ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)),)
-    return Plan(num_ranks=1, capacity=max(lens), num_layers=4, seq_lens=tuple(lens), ranks=ranks).validate()
 
 
 def _overlapped(rank, world, plan_json, steps=2):

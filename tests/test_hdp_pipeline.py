@@ -14,7 +14,7 @@ from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.pipeline_order import plan_pipeline_deadlock
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
-from hdp_helpers import grads_of, read_tokens, step_batch
+from hdp_helpers import global_layer_names, grads_of, one_rank_reference, step_batch
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -93,43 +93,6 @@ CASES = {
 }
 
 
-def one_rank_plan(lens) -> Plan:
-    ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)),)
-    return Plan(num_ranks=1, capacity=max(lens), num_layers=4, seq_lens=tuple(lens), ranks=ranks).validate()
-
-
-def _global_names(model) -> dict[str, str]:
-    """This stage's parameter names -> the names the same weights have without PP (its
-    layers are numbered from 0 on every stage; ``layer_number`` is the global one)."""
-    names = {}
-    for name, _ in model.named_parameters():
-        if name.startswith("decoder.layers."):
-            local, rest = name[len("decoder.layers.") :].split(".", 1)
-            layer = model.decoder.layers[int(local)]
-            name_global = f"decoder.layers.{layer.layer_number - 1}.{rest}"
-        else:
-            name_global = name
-        names[name] = name_global
-    return names
-
-
-def _reference(rank, world, lens_by_case):
-    from megatron_bytescale.megatron import local_run
-    from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
-
-    model, group = local_run.setup_model("tiny", seed=SEED)
-    out = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    for case, lens in lens_by_case.items():
-        plan = one_rank_plan(lens)
-        step = StepBatch(plan, 0, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(0)])
-        for p in model.parameters():
-            p.grad = None
-        result = local_run.run_step(step, model, group)
-        out[case] = {"loss": result.loss, "tokens": result.global_tokens, "grads": grads_of(model)}
-    local_run.teardown()
-    return out
-
-
 def _pipelined(rank, world, plans_json, weights):
     import torch
     from megatron.core import parallel_state
@@ -141,7 +104,7 @@ def _pipelined(rank, world, plans_json, weights):
     # deallocate_pipeline_outputs: as Megatron-LM trains (outputs freed once sent, backward
     # through the C++ engine)
     model, group = local_run.setup_model("tiny", pp=PP, seed=SEED, deallocate_pipeline_outputs=True)
-    names = _global_names(model)
+    names = global_layer_names(model)
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(weights[names[n]])
@@ -183,7 +146,7 @@ def runs():
     for plan in plans.values():
         assert plan_pipeline_deadlock(plan, PP) is None
     assert plan_pipeline_deadlock(deadlocking_plan(), PP)
-    (ref,) = run_local_world(_reference, 1, {c: p.seq_lens for c, p in plans.items()}, timeout_s=120)
+    (ref,) = run_local_world(one_rank_reference, 1, {c: p.seq_lens for c, p in plans.items()}, SEED, timeout_s=120)
     texts = {c: p.to_json() for c, p in plans.items()} | {"deadlock": deadlocking_plan().to_json()}
     outs = run_local_world(_pipelined, 4, texts, ref["weights"], timeout_s=180)
     return plans, ref, outs

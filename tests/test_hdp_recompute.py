@@ -15,7 +15,7 @@ import pytest
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
-from hdp_helpers import grads_of, step_batch
+from hdp_helpers import grads_of, one_rank_plan, step_batch
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -46,11 +46,6 @@ def two_rank_plan(ratio: float = 0.0) -> Plan:
     return Plan(num_ranks=2, capacity=24, num_layers=LAYERS, seq_lens=lens, ranks=ranks).validate()
 
 
-def one_rank_plan(lens) -> Plan:
-    ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)),)
-    return Plan(num_ranks=1, capacity=max(lens), num_layers=LAYERS, seq_lens=tuple(lens), ranks=ranks).validate()
-
-
 def _run(plan: Plan, overrides: dict, offload: bool) -> dict:
     from megatron.core import parallel_state
 
@@ -79,7 +74,7 @@ def _all_cases(rank, world):
 
 
 def _reference(rank, world, lens):
-    return _run(one_rank_plan(lens), {}, offload=False)
+    return _run(one_rank_plan(lens, num_layers=LAYERS), {}, offload=False)
 
 
 def max_grad_diff(got: dict, ref: dict) -> float:

@@ -12,7 +12,7 @@ from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.runtime.padding import padding_for
 
-from hdp_helpers import grads_of, run_plan, shard_info, shard_like
+from hdp_helpers import grads_of, one_rank_plan, run_plan, shard_info, shard_like
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -29,11 +29,6 @@ def sp_plan() -> Plan:
         (MicroBatch((share[1], whole_piece(1, 8, 1))), MicroBatch((whole_piece(3, 6, 1),))),  # 19, then 6
     )
     return Plan(num_ranks=2, capacity=20, num_layers=4, seq_lens=lens, ranks=ranks).validate()
-
-
-def one_rank_plan(lens) -> Plan:
-    ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)),)
-    return Plan(num_ranks=1, capacity=max(lens), num_layers=4, seq_lens=tuple(lens), ranks=ranks).validate()
 
 
 def _step(rank, world, plan_json, tp, sequence_parallel):

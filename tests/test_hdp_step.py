@@ -12,7 +12,7 @@ import pytest
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
-from hdp_helpers import grads_of, read_tokens, run_plan, shard_info, shard_like
+from hdp_helpers import grads_of, one_rank_plan, read_tokens, run_plan, shard_info, shard_like
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -41,11 +41,6 @@ def idle_rank_plan() -> Plan:
     share = ring_pieces(0, 21, (0, 1))
     ranks = ((MicroBatch((share[0],)),), (MicroBatch((share[1], whole_piece(1, 6, 1))),), ())
     return Plan(num_ranks=3, capacity=20, num_layers=4, seq_lens=lens, ranks=ranks).validate()
-
-
-def one_rank_plan(lens) -> Plan:
-    ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)),)
-    return Plan(num_ranks=1, capacity=max(lens), num_layers=4, seq_lens=tuple(lens), ranks=ranks).validate()
 
 
 def _step(rank, world, plan_json, tp=1):

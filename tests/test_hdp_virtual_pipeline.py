@@ -18,7 +18,7 @@ from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.pipeline_order import encode_stage_orders, interleaved_order, plan_pipeline_deadlock
 from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
-from hdp_helpers import grads_of, read_tokens, step_batch
+from hdp_helpers import global_layer_names, one_rank_reference, step_batch
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -74,43 +74,6 @@ def planned_plan() -> Plan:
 CASES = {"ring": ring_plan, "idle": idle_plan, "planned": planned_plan}
 
 
-def one_rank_plan(lens) -> Plan:
-    ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)),)
-    return Plan(num_ranks=1, capacity=max(lens), num_layers=4, seq_lens=tuple(lens), ranks=ranks).validate()
-
-
-def _global_names(chunks) -> dict[str, str]:
-    """``c<chunk>.<name>`` of this device's parameters -> the names the same weights have
-    without PP (``layer_number`` is the global layer, Megatron's offset for the virtual stage)."""
-    names = {}
-    for c, model in enumerate(chunks):
-        for name, _ in model.named_parameters():
-            if name.startswith("decoder.layers."):
-                local, rest = name[len("decoder.layers.") :].split(".", 1)
-                layer = model.decoder.layers[int(local)]
-                names[f"c{c}.{name}"] = f"decoder.layers.{layer.layer_number - 1}.{rest}"
-            else:
-                names[f"c{c}.{name}"] = name
-    return names
-
-
-def _reference(rank, world, lens_by_case):
-    from megatron_bytescale.megatron import local_run
-    from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
-
-    model, group = local_run.setup_model("tiny", seed=SEED)
-    out = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    for case, lens in lens_by_case.items():
-        plan = one_rank_plan(lens)
-        step = StepBatch(plan, 0, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(0)])
-        for p in model.parameters():
-            p.grad = None
-        result = local_run.run_step(step, model, group)
-        out[case] = {"loss": result.loss, "tokens": result.global_tokens, "grads": grads_of(model)}
-    local_run.teardown()
-    return out
-
-
 def _interleaved_run(rank, world, plans_json, weights):
     import torch
     from megatron.core import parallel_state
@@ -120,7 +83,7 @@ def _interleaved_run(rank, world, plans_json, weights):
     from megatron_bytescale.runtime.offload import ActivationOffloader, transformer_layers
 
     chunks, group = local_run.setup_model("tiny", pp=PP, vpp=V, seed=SEED, deallocate_pipeline_outputs=True)
-    names = _global_names(chunks)
+    names = {k: g for c, m in enumerate(chunks) for k, g in global_layer_names(m, f"c{c}.").items()}
     params = {f"c{c}.{n}": p for c, m in enumerate(chunks) for n, p in m.named_parameters()}
     with torch.no_grad():
         for n, p in params.items():
@@ -191,7 +154,7 @@ def runs():
     plans = {case: make() for case, make in CASES.items()}
     for plan in plans.values():
         assert plan_pipeline_deadlock(plan, PP) is None
-    (ref,) = run_local_world(_reference, 1, {c: p.seq_lens for c, p in plans.items()}, timeout_s=120)
+    (ref,) = run_local_world(one_rank_reference, 1, {c: p.seq_lens for c, p in plans.items()}, SEED, timeout_s=120)
     texts = {c: p.to_json() for c, p in plans.items()} | {"one-chunk": one_chunk_plan().to_json()}
     outs = run_local_world(_interleaved_run, 4, texts, ref["weights"], timeout_s=180)
     return plans, ref, outs
