@@ -36,3 +36,67 @@ def draw_lengths(draw, capacity: int, num_ranks: int, max_short: int, max_long: 
             if num_ranks > 1 else [])
     lens = draw(st.permutations(short + long)) if shuffle else short + long
     return lens or [capacity]
+
+
+def check_stage_orders(keys, orders, p: int, chunks: int = 1) -> None:
+    """Per-device orders of (direction, micro-batch[, chunk]) run every chunk of every
+    micro-batch of their rank once forward and then once backward, the devices of each
+    pipeline agree on the order of the messages between them, and nothing deadlocks."""
+    from megatron_bytescale.planner.pipeline_order import BACKWARD, FORWARD, crossing_order_mismatch, find_pipeline_deadlock
+
+    for r, rank in enumerate(orders):
+        assert len(rank) == p
+        for stage in rank:
+            ops = [op if len(op) == 3 else (op[0], op[1], 0) for op in stage]
+            want = [(d, m, c) for m in range(len(keys[r])) for c in range(chunks) for d in (FORWARD, BACKWARD)]
+            assert sorted(ops) == sorted(want)
+            seen = set()
+            for d, m, c in ops:
+                assert d == FORWARD or (m, c) in seen
+                seen.add((m, c))
+        assert crossing_order_mismatch(rank, chunks) is None
+    assert find_pipeline_deadlock(keys, p, orders, chunks) is None
+
+
+def peak_in_flight(orders) -> int:
+    """The most forwards (chunk forwards) any device of any rank holds before their backward."""
+    from megatron_bytescale.planner.pipeline_order import FORWARD
+
+    peak = 0
+    for rank in orders:
+        for stage in rank:
+            held = 0
+            for op in stage:
+                held += 1 if op[0] == FORWARD else -1
+                peak = max(peak, held)
+    return peak
+
+
+@st.composite
+def ring_pipelines(draw, ranks: tuple[int, int], max_rings: int, before: int, after: int, giant: bool = False,
+                   chunks: list[int] | None = None):
+    """Pipelines' ring keys and stage times: rings over random member sets in one global
+    order (with ``giant``, at times one on every rank first), up to ``before`` local
+    micro-batches of random length ahead of each, up to ``after`` at the end (at least one on
+    a lone rank). Returns (keys, times, p), or (keys, times, p, V) with ``chunks`` to draw V from."""
+    n = draw(st.integers(*ranks))
+    p = draw(st.sampled_from([2, 3, 4]))
+    v = draw(st.sampled_from(chunks)) if chunks else None
+    keys = [[] for _ in range(n)]
+    times = [[] for _ in range(n)]
+    rings = draw(st.lists(st.sets(st.integers(0, n - 1), min_size=2, max_size=n), max_size=max_rings)) if n > 1 else []
+    if giant and draw(st.booleans()):
+        rings.insert(0, set(range(n)))
+    for k, ring in enumerate(rings):
+        t = draw(st.floats(0.5, 10.0))
+        for r in sorted(ring):
+            for _ in range(draw(st.integers(0, before))):
+                keys[r].append(None)
+                times[r].append(draw(st.floats(0.05, 2.0)))
+            keys[r].append(("ring", k))
+            times[r].append(t)
+    for r in range(n):
+        for _ in range(draw(st.integers(0 if rings else 1, after))):
+            keys[r].append(None)
+            times[r].append(draw(st.floats(0.05, 2.0)))
+    return (keys, times, p) if v is None else (keys, times, p, v)

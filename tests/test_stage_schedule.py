@@ -10,9 +10,7 @@ from megatron_bytescale.errors import PlanError
 from megatron_bytescale.planner.cost_model import FORWARD_SHARE
 from megatron_bytescale.planner.estimate import micro_batch_time
 from megatron_bytescale.planner.pipeline_order import (
-    BACKWARD,
     FORWARD,
-    crossing_order_mismatch,
     encode_stage_orders,
     find_pipeline_deadlock,
     plan_ring_keys,
@@ -24,57 +22,11 @@ from megatron_bytescale.planner.stage_schedule import stage_schedule
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import simulate
 
-from planner_cases import draw_lengths, small_cost
+from planner_cases import check_stage_orders, draw_lengths, peak_in_flight, ring_pipelines, small_cost
 
 
-def peak_in_flight(orders) -> int:
-    peak = 0
-    for rank in orders:
-        for stage in rank:
-            c = 0
-            for d, _ in stage:
-                c += 1 if d == FORWARD else -1
-                peak = max(peak, c)
-    return peak
-
-
-def check_orders(keys, orders, p):
-    for r, rank in enumerate(orders):
-        assert len(rank) == p
-        for stage in rank:  # every micro-batch once forward, then once backward
-            assert sorted(stage) == sorted((d, m) for m in range(len(keys[r])) for d in (FORWARD, BACKWARD))
-            seen = set()
-            for d, m in stage:
-                assert d == FORWARD or m in seen
-                seen.add(m)
-        assert crossing_order_mismatch(rank) is None
-    assert find_pipeline_deadlock(keys, p, orders) is None
-
-
-@st.composite
-def pipelines(draw):
-    """Rings over random member sets in one global order (a giant on every rank first, at
-    times), local micro-batches of random lengths around them."""
-    n = draw(st.integers(2, 5))
-    p = draw(st.sampled_from([2, 3, 4]))
-    keys = [[] for _ in range(n)]
-    times = [[] for _ in range(n)]
-    rings = draw(st.lists(st.sets(st.integers(0, n - 1), min_size=2, max_size=n), max_size=4))
-    if draw(st.booleans()):
-        rings.insert(0, set(range(n)))
-    for k, ring in enumerate(rings):
-        t = draw(st.floats(0.5, 10.0))
-        for r in sorted(ring):
-            for _ in range(draw(st.integers(0, 3))):
-                keys[r].append(None)
-                times[r].append(draw(st.floats(0.05, 2.0)))
-            keys[r].append(("ring", k))
-            times[r].append(t)
-    for r in range(n):
-        for _ in range(draw(st.integers(0, 4))):
-            keys[r].append(None)
-            times[r].append(draw(st.floats(0.05, 2.0)))
-    return keys, times, p
+def pipelines():
+    return ring_pipelines(ranks=(2, 5), max_rings=4, before=3, after=4, giant=True)
 
 
 @settings(max_examples=150, deadline=None)
@@ -87,7 +39,7 @@ def test_stage_orders_are_complete_safe_within_memory_and_shorter_than_1f1b(case
     found = stage_schedule(keys, times, p, FORWARD_SHARE)
     if found is None:
         return
-    check_orders(keys, found.orders, p)
+    check_stage_orders(keys, found.orders, p)
     assert peak_in_flight(found.orders) == found.peak_in_flight <= p
     # the estimate is the longest path through the orders: what the simulator computes
     again = pipelined_finish_times(keys, times, p, FORWARD_SHARE, found.orders)
@@ -108,7 +60,7 @@ def test_a_ring_late_in_one_members_list_runs_first_on_both():
     found = stage_schedule(keys, times, 2, FORWARD_SHARE)
     assert base == pytest.approx(68 / 3)
     assert found is not None and found.makespan == pytest.approx(50 / 3)
-    check_orders(keys, found.orders, 2)
+    check_stage_orders(keys, found.orders, 2)
     assert found.orders[1][0][0] == (FORWARD, 2)  # the ring's forward before the local work
     assert found.peak_in_flight <= 2
 
@@ -151,7 +103,7 @@ def test_plans_with_stage_orders_hold_every_token_once_and_match_the_simulator(c
     assert plan.meta["est_time_max_s"] == pytest.approx(step, rel=0.05)
     if plan.stage_orders is not None:
         orders = plan.decoded_stage_orders()
-        check_orders(plan_ring_keys(plan), orders, p)
+        check_stage_orders(plan_ring_keys(plan), orders, p)
         assert peak_in_flight(orders) <= p
         assert step < plan.meta["stage_orders"]["one_f_one_b_est_s"] * (1 + 0.05)
         again = Plan.from_json(plan.to_json())

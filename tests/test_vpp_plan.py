@@ -6,14 +6,13 @@ every token once and are estimated as the simulator runs them."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_cases import draw_lengths, small_cost
+from planner_cases import check_stage_orders, draw_lengths, peak_in_flight, ring_pipelines, small_cost
 
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.planner.cost_model import FORWARD_SHARE, CostModel
 from megatron_bytescale.planner.pipeline_order import (
     BACKWARD,
     FORWARD,
-    crossing_order_mismatch,
     find_pipeline_deadlock,
     _run_one_pipeline,
     interleaved_order,
@@ -81,51 +80,8 @@ def test_the_ring_floor_shrinks_its_bubble_by_v():
             assert step >= floor * (1 - 1e-9)
 
 
-def check_chunk_orders(keys, orders, p, v):
-    for r, rank in enumerate(orders):
-        for stage in rank:  # every chunk of every micro-batch once forward, then once backward
-            assert sorted(stage) == sorted((d, m, c) for m in range(len(keys[r])) for c in range(v) for d in (FORWARD, BACKWARD))
-            seen = set()
-            for d, m, c in stage:
-                assert d == FORWARD or (m, c) in seen
-                seen.add((m, c))
-        assert crossing_order_mismatch(rank, v) is None
-    assert find_pipeline_deadlock(keys, p, orders, v) is None
-
-
-def chunk_peak(orders) -> int:
-    peak = 0
-    for rank in orders:
-        for stage in rank:
-            held = 0
-            for d, _, _ in stage:
-                held += 1 if d == FORWARD else -1
-                peak = max(peak, held)
-    return peak
-
-
-@st.composite
-def pipelines(draw):
-    """Rings over random member sets in one order, local micro-batches around them."""
-    n = draw(st.integers(1, 4))
-    p = draw(st.sampled_from([2, 3, 4]))
-    v = draw(st.sampled_from([2, 3]))
-    keys = [[] for _ in range(n)]
-    times = [[] for _ in range(n)]
-    rings = draw(st.lists(st.sets(st.integers(0, n - 1), min_size=2, max_size=n), max_size=3)) if n > 1 else []
-    for k, ring in enumerate(rings):
-        t = draw(st.floats(0.5, 10.0))
-        for r in sorted(ring):
-            for _ in range(draw(st.integers(0, 2))):
-                keys[r].append(None)
-                times[r].append(draw(st.floats(0.05, 2.0)))
-            keys[r].append(("ring", k))
-            times[r].append(t)
-    for r in range(n):
-        for _ in range(draw(st.integers(0 if rings else 1, 5))):
-            keys[r].append(None)
-            times[r].append(draw(st.floats(0.05, 2.0)))
-    return keys, times, p, v
+def pipelines():
+    return ring_pipelines(ranks=(1, 4), max_rings=3, before=2, after=5, chunks=[2, 3])
 
 
 @settings(max_examples=80, deadline=None)
@@ -136,8 +92,8 @@ def test_chunk_orders_are_complete_safe_and_within_their_memory_cap(case):
         found = stage_schedule(keys, times, p, FORWARD_SHARE, cap=cap, chunks=v)
         if found is None:
             continue  # not shorter than the interleaved order (or stalled)
-        check_chunk_orders(keys, found.orders, p, v)
-        assert chunk_peak(found.orders) == found.peak_in_flight <= cap
+        check_stage_orders(keys, found.orders, p, v)
+        assert peak_in_flight(found.orders) == found.peak_in_flight <= cap
         again = pipelined_finish_times(keys, times, p, FORWARD_SHARE, found.orders, v)
         assert again == pytest.approx(found.finish, rel=1e-9, abs=1e-12)  # the simulator's rule
 
@@ -167,7 +123,7 @@ def test_plans_with_virtual_stages_run_every_token_once_safely_and_as_estimated(
     assert plan.meta["est_time_max_s"] == pytest.approx(result.timeline.step_time, rel=0.05)
     orders = plan.decoded_stage_orders()
     if orders is not None:
-        check_chunk_orders(plan_ring_keys(plan), orders, p, v)
+        check_stage_orders(plan_ring_keys(plan), orders, p, v)
         cap = plan.meta["stage_orders"]["chunk_cap"]
     else:  # the interleaved order: Megatron's warm-up, at most p V + p - 1 chunk forwards
         cap = p * v + p - 1
@@ -180,7 +136,7 @@ def test_interleaved_order_holds_megatrons_warmup_at_most():
     for p in (2, 3, 4):
         for v in (2, 4):
             for count in (1, p, p + 1, 3 * p):
-                peak = chunk_peak([[interleaved_order(count, p, d, v) for d in range(p)]])
+                peak = peak_in_flight([[interleaved_order(count, p, d, v) for d in range(p)]])
                 assert peak <= p * v + p - 1
 
 
@@ -255,15 +211,15 @@ def test_slot_aligned_interleaved_orders_never_deadlock(case):
     for slot_times, megatron, shift in [(False, False, 0), (True, False, 0)] + [(False, True, k) for k in range(p)]:
         orders = slot_interleaved_orders(keys, times, p, v, FORWARD_SHARE, slot_times, megatron, shift)
         assert orders is not None
-        check_chunk_orders(keys, orders, p, v)
-        assert chunk_peak(orders) <= p * v + p - 1
+        check_stage_orders(keys, orders, p, v)
+        assert peak_in_flight(orders) <= p * v + p - 1
         if not megatron or shift in tried:
             shortest = min(shortest, max(pipelined_finish_times(keys, times, p, FORWARD_SHARE, orders, v), default=0.0))
     # the planner's choice is safe and no longer than any slot-aligned candidate it tries
     # (Megatron's with groups starting where some pipeline starts)
     orders, finish, _, _ = chunk_schedule(keys, times, p, FORWARD_SHARE, v)
     if orders is not None:
-        check_chunk_orders(keys, orders, p, v)
+        check_stage_orders(keys, orders, p, v)
     assert max(finish, default=0.0) <= shortest + 1e-9
 
 
@@ -290,7 +246,7 @@ def test_megatron_interleaved_order_has_megatron_bubble_for_any_count(p, v):
     for m in range(3 * p + 2):
         orders = megatron_interleaved_orders(m, p, v)
         keys = [[None] * m]
-        check_chunk_orders(keys, [orders], p, v)
+        check_stage_orders(keys, [orders], p, v)
         for d, order in enumerate(orders):
             held = peak = 0
             for direction, _, _ in order:
