@@ -58,6 +58,16 @@ def deep_warm_up(count: int, stages: int, stage: int) -> list[tuple[int, int]]:
     return order + [(BACKWARD, m) for m in range(count - warm, count)]
 
 
+def planned_batch(cfg, cluster, cost, rng, virtual_stages: int = 1):
+    """One batch's lengths, its hdp-balanced plan, and per rank its micro-batches' ring keys and
+    stage times (what the stage-order searches take)."""
+    lens = sample_lengths(cfg.dataset, cfg.global_batch_tokens, cfg.context, rng)
+    plan = make_plan("hdp-balanced", StrategyInput(lens, cluster, cost, cfg.capacity, cfg.context, virtual_stages=virtual_stages))
+    rpn = plan.meta["ranks_per_node"]
+    times = [[micro_batch_time(cost, mb, mb.ring is not None and crosses_nodes(mb.ring, rpn)) for mb in mbs] for mbs in plan.ranks]
+    return lens, plan, plan_ring_keys(plan), times
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(ap)
@@ -70,11 +80,7 @@ def main() -> int:
     if cfg.vpp > 1:
         return chunk_rows(cfg, cluster, cost, rng, args.json)
     for step in range(cfg.steps):
-        lens = sample_lengths(cfg.dataset, cfg.global_batch_tokens, cfg.context, rng)
-        plan = make_plan("hdp-balanced", StrategyInput(lens, cluster, cost, cfg.capacity, cfg.context))
-        rpn = plan.meta["ranks_per_node"]
-        keys = plan_ring_keys(plan)
-        times = [[micro_batch_time(cost, mb, mb.ring is not None and crosses_nodes(mb.ring, rpn)) for mb in mbs] for mbs in plan.ranks]
+        lens, plan, keys, times = planned_batch(cfg, cluster, cost, rng)
 
         def simulated(orders) -> float:
             if orders is None:
@@ -110,11 +116,7 @@ def chunk_rows(cfg, cluster, cost, rng, out) -> int:
     p, v = cluster.pp, cfg.vpp
     rows = []
     for step in range(cfg.steps):
-        lens = sample_lengths(cfg.dataset, cfg.global_batch_tokens, cfg.context, rng)
-        plan = make_plan("hdp-balanced", StrategyInput(lens, cluster, cost, cfg.capacity, cfg.context, virtual_stages=v))
-        rpn = plan.meta["ranks_per_node"]
-        keys = plan_ring_keys(plan)
-        times = [[micro_batch_time(cost, mb, mb.ring is not None and crosses_nodes(mb.ring, rpn)) for mb in mbs] for mbs in plan.ranks]
+        lens, plan, keys, times = planned_batch(cfg, cluster, cost, rng, v)
         row = {"step": step, "vpp": v, "planned_s": simulate(plan, cluster, cost).step_time}
         ops = _Ops(keys, times, p, cost.forward_share, v)
         for name, cap in (("list_pv_s", p * v), ("list_megatron_s", p * v + p - 1), ("list_unlimited_s", ops.total)):
