@@ -703,7 +703,7 @@ def slot_interleaved_orders(
     ]
 
 
-def _op_triples(order) -> list[tuple[int, int, int]]:
+def chunk_ops(order) -> list[tuple[int, int, int]]:
     """An order's entries as (direction, micro-batch, chunk); (direction, micro-batch) pairs are chunk 0."""
     return [op if len(op) == 3 else (op[0], op[1], 0) for op in order]
 
@@ -750,7 +750,7 @@ def _one_f_one_b_graph(ring_keys: Sequence[Sequence[object | None]], stages: int
             if orders is None:
                 steps = interleaved_order(len(keys), stages, stage, chunks)
             else:
-                steps = _op_triples(orders[r][stage])
+                steps = chunk_ops(orders[r][stage])
             for direction, m, c in steps:
                 vs = c * stages + stage
                 v = op(vs, direction, m)
@@ -867,7 +867,7 @@ def crossing_order_mismatch(stage_orders: Sequence[Sequence[tuple]], chunks: int
     sent: dict[tuple[int, int], list] = defaultdict(list)
     received: dict[tuple[int, int], list] = defaultdict(list)
     for d, order in enumerate(stage_orders):
-        for direction, m, c in _op_triples(order):
+        for direction, m, c in chunk_ops(order):
             vs = c * p + d
             step = 1 if direction == FORWARD else -1
             if 0 <= vs + step <= last:  # sends to the next virtual stage (the previous one, backward)
@@ -904,7 +904,7 @@ def encode_stage_orders(orders, chunks: int = 1) -> tuple[tuple[tuple[int, ...],
     ``m * chunks + c`` for the forward of micro-batch ``m``'s chunk ``c``, ``-1 - (m * chunks + c)``
     for its backward (``chunks == 1``: ``m`` and ``-1 - m``)."""
     return tuple(
-        tuple(tuple(m * chunks + c if d == FORWARD else -1 - (m * chunks + c) for d, m, c in _op_triples(stage)) for stage in rank)
+        tuple(tuple(m * chunks + c if d == FORWARD else -1 - (m * chunks + c) for d, m, c in chunk_ops(stage)) for stage in rank)
         for rank in orders
     )
 

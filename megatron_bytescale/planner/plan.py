@@ -140,12 +140,12 @@ class Plan:
     def chunk_order(self, rank: int, stage: int, stages: int) -> list[tuple[int, int, int]]:
         """(direction, micro-batch, chunk) in run order on ``stage`` of ``stages``: the plan's
         order, else 1F1B (chunk 0) or, with virtual stages, the interleaved order."""
-        from .pipeline_order import _op_triples, interleaved_order
+        from .pipeline_order import chunk_ops, interleaved_order
 
         order = self.stage_order(rank, stage)
         if order is None:
             return interleaved_order(len(self.ranks[rank]), stages, stage, self.virtual_stages)
-        return _op_triples(order)
+        return chunk_ops(order)
 
     def _decode(self, codes):
         from .pipeline_order import decode_chunk_order, decode_stage_order

@@ -66,7 +66,7 @@ from ..errors import PlanError
 from ..planner import two_level
 from ..planner.cost_model import CostModel
 from ..planner.offload_policy import copy_exposure, host_bytes
-from ..planner.pipeline_order import BACKWARD, FORWARD, _op_triples, interleaved_order, longest_paths, one_f_one_b  # noqa: F401 (one_f_one_b: re-exported)
+from ..planner.pipeline_order import BACKWARD, FORWARD, chunk_ops, interleaved_order, longest_paths, one_f_one_b  # noqa: F401 (one_f_one_b: re-exported)
 from ..planner.expert_slots import align_expert_slots, all_to_all_time, ep_groups, slot_errors, slot_nodes
 from ..planner.plan import MicroBatch, Plan
 from .cluster import Cluster
@@ -415,7 +415,7 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
             lo, hi = bounds[rank][seg], bounds[rank][seg + 1]
             for stage in range(stages):
                 row = schedule[stage * plan.num_ranks + rank]
-                steps = interleaved_order(hi - lo, stages, stage, chunks) if orders is None else _op_triples(orders[rank][stage])
+                steps = interleaved_order(hi - lo, stages, stage, chunks) if orders is None else chunk_ops(orders[rank][stage])
                 for direction, i, c in steps:
                     m = lo + i
                     vs = c * stages + stage
