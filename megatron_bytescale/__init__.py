@@ -6,3 +6,10 @@ HDP step on torch.distributed) -> ``megatron`` (flags, layer spec, training-loop
 """
 
 __version__ = "0.1.0"
+
+# Before anything imports megatron-core: where triton is not installed (the CPU build of torch),
+# stand-ins for megatron-core's triton kernel modules, without which megatron.core (0.17+) does
+# not import at all (triton_stand_ins.py says which and why).
+from . import triton_stand_ins as _triton_stand_ins
+
+_triton_stand_ins.install()

@@ -44,7 +44,6 @@ MEGATRON = dict(
     use_megatron_fsdp=False,
     use_torch_fsdp2=False,
     cuda_graph_impl="none",
-    use_legacy_models=False,
     spec=None,
     mtp_num_layers=None,
     seq_length=32768,
@@ -237,7 +236,7 @@ CONFLICTS = {
     "megatron fsdp": (HDP, dict(use_megatron_fsdp=True), "--use-distributed-optimizer"),
     "torch fsdp2": (HDP, dict(use_torch_fsdp2=True), "--use-distributed-optimizer"),
     "cuda graphs": (HDP, dict(cuda_graph_impl="local"), "CUDA graphs need fixed shapes"),
-    "legacy models": (HDP, dict(use_legacy_models=True), "drop --use-legacy-models"),
+    "legacy models (0.16)": (HDP, dict(use_legacy_models=True), "drop --use-legacy-models"),
     "custom spec": (HDP, dict(spec=["my.module", "my_spec"]), "drop --spec"),
     "mtp": (HDP, dict(mtp_num_layers=1), "multi-token prediction"),
     "attention dropout": (HDP, dict(attention_dropout=0.1), "add --attention-dropout 0.0"),
@@ -268,6 +267,12 @@ CONFLICTS = {
     "missing profile": (HDP + ["--hdp-profile", "/nonexistent/profile.yaml"], {}, "no such file"),
     "sequence too long": (HDP, dict(seq_length=128 * 1024), r"128K.*8 HDP ranks.*64K tokens.*--hdp-selective-offload"),
     "flag without hdp": (["--hdp-token-capacity", "8K", "--hdp-balance", "pp"], {}, "--hdp-token-capacity, --hdp-balance only apply"),
+    # flags of core_v0.17-0.19 (absent on core_v0.16, where getattr's defaults apply)
+    "eval micro batch (0.19)": (HDP, dict(eval_micro_batch_size=4), "--eval-micro-batch-size 4"),
+    "eval global batch (0.19)": (HDP, dict(eval_global_batch_size=64), "--hdp-step-tokens"),
+    "batch size schedule (0.19)": (HDP, dict(step_batch_size_schedule="0:8 1M:16"), "--step-batch-size-schedule"),
+    "paged stash (0.19)": (HDP, dict(moe_paged_stash=True), "HDP step replaces"),
+    "rank capacity factor (0.19)": (HDP, dict(moe_expert_rank_capacity_factor=1.5), "HDP step replaces"),
 }
 
 

@@ -22,22 +22,8 @@ pytestmark = pytest.mark.skipif(not MEGATRON_LM_DIR, reason="set MEGATRON_LM_DIR
 
 PRELUDE = r"""
 import json, os, re, sys
-from unittest import mock
-try:
-    import regex  # noqa: F401
-except ImportError:
-    sys.modules["regex"] = re
-for _ in range(4):
-    try:
-        from megatron.training.arguments import add_megatron_arguments, validate_args
-        break
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("triton", "triton.language"):
-            raise
-        stub = mock.MagicMock(); stub.__path__ = []; stub.__spec__ = None
-        sys.modules[exc.name] = stub
-        for name in [n for n in sys.modules if n.startswith("megatron.training")]:
-            del sys.modules[name]
+import megatron_bytescale  # first: where triton is missing, its stand-ins for megatron-core's kernel modules
+from megatron.training.arguments import add_megatron_arguments, validate_args
 import argparse
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.megatron.arguments import (
@@ -133,3 +119,47 @@ except ConfigError as exc:
 """
     )
     assert out["error"] is not None and message in out["error"]
+
+
+# Flags of core_v0.17-0.19 that HDP refuses (docs/cluster.md); on a tree without the flag
+# (core_v0.16) the parser must not know it, so the refusal has nothing to guard.
+NEWER_FLAGS = {
+    "--eval-micro-batch-size": (["--eval-micro-batch-size", "2"], "drop it"),
+    "--eval-global-batch-size": (["--eval-global-batch-size", "32"], "--hdp-step-tokens"),
+    "--moe-paged-stash": (["--moe-paged-stash"], "HDP step replaces"),
+}
+
+
+def test_newer_megatron_flags_are_refused_or_absent():
+    out = run(
+        f"""
+parser = argparse.ArgumentParser(allow_abbrev=False)
+add_megatron_arguments(parser)
+known = {{o for a in parser._actions for o in a.option_strings}}
+result = {{}}
+for flag, (extra, _) in {NEWER_FLAGS!r}.items():
+    if flag not in known:
+        result[flag] = None
+        continue
+    try:
+        validated(["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "4K"] + extra)
+        result[flag] = "accepted"
+    except (ConfigError, AssertionError) as exc:
+        result[flag] = str(exc)
+known_masking = "--dataloader-inter-document-masking" in known
+if known_masking:
+    args = validated(["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "4K",
+                      "--dataloader-inter-document-masking"])
+print(json.dumps({{"refusals": result, "masking_accepted": known_masking}}))
+"""
+    )
+    from megatron_bytescale.megatron_era import Era, era_of, _read_version
+
+    tree_era = era_of(_read_version(Path(MEGATRON_LM_DIR) / "megatron/core/package_info.py"))
+    for flag, (_, message) in NEWER_FLAGS.items():
+        got = out["refusals"][flag]
+        if tree_era is Era.V016:
+            assert got is None, (flag, got)
+        else:
+            assert got is not None and message in got, (flag, got)
+    assert out["masking_accepted"] == (tree_era is Era.V019)

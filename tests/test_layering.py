@@ -24,6 +24,8 @@ LAYER_OF = {
     "units": "base",
     "lengths_file": "base",  # the sequence-lengths file reader of plan, simulate and verify
     "process_lifetime": "base",  # workers that die with their launcher (stdlib only)
+    "triton_stand_ins": "base",  # megatron-core's triton kernel modules stood in for (stdlib only)
+    "megatron_era": "base",  # which megatron-core API is imported (stdlib only)
     "folder_lock": "base",  # one run per output folder (stdlib only)
     "checkpoint_io": "runtime",  # atomic, checksummed torch.save files
     "planner": "planner",

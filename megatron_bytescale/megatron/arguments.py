@@ -50,7 +50,6 @@ MEGATRON_ARGS_READ = (
     "use_megatron_fsdp",
     "use_torch_fsdp2",
     "cuda_graph_impl",
-    "use_legacy_models",
     "spec",
     "mtp_num_layers",
     "seq_length",
@@ -156,7 +155,11 @@ def _fraction(text: str) -> float:
 
 # ------------------------------------------------------------------ the flags
 def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider``: add the "hybrid data parallel" group; returns the parser."""
+    """Megatron ``extra_args_provider``: add the "hybrid data parallel" group; returns the parser.
+    Idempotent: a parser that has the group already (a patched pretrain_gpt.py run through the
+    launcher) is returned as it is."""
+    if "--hybrid-data-parallel" in parser._option_string_actions:
+        return parser
     g = parser.add_argument_group(
         title="hybrid data parallel",
         description="ByteScale Hybrid Data Parallelism (megatron_bytescale): DP x CP flattened into one "
@@ -310,6 +313,7 @@ def validate_hdp_args(args: argparse.Namespace) -> argparse.Namespace:
     _check_parallelism(args)
     _check_model(args)
     _check_data(args)
+    _check_newer_megatron_flags(args)
     _check_offload(args)
     _resolve(args)
     _check_capacity(args)
@@ -409,7 +413,7 @@ def _check_parallelism(args) -> None:
 
 
 def _check_model(args) -> None:
-    if args.use_legacy_models:
+    if getattr(args, "use_legacy_models", False):  # (removed in core_v0.19)
         raise ConfigError("--hybrid-data-parallel needs Megatron-Core models: drop --use-legacy-models")
     if args.spec is not None:
         raise ConfigError(
@@ -504,6 +508,37 @@ def _check_data(args) -> None:
                 "--hdp-dataloader ray with several ranks needs one Ray cluster they all join: start it "
                 "(`ray start --head` on one node) and pass --hdp-ray-address HOST:PORT (or set RAY_ADDRESS)"
             )
+
+
+def _check_newer_megatron_flags(args) -> None:
+    """Flags Megatron-LM added in core_v0.17-0.19 that touch batching, packing or the data
+    loader (read with defaults: core_v0.16 has none of them). docs/cluster.md lists each one
+    with what HDP does with it. Accepted without a check: --dataloader-inter-document-masking
+    (HDP always masks attention at document boundaries, which is what the flag asks for),
+    --override-ckpt-iteration (the HDP loader resumes at the iteration Megatron sets),
+    --mlp-chunks-for-training (it chunks the MLP inside one micro-batch),
+    --start-eval-at-iter (the validation stream resumes past the evaluations it skipped)."""
+    if getattr(args, "eval_micro_batch_size", None) not in (None, 1):
+        raise ConfigError(
+            f"--eval-micro-batch-size {args.eval_micro_batch_size}: HDP validation packs micro-batches by "
+            "tokens like training (--hdp-token-capacity): drop it"
+        )
+    eval_batch = getattr(args, "eval_global_batch_size", None)
+    if eval_batch is not None and eval_batch != args.global_batch_size:
+        raise ConfigError(
+            f"--eval-global-batch-size {eval_batch}: an HDP validation step holds --hdp-step-tokens tokens, as "
+            "a training step does: drop it"
+        )
+    if getattr(args, "step_batch_size_schedule", None):
+        raise ConfigError(
+            "--step-batch-size-schedule is not supported with --hybrid-data-parallel (each HDP step plans one "
+            "fixed --global-batch-size of sequences): drop it"
+        )
+    if getattr(args, "moe_paged_stash", False) or getattr(args, "moe_expert_rank_capacity_factor", None) is not None:
+        raise ConfigError(
+            "--moe-paged-stash / --moe-expert-rank-capacity-factor wrap Megatron's pipeline schedules, which "
+            "the HDP step replaces: drop them"
+        )
 
 
 def _check_offload(args) -> None:

@@ -71,8 +71,42 @@ def cuda_in_use() -> bool:
     return torch.cuda.is_available()
 
 
+class _NoStream:
+    """``torch.cuda.Stream`` / ``current_stream()`` on CPU: work is already in program order."""
+
+    def __init__(self, *unused, **unused_kw):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+
+class _NoEvent(_NoStream):
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
 class _CudaOnCpu:
-    """``torch.cuda`` as the patched megatron-core modules see it: the current device is the CPU."""
+    """``torch.cuda`` as the patched megatron-core modules see it: the current device is the CPU,
+    and its streams are no-ops (work on the CPU already runs in program order)."""
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -80,6 +114,11 @@ class _CudaOnCpu:
     @staticmethod
     def current_device() -> torch.device:
         return torch.device("cpu")
+
+    # core_v0.19's DDP bucket group waits on the current stream for CUDA-graph replays and
+    # runs its reductions under a side stream (param_and_grad_buffer: start_grad_sync)
+    current_stream = staticmethod(lambda *a, **k: _NoStream())
+    stream = staticmethod(lambda *a, **k: contextlib.nullcontext())
 
 
 class _TorchOnCpu:
@@ -298,36 +337,6 @@ def _on_cpu(factory):
     return make
 
 
-class _NoStream:
-    """``torch.cuda.Stream`` / ``current_stream()`` on CPU: work is already in program order."""
-
-    def __init__(self, *unused, **unused_kw):
-        pass
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def record_event(self, event=None):
-        return event
-
-
-class _NoEvent(_NoStream):
-    def record(self, stream=None) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other) -> float:
-        return 0.0
-
-
 def _zero(*unused, **unused_kw) -> int:
     return 0
 
@@ -405,6 +414,10 @@ TRAINING_MODULES = {
                                   "(:1325-:1344); memory_stats (:1940); synchronize (:2255); empty_cache (:1693)",
     "megatron.training.utils": "loss/grad reductions on device='cuda' (:117-:208), current_device (:253, :272), "
                                "memory report (:284-:289), get_device_properties (:448)",
+    # core_v0.19: training/utils.py became a package
+    "megatron.training.utils.common_utils": "(core_v0.19) the same as training/utils.py above",
+    "megatron.training.utils.utils": "(core_v0.19) the same as training/utils.py above",
+    "megatron.training.models.dist_utils": "(core_v0.19) model chunks moved to current_device, DDP side stream",
     "megatron.training.checkpointing": "iteration tensor on 'cuda' (:315), get_rng_state (:343), "
                                        "set_rng_state (:1866, :1878), empty_cache (:1911)",
     "megatron.training.inprocess_restart": "device_count (:55), ones on device_id (:157)",
@@ -431,37 +444,6 @@ TRAINING_MODULES = {
 }
 
 
-def _stub_batch_invariant_kernels() -> None:
-    """megatron/training/initialize.py:25 imports
-    megatron/core/transformer/custom_layers/batch_invariant_kernels.py, whose line 15 imports
-    triton unconditionally (~1 GB installed; its kernels only run on GPUs). Without triton, on
-    CPU, that module is replaced by one whose functions say batch-invariant mode is off and
-    refuse ``--batch-invariant-mode``."""
-    name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
-    if name in sys.modules or importlib.util.find_spec("triton") is not None:
-        return
-    from ..errors import ConfigError
-
-    module = types.ModuleType(name, "CPU stand-in (megatron_bytescale.megatron.cpu_compat): triton is not installed")
-
-    def enable_batch_invariant_mode(*unused, **unused_kw):
-        raise ConfigError("--batch-invariant-mode needs triton kernels on a GPU; drop the flag on CPU")
-
-    @contextlib.contextmanager
-    def set_batch_invariant_mode(enabled: bool = True):
-        if enabled:
-            enable_batch_invariant_mode()
-        yield
-
-    module.enable_batch_invariant_mode = enable_batch_invariant_mode
-    module.set_batch_invariant_mode = set_batch_invariant_mode
-    module.disable_batch_invariant_mode = _nothing
-    module.is_batch_invariant_mode_enabled = lambda: False
-    module.__all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled",
-                      "disable_batch_invariant_mode", "enable_batch_invariant_mode"]
-    sys.modules[name] = module
-
-
 def install_training() -> bool:
     """The CPU backend for Megatron-LM's training loop (idempotent). When CUDA is present only
     the torch-Adam resume fix applies, and only where megatron-core runs that fallback (no Apex,
@@ -476,7 +458,6 @@ def install_training() -> bool:
     if cuda_in_use():
         return False
     install()
-    _stub_batch_invariant_kernels()
     cpu_torch = _TrainingTorch()
     for name in TRAINING_MODULES:
         try:

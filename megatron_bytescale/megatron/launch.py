@@ -10,9 +10,10 @@ then it wraps ``megatron.training.pretrain`` so that the providers pretrain_gpt.
 wrapped exactly as the patches wrap them (flags, model provider, datasets provider, forward
 step with pretrain_gpt's own ``loss_func``), and runs the script as ``__main__``.
 
-What it relies on (true for core_v0.16.1; the patch series does not): pretrain_gpt.py takes
-``pretrain`` from ``megatron.training`` when it is imported, and its ``forward_step`` sees a
-module-level ``loss_func``. A script that is already patched is run as is (its own calls
+What it relies on (true for core_v0.16.1 and core_v0.19; the patch series does not):
+pretrain_gpt.py takes ``pretrain`` from ``megatron.training`` when it is imported, its
+``forward_step`` sees a module-level ``loss_func``, and (core_v0.19) its
+``parse_and_validate_args`` parses through ``megatron.training.arguments.parse_args``. A script that is already patched is run as is (its own calls
 install the same hooks).
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import ConfigError
+from ..megatron_era import is_v019
 from . import pretrain_hooks as hooks
 
 PATCH_MARKER = "megatron_bytescale.megatron import pretrain_hooks"
@@ -35,42 +37,70 @@ USAGE = (
 
 
 def hdp_pretrain(pretrain: Callable) -> Callable:
-    """Wrap Megatron's ``pretrain`` so its providers get the HDP hooks (idempotent)."""
+    """Wrap Megatron's ``pretrain`` so its providers get the HDP hooks (idempotent). core_v0.16:
+    ``pretrain(datasets_provider, model_provider, model_type, forward_step, ...,
+    extra_args_provider=...)``; core_v0.19: ``pretrain(config_container, datasets_provider,
+    model_type, forward_step, ...)`` after pretrain_gpt.py parsed the flags itself."""
     if getattr(pretrain, "_hdp_wrapped", False):
         return pretrain
 
-    @functools.wraps(pretrain)
-    def wrapped(
-        train_valid_test_dataset_provider,
-        model_provider,
-        model_type,
-        forward_step_func,
-        *args,
-        extra_args_provider: Optional[Callable] = None,
-        **kwargs,
-    ):
-        loss_func = getattr(forward_step_func, "__globals__", {}).get("loss_func")
-        return pretrain(
-            hooks.datasets_provider(train_valid_test_dataset_provider),
-            hooks.model_provider(model_provider),
-            model_type,
-            hooks.forward_step(forward_step_func, loss_func),
-            *args,
-            extra_args_provider=hooks.extra_args_provider(extra_args_provider),
-            **kwargs,
-        )
+    def forward_step(forward_step_func):
+        return hooks.forward_step(forward_step_func, getattr(forward_step_func, "__globals__", {}).get("loss_func"))
+
+    if is_v019():
+
+        @functools.wraps(pretrain)
+        def wrapped(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func, *args, **kwargs):
+            if getattr(cfg_container, "model", None) is not None:
+                hooks.model_config(cfg_container.model)
+            return pretrain(cfg_container, hooks.datasets_provider(train_valid_test_dataset_provider), model_type,
+                            forward_step(forward_step_func), *args, **kwargs)
+
+    else:
+
+        @functools.wraps(pretrain)
+        def wrapped(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, *args,
+                    extra_args_provider: Optional[Callable] = None, **kwargs):
+            return pretrain(
+                hooks.datasets_provider(train_valid_test_dataset_provider),
+                hooks.model_provider(model_provider),
+                model_type,
+                forward_step(forward_step_func),
+                *args,
+                extra_args_provider=hooks.extra_args_provider(extra_args_provider),
+                **kwargs,
+            )
+
+    wrapped._hdp_wrapped = True
+    return wrapped
+
+
+def hdp_parse_args(parse_args: Callable) -> Callable:
+    """core_v0.19: Megatron's ``arguments.parse_args`` (called by the ``parse_and_validate_args``
+    of pretrain_gpt.py) with the HDP flags added to the script's own (idempotent)."""
+    if getattr(parse_args, "_hdp_wrapped", False):
+        return parse_args
+
+    @functools.wraps(parse_args)
+    def wrapped(extra_args_provider=None, *args, **kwargs):
+        return parse_args(hooks.extra_args_provider(extra_args_provider), *args, **kwargs)
 
     wrapped._hdp_wrapped = True
     return wrapped
 
 
 def install_pretrain_wrapper() -> None:
-    """Replace ``megatron.training.pretrain`` (what pretrain_gpt.py imports) with ``hdp_pretrain``."""
+    """Replace ``megatron.training.pretrain`` (what pretrain_gpt.py imports) with ``hdp_pretrain``,
+    and on core_v0.19 Megatron's argument parser with ``hdp_parse_args``."""
     import megatron.training as training_package
     import megatron.training.training as training_module
 
     training_package.pretrain = hdp_pretrain(training_package.pretrain)
     training_module.pretrain = hdp_pretrain(training_module.pretrain)
+    if is_v019():
+        import megatron.training.arguments as arguments
+
+        arguments.parse_args = hdp_parse_args(arguments.parse_args)
 
 
 def run(script: str | Path, args: list[str]) -> None:

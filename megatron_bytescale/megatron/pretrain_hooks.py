@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ..errors import ConfigError
+from ..megatron_era import is_v019
 from .arguments import (
     add_hdp_arguments,
     chain_extra_args_providers,
@@ -194,10 +195,15 @@ _step_timer = StepTimer()
 
 
 def install_argument_validation() -> None:
-    """``validate_hdp_args`` right after Megatron's ``validate_args`` (idempotent)."""
-    import megatron.training.initialize as initialize
+    """``validate_hdp_args`` right after Megatron's ``validate_args`` (idempotent). core_v0.16's
+    ``initialize_megatron`` calls ``initialize.validate_args`` (imported there by name);
+    core_v0.19's ``parse_and_validate_args`` calls ``arguments.validate_args``."""
+    if is_v019():
+        import megatron.training.arguments as module
+    else:
+        import megatron.training.initialize as module
 
-    initialize.validate_args = validate_args_then_hdp(initialize.validate_args)
+    module.validate_args = validate_args_then_hdp(module.validate_args)
 
 
 def install_forward_backward() -> None:
@@ -249,10 +255,24 @@ def install_checkpoint_rng() -> None:
         module.load_checkpoint = every_hdp_rank_rng(module.load_checkpoint)
 
 
+def check_megatron_version() -> None:
+    """A megatron-core outside the supported range stops the process here, at start, with one
+    line (``megatron_era``), not with a traceback at the first call whose API changed."""
+    from ..megatron_era import era
+
+    try:
+        era()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def install_cpu_backend() -> bool:
     """On a machine without CUDA, the CPU/gloo backend for Megatron's training loop
     (``cpu_compat.install_training``); nothing on a CUDA machine. Must run before
-    ``megatron.training`` is imported (the launcher and the patched pretrain_gpt.py do so)."""
+    ``megatron.training`` is imported (the launcher and the patched pretrain_gpt.py do so).
+    The megatron-core version is checked first."""
+    check_megatron_version()
     from . import cpu_compat
 
     return cpu_compat.install_training()
@@ -317,6 +337,27 @@ def model_provider(base: Callable) -> Callable:
         return model
 
     return provider
+
+
+def _config_layer_spec(model_config, vp_stage=None):
+    """core_v0.19: ``GPTModelConfig.transformer_layer_spec`` as a callable; the builder calls it
+    with its model config and the chunk's ``vp_stage``."""
+    return hdp_layer_spec(_hdp_args(), model_config.transformer, vp_stage)
+
+
+HDP_GPT_BUILDER = "megatron_bytescale.megatron.gpt_builder.HDPGPTModelBuilder"
+
+
+def model_config(config):
+    """core_v0.19: under HDP, the ``GPTModelConfig`` pretrain_gpt.py builds from the flags gets
+    the HDP layer spec, and a builder that rotates q/k at each token's true position (the
+    config's ``builder`` is a class attribute naming the builder: this instance names ours, a
+    subclass of Megatron's). Returns the config (changed in place)."""
+    if _hdp_args() is None:
+        return config
+    config.transformer_layer_spec = _config_layer_spec
+    object.__setattr__(config, "builder", HDP_GPT_BUILDER)
+    return config
 
 
 # ------------------------------------------------------------------ data
@@ -476,6 +517,16 @@ def fast_forward(loader, args, prefix: str, steps: int) -> None:
     loader.load_state_dict(loader_state(steps, position, sampler.fingerprint()))
 
 
+def evaluations_before(iteration: int, args) -> int:
+    """How many validations Megatron ran up to ``iteration``: one every --eval-interval
+    iterations, none before --start-eval-at-iter (core_v0.19) when that is set."""
+    done = iteration // args.eval_interval
+    start = getattr(args, "start_eval_at_iter", None)
+    if start:
+        done -= min(done, (start - 1) // args.eval_interval)
+    return done
+
+
 def hdp_data_iterators(args, rank: Optional[int] = None):
     """(train, valid, test) iterators of ``StepBatch`` for this HDP rank: training from
     --data-path (or --train-data-path), resumed at args.iteration; validation from
@@ -495,7 +546,7 @@ def hdp_data_iterators(args, rank: Optional[int] = None):
         # iteration: a resumed run continues the validation stream where those stopped
         iteration = getattr(args, "iteration", 0)
         if args.eval_interval:
-            fast_forward(valid, args, valid_prefix, (iteration // args.eval_interval) * args.eval_iters)
+            fast_forward(valid, args, valid_prefix, evaluations_before(iteration, args) * args.eval_iters)
         valid_iter = iter(valid)
     return train_iter, valid_iter, None
 

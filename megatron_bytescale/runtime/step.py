@@ -254,6 +254,8 @@ def run_hdp_step(
     )
     from megatron.core.utils import get_model_type
 
+    from ..megatron_era import backward_step_takes_model_type
+
     global _last_stats
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     virtual = len(chunks)
@@ -267,7 +269,8 @@ def run_hdp_step(
     counter = P2PCounter()
     forward_data_store: list = []
     total_tokens = torch.zeros([], dtype=torch.int, device=_collective_device(group))  # finalize_model_grads all-reduces it
-    model_type = get_model_type(chunks[0])
+    # megatron-core 0.16 passes the model type to backward_step; 0.19 dropped the argument
+    model_type = (get_model_type(chunks[0]),) if backward_step_takes_model_type() else ()
     count = len(step.micro_batches)
     grads = gradient_group(pp_group, _collective_device(None)) if pp_group is not None else None
     link = StageLink(pp_group, _collective_device(group), chunks=virtual, grad_group=grads)
@@ -329,7 +332,7 @@ def run_hdp_step(
         # Activation recompute re-runs layer forwards here, ring attention included: the layout
         # is active again (and its recomputed KV hops are counted), offloading not.
         with active_micro_batch(layout, positions, group=group, counter=counter), syncs[c].backward(i):
-            grad = backward_step(input_tensor, output_tensor, output_grad, model_type, config)
+            grad = backward_step(input_tensor, output_tensor, output_grad, *model_type, config)
         stats.compute_s += time.perf_counter() - start
         _chunk_done(i, counter.wait_s - wait0)
         return grad
