@@ -36,6 +36,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prepare-data": ("megatron_bytescale.data.prepare", "write a Megatron indexed dataset from source trees or text files"),
     "dataloader-bench": ("megatron_bytescale.tools.dataloader_bench", "time planning and delivery of the local or Ray data loader"),
     "profile": ("megatron_bytescale.tools.profiler", "measure the cost model's coefficients on this machine"),
+    "patches": ("megatron_bytescale.megatron.patch_series", "show (or apply) the pretrain_gpt.py patch series for a Megatron-LM checkout"),
 }
 
 

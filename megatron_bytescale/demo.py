@@ -382,7 +382,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints (0: none)")
     parser.add_argument("--resume", action="store_true",
                         help="continue each strategy from its newest valid checkpoint (the same settings; --steps may grow)")
-    parser.add_argument("--megatron-lm", metavar="DIR", help="instead: run DIR/pretrain_gpt.py (Megatron-LM core_v0.16.1, "
+    parser.add_argument("--megatron-lm", metavar="DIR", help="instead: run DIR/pretrain_gpt.py (Megatron-LM core_v0.16.1 or core_v0.19.x, "
                         "Megatron's own training loop) under HDP on CPU/gloo on the demo corpus")
 
 

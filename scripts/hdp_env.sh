@@ -43,7 +43,7 @@ read_model_args() {
 hdp_args() {
     local world_size=$1
     shift
-    [[ -n ${MEGATRON_LM_DIR:-} ]] || die "set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1"
+    [[ -n ${MEGATRON_LM_DIR:-} ]] || die "set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1 or core_v0.19.x"
     [[ -f $MEGATRON_LM_DIR/pretrain_gpt.py ]] || die "$MEGATRON_LM_DIR/pretrain_gpt.py not found: MEGATRON_LM_DIR must be a Megatron-LM checkout"
     [[ -n ${DATA_PATH:-} ]] || die "set DATA_PATH to an indexed dataset prefix (build one with: bytescale prepare-data --output PREFIX ...)"
     [[ $DATA_PATH != *.bin && $DATA_PATH != *.idx ]] ||
@@ -121,7 +121,7 @@ hdp_args() {
     [[ -n ${LOAD_DIR:-} ]] && TRAIN_ARGS+=(--load "$LOAD_DIR")
     TRAIN_ARGS+=("$@")
 
-    # patched checkout (git apply patches/*.patch): run pretrain_gpt.py; otherwise the launcher
+    # patched checkout (`bytescale patches DIR --apply`): run pretrain_gpt.py; otherwise the launcher
     local mode=${HDP_MODE:-auto}
     if [[ $mode == auto ]]; then
         if grep -q "megatron_bytescale.megatron import pretrain_hooks" "$MEGATRON_LM_DIR/pretrain_gpt.py"; then

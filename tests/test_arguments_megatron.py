@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from megatron_lm import MEGATRON_LM_DIR, needs_tree
 
 ROOT = Path(__file__).resolve().parent.parent
-MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
-pytestmark = pytest.mark.skipif(not MEGATRON_LM_DIR, reason="set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 checkout")
+pytestmark = needs_tree
 
 PRELUDE = r"""
 import json, os, re, sys
@@ -153,9 +153,11 @@ if known_masking:
 print(json.dumps({{"refusals": result, "masking_accepted": known_masking}}))
 """
     )
-    from megatron_bytescale.megatron_era import Era, era_of, _read_version
+    from megatron_lm import era
 
-    tree_era = era_of(_read_version(Path(MEGATRON_LM_DIR) / "megatron/core/package_info.py"))
+    from megatron_bytescale.megatron_era import Era
+
+    tree_era = era()
     for flag, (_, message) in NEWER_FLAGS.items():
         got = out["refusals"][flag]
         if tree_era is Era.V016:

@@ -1,17 +1,16 @@
-"""The patch series against Megatron-LM core_v0.16.1 (patches/*.patch).
+"""The patch series against Megatron-LM, one per era (patches/core_v0.16/, patches/core_v0.19/).
 
-Always: every patch parses (unidiff), is a numbered git format-patch of the expected files
-only, its hunks are consistent (line counts, order, the header's diffstat), and every
-``hdp.<name>`` it calls exists in megatron_bytescale.megatron.pretrain_hooks.
+Always, for each series: every patch parses (unidiff), is a numbered git format-patch of the
+expected files only, its hunks are consistent (line counts, order, the header's diffstat), and
+every ``hdp.<name>`` it calls exists in megatron_bytescale.megatron.pretrain_hooks.
 
-With MEGATRON_LM_DIR set to a Megatron-LM core_v0.16.1 checkout (skipped otherwise; a skip is
-not a pass): the series applies in order with ``git apply --check`` on a copy of the files it
+With MEGATRON_LM_DIR set to a Megatron-LM checkout (skipped otherwise; a skip is not a pass):
+the checkout's series applies in order with ``git apply --check`` on a copy of the files it
 touches, and the patched pretrain_gpt.py compiles and defines every name the patch uses.
 """
 
 import ast
 import builtins
-import os
 import re
 import shutil
 import subprocess
@@ -21,25 +20,38 @@ import pytest
 from unidiff import PatchSet
 
 from megatron_bytescale.megatron import pretrain_hooks
+from megatron_bytescale.megatron.patch_series import series
+from megatron_bytescale.megatron_era import Era
+
+from megatron_lm import MEGATRON_LM_DIR, needs_tree, patch_series
 
 ROOT = Path(__file__).resolve().parent.parent
-PATCHES = sorted((ROOT / "patches").glob("*.patch"))
+SERIES = {era: series(era) for era in Era}
+PATCHES = [path for paths in SERIES.values() for path in paths]
+# the hooks each era's series wires (the launcher installs the same at runtime)
+WIRED = {
+    Era.V016: {"install_cpu_backend", "install_argument_validation", "install_forward_backward", "extra_args_provider",
+               "model_provider", "datasets_provider", "forward_step"},
+    Era.V019: {"install_cpu_backend", "install_argument_validation", "install_forward_backward", "extra_args_provider",
+               "model_config", "datasets_provider", "forward_step"},
+}
 # patch number -> the Megatron-LM files it may touch (the training loop is hooked at runtime
 # by pretrain_hooks.install_*; megatron/core is never patched)
 EXPECTED_FILES = {1: {"pretrain_gpt.py"}, 2: {"pretrain_gpt.py"}, 3: {"pretrain_gpt.py"}}
-MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
 
 
-def test_the_series_is_there_and_numbered():
-    assert [int(p.name[:4]) for p in PATCHES] == sorted(EXPECTED_FILES)
-    for i, path in enumerate(PATCHES, start=1):
+@pytest.mark.parametrize("era", list(Era), ids=lambda e: e.value)
+def test_the_series_is_there_and_numbered(era):
+    paths = SERIES[era]
+    assert [int(p.name[:4]) for p in paths] == sorted(EXPECTED_FILES)
+    for i, path in enumerate(paths, start=1):
         head = path.read_text().splitlines()
         assert re.fullmatch(r"From [0-9a-f]{40} Mon Sep 17 00:00:00 2001", head[0]), path.name
         subject = next(line for line in head if line.startswith("Subject: "))
-        assert subject.startswith(f"Subject: [PATCH {i}/{len(PATCHES)}] "), subject
+        assert subject.startswith(f"Subject: [PATCH {i}/{len(paths)}] "), subject
 
 
-@pytest.mark.parametrize("path", PATCHES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", PATCHES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_patch_parses_and_touches_only_expected_files(path):
     patch = PatchSet(path.read_text())
     assert len(patch) > 0
@@ -49,7 +61,7 @@ def test_patch_parses_and_touches_only_expected_files(path):
     assert all(f.is_modified_file for f in patch), "the series only edits existing Megatron files"
 
 
-@pytest.mark.parametrize("path", PATCHES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", PATCHES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_hunks_are_internally_consistent(path):
     text = path.read_text()
     patch = PatchSet(text)
@@ -85,20 +97,17 @@ def _hook_names(paths) -> set[str]:
     return names
 
 
-def test_patches_call_only_hooks_that_exist():
-    names = _hook_names(PATCHES)
-    assert names, "the series calls no hook"
+@pytest.mark.parametrize("era", list(Era), ids=lambda e: e.value)
+def test_patches_call_only_hooks_that_exist(era):
+    names = _hook_names(SERIES[era])
     for name in names:
         assert callable(getattr(pretrain_hooks, name, None)), f"pretrain_hooks.{name} does not exist"
-    # and every hook the launcher installs is wired by the series too
-    assert {"install_argument_validation", "install_forward_backward", "extra_args_provider",
-            "model_provider", "datasets_provider", "forward_step"} <= names
+    # and every hook the launcher installs for that era is wired by the series too
+    assert names == WIRED[era]
 
 
 # ---------------------------------------------------------------- against a checkout
-needs_checkout = pytest.mark.skipif(
-    not MEGATRON_LM_DIR, reason="set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 checkout"
-)
+needs_checkout = needs_tree
 
 
 @pytest.fixture
@@ -110,7 +119,7 @@ def patched_tree(tmp_path):
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(Path(MEGATRON_LM_DIR) / rel, dst)
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
-    for path in PATCHES:
+    for path in patch_series():
         for args in (["--check"], []):
             proc = subprocess.run(["git", "apply", *args, str(path)], cwd=tmp_path, capture_output=True, text=True)
             assert proc.returncode == 0, f"{path.name} {' '.join(args)}: {proc.stderr}"
@@ -122,7 +131,7 @@ def test_series_applies_in_order_with_git_apply_check(patched_tree):
     text = (patched_tree / "pretrain_gpt.py").read_text()
     assert "from megatron_bytescale.megatron import pretrain_hooks as hdp" in text
     # and it reverses cleanly (nothing applied twice or fuzzily)
-    for path in reversed(PATCHES):
+    for path in reversed(patch_series()):
         proc = subprocess.run(["git", "apply", "-R", "--check", str(path)], cwd=patched_tree, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         subprocess.run(["git", "apply", "-R", str(path)], cwd=patched_tree, check=True)
@@ -134,9 +143,12 @@ def test_patched_pretrain_gpt_defines_every_name_the_patch_uses(patched_tree):
     tree = ast.parse((patched_tree / "pretrain_gpt.py").read_text())
     defined = set()
     top = list(tree.body)
-    for node in tree.body:  # module-level try/except and if blocks define names too
+    for node in tree.body:  # module-level try/except and if blocks (``__main__``) define names too
         if isinstance(node, ast.Try):
             top += node.body + [n for h in node.handlers for n in h.body] + node.orelse + node.finalbody
+        elif isinstance(node, ast.If):
+            top += node.body + node.orelse
+            top += [n for child in node.body if isinstance(child, ast.If) for n in child.body + child.orelse]
     for node in top:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             defined.add(node.name)
@@ -146,7 +158,7 @@ def test_patched_pretrain_gpt_defines_every_name_the_patch_uses(patched_tree):
             defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
              and isinstance(n.func.value, ast.Name) and n.func.value.id == "hdp"]
-    assert {c.func.attr for c in calls} == _hook_names(PATCHES)
+    assert {c.func.attr for c in calls} == _hook_names(patch_series())
     for call in calls:
         for arg in ast.walk(call):
             if isinstance(arg, ast.Name) and arg.id not in ("hdp",):

@@ -1,4 +1,4 @@
-"""Megatron-LM's own training loop (``pretrain_gpt.py``, core_v0.16.1) under HDP on CPU/gloo.
+"""Megatron-LM's own training loop (``pretrain_gpt.py``, core_v0.16.1 or core_v0.19) under HDP on CPU/gloo.
 
 Every run is the command line ``scripts/train_local.sh`` builds (tiny model, fp32, the local
 transformer implementation, ``--use-distributed-optimizer``) on datasets made by
@@ -15,7 +15,8 @@ one invocation where they can (the first run also writes the checkpoint the resu
   losses and gradient norms of one rank without PP;
 * wrong launches stop with one line naming the problem, not a traceback.
 
-Needs MEGATRON_LM_DIR (a core_v0.16.1 checkout); skipped, with that reason, without it.
+Needs MEGATRON_LM_DIR (a core_v0.16.1 or core_v0.19 checkout; CI runs this file against both);
+skipped, with that reason, without it.
 """
 
 import os
@@ -28,12 +29,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
-pytestmark = pytest.mark.skipif(
-    not MEGATRON_LM_DIR or not (Path(MEGATRON_LM_DIR or ".") / "pretrain_gpt.py").is_file(),
-    reason="set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 checkout",
-)
+from megatron_lm import MEGATRON_LM_DIR, ROOT, needs_tree, patch_series
+
+pytestmark = needs_tree
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
@@ -102,7 +100,7 @@ def patched_tree(work):
     """A copy of the checkout with patches/*.patch applied (the checkout itself stays read-only)."""
     tree = work / "megatron-lm"
     shutil.copytree(MEGATRON_LM_DIR, tree, ignore=shutil.ignore_patterns("__pycache__", ".git"))
-    for patch in sorted((ROOT / "patches").glob("*.patch")):
+    for patch in patch_series():
         subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True, capture_output=True)
     assert "megatron_bytescale.megatron import pretrain_hooks" in (tree / "pretrain_gpt.py").read_text()
     return tree

@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from megatron_lm import MEGATRON_LM_DIR, needs_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(
     [*ROOT.glob("scripts/*.sh"), *ROOT.glob("scripts/slurm/*"), *ROOT.glob("scripts/gpu/*.sh")],
     key=str,
 )
-MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
 
 
 def test_the_scripts_are_there():
@@ -238,7 +238,7 @@ def test_srun_rank_env_reads_the_compact_tasks_per_node_form(env):
 
 
 # ---------------------------------------------------------------- against Megatron-LM
-@pytest.mark.skipif(not MEGATRON_LM_DIR, reason="set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 checkout")
+@needs_tree
 @pytest.mark.parametrize("model", ["tiny", "llama-7b"])
 def test_script_command_lines_pass_megatron_and_hdp_validation(env, model):
     variables, _ = env
@@ -280,7 +280,7 @@ def test_smoke_refuses_to_run_without_a_gpu(env):
     assert proc.returncode != 0 and "this smoke test needs a GPU" in proc.stderr
 
 
-@pytest.mark.skipif(not MEGATRON_LM_DIR, reason="set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 checkout")
+@needs_tree
 def test_smoke_command_lines_pass_megatron_and_hdp_validation(env, tmp_path):
     variables, _ = env
     lines = run_script("scripts/gpu/smoke_pretrain_gpt.sh", dict(variables, DRY_RUN="1", MEGATRON_LM_DIR=MEGATRON_LM_DIR)).stdout

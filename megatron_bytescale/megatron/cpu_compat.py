@@ -1,4 +1,4 @@
-"""Every runtime workaround that lets megatron-core 0.16.1 run on CPU with gloo, in one place.
+"""Every runtime workaround that lets megatron-core (0.16 and 0.19) run on CPU with gloo, in one place.
 
 megatron-core assumes a CUDA device in a few spots on the paths we use: GPTModel with the local
 layer spec (dense at any TP size, MoE at TP 1), Megatron DDP (with or without the
@@ -38,13 +38,15 @@ torch and torch_dist formats, RNG state, evaluation) is covered too, on gloo. It
 by our launcher (``python -m megatron_bytescale.launch``) and the patched ``pretrain_gpt.py``,
 before ``megatron.training`` is imported, and never when CUDA is present (except the torch-Adam
 resume fix: that megatron-core bug hits GPUs without Apex/TE too). Its shims, each naming the
-core_v0.16.1 lines it serves: the Megatron modules in ``TRAINING_MODULES`` see a ``torch`` whose
+functions it serves (by name, in both eras): the Megatron modules in ``TRAINING_MODULES`` see a ``torch`` whose
 ``cuda`` answers for the CPU (current device, one device per rank, no-op streams/synchronize,
 zero memory stats, the CPU generator's RNG state) and whose tensor factories read a CUDA
 ``device=`` as the CPU; ``initialize_megatron(allow_no_cuda=True)``; gloo for NCCL; the C++
 dataset helpers from the megatron-core wheel instead of ``make`` in the checkout; ``.cuda()``
-returns its module/tensor; the optimizers' ``torch.cuda.FloatTensor`` type-name checks; triton's
-one import on the training path; the torch-Adam resume of the distributed optimizer.
+returns its module/tensor; the optimizers' ``torch.cuda.FloatTensor`` type-name checks; the
+torch-Adam resume of the distributed optimizer. The triton kernel modules megatron-core imports
+(batch-invariant kernels, 0.19's MoE paged stash) are stood in for by ``triton_stand_ins.py``,
+which must act before megatron-core is first imported and so is installed by the package itself.
 
 Not covered (they stay CUDA-only): CUDA graphs, Transformer Engine, fused kernels; bf16/fp16 on
 CPU is untested (the CPU runs are fp32).
@@ -200,7 +202,7 @@ def _set_no_cuda_rng_state(*unused, **unused_kw) -> None:
 
 def _tied_embeddings_stay_on_cpu(setup):
     """Wrap ``LanguageModule.setup_embeddings_and_output_layer``: with PP > 1 it moves the tied
-    word-embedding weight to CUDA (``weight.data = weight.data.cuda()``, language_module.py:244)
+    word-embedding weight to CUDA (``weight.data = weight.data.cuda()``)
     before all-reducing it over the embedding group; on CPU ``.cuda()`` returns the tensor
     itself during that call only (the all-reduce then runs on gloo)."""
     if getattr(setup, "_cpu_wrapped", False):
@@ -307,7 +309,7 @@ def install() -> bool:
 
 
 # ====================================================================== Megatron-LM's training loop
-# ``install_training()``: what ``pretrain_gpt.py`` (Megatron-LM core_v0.16.1, megatron/training
+# ``install_training()``: what ``pretrain_gpt.py`` (Megatron-LM core_v0.16 or core_v0.19, megatron/training
 # and the megatron-core parts it drives: DDP, the distributed optimizer, timers, checkpointing)
 # needs to run on CPU with gloo. Called only by our launcher and by the patched pretrain_gpt.py,
 # before ``megatron.training`` is imported, and a no-op when CUDA is present.
@@ -352,7 +354,7 @@ class _TrainingCuda:
         return getattr(torch.cuda, name)
 
     current_device = staticmethod(lambda: torch.device("cpu"))
-    # initialize.py:319 skips mpu.initialize_model_parallel and :422 the model-parallel RNG
+    # _initialize_distributed skips mpu.initialize_model_parallel and _set_random_seed the model-parallel RNG
     # seeds when device_count() is 0: each rank has one device, its CPU
     device_count = staticmethod(lambda: 1)
     set_device = staticmethod(_nothing)
@@ -365,7 +367,7 @@ class _TrainingCuda:
     memory_reserved = staticmethod(_zero)
     max_memory_reserved = staticmethod(_zero)
     memory_stats = staticmethod(lambda *a, **k: {})
-    # utils.py:448 get_device_arch_version (read by arguments.py:928 when TP > 1): no GPU arch
+    # get_device_arch_version (read by validate_args when TP > 1): no GPU arch
     get_device_properties = staticmethod(lambda *a, **k: types.SimpleNamespace(
         major=0, minor=0, name="cpu", total_memory=0, multi_processor_count=1))
     get_device_capability = staticmethod(lambda *a, **k: (0, 0))
@@ -379,7 +381,7 @@ class _TrainingCuda:
     # stands in for the CUDA one (the CPU generator is what dropout draws from here)
     get_rng_state = staticmethod(lambda *a, **k: torch.get_rng_state())
     set_rng_state = staticmethod(lambda state, *a, **k: torch.set_rng_state(state))
-    # distrib_optimizer.py:361 and optimizer/__init__ compare param.type() with the CUDA names
+    # DistributedOptimizer and optimizer/__init__ compare param.type() with the CUDA names
     FloatTensor = torch.FloatTensor
     HalfTensor = torch.HalfTensor
     BFloat16Tensor = torch.BFloat16Tensor
@@ -405,42 +407,48 @@ for _name in _TENSOR_FACTORIES:
     setattr(_TrainingTorch, _name, staticmethod(_on_cpu(getattr(torch, _name))))
 
 # Megatron modules whose module-level ``torch`` becomes ``_TrainingTorch`` on CPU, each with the
-# CUDA-bound lines (core_v0.16.1) it serves.
+# functions whose CUDA calls it serves (by name: the same names in core_v0.16 and core_v0.19; a
+# module one era lacks is skipped by install_training).
 TRAINING_MODULES = {
-    "megatron.training.initialize": "device_count() == 0 skips mpu.initialize_model_parallel (:319, :358) and "
-                                    "the model-parallel seeds (:422); set_device (:329); MoE loss scale (:150)",
-    "megatron.training.training": "device='cuda' timestamps (:806, :812), loss dicts (:1816, :2072), exit flags "
-                                  "(:2372, :3148), eval_iters (:3225), do_train flags (:3406); DDP side stream "
-                                  "(:1325-:1344); memory_stats (:1940); synchronize (:2255); empty_cache (:1693)",
-    "megatron.training.utils": "loss/grad reductions on device='cuda' (:117-:208), current_device (:253, :272), "
-                               "memory report (:284-:289), get_device_properties (:448)",
-    # core_v0.19: training/utils.py became a package
-    "megatron.training.utils.common_utils": "(core_v0.19) the same as training/utils.py above",
-    "megatron.training.utils.utils": "(core_v0.19) the same as training/utils.py above",
-    "megatron.training.models.dist_utils": "(core_v0.19) model chunks moved to current_device, DDP side stream",
-    "megatron.training.checkpointing": "iteration tensor on 'cuda' (:315), get_rng_state (:343), "
-                                       "set_rng_state (:1866, :1878), empty_cache (:1911)",
-    "megatron.training.inprocess_restart": "device_count (:55), ones on device_id (:157)",
-    "megatron.core.timers": "synchronize in Timer.start/stop (:152, :165), all-gather buffer (:303)",
-    "megatron.core.optimizer.optimizer": "found-inf / grad-norm tensors on 'cuda' (:473-:485, :907), "
-                                         "current_device (:1141), empty_cache (:362)",
-    "megatron.core.optimizer.distrib_optimizer": "state buffers on current_device (:791, :1077)",
-    "megatron.core.optimizer.clip_grads": "norm tensors on device='cuda' (:90-:207)",
-    "megatron.core.distributed.distributed_data_parallel": "current_device (:230), synchronize/empty_cache (:584-:611)",
-    "megatron.core.tensor_parallel.random": "model_parallel_cuda_manual_seed's get/set_rng_state (:235-:238), "
-                                            "current_device (:64, :102)",
-    "megatron.core.tensor_parallel.layers": "weights on current_device without use_cpu_initialization (:261-:1218)",
-    "megatron.core.rerun_state_machine": "result tensors on 'cuda' (:261, :265), current_device (:525-:1009), "
-                                         "RNG state save/restore (:957, :970)",
-    "megatron.core.utils": "current_device (:631, :1470), device='cuda' (:656, :1207), Events (:1347-:1521)",
-    "megatron.core.dist_checkpointing.strategies.filesystem_async": "preload_tensors synchronize (:230)",
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "verify/failure flags on 'cuda' (:204, :252)",
-    "megatron.core.dist_checkpointing.strategies.fully_parallel": "synchronize around the exchange (:272, :281)",
-    "megatron.core.dist_checkpointing.strategies.async_utils": "liveness tensors on current_device (:165, :604), "
-                                                               "synchronize (:212), set_device (:488)",
-    "megatron.core.dist_checkpointing.exchange_utils": "exchange buffers on 'cuda' (:104, :110, :326)",
-    "megatron.core.dist_checkpointing.tensor_aware_state_dict": "synchronize (:304)",
-    "megatron.core.transformer.moe.moe_utils": "training_log's track_moe_metrics tensors on device='cuda' (:998)",
+    "megatron.training.initialize": "initialize_megatron (MoE loss scale), _initialize_distributed (device_count "
+                                    "0 would skip mpu.initialize_model_parallel; set_device), _set_random_seed",
+    "megatron.training.training": "pretrain (start timestamps), get_model (DDP side stream), train_step and "
+                                  "evaluate (loss dicts), training_log (memory_stats), checkpoint_and_decide_exit "
+                                  "(exit flags), build_train_valid_test_data_loaders (do_train flags, eval_iters)",
+    "megatron.training.utils": "(core_v0.16) calc_params_l2_norm, reduce_max_stat_across_model_parallel_group, "
+                               "logical_and_across_model_parallel_group, report_memory, get_device_arch_version",
+    # core_v0.19: training/utils.py became a package; the same functions live in these modules
+    "megatron.training.utils.common_utils": "(core_v0.19) calc_params_l2_norm, report_memory, get_device_arch_version",
+    "megatron.training.utils.utils": "(core_v0.19) the model-parallel reductions of the loss and grad statistics",
+    "megatron.training.models.dist_utils": "(core_v0.19) prepare_existing_model_chunks_for_distributed_training "
+                                           "(chunks moved to current_device, DDP side stream)",
+    "megatron.training.checkpointing": "read_metadata (iteration tensor), get_rng_state, load_checkpoint "
+                                       "(set_rng_state, empty_cache)",
+    "megatron.training.inprocess_restart": "inprocess_restart (device_count), maybe_force_nccl_backend_init",
+    "megatron.core.timers": "Timer.start / Timer.stop (synchronize), _get_elapsed_time_all_ranks (all-gather buffer)",
+    "megatron.core.optimizer.optimizer": "MixedPrecisionOptimizer.__init__ (found-inf), get_loss_scale, offload_to_cpu",
+    "megatron.core.optimizer.distrib_optimizer": "get_parameter_state_dp_zero, load_state_dict (state buffers)",
+    "megatron.core.optimizer.clip_grads": "get_grad_norm_fp32, count_zeros_fp32 (norm tensors)",
+    "megatron.core.distributed.distributed_data_parallel": "_allocate_buffers_for_parameters (current_device), "
+                                                           "offload_grad_buffers / restore_grad_buffers",
+    "megatron.core.tensor_parallel.random": "_get_cuda_rng_state, CudaRNGStatesTracker.add, "
+                                            "model_parallel_cuda_manual_seed's get/set_rng_state",
+    "megatron.core.tensor_parallel.layers": "the parallel layers' __init__ (weights on current_device without "
+                                            "use_cpu_initialization)",
+    "megatron.core.rerun_state_machine": "validate_result, _reduce_any (result tensors), _save_state / "
+                                         "_restore_state (RNG state)",
+    "megatron.core.utils": "GlobalMemoryBuffer.get_tensor, local_multi_tensor_l2_norm, StragglerDetector "
+                           "(Events, current_device)",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "preload_tensors (synchronize)",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "verify_global_md_reuse, "
+                                                                    "save_state_dict_async_finalize (flags on 'cuda')",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel": "FullyParallelLoadStrategyWrapper.load (synchronize)",
+    "megatron.core.dist_checkpointing.strategies.async_utils": "schedule_async_call, maybe_finalize_async_calls, "
+                                                               "sync_all_async_calls, async_loop",
+    "megatron.core.dist_checkpointing.exchange_utils": "_get_empty_tensor_for_exchange, "
+                                                       "exchange_loaded_tensors_gather_rounds (buffers on 'cuda')",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict": "_insert_sharded_data (synchronize)",
+    "megatron.core.transformer.moe.moe_utils": "track_moe_metrics (tensors on device='cuda')",
 }
 
 
@@ -472,21 +480,21 @@ def install_training() -> bool:
 
 def _load_torch_adam_state() -> None:
     """Resuming the distributed optimizer when megatron-core falls back to torch Adam (no Apex,
-    no Transformer Engine: always on CPU, and on GPUs without them). Two faults in core_v0.16.1,
-    both on that path only:
+    no Transformer Engine: always on CPU, and on GPUs without them). Faults of core_v0.16
+    and core_v0.19, all on that path only:
 
-    * ``DistributedOptimizer.load_state_dict`` (distrib_optimizer.py:817-825) gives every
+    * ``DistributedOptimizer.load_state_dict`` gives every
       parameter the *same* ``step`` tensor; torch Adam then adds 1 to it once per parameter and
       step, so the bias correction after a resume is wrong (and the next save sees the count
       run away). Here each parameter gets its own copy.
-    * ``_set_main_param_and_optimizer_states`` (distrib_optimizer.py:936-940, torch format via
+    * ``_set_main_param_and_optimizer_states`` (torch format via
       ``load_parameter_state_from_dp_zero``) copies every key of the live state, ``step``
       included, from the file, which holds only param/exp_avg/exp_avg_sq: KeyError 'step'; and it
       copies into leaf parameters that require grad outside ``no_grad``; from a torch_dist file
       (dp_reshardable) it copies a ``step`` that is the load template's, not the file's. Here it
       copies the live keys the file has except ``step`` (which Megatron means to come from the
       param groups), under ``no_grad``.
-    * ``state_dict`` (distrib_optimizer.py:639-642) reads ``step`` from every parameter's state
+    * ``DistributedOptimizer.state_dict`` reads ``step`` from every parameter's state
       and asserts one value; before the first step (torch_dist load builds its template from
       it) torch Adam has no state yet: the assert fails. Here a parameter without state gets
       what torch Adam's first step would create (step 0, zero moments), which the load then
@@ -538,8 +546,8 @@ def _load_torch_adam_state() -> None:
         with torch.no_grad():
             for key, tensor in destination.items():
                 # the file's entries may carry metadata ('padding'); torch Adam's 'step' comes
-                # from the param groups (set by load_state_dict, :817-825), while the entry's
-                # 'step' is the load template's own value (a LocalNonpersistentObject, :1664)
+                # from the param groups (set by load_state_dict), while the entry's
+                # 'step' is the load template's own value (a LocalNonpersistentObject)
                 if key in tensors and key != "step":
                     tensor.copy_(tensors[key])
 
@@ -578,9 +586,8 @@ def _with_cuda_type_names(function):
 
 def _answer_cuda_type_names() -> None:
     """Megatron's optimizers sort parameters by ``param.type()`` against CUDA type names and
-    raise on anything else: distrib_optimizer.py:361/:420 (_build_model_and_main_param_groups),
-    :582 (__init__), optimizer.py:671/:690 (Float16OptimizerWithFloat16Params.__init__),
-    clip_grads.py:167 (clip_grad_by_total_norm_fp32). During those calls only, a CPU tensor's
+    raise on anything else: DistributedOptimizer._build_model_and_main_param_groups and
+    __init__, Float16OptimizerWithFloat16Params.__init__, clip_grad_by_total_norm_fp32. During those calls only, a CPU tensor's
     ``type()`` gives the CUDA name of its dtype."""
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
@@ -597,8 +604,8 @@ def _answer_cuda_type_names() -> None:
 
 
 def _keep_on_cpu() -> None:
-    """``.cuda()`` on modules and tensors returns them as they are: training.py:1258
-    (``model_module.cuda(...)``), training.py:3112, checkpointing and the optimizer move things
+    """``.cuda()`` on modules and tensors returns them as they are: get_model
+    (``model_module.cuda(...)``), the training loop, checkpointing and the optimizer move things
     with ``.cuda()``. This is process-wide, which is safe only because it runs where CUDA is
     absent: there every ``.cuda()`` call could only raise."""
 
@@ -628,9 +635,9 @@ def _patch_training_functions() -> None:
         return original_initialize(*args, **kwargs)
 
     initialize.initialize_megatron = initialize_megatron
-    training.initialize_megatron = initialize_megatron  # training.py:136 imports it by name
+    training.initialize_megatron = initialize_megatron  # training.py imports it by name
 
-    # initialize.py:339 init_process_group(backend=args.distributed_backend): NCCL needs GPUs
+    # _initialize_distributed: init_process_group(backend=args.distributed_backend); NCCL needs GPUs
     original_distributed = initialize._initialize_distributed
 
     @functools.wraps(original_distributed)
@@ -642,8 +649,8 @@ def _patch_training_functions() -> None:
 
     initialize._initialize_distributed = _initialize_distributed
 
-    # initialize.py:190 compiles the C++ dataset helpers with `make` inside the checkout (and
-    # :208 builds fused CUDA kernels): on CPU the helpers come from the megatron-core wheel
+    # _compile_dependencies compiles the C++ dataset helpers with `make` inside the checkout (and
+    # builds fused CUDA kernels): on CPU the helpers come from the megatron-core wheel
     # (``load_dataset_helpers``) and there are no kernels to build.
     def _compile_dependencies():
         load_dataset_helpers()
@@ -654,7 +661,7 @@ def _patch_training_functions() -> None:
 def load_dataset_helpers() -> None:
     """Make ``megatron.core.datasets.helpers_cpp`` importable: as it is when the checkout has it
     built, else the compiled module shipped in the megatron-core wheel (same sources at
-    core_v0.16.1), loaded under that name."""
+    release), loaded under that name."""
     name = "megatron.core.datasets.helpers_cpp"
     if name in sys.modules:
         return

@@ -29,7 +29,7 @@ def pretrain_gpt_command(megatron_lm: str | Path, data: str, *, ranks: int, step
                          context: int, step_tokens: int, seed: int, lr: float, profile: str | None = None) -> list[str]:
     script = Path(megatron_lm) / "pretrain_gpt.py"
     if not script.is_file():
-        raise ConfigError(f"--megatron-lm {megatron_lm}: {script} not found; give a Megatron-LM core_v0.16.1 checkout")
+        raise ConfigError(f"--megatron-lm {megatron_lm}: {script} not found; give a Megatron-LM checkout (core_v0.16.1 or core_v0.19.x)")
     if step_tokens % context:
         raise ConfigError(f"--step-tokens {step_tokens} must be a multiple of --context {context} (Megatron's "
                           "--global-batch-size is step tokens / sequence length)")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GPU smoke test (one GPU, a few minutes): Megatron-LM core_v0.16.1 trains a tiny GPT for a
+# GPU smoke test (one GPU, a few minutes): Megatron-LM (core_v0.16.1 or core_v0.19.x) trains a tiny GPT for a
 # few iterations of pretrain_gpt.py with --hybrid-data-parallel, on a tiny dataset made here
 # from this repository's own source files (no network):
-#   1. patched: a copy of the checkout with patches/*.patch applied; 4 iterations, validation,
+#   1. patched: a copy of the checkout with its era's patch series applied (patches/core_v0.16/
+#      or patches/core_v0.19/, chosen by `bytescale patches`); 4 iterations, validation,
 #      a checkpoint;
 #   2. launcher: the unpatched checkout under `python -m megatron_bytescale.launch`, resuming
 #      that checkpoint for 2 more iterations (the HDP loader fast-forwards past 4 steps).
@@ -52,17 +53,12 @@ missing and sys.exit('error: Megatron-LM training needs ' + ', '.join(missing) +
 # 1. trees: pristine (launcher) and patched copies; dataset helpers compiled or stubbed
 cp -r "$mlm" "$work/pristine"
 cp -r "$mlm" "$work/patched"
-for p in "$repo"/patches/*.patch; do  # in order, as `git apply patches/*.patch` does
-    if command -v git >/dev/null; then
-        (cd "$work/patched" && git apply --check "$p" && git apply "$p")
-    else
-        patch -d "$work/patched" -p1 --forward --quiet <"$p"
-    fi
-done
+# the series for this checkout's megatron-core (core_v0.16 or core_v0.19), applied in order
+PYTHONPATH="$repo" "$python" -m megatron_bytescale.cli patches "$work/patched" --apply
 grep -q "pretrain_hooks as hdp" "$work/patched/pretrain_gpt.py"
 for tree in "$work/pristine" "$work/patched"; do
     # Megatron runs `make` for its C++ dataset helpers at start-up: build them, or take the
-    # compiled module the megatron-core wheel ships (same sources at core_v0.16.1; docs/cluster.md)
+    # compiled module the megatron-core wheel of the same release ships (docs/cluster.md)
     if ! make -s -C "$tree/megatron/core/datasets" >/dev/null 2>&1; then
         "$python" -c "import importlib.metadata as m; print(next(f.locate() for f in m.files('megatron-core') if f.name.startswith('helpers_cpp')))" |
             xargs -I{} cp {} "$tree/megatron/core/datasets/"
