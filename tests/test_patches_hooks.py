@@ -407,7 +407,9 @@ def _moe_spec(rank, world):
         "kind": type(block).__name__,
         "core_attention": [layer.submodules.self_attention.submodules.core_attention is HDPCoreAttention
                            for layer in block.layer_specs],
-        "mlp": sorted({layer.submodules.mlp.module.__name__ for layer in block.layer_specs}),
+        # a ModuleSpec (core_v0.16) or a functools.partial of the module's class (core_v0.19)
+        "mlp": sorted({getattr(mlp, "module", getattr(mlp, "func", None)).__name__
+                       for mlp in (layer.submodules.mlp for layer in block.layer_specs)}),
     }
     parallel.destroy_parallel()
     return out
