@@ -163,3 +163,36 @@ def test_patched_pretrain_gpt_defines_every_name_the_patch_uses(patched_tree):
         for arg in ast.walk(call):
             if isinstance(arg, ast.Name) and arg.id not in ("hdp",):
                 assert arg.id in defined or hasattr(builtins, arg.id), f"{arg.id} is not defined in pretrain_gpt.py"
+
+
+@needs_checkout
+def test_bytescale_patches_applies_the_checkouts_series_once(tmp_path, capsys):
+    import argparse
+
+    from megatron_bytescale.megatron import patch_series as command
+
+    tree = tmp_path / "Megatron-LM"
+    (tree / "megatron" / "core").mkdir(parents=True)
+    for rel in ("pretrain_gpt.py", "megatron/core/package_info.py"):
+        shutil.copy(Path(MEGATRON_LM_DIR) / rel, tree / rel)
+    assert command.main(argparse.Namespace(megatron_lm=str(tree), apply=True)) == 0
+    out = capsys.readouterr().out
+    assert f"-> {patch_series()[0].parent}" in out and "applied 3 patches" in out
+    assert "pretrain_hooks as hdp" in (tree / "pretrain_gpt.py").read_text()
+    assert command.main(argparse.Namespace(megatron_lm=str(tree), apply=True)) == 0
+    assert "already patched; nothing applied" in capsys.readouterr().out
+
+
+def test_bytescale_patches_refuses_what_is_not_a_supported_checkout(tmp_path):
+    import argparse
+
+    from megatron_bytescale.errors import ConfigError
+    from megatron_bytescale.megatron import patch_series as command
+
+    with pytest.raises(ConfigError, match="not a Megatron-LM checkout"):
+        command.main(argparse.Namespace(megatron_lm=str(tmp_path), apply=False))
+    (tmp_path / "megatron" / "core").mkdir(parents=True)
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    (tmp_path / "megatron/core/package_info.py").write_text("MAJOR = 0\nMINOR = 18\nPATCH = 2\n")
+    with pytest.raises(ConfigError, match="megatron-core 0.18.2 is not supported"):
+        command.main(argparse.Namespace(megatron_lm=str(tmp_path), apply=True))

@@ -13,6 +13,8 @@ one invocation where they can (the first run also writes the checkpoint the resu
   the same global batch, and the parameters after iteration 1 equal that run's (fp32 tolerance);
 * PP=2 x HDP=2 with tied embeddings, and with virtual pipeline stages (PP=2 x V=2 x HDP=2): the
   losses and gradient norms of one rank without PP;
+* expert parallelism EP=2 with the all-to-all dispatcher and full recompute on 4 ranks: the
+  iteration-1 loss of 2 ranks (same EP, no recompute);
 * wrong launches stop with one line naming the problem, not a traceback.
 
 Needs MEGATRON_LM_DIR (a core_v0.16.1 or core_v0.19 checkout; CI runs this file against both);
@@ -213,6 +215,30 @@ def test_hdp_step_equals_one_hdp_rank(tp, init, data, work):
     print(f"TP={tp}: iteration-1 loss {hdp.losses[1]} (HDP={4 // tp}) vs {one.losses[1]} (one HDP rank); "
           f"max parameter difference after iteration 1: {worst:.3e}")
     assert worst < 5e-6  # fp32: different summation orders, through one Adam step
+
+
+def test_expert_parallel_with_recompute_equals_fewer_hdp_ranks(data, work):
+    """The tiny mixture of experts (4 experts, top-2) with expert parallelism EP=2 and the
+    all-to-all dispatcher: 4 ranks (HDP=4, two EP groups, full activation recompute) against 2
+    ranks (HDP=2, one EP group, no recompute) on the same global batch. Both have EP=2, so
+    Megatron initialises the experts identically; the iteration-1 loss and gradient norm must
+    agree: HDP placement and recompute change nothing but the summation order."""
+    common = dict(MODEL="tiny-moe", GLOBAL_BATCH_SIZE=8, TRAIN_ITERS=1, DATA_PATH=data["train"])
+    flags = ("--hidden-dropout", "0", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+             "--moe-router-load-balancing-type", "none")
+    recompute = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+
+    def run(args):
+        nproc, extra = args
+        return train(Path(MEGATRON_LM_DIR), *flags, *extra, **common, NPROC=nproc).check()
+
+    with ThreadPoolExecutor(2) as pool:  # mostly start-up: overlap them
+        four, two = pool.map(run, ((4, recompute), (2, ())))
+    assert "expert model parallel" in four.log.lower() or re.search(r"expert_model_parallel_size \.+ 2", four.log)
+    assert re.search(r"recompute_granularity \.+ full", four.log) and re.search(r"recompute_granularity \.+ None", two.log)
+    print(f"EP=2: HDP=4 with recompute {four.losses} / {four.grad_norms}; HDP=2 {two.losses} / {two.grad_norms}")
+    assert abs(float(four.losses[1]) - float(two.losses[1])) < 5e-6, (four.losses, two.losses)
+    assert abs(float(four.grad_norms[1]) - float(two.grad_norms[1])) <= 1e-3, (four.grad_norms, two.grad_norms)
 
 
 def test_pipeline_parallel_hdp_equals_one_rank_with_tied_embeddings(patched_run, patched_tree, data, work):
