@@ -15,6 +15,7 @@ so it is tested with argparse and a namespace carrying the Megatron flags it rea
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import Callable, Optional
@@ -327,6 +328,14 @@ def _check_loss_and_batch(args) -> None:
             f"--hybrid-data-parallel packs each rank's micro-batch by tokens (--hdp-token-capacity), not "
             f"by samples: use --micro-batch-size 1 (got {args.micro_batch_size})"
         )
+    dp = getattr(args, "data_parallel_size", None)
+    if dp and getattr(args, "global_batch_size", None) and args.global_batch_size % dp:
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} does not divide by the {dp} HDP ranks: Megatron counts "
+            f"global-batch-size / data-parallel-size samples per rank (the LR schedule and consumed samples follow "
+            f"it); choose a --global-batch-size that every world you train or restart on divides (e.g. "
+            f"{math.lcm(*range(max(1, dp - 2), dp + 1)) if dp > 2 else 2 * dp} for {max(1, dp - 2)}-{dp} ranks)"
+        )
     if args.rampup_batch_size is not None:
         raise ConfigError(
             "--rampup-batch-size is not supported with --hybrid-data-parallel (each HDP step plans one "
@@ -562,6 +571,16 @@ def _check_capacity(args) -> None:
             f"--hdp-token-capacity {format_size(args.hdp_token_capacity)} = {format_size(most)} tokens: raise "
             "the capacity, use more data-parallel ranks, add --hdp-selective-offload, or lower --seq-length"
         )
+    if args.seq_length > most:  # offloading: the planner's own memory floor (a restart may bring fewer ranks)
+        from ..planner.offload_policy import host_capacity
+        from ..planner.sharding import memory_floor
+
+        cost = cost_model_from_args(argparse.Namespace(**{"padded_vocab_size": None, **vars(args)}))
+        try:
+            memory_floor(args.seq_length, args.hdp_token_capacity, cost, True, args.hdp_size,
+                         host_capacity(cost, args.pipeline_model_parallel_size))
+        except ConfigError as exc:
+            raise ConfigError(f"--seq-length {format_size(args.seq_length)} does not fit even with full offload: {exc}") from None
 
 
 # ------------------------------------------------------------------ flags -> planner inputs

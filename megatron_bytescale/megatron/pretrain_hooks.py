@@ -208,6 +208,9 @@ def install_forward_backward() -> None:
 
     training.get_forward_backward_func = get_forward_backward_func_or_hdp(training.get_forward_backward_func)
     install_checkpoint_rng()
+    from .elastic import install_elastic_resume
+
+    install_elastic_resume()  # a checkpoint from another world size: checked, announced, resharded
 
 
 def every_hdp_rank_rng(function: Callable) -> Callable:
