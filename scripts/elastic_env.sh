@@ -31,6 +31,10 @@ elastic_args() {
     [[ -z ${LOAD_DIR:-} || $LOAD_DIR == "$SAVE_DIR" ]] ||
         die "LOAD_DIR=$LOAD_DIR: an elastic run restarts from SAVE_DIR=$SAVE_DIR; copy the checkpoint there and unset LOAD_DIR"
     [[ -n ${LOAD_DIR:-} ]] || TRAIN_ARGS+=(--load "$SAVE_DIR")
+    # torchrun's rank-0 agent otherwise serves its workers one TCP store for every round, and
+    # the keys of the round before (gloo's rank addresses) are still in it after a restart: the
+    # new ranks connect to dead peers. Without sharing, rank 0 of each round starts a fresh store.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     ELASTIC_ARGS=(--nnodes "$NNODES" --max-restarts "${MAX_RESTARTS:-3}" --rdzv-backend c10d
         --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-hdp}}")
     [[ -z ${RDZV_CONF:-} ]] || ELASTIC_ARGS+=(--rdzv-conf "$RDZV_CONF")

@@ -7,8 +7,8 @@ N-rank run's as long as every piece of state is global or resharded:
 
 * model and distributed-optimizer state: Megatron's torch_dist checkpoints reshard both over
   the data-parallel group (the optimizer's default ``dp_reshardable`` sharding type allows
-  "resharding only in the DP dimension", exactly this case; ``--ckpt-fully-parallel-save``
-  gives ``fully_sharded_model_space``, which reshards too). The legacy ``torch`` format saves
+  "resharding only in the DP dimension", exactly this case; ``--ckpt-fully-parallel-save/-load``
+  spread the writing and reading and keep that type). The legacy ``torch`` format saves
   the distributed optimizer per DP rank and cannot: refused, in one line;
 * data position: the HDP loader's position is global (``pretrain_hooks.fast_forward`` replays
   the global batch sampler to ``--load``'s iteration), so the next global batch is the same;

@@ -114,6 +114,12 @@ def check_launch(args) -> None:
     """What Megatron's validate_args asserts about the world size, as a one-line error."""
     world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
     tp, pp = getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1)
+    if world < tp * pp:  # e.g. an elastic restart on fewer nodes than one model replica spans
+        raise ConfigError(
+            f"world size {world} is smaller than one model replica: --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp} ranks; start at least {tp * pp} ranks (a multiple of "
+            f"{tp * pp}) or lower TP/PP"
+        )
     if world % (tp * pp):
         raise ConfigError(
             f"world size {world} does not divide by --tensor-model-parallel-size {tp} x "

@@ -73,11 +73,11 @@ class Restart:
 
 
 def run_batches(strategy: str, gpus: int, batches: Sequence[Sequence[int]], *, tp: int, pp: int, gpus_per_node: int,
-                cost: CostModel, capacity: int, context: int, why_not: str = "") -> Restart:
+                cost: CostModel, capacity: int, context: int) -> Restart:
     """``strategy`` on ``gpus`` GPUs over ``batches`` (one simulated step each)."""
     out = Restart(strategy, gpus)
     if gpus <= 0:
-        out.error = why_not or "no GPUs left"
+        out.error = "not even one pipeline is left"
         return out
     cluster = Cluster(gpus, tp, pp, gpus_per_node)
     for lengths in batches:
@@ -99,12 +99,12 @@ def compare(batches: Sequence[Sequence[int]], *, gpus: int, tp: int, pp: int, gp
     cp = static_cp_degree(context, capacity, gpus // (tp * pp))
     cache: dict[tuple[str, int], Restart] = {}
 
-    def cached(strategy: str, n: int, why_not: str = "") -> Restart:
+    def cached(strategy: str, n: int) -> Restart:
         if (strategy, n) not in cache:
             if progress:
                 progress(f"{strategy} on {n} GPUs")
             cache[strategy, n] = run_batches(strategy, n, batches, tp=tp, pp=pp, gpus_per_node=gpus_per_node,
-                                             cost=cost, capacity=capacity, context=context, why_not=why_not)
+                                             cost=cost, capacity=capacity, context=context)
         return cache[strategy, n]
 
     rows = []
@@ -112,8 +112,8 @@ def compare(batches: Sequence[Sequence[int]], *, gpus: int, tp: int, pp: int, gp
         survivors = gpus - k * gpus_per_node
         hdp = cached("hdp-balanced", hdp_restart_gpus(gpus, tp, pp, gpus_per_node, k))
         static_gpus = static_restart_gpus(gpus, tp, pp, gpus_per_node, k, cp)
-        static = cached("static", static_gpus, why_not=(
-            f"CP {cp} x TP {tp} x PP {pp} = {cp * tp * pp} GPUs per DP group; {survivors} survivors hold none"))
+        static = cached("static", static_gpus) if static_gpus else Restart(
+            "static", 0, error=f"CP {cp} x TP {tp} x PP {pp} = {cp * tp * pp} GPUs per DP group; {survivors} survivors hold none")
         rows.append({"lost_nodes": k, "survivors": survivors, "cp": cp, "hdp": hdp, "static": static})
     return rows
 
