@@ -16,6 +16,7 @@ from megatron_bytescale.megatron.arguments import (
     MEGATRON_DERIVED_ARGS,
     add_hdp_arguments,
     chain_extra_args_providers,
+    check_global_batch,
     cost_model_from_args,
     model_spec_from_args,
     planner_config_from_args,
@@ -299,7 +300,8 @@ def test_sequence_that_does_not_fit_even_with_full_offload_is_refused_in_one_lin
 
 def test_global_batch_that_the_hdp_ranks_do_not_divide_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^--global-batch-size 8 does not divide by the 3 HDP ranks.*every world") as exc:
-        validate_hdp_args(parse(HDP, world_size=3, data_parallel_size=3, global_batch_size=8))
+        check_global_batch(validate_hdp_args(parse(HDP, world_size=3, data_parallel_size=3, seq_length=8192, global_batch_size=8)))
+    check_global_batch(validate_hdp_args(parse(HDP, world_size=3, data_parallel_size=3, seq_length=8192, global_batch_size=12)))
     assert "\n" not in str(exc.value)
 
 

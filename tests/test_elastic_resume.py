@@ -157,9 +157,11 @@ def test_two_agents_lose_one_and_the_survivor_finishes_on_two_ranks(runs, data, 
                                  "--no-bias-dropout-fusion", *FLAGS], env=_environment(Path(MEGATRON_LM_DIR), **variables),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
 
-    survivor = agent(host=True)
-    time.sleep(1)
+    # the victim first: as a store client it waits for the host's store, so both agents join the
+    # first round together (an agent alone would start a 2-rank world after last_call_timeout)
     victim = agent(host=False)
+    time.sleep(1)
+    survivor = agent(host=True)
     tracker = save / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 240
     try:
@@ -201,7 +203,8 @@ def test_a_world_too_small_for_the_model_stops_with_one_line(data):
     """What an elastic restart on too few ranks meets, through Megatron's real parser and
     validate_args (one process as rank 0 of the smaller world, before any rank trains): fewer
     ranks than TP x PP, and a --seq-length that does not fit on the ranks left even with full
-    offload (tiny model: a rank holds at most 2 x 256 tokens at offload ratio 1)."""
+    offload (tiny model: a rank holds at most 2 x 256 tokens at offload ratio 1), and a global
+    batch size the HDP ranks left do not divide."""
     import shlex
 
     from test_pretrain_gpt_cpu import ERROR_LINE, _direct, _environment
@@ -219,8 +222,11 @@ def test_a_world_too_small_for_the_model_stops_with_one_line(data):
                                    "--pipeline-model-parallel-size 2 = 4 ranks"),
         "4K tokens on 1 rank with offload": (flags(NPROC=4, SEQ_LENGTH=4096, HDP_SELECTIVE_OFFLOAD=1, GLOBAL_BATCH_SIZE=4), 1,
                                              "--seq-length 4K does not fit even with full offload"),
+        # not too small, but Megatron's micro-batch calculator would assert: one line instead
+        "global batch 8 on 3 ranks": (flags(NPROC=4, GLOBAL_BATCH_SIZE=8), 3,
+                                      "--global-batch-size 8 does not divide by the 3 HDP ranks"),
     }
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
         results = dict(zip(cases, pool.map(lambda c: _direct(c[0], WORLD_SIZE=c[1], RANK=0, LOCAL_RANK=0), cases.values())))
     for case, proc in results.items():
         assert proc.returncode == 2, (case, proc.returncode, proc.stderr[-3000:])

@@ -317,6 +317,21 @@ def validate_hdp_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def check_global_batch(args) -> None:
+    """What Megatron's micro-batch calculator asserts (num_microbatches_calculator.py:340), as one
+    line: under HDP it still counts --global-batch-size / data-parallel-size samples per rank, and
+    the LR schedule and consumed samples follow that count. Run where Megatron's calculator will
+    run (``pretrain_hooks.validate_args_then_hdp``); an elastic restart on fewer ranks meets it."""
+    dp = getattr(args, "data_parallel_size", None)
+    if dp and getattr(args, "global_batch_size", None) and args.global_batch_size % dp:
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} does not divide by the {dp} HDP ranks: Megatron counts "
+            f"global-batch-size / data-parallel-size samples per rank (the LR schedule and consumed samples follow "
+            f"it); choose a --global-batch-size that every world you train or restart on divides (e.g. "
+            f"{math.lcm(*range(max(1, dp - 2), dp + 1)) if dp > 2 else 2 * dp} for {max(1, dp - 2)}-{dp} ranks)"
+        )
+
+
 def _check_loss_and_batch(args) -> None:
     if not args.calculate_per_token_loss:
         raise ConfigError(
@@ -327,14 +342,6 @@ def _check_loss_and_batch(args) -> None:
         raise ConfigError(
             f"--hybrid-data-parallel packs each rank's micro-batch by tokens (--hdp-token-capacity), not "
             f"by samples: use --micro-batch-size 1 (got {args.micro_batch_size})"
-        )
-    dp = getattr(args, "data_parallel_size", None)
-    if dp and getattr(args, "global_batch_size", None) and args.global_batch_size % dp:
-        raise ConfigError(
-            f"--global-batch-size {args.global_batch_size} does not divide by the {dp} HDP ranks: Megatron counts "
-            f"global-batch-size / data-parallel-size samples per rank (the LR schedule and consumed samples follow "
-            f"it); choose a --global-batch-size that every world you train or restart on divides (e.g. "
-            f"{math.lcm(*range(max(1, dp - 2), dp + 1)) if dp > 2 else 2 * dp} for {max(1, dp - 2)}-{dp} ranks)"
         )
     if args.rampup_batch_size is not None:
         raise ConfigError(

@@ -39,6 +39,7 @@ from ..errors import ConfigError
 from .arguments import (
     add_hdp_arguments,
     chain_extra_args_providers,
+    check_global_batch,
     cost_model_from_args,
     planner_config_from_args,
     validate_hdp_args,
@@ -97,6 +98,7 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
             result = validate_args(args, defaults)
             validate_hdp_args(args)
             if getattr(args, "hybrid_data_parallel", False):
+                check_global_batch(args)
                 check_data_exists(args)
         except ConfigError as exc:
             # a wrong launch stops here, before any worker trains, with one line (every rank
