@@ -8,13 +8,13 @@ N-rank run's as long as every piece of state is global or resharded:
 * model and distributed-optimizer state: Megatron's torch_dist checkpoints reshard both over
   the data-parallel group (the optimizer's default ``dp_reshardable`` sharding type allows
   "resharding only in the DP dimension", exactly this case; ``--ckpt-fully-parallel-save/-load``
-  spread the writing and reading and keep that type). The legacy ``torch`` format saves
-  the distributed optimizer per DP rank and cannot: refused, in one line;
+  spread the writing and reading and keep that type). Other formats (the legacy ``torch``,
+  whose resharding is not tested here) are refused on another world size, in one line;
 * data position: the HDP loader's position is global (``pretrain_hooks.fast_forward`` replays
   the global batch sampler to ``--load``'s iteration), so the next global batch is the same;
 * LR schedule and consumed samples: global (samples), with one condition Megatron sets: its
   micro-batch calculator needs ``--global-batch-size`` divisible by the data-parallel size
-  (checked at launch, ``arguments._check_loss_and_batch``);
+  (checked at launch, ``arguments.check_global_batch``);
 * RNG: HDP checkpoints keep every HDP rank's RNG state (``every_hdp_rank_rng``). On another
   world size they are not loaded (as ``--no-load-rng``): the new plan puts different tokens on
   different ranks, so no assignment of the old per-rank streams would reproduce the N-rank
@@ -88,11 +88,11 @@ def check_resize(saved: SavedWorld, args) -> None:
             f"has TP {tp} x PP {pp}: an HDP resume on another world keeps TP and PP; set "
             f"--tensor-model-parallel-size {saved.tp} --pipeline-model-parallel-size {saved.pp}"
         )
-    if args.ckpt_format != "torch_dist" and args.use_distributed_optimizer:
+    if args.ckpt_format != "torch_dist":
         raise ConfigError(
-            f"--ckpt-format {args.ckpt_format}: the distributed optimizer's state was saved per data-parallel rank "
-            f"on {saved.hdp_size} HDP ranks and cannot load on {args.data_parallel_size}; resume on "
-            f"{saved.hdp_size * tp * pp} ranks, or save with --ckpt-format torch_dist to resume on another world size"
+            f"--ckpt-format {args.ckpt_format}: a checkpoint written on {saved.hdp_size} HDP ranks resumes on "
+            f"{args.data_parallel_size} only from torch_dist checkpoints (the format whose resharding is tested); "
+            f"resume on {saved.hdp_size * tp * pp} ranks, or save with --ckpt-format torch_dist"
         )
 
 
