@@ -6,7 +6,9 @@
 #
 # Model flags come from configs/models/$MODEL.args; every variable is in docs/cluster.md
 # (DRY_RUN=1 prints the command instead of running it). Build DATA_PATH with
-# `bytescale prepare-data`.
+# `bytescale prepare-data`. With NNODES=MIN:MAX (and RDZV_ENDPOINT, SAVE_DIR, GLOBAL_BATCH_SIZE)
+# it starts torchrun's elastic agent instead: run it on every node; when a node dies the others
+# re-rendezvous and resume from SAVE_DIR's newest checkpoint on the smaller world.
 set -euo pipefail
 # shellcheck source=scripts/hdp_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/hdp_env.sh"
@@ -14,4 +16,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/hdp_env.sh"
 nproc=${NPROC:-8}
 [[ $nproc =~ ^[1-9][0-9]*$ ]] || die "NPROC=$nproc: give the number of ranks (GPUs) to start on this node, e.g. NPROC=8"
 hdp_args "$nproc" "$@"
-run_or_print torchrun --standalone --nproc-per-node "$nproc" "${ENTRY[@]}" "${TRAIN_ARGS[@]}"
+if [[ -n ${NNODES:-} ]]; then  # elastic: this node's agent joins a c10d rendezvous (scripts/elastic_env.sh)
+    # shellcheck source=scripts/elastic_env.sh
+    source "$(dirname "${BASH_SOURCE[0]}")/elastic_env.sh"
+    elastic_args "$nproc"
+    run_or_print torchrun "${ELASTIC_ARGS[@]}" --nproc-per-node "$nproc" "${ENTRY[@]}" "${TRAIN_ARGS[@]}"
+else
+    run_or_print torchrun --standalone --nproc-per-node "$nproc" "${ENTRY[@]}" "${TRAIN_ARGS[@]}"
+fi

@@ -16,6 +16,7 @@ from megatron_bytescale.megatron.arguments import (
     MEGATRON_DERIVED_ARGS,
     add_hdp_arguments,
     chain_extra_args_providers,
+    check_global_batch,
     cost_model_from_args,
     model_spec_from_args,
     planner_config_from_args,
@@ -289,8 +290,24 @@ def test_data_path_and_no_eval_are_accepted():
 
 
 def test_sequence_too_long_is_allowed_with_offload():
-    args = validate_hdp_args(parse(HDP + ["--hdp-selective-offload"], seq_length=128 * 1024))
+    # 72K > 8 ranks x 8K: fits on the 8 ranks only with offloading
+    args = validate_hdp_args(parse(HDP + ["--hdp-selective-offload"], seq_length=72 * 1024))
     assert args.hdp_selective_offload
+
+
+def test_sequence_that_does_not_fit_even_with_full_offload_is_refused_in_one_line():
+    # 128K needs 12 ranks of 8K even at offload ratio 1 (the planner's memory floor); a world of
+    # 8 (say, after an elastic restart on fewer nodes) stops at launch, not at the first step
+    with pytest.raises(ConfigError, match=r"^--seq-length 128K does not fit even with full offload: .*needs 12 ranks.*only 8 ranks") as exc:
+        validate_hdp_args(parse(HDP + ["--hdp-selective-offload"], seq_length=128 * 1024))
+    assert "\n" not in str(exc.value)
+
+
+def test_global_batch_that_the_hdp_ranks_do_not_divide_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^--global-batch-size 8 does not divide by the 3 HDP ranks.*every world") as exc:
+        check_global_batch(validate_hdp_args(parse(HDP, world_size=3, data_parallel_size=3, seq_length=8192, global_batch_size=8)))
+    check_global_batch(validate_hdp_args(parse(HDP, world_size=3, data_parallel_size=3, seq_length=8192, global_batch_size=12)))
+    assert "\n" not in str(exc.value)
 
 
 def test_ray_dataloader_needs_a_shared_cluster_for_several_ranks(monkeypatch):

@@ -15,6 +15,7 @@ so it is tested with argparse and a namespace carrying the Megatron flags it rea
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import Callable, Optional
@@ -320,6 +321,21 @@ def validate_hdp_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def check_global_batch(args) -> None:
+    """What Megatron's micro-batch calculator asserts (num_microbatches_calculator.py:340), as one
+    line: under HDP it still counts --global-batch-size / data-parallel-size samples per rank, and
+    the LR schedule and consumed samples follow that count. Run where Megatron's calculator will
+    run (``pretrain_hooks.validate_args_then_hdp``); an elastic restart on fewer ranks meets it."""
+    dp = getattr(args, "data_parallel_size", None)
+    if dp and getattr(args, "global_batch_size", None) and args.global_batch_size % dp:
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} does not divide by the {dp} HDP ranks: Megatron counts "
+            f"global-batch-size / data-parallel-size samples per rank (the LR schedule and consumed samples follow "
+            f"it); choose a --global-batch-size that every world you train or restart on divides (e.g. "
+            f"{math.lcm(*range(max(1, dp - 2), dp + 1)) if dp > 2 else 2 * dp} for {max(1, dp - 2)}-{dp} ranks)"
+        )
+
+
 def _check_loss_and_batch(args) -> None:
     if not args.calculate_per_token_loss:
         raise ConfigError(
@@ -597,6 +613,16 @@ def _check_capacity(args) -> None:
             f"--hdp-token-capacity {format_size(args.hdp_token_capacity)} = {format_size(most)} tokens: raise "
             "the capacity, use more data-parallel ranks, add --hdp-selective-offload, or lower --seq-length"
         )
+    if args.seq_length > most:  # offloading: the planner's own memory floor (a restart may bring fewer ranks)
+        from ..planner.offload_policy import host_capacity
+        from ..planner.sharding import memory_floor
+
+        cost = cost_model_from_args(argparse.Namespace(**{"padded_vocab_size": None, **vars(args)}))
+        try:
+            memory_floor(args.seq_length, args.hdp_token_capacity, cost, True, args.hdp_size,
+                         host_capacity(cost, args.pipeline_model_parallel_size))
+        except ConfigError as exc:
+            raise ConfigError(f"--seq-length {format_size(args.seq_length)} does not fit even with full offload: {exc}") from None
 
 
 # ------------------------------------------------------------------ flags -> planner inputs

@@ -40,6 +40,7 @@ from ..megatron_era import is_v019
 from .arguments import (
     add_hdp_arguments,
     chain_extra_args_providers,
+    check_global_batch,
     cost_model_from_args,
     planner_config_from_args,
     validate_hdp_args,
@@ -98,6 +99,7 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
             result = validate_args(args, defaults)
             validate_hdp_args(args)
             if getattr(args, "hybrid_data_parallel", False):
+                check_global_batch(args)
                 check_data_exists(args)
         except ConfigError as exc:
             # a wrong launch stops here, before any worker trains, with one line (every rank
@@ -115,6 +117,12 @@ def check_launch(args) -> None:
     """What Megatron's validate_args asserts about the world size, as a one-line error."""
     world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
     tp, pp = getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1)
+    if world < tp * pp:  # e.g. an elastic restart on fewer nodes than one model replica spans
+        raise ConfigError(
+            f"world size {world} is smaller than one model replica: --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp} ranks; start at least {tp * pp} ranks (a multiple of "
+            f"{tp * pp}) or lower TP/PP"
+        )
     if world % (tp * pp):
         raise ConfigError(
             f"world size {world} does not divide by --tensor-model-parallel-size {tp} x "
@@ -214,6 +222,9 @@ def install_forward_backward() -> None:
 
     training.get_forward_backward_func = get_forward_backward_func_or_hdp(training.get_forward_backward_func)
     install_checkpoint_rng()
+    from .elastic import install_elastic_resume
+
+    install_elastic_resume()  # a checkpoint from another world size: checked, announced, resharded
 
 
 def every_hdp_rank_rng(function: Callable) -> Callable:
