@@ -25,6 +25,7 @@ LAYER_OF = {
     "lengths_file": "base",  # the sequence-lengths file reader of plan, simulate and verify
     "process_lifetime": "base",  # workers that die with their launcher (stdlib only)
     "folder_lock": "base",  # one run per output folder (stdlib only)
+    "checkpoint_manifest": "base",  # sizes and SHA-256 of a checkpoint folder (stdlib only)
     "checkpoint_io": "runtime",  # atomic, checksummed torch.save files
     "planner": "planner",
     "runtime": "runtime",
@@ -37,6 +38,7 @@ LAYER_OF = {
     "demo": "top",
     "verify": "top",
     "launch": "top",
+    "torchrun": "top",  # torchrun with the launch checks and one-line rank errors
     "": "top",  # the package's own __init__ (only it: a new module must be given a layer here)
 }
 
