@@ -277,8 +277,8 @@ def test_smoke_dry_run_prints_the_patched_and_the_launcher_run(env):
     variables, mlm = env
     lines = run_script("scripts/gpu/smoke_pretrain_gpt.sh", dict(variables, DRY_RUN="1")).stdout.strip().splitlines()
     patched, launcher = (shlex.split(line) for line in lines)
-    assert patched[:4] == ["torchrun", "--standalone", "--nproc-per-node", "1"]
-    assert patched[4] == str(mlm / "pretrain_gpt.py") and launcher[4:7] == ["-m", "megatron_bytescale.launch", str(mlm / "pretrain_gpt.py")]
+    assert patched[:6] == ["python", "-m", "megatron_bytescale.torchrun", "--standalone", "--nproc-per-node", "1"]
+    assert patched[6] == str(mlm / "pretrain_gpt.py") and launcher[6:9] == ["-m", "megatron_bytescale.launch", str(mlm / "pretrain_gpt.py")]
     assert after(patched, "--train-iters")[0] == "4" and after(launcher, "--train-iters")[0] == "6"
     assert "--load" not in patched and after(launcher, "--load")[0] == after(patched, "--save")[0]
     assert after(patched, "--transformer-impl")[0] == "local"

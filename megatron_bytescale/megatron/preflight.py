@@ -136,7 +136,7 @@ def check(flags: list[str], world_size: int) -> argparse.Namespace:
     check_schedule(args)
     check_data_exists(args)
     if args.save:
-        HeartbeatLock(args.save).check_free()
+        HeartbeatLock(args.save, what="training run").check_free()
     return args
 
 
