@@ -30,8 +30,13 @@ class FolderLock:
         self._fd: int | None = None
 
     def __enter__(self) -> FolderLock:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.folder / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.folder / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # a read-only filesystem or folder, a full disk, a file in the way
+            raise ConfigError(
+                f"--out {self.folder}: cannot write there ({exc.strerror or exc}); choose a writable --out"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
