@@ -64,6 +64,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if os.environ.pop(rank_guard.DIE_WITH_PARENT, None) == "1":
+        from .process_lifetime import die_with_launcher
+
+        die_with_launcher(os.getppid())
     own, flags = split(argv)
     world = world_size(own)
     try:

@@ -178,3 +178,26 @@ def test_resume_takes_over_the_dead_runs_lock_and_skips_a_corrupted_iteration(ki
             "(corrupted)") in log, log[-4000:]
     assert f"bytescale: checkpoint iter_{previous:07d} in {save} verified against its manifest" in log
     assert [int(i) for i in ITERATION.findall(log)] == [previous + 1], log[-3000:]
+
+
+def test_a_refusal_only_the_ranks_can_make_is_one_line_from_the_launcher(data):
+    """With --nproc-per-node auto the launcher does not know the world size, so the ranks validate:
+    their refusal still ends in one line from the launcher (not one per rank plus torchrun's report)."""
+    script = Path(MEGATRON_LM_DIR) / "pretrain_gpt.py"
+    dry = subprocess.run(["bash", str(ROOT / "scripts/train_local.sh"), "--micro-batch-size", "2"],
+                         env=_environment(DATA_PATH=data, TRAIN_ITERS=5, DRY_RUN=1), capture_output=True, text=True, cwd=ROOT)
+    import shlex
+
+    argv = shlex.split(dry.stdout.strip().splitlines()[-1])
+    flags = argv[argv.index(str(script)) + 1:]
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "megatron_bytescale.torchrun", "--standalone", "--nproc-per-node", "auto",
+                           "-m", "megatron_bytescale.launch", str(script), *flags],
+                          env=_environment(DATA_PATH=data), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    print(f"refused by the ranks in {time.monotonic() - t0:.1f} s")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if re.match(r"error|Error|\S*Error", line)]
+    assert errors == ["error: --hybrid-data-parallel packs each rank's micro-batch by tokens (--hdp-token-capacity), not by "
+                      "samples: use --micro-batch-size 1 (got 2)"], errors
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert "error_injection_rate" not in proc.stdout  # Megatron's argument dump is held back on a refusal

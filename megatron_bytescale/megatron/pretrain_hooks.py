@@ -26,7 +26,9 @@ The HDP group is Megatron's data-parallel group with context parallel (DP x CP, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import queue
 import threading
@@ -99,11 +101,20 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
             if hdp:
                 check_launch(args)  # before Megatron's asserts would fire with a traceback
                 check_schedule(args)  # Megatron's scheduler asserts it a minute later, in every rank
-            result = validate_args(args, defaults)
+            # Megatron prints its ~200-line argument dump at the end of validate_args: held back
+            # until the HDP checks pass, so a refusal is not buried under it
+            dump = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(dump) if hdp else contextlib.nullcontext():
+                    result = validate_args(args, defaults)
+            except BaseException:
+                print(dump.getvalue(), end="", flush=True)
+                raise
             validate_hdp_args(args)
             if hdp:
                 check_data_exists(args)
                 checkpoint_guard.hold_save_lock(args)
+            print(dump.getvalue(), end="", flush=True)
         except ConfigError as exc:
             # a wrong launch stops here, before any worker trains, with one line: from the
             # launcher (megatron_bytescale.torchrun), else from rank 0

@@ -23,6 +23,9 @@ from ..process_lifetime import die_with_launcher as _die_with
 
 LAUNCHED_BY = ("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID")
 ERRORS_ENV = "BYTESCALE_RANK_ERRORS"
+# set by a program that starts megatron_bytescale.torchrun itself (bytescale demo --megatron-lm):
+# the launcher then ends with that program, and its ranks with it
+DIE_WITH_PARENT = "BYTESCALE_LAUNCHER_DIES_WITH_PARENT"
 _installed = False
 
 
