@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .checkpoint_manifest import write_atomically
 from .errors import ConfigError
 
 MAGIC = b"BYTESCALE-CHECKPOINT 1"
@@ -45,24 +45,9 @@ def save(path: str | Path, state: Any) -> Path:
     torch.save(state, buf)
     body = buf.getvalue()
     header = MAGIC + f" sha256={hashlib.sha256(body).hexdigest()} bytes={len(body)}\n".encode()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_atomically(path, header, body)
     except OSError as exc:  # a full disk, a read-only folder: the previous checkpoint is untouched
         raise ConfigError(
             f"cannot write checkpoint {path} ({exc.strerror or exc}); the previous checkpoint is intact: "

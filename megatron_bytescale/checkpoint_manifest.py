@@ -57,27 +57,33 @@ def digests(folder: str | Path, files: list[str]) -> dict[str, dict]:
     return {rel: digest(Path(folder) / rel) for rel in files}
 
 
-def write(folder: str | Path, entries: dict[str, dict]) -> Path:
-    """Write the manifest of ``folder`` atomically (temporary file, fsync, rename, fsync the folder)."""
-    folder = Path(folder)
-    path = folder / MANIFEST
-    tmp = folder / f".{MANIFEST}.tmp-{os.getpid()}"
-    body = json.dumps({"version": VERSION, "files": dict(sorted(entries.items()))}, indent=1)
+def write_atomically(path: str | Path, *chunks: bytes) -> Path:
+    """Write ``chunks`` (one after the other) to ``path`` so a reader sees the old file or the new one, never a prefix:
+    a temporary file in the same folder, fsynced, renamed over ``path``, then the folder fsynced."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
-            f.write(body)
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
-    fd = os.open(folder, os.O_RDONLY)
+    fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
     return path
+
+
+def write(folder: str | Path, entries: dict[str, dict]) -> Path:
+    """Write the manifest of ``folder`` atomically."""
+    body = json.dumps({"version": VERSION, "files": dict(sorted(entries.items()))}, indent=1)
+    return write_atomically(Path(folder) / MANIFEST, body.encode())
 
 
 def read(folder: str | Path) -> dict[str, dict] | None:
