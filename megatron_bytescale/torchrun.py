@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from typing import Optional
 
 from .errors import ConfigError
 from .megatron import preflight, rank_guard
@@ -26,7 +25,7 @@ from .megatron import preflight, rank_guard
 USAGE = "usage: python -m megatron_bytescale.torchrun [torchrun options] -m megatron_bytescale.launch PRETRAIN_GPT_PY [flags]"
 
 
-def _option(argv: list[str], *names: str) -> Optional[str]:
+def _option(argv: list[str], *names: str) -> str | None:
     """The value of a torchrun option (``--name V`` or ``--name=V``) before the training command."""
     for i, word in enumerate(argv):
         for name in names:
@@ -37,14 +36,14 @@ def _option(argv: list[str], *names: str) -> Optional[str]:
     return None
 
 
-def world_size(launcher_argv: list[str]) -> Optional[int]:
+def world_size(launcher_argv: list[str]) -> int | None:
     """nnodes x nproc-per-node when both are numbers (``--nnodes 1:4`` counts its maximum)."""
     nproc = _option(launcher_argv, "--nproc-per-node", "--nproc_per_node") or "1"
     nnodes = (_option(launcher_argv, "--nnodes") or "1").split(":")[-1]
     return int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
 
 
-def split(argv: list[str]) -> tuple[list[str], Optional[list[str]]]:
+def split(argv: list[str]) -> tuple[list[str], list[str] | None]:
     """(torchrun's own options, the pretrain_gpt.py flags) of a command line."""
     flags = preflight.training_flags(argv)
     return (argv if flags is None else argv[: len(argv) - len(flags)]), flags
@@ -59,7 +58,7 @@ def _quiet_agent_failure_logs() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

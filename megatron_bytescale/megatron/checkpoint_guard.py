@@ -24,8 +24,8 @@ import atexit
 import functools
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from .. import checkpoint_manifest as manifest
 from ..errors import ConfigError
@@ -34,14 +34,14 @@ from . import rank_guard
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
-_lock: Optional[HeartbeatLock] = None
+_lock: HeartbeatLock | None = None
 
 
 def iteration_dir(folder: str | Path, iteration: int) -> Path:
     return Path(folder) / f"iter_{iteration:07d}"
 
 
-def tracker_iteration(folder: str | Path) -> Optional[int]:
+def tracker_iteration(folder: str | Path) -> int | None:
     """The iteration Megatron's tracker names (None: no tracker, a release checkpoint, or unreadable)."""
     try:
         text = (Path(folder) / TRACKER).read_text().strip()
@@ -105,7 +105,7 @@ def write_manifest(folder: Path) -> None:
         manifest.write(folder, entries)
 
 
-def verify_iteration(folder: Path) -> Optional[str]:
+def verify_iteration(folder: Path) -> str | None:
     """All ranks, the same answer: why ``folder`` does not verify, or None."""
     _, rank, size = _world()
     try:
@@ -139,7 +139,7 @@ def manifested_save(save_checkpoint: Callable, megatron_args: Callable) -> Calla
     return save
 
 
-def choose_iteration(folder: str | Path) -> tuple[Optional[int], list[str]]:
+def choose_iteration(folder: str | Path) -> tuple[int | None, list[str]]:
     """(iteration to load, the lines to print). None with no lines: leave the load to Megatron
     (no tracker, a release checkpoint, or a folder saved before manifests existed)."""
     newest = tracker_iteration(folder)

@@ -14,13 +14,17 @@ what can be known from the command line, so a wrong launch ends in one line with
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from typing import Optional
 
 from ..errors import ConfigError
 from ..folder_lock import HeartbeatLock
-from .arguments import add_hdp_arguments, check_data_exists, check_launch, check_schedule, validate_hdp_args
+from .arguments import (
+    add_hdp_arguments,
+    check_data_exists,
+    check_launch,
+    check_schedule,
+    validate_hdp_args,
+)
 
 # (flag, kind, Megatron's default); kind: int, float, str, list (nargs='*'), ints3 (nargs=3), true (store_true)
 MEGATRON_FLAGS = (
@@ -140,7 +144,7 @@ def check(flags: list[str], world_size: int) -> argparse.Namespace:
     return args
 
 
-def training_flags(argv: list[str]) -> Optional[list[str]]:
+def training_flags(argv: list[str]) -> list[str] | None:
     """The pretrain_gpt.py flags in a launcher's command line: what follows
     ``-m megatron_bytescale.launch SCRIPT`` or ``SCRIPT.py``; None if neither is there."""
     for i, word in enumerate(argv):
@@ -151,7 +155,7 @@ def training_flags(argv: list[str]) -> Optional[list[str]]:
     return None
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m megatron_bytescale.megatron.preflight --world-size N ENTRY...``: the check alone
     (the srun batch script runs it before srun starts the ranks)."""
     argv = list(sys.argv[1:] if argv is None else argv)
