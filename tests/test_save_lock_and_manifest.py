@@ -146,6 +146,13 @@ def test_load_falls_back_to_the_newest_iteration_that_verifies(tmp_path):
     ]
 
 
+def test_a_tracker_naming_a_missing_folder_is_skipped_saying_so(tmp_path):
+    _checkpoint(tmp_path / "iter_0000002")
+    (tmp_path / checkpoint_guard.TRACKER).write_text("4")
+    iteration, lines = checkpoint_guard.choose_iteration(tmp_path)
+    assert iteration == 2 and lines[0] == f"bytescale: skipped checkpoint iter_0000004 in {tmp_path}: no manifest (the save did not finish)"
+
+
 def test_no_verifying_iteration_is_one_line(tmp_path):
     _checkpoint(tmp_path / "iter_0000002")
     (tmp_path / checkpoint_guard.TRACKER).write_text("2")

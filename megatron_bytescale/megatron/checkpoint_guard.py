@@ -145,7 +145,8 @@ def choose_iteration(folder: str | Path) -> tuple[int | None, list[str]]:
     newest = tracker_iteration(folder)
     if newest is None:
         return None, []
-    candidates = [i for i in saved_iterations(folder) if i <= newest]
+    # the tracker's iteration first, also when its folder is gone (then: "no manifest")
+    candidates = sorted({newest, *(i for i in saved_iterations(folder) if i <= newest)}, reverse=True)
     if not any((iteration_dir(folder, i) / manifest.MANIFEST).exists() for i in saved_iterations(folder)):
         return None, [f"bytescale: {folder} has no checkpoint manifests (saved without them): iteration {newest} "
                       "is loaded unverified"]
