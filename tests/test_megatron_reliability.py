@@ -23,6 +23,9 @@ from megatron_bytescale import checkpoint_manifest as manifest
 from megatron_bytescale.megatron import checkpoint_guard
 from megatron_bytescale.process_lifetime import _alive
 
+from lifetime_support import wait_for
+from test_pretrain_gpt_cpu import _environment as pretrain_environment
+
 ROOT = Path(__file__).resolve().parent.parent
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
 pytestmark = pytest.mark.skipif(
@@ -33,15 +36,9 @@ ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 
 
 def _environment(**variables) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(
-        MEGATRON_LM_DIR=MEGATRON_LM_DIR, MODEL="tiny", PRECISION="fp32", TRANSFORMER_IMPL="local", SEQ_LENGTH="256",
-        HDP_TOKEN_CAPACITY="256", HDP_PLAN_AHEAD="0", LR_WARMUP_ITERS="0", LOG_INTERVAL="1", LR="1e-3",
-        PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", NPROC="2", GLOBAL_BATCH_SIZE="4",
-        PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-    )
-    env.update({k: str(v) for k, v in variables.items()})
-    return env
+    """test_pretrain_gpt_cpu's settings (tiny model, fp32, local implementation) on 2 ranks."""
+    return pretrain_environment(Path(MEGATRON_LM_DIR), NPROC=2, GLOBAL_BATCH_SIZE=4, PYTHON=sys.executable,
+                                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **variables)
 
 
 def _start(*flags, **variables) -> subprocess.Popen:
@@ -57,16 +54,6 @@ def _children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         out += [int(p) for p in (task / "children").read_text().split()]
     return out
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def _newest_files_mtime(folder: Path) -> float:
@@ -89,7 +76,7 @@ def killed_run(data, tmp_path_factory):
     save = tmp_path_factory.mktemp("ckpt")
     run = _start(DATA_PATH=data, TRAIN_ITERS=10000, SAVE_DIR=save, SAVE_INTERVAL=1)
     try:
-        _wait_for(lambda: len([i for i in checkpoint_guard.saved_iterations(save)
+        wait_for(lambda: len([i for i in checkpoint_guard.saved_iterations(save)
                                if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()]) >= 2
                   or run.poll() is not None, 600, "two checkpoints with manifests")
         assert run.poll() is None, run.stdout.read()[-3000:]
@@ -104,7 +91,7 @@ def killed_run(data, tmp_path_factory):
         killed_at = time.time()
         run.wait(timeout=30)
         t0 = time.monotonic()
-        _wait_for(lambda: not any(_alive(p) for p in ranks), 15, f"ranks {ranks} to end after the launcher's SIGKILL")
+        wait_for(lambda: not any(_alive(p) for p in ranks), 15, f"ranks {ranks} to end after the launcher's SIGKILL")
         ranks_gone_s = time.monotonic() - t0
         time.sleep(3)  # a rank still saving would write within this
         return dict(save=save, killed_at=killed_at, second=second, second_s=second_s, ranks=ranks,
