@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .checkpoint_manifest import write_atomically
+from .errors import ConfigError
 
 MAGIC = b"BYTESCALE-CHECKPOINT 1"
 NAME = re.compile(r"^step_(\d+)\.pt$")
@@ -39,27 +41,18 @@ def save(path: str | Path, state: Any) -> Path:
     import torch
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     torch.save(state, buf)
     body = buf.getvalue()
     header = MAGIC + f" sha256={hashlib.sha256(body).hexdigest()} bytes={len(body)}\n".encode()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, header, body)
+    except OSError as exc:  # a full disk, a read-only folder: the previous checkpoint is untouched
+        raise ConfigError(
+            f"cannot write checkpoint {path} ({exc.strerror or exc}); the previous checkpoint is intact: "
+            "free space or make the folder writable, then run again to resume"
+        ) from None
     return path
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import BytescaleError
-from .units import format_size, parse_size
+from .units import format_size, parse_size, seed
 
 STRATEGY_NAMES = {"hdp": "HDP (balanced)", "static": "static DP x CP"}
 CPU_PROFILE = Path(__file__).resolve().parent / "configs" / "profiles" / "tiny-cpu.json"
@@ -373,7 +373,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", default=str(d.capacity), help=f"tokens per micro-batch per rank (default {d.capacity})")
     parser.add_argument("--context", default=str(d.context), help=f"longest sequence; longer documents are cut (default {d.context})")
     parser.add_argument("--step-tokens", default=str(d.step_tokens), help=f"tokens per global batch (default {d.step_tokens})")
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--seed", type=seed, default=d.seed)
     parser.add_argument("--lr", type=float, default=d.lr)
     parser.add_argument("--profile", default=d.profile, help="the HDP planner's cost-model profile (default: measured tiny-on-CPU)")
     parser.add_argument("--data", help="Megatron indexed dataset prefix (default: built from megatron-core's source files)")

@@ -1,5 +1,6 @@
 """Token and byte counts written the way people write them: 8K, 2M, 32M (binary: K = 1024)."""
 
+import argparse
 import math
 
 from .errors import BytescaleError, excerpt
@@ -41,3 +42,17 @@ def format_size(n: float) -> str:
             q = n / unit
             return f"{q:.0f}{suffix}" if q == int(q) else f"{q:.1f}{suffix}"
     return f"{n:.0f}"
+
+
+MAX_SEED = 2**32 - 1  # numpy's legacy seeding and most generators take 32 bits
+
+
+def seed(text: str) -> int:
+    """argparse type: a random seed, a whole number in [0, 2**32 - 1] (numpy refuses negative seeds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {excerpt(text)}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"a seed is a whole number from 0 to {MAX_SEED}, got {value}")
+    return value

@@ -51,8 +51,15 @@ hdp_args() {
     # (not on a dry run: the data may live only where the job runs)
     [[ ${DRY_RUN:-0} == 1 || (-f $DATA_PATH.bin && -f $DATA_PATH.idx) ]] ||
         die "DATA_PATH=$DATA_PATH: $DATA_PATH.bin and .idx not found; build them with: bytescale prepare-data --output $DATA_PATH ..."
-    [[ ${HDP_TOKEN_CAPACITY:-8K} =~ ^[0-9]+(\.[0-9]+)?[KkMm]?$ ]] ||
-        die "HDP_TOKEN_CAPACITY=$HDP_TOKEN_CAPACITY: write tokens per rank and micro-batch with an optional K/M suffix, e.g. 8K"
+    [[ ${HDP_TOKEN_CAPACITY:-8K} =~ ^[0-9]+(\.[0-9]+)?[KkMm]?$ && ${HDP_TOKEN_CAPACITY:-8K} =~ [1-9] ]] ||
+        die "HDP_TOKEN_CAPACITY=$HDP_TOKEN_CAPACITY: write tokens per rank and micro-batch (more than 0) with an optional K/M suffix, e.g. 8K"
+    [[ ${HDP_PLAN_AHEAD:-2} =~ ^[0-9]+$ ]] ||
+        die "HDP_PLAN_AHEAD=$HDP_PLAN_AHEAD: give how many steps to plan ahead, a whole number >= 0 (e.g. 2)"
+    local iters=${TRAIN_ITERS:-1000} warmup=${LR_WARMUP_ITERS:-100}
+    [[ $iters =~ ^[1-9][0-9]*$ ]] || die "TRAIN_ITERS=$iters: give the number of training iterations, a positive integer"
+    [[ $warmup =~ ^[0-9]+$ ]] || die "LR_WARMUP_ITERS=$warmup: give a whole number of warm-up iterations"
+    ((warmup < iters)) ||
+        die "LR_WARMUP_ITERS=$warmup is not below TRAIN_ITERS=$iters: the learning rate would never decay; lower LR_WARMUP_ITERS (e.g. $((iters / 10))) or raise TRAIN_ITERS"
     [[ ${HDP_SELECTIVE_OFFLOAD:-0} == [01] ]] || die "HDP_SELECTIVE_OFFLOAD must be 0 or 1, got '$HDP_SELECTIVE_OFFLOAD'"
     [[ -z ${HDP_PROFILE:-} || -f $HDP_PROFILE ]] ||
         die "HDP_PROFILE=$HDP_PROFILE: no such file; measure one with bytescale profile, or unset it for the analytic model"
@@ -140,12 +147,21 @@ hdp_args() {
     export CUDA_DEVICE_MAX_CONNECTIONS=1
 }
 
-# run_or_print CMD...: run it, or print it (one shell-quoted line) when DRY_RUN=1.
+# run_or_print CMD...: run it in place of this shell (a signal to the script reaches the launcher
+# itself, and the ranks die with it), or print it (one shell-quoted line) when DRY_RUN=1.
 run_or_print() {
     if [[ ${DRY_RUN:-0} == 1 ]]; then
         printf '%q ' "$@"
         printf '\n'
     else
-        "$@"
+        exec "$@"
     fi
+}
+
+# preflight WORLD_SIZE: the launcher's checks of TRAIN_ARGS (validate_hdp_args, LR schedule,
+# dataset, --save lock) before srun starts any rank; one line and exit 2 on bad input. Not on a
+# dry run (the data may live only where the job runs).
+preflight() {
+    [[ ${DRY_RUN:-0} == 1 ]] && return 0
+    "${PYTHON:-python}" -m megatron_bytescale.megatron.preflight --world-size "$1" "${ENTRY[@]}" "${TRAIN_ARGS[@]}" || exit 2
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One node: torchrun starts NPROC ranks of Megatron-LM's pretrain_gpt.py with HDP flags.
+# One node: torchrun (megatron_bytescale.torchrun) starts NPROC ranks of Megatron-LM's pretrain_gpt.py with HDP flags.
 #
 #   MEGATRON_LM_DIR=~/Megatron-LM DATA_PATH=data/corpus MODEL=llama-7b NPROC=8 \
 #       scripts/train_local.sh [extra Megatron/HDP flags]
@@ -22,5 +22,6 @@ if [[ -n ${NNODES:-} ]]; then  # elastic: this node's agent joins a c10d rendezv
     elastic_args "$nproc"
     run_or_print torchrun "${ELASTIC_ARGS[@]}" --nproc-per-node "$nproc" "${ENTRY[@]}" "${TRAIN_ARGS[@]}"
 else
-    run_or_print torchrun --standalone --nproc-per-node "$nproc" "${ENTRY[@]}" "${TRAIN_ARGS[@]}"
+    # torchrun, with the launch checks before any rank starts and one-line rank errors (torchrun.py)
+    run_or_print "${PYTHON:-python}" -m megatron_bytescale.torchrun --standalone --nproc-per-node "$nproc" "${ENTRY[@]}" "${TRAIN_ARGS[@]}"
 fi

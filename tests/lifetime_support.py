@@ -11,6 +11,17 @@ from pathlib import Path
 import torch.distributed as dist
 
 
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll ``predicate`` until it returns something true (returned), or fail naming ``what``."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
 def sleeper(rank, world, pid_dir):
     """Report this rank's PID, then wait far longer than any test."""
     (Path(pid_dir) / f"rank{rank}").write_text(str(os.getpid()))

@@ -73,6 +73,43 @@ print(json.dumps({"missing": sorted(set(MEGATRON_ARGS_READ) - dests),
     assert out == {"missing": [], "clash": []}
 
 
+def test_the_launchers_parser_matches_megatrons():
+    """megatron/preflight.py reads some Megatron flags without Megatron: each with Megatron's type,
+    number of values and default; and on a real command line both parsers give the same values."""
+    out = run(
+        """
+from megatron_bytescale.megatron import preflight
+parser = argparse.ArgumentParser(allow_abbrev=False)
+add_megatron_arguments(parser)
+by_flag = {o: a for a in parser._actions for o in a.option_strings}
+kinds = {int: "int", float: "float", str: "str", None: "str"}
+wrong = []
+for flag, kind, default in preflight.MEGATRON_FLAGS:
+    a = by_flag.get(flag)
+    if a is None:
+        wrong.append([flag, "not a Megatron flag"]); continue
+    if isinstance(a, argparse._StoreTrueAction):
+        theirs = "true"
+    elif a.nargs in ("*", "+"):
+        theirs = "list"
+    elif a.nargs == 3:
+        theirs = "ints3"
+    else:
+        theirs = kinds.get(a.type, repr(a.type))
+    if theirs != kind or a.default != default:
+        wrong.append([flag, theirs, a.default, kind, default])
+argv = read_args_file("configs/models/tiny.args") + ["--seq-length", "4096", "--micro-batch-size", "1", "--lr", "1e-4",
+    "--data-path", "a", "--spec", "m", "n", "--rampup-batch-size", "1", "2", "3", "--lr-warmup-iters", "5",
+    "--train-iters", "9", "--save", "s", "--hybrid-data-parallel", "--hdp-token-capacity", "8K"]
+theirs = vars(megatron_parser().parse_args(argv))
+ours = vars(preflight.parse(argv))
+differ = sorted(k for k in ours if theirs.get(k, "absent") != ours[k])
+print(json.dumps({"wrong": wrong, "differ": differ}))
+"""
+    )
+    assert out == {"wrong": [], "differ": []}
+
+
 def test_valid_command_line_after_megatron_validation():
     out = run(
         """

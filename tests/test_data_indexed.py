@@ -212,7 +212,23 @@ def test_prepare_data_from_site_packages_subset(tmp_path, capsys):
     assert cli.main(["prepare-data", "--site-packages", "--packages", "iniconfig", "--output", str(out), "--quiet"]) == 0
     ds = DocumentDataset(out)
     assert len(ds) == 1 and ds.document_names[0].startswith("iniconfig==")
-    assert "NullTokenizer --vocab-size 256" in capsys.readouterr().out
+    assert "NullTokenizer --vocab-size 512" in capsys.readouterr().out
+
+
+def test_prepare_data_hint_can_be_pasted(tmp_path, capsys):
+    """The printed next step names the vocabulary the dataset needs and a prefix a shell reads back."""
+    import shlex
+
+    lines = tmp_path / "in.txt"
+    lines.write_text("one\ntwo two\n")
+    prefix = tmp_path / "my data" / "corpus"
+    prefix.parent.mkdir()
+    assert cli.main(["prepare-data", "--text-lines", str(lines), "--output", str(prefix), "--quiet"]) == 0
+    hint = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train with Megatron: ")][0]
+    words = shlex.split(hint.split(": ", 1)[1])
+    path, vocab = words[words.index("--data-path") + 1], int(words[words.index("--vocab-size") + 1])
+    assert path == str(prefix)
+    assert len(DocumentDataset(path, vocab_size=vocab)) == 2  # the loader accepts that vocabulary
 
 
 def test_prepare_data_errors_are_reported_without_traceback(tmp_path, capsys):

@@ -3,7 +3,9 @@ module): same samples as the local loader, server faults repaired by Ray with no
 exact resume, and clear errors instead of hangs."""
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -160,3 +162,55 @@ def test_ranks_in_separate_processes_share_one_named_loader(ray_session, corpus)
             reference.advance()
     finally:
         owner.close()
+
+
+def test_a_head_that_refuses_our_token_is_named_as_such_in_seconds(tmp_path):
+    """A real Ray head started with token authentication: a process with another token (or none)
+    is told the head refuses its token, not that the port may be wrong; the right token passes."""
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = "0123456789abcdef" * 2
+    temp = tempfile.mkdtemp(prefix="/tmp/rt")  # Ray's socket paths must stay short
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    head = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(port), "--num-cpus", "1",
+         "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    probe = ("import time; t = time.monotonic()\n"
+             "from megatron_bytescale.data.ray_loader import init_ray\n"
+             "from megatron_bytescale.errors import ConfigError\n"
+             "try:\n    init_ray(ADDRESS)\nexcept ConfigError as exc:\n    print('refused:', exc)\n"
+             "print(f'{time.monotonic() - t:.1f} s')\n").replace("ADDRESS", repr(f"127.0.0.1:{port}"))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        time.sleep(3)  # the GCS listens before it serves
+        for name, variables in (("wrong token", dict(RAY_AUTH_TOKEN="f" * 32, RAY_AUTH_MODE="token")), ("no token", {})):
+            clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+            proc = subprocess.run([sys.executable, "-c", probe], env=dict(clean, **variables), capture_output=True,
+                                  text=True, timeout=120)
+            print(name, proc.stdout.strip().splitlines()[-1])
+            assert proc.stdout.startswith(f"refused: --address 127.0.0.1:{port}: the Ray head refuses this process's "
+                                          "authentication token"), (name, proc.stdout, proc.stderr[-2000:])
+            assert "InvalidAuthToken" not in proc.stderr and "GCS port" not in proc.stdout
+        right = subprocess.run([sys.executable, "-c", f"from megatron_bytescale.data.ray_loader import check_token; "
+                                f"check_token('127.0.0.1:{port}'); print('passed')"],
+                               env=env, capture_output=True, text=True, timeout=120)
+        assert right.stdout.strip() == "passed", right.stderr[-2000:]
+    finally:
+        os.killpg(head.pid, 15)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, 9)

@@ -27,6 +27,7 @@ LAYER_OF = {
     "triton_stand_ins": "base",  # megatron-core's triton kernel modules stood in for (stdlib only)
     "megatron_era": "base",  # which megatron-core API is imported (stdlib only)
     "folder_lock": "base",  # one run per output folder (stdlib only)
+    "checkpoint_manifest": "base",  # sizes and SHA-256 of a checkpoint folder (stdlib only)
     "checkpoint_io": "runtime",  # atomic, checksummed torch.save files
     "planner": "planner",
     "runtime": "runtime",
@@ -39,6 +40,7 @@ LAYER_OF = {
     "demo": "top",
     "verify": "top",
     "launch": "top",
+    "torchrun": "top",  # torchrun with the launch checks and one-line rank errors
     "": "top",  # the package's own __init__ (only it: a new module must be given a layer here)
 }
 

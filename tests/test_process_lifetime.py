@@ -23,18 +23,9 @@ from megatron_bytescale.local_world import (
 from megatron_bytescale.process_lifetime import _alive
 
 import lifetime_support
+from lifetime_support import wait_for
 
 HERE = Path(__file__).resolve().parent
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def _launch_sleepers(tmp_path):
@@ -51,7 +42,7 @@ def _launch_sleepers(tmp_path):
         return None
 
     try:
-        return proc, _wait_for(pids, 90, "both ranks to start")
+        return proc, wait_for(pids, 90, "both ranks to start")
     except AssertionError:
         proc.kill()
         raise
@@ -63,7 +54,7 @@ def test_ranks_die_with_their_launcher(tmp_path, sig):
     assert all(_alive(p) for p in pids)
     proc.send_signal(sig)
     proc.wait(timeout=30)
-    _wait_for(lambda: not any(_alive(p) for p in pids), 15, f"ranks {pids} to end after {sig.name}")
+    wait_for(lambda: not any(_alive(p) for p in pids), 15, f"ranks {pids} to end after {sig.name}")
     if sig == signal.SIGTERM:
         assert proc.returncode == 143
     left = sorted((tmp_path / "tmp").glob(f"{RESULT_DIR_PREFIX}{proc.pid}-*"))

@@ -78,7 +78,13 @@ def env(tmp_path):
     record = 'import json, os, sys; print(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in ' \
              '("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")}}))'
     _tool(bin_dir, "torchrun", f"exec {sys.executable} -c '{record}' torchrun \"$@\"\n")
-    _tool(bin_dir, "python", f"exec {sys.executable} -c '{record}' python \"$@\"\n")
+    # python: `-m megatron_bytescale.torchrun ...` is recorded as torchrun (what it runs in-process);
+    # the launch check (`-m megatron_bytescale.megatron.preflight`) leaves its argv in preflight.json
+    _tool(bin_dir, "python", f'if [[ $1 == -m && $2 == megatron_bytescale.torchrun ]]; then shift 2; '
+          f"exec {sys.executable} -c '{record}' torchrun \"$@\"; fi\n"
+          f'if [[ $1 == -m && $2 == megatron_bytescale.megatron.preflight ]]; then shift 2; '
+          f"exec {sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\" >{tmp_path}/preflight.json; fi\n"
+          f"exec {sys.executable} -c '{record}' python \"$@\"\n")
     variables = dict(
         os.environ,
         PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
@@ -152,6 +158,9 @@ def test_a_patched_checkout_runs_pretrain_gpt_itself(env):
         (dict(DATA_PATH="/data/corpus.bin"), "without .bin/.idx (DATA_PATH=/data/corpus)"),
         (dict(NPROC="0"), "NPROC=0: give the number of ranks"),
         (dict(HDP_TOKEN_CAPACITY="8Q"), "HDP_TOKEN_CAPACITY=8Q: write tokens"),
+        (dict(HDP_TOKEN_CAPACITY="0"), "HDP_TOKEN_CAPACITY=0: write tokens per rank and micro-batch (more than 0)"),
+        (dict(HDP_PLAN_AHEAD="-1"), "HDP_PLAN_AHEAD=-1: give how many steps to plan ahead"),
+        (dict(TRAIN_ITERS="100", LR_WARMUP_ITERS="100"), "LR_WARMUP_ITERS=100 is not below TRAIN_ITERS=100"),
         (dict(HDP_SELECTIVE_OFFLOAD="yes"), "HDP_SELECTIVE_OFFLOAD must be 0 or 1, got 'yes'"),
         (dict(HDP_PROFILE="/missing.json"), "HDP_PROFILE=/missing.json: no such file"),
     ],
@@ -190,7 +199,7 @@ def test_dry_run_prints_one_shell_line(env):
     variables, mlm = env
     out = run_script("scripts/train_local.sh", dict(variables, DRY_RUN="1", NPROC="2")).stdout.strip()
     argv = shlex.split(out)
-    assert argv[0] == "torchrun" and str(mlm / "pretrain_gpt.py") in argv
+    assert argv[:3] == ["python", "-m", "megatron_bytescale.torchrun"] and str(mlm / "pretrain_gpt.py") in argv
 
 
 def test_srun_sbatch_starts_every_rank_with_its_environment(env):
@@ -205,6 +214,9 @@ def test_srun_sbatch_starts_every_rank_with_its_environment(env):
     argv = out["argv"]
     assert argv[:4] == ["python", "-m", "megatron_bytescale.launch", str(mlm / "pretrain_gpt.py")]
     assert after(argv, "--global-batch-size")[0] == "16"  # 2 nodes x 8 ranks, TP 1
+    # the launch check ran first, on the whole world and the same command line
+    checked = json.loads((Path(variables["DATA_PATH"]).parent.parent / "preflight.json").read_text())
+    assert checked[:2] == ["--world-size", "16"] and checked[2:] == argv[1:]
 
 
 def test_torchrun_sbatch_starts_one_torchrun_per_node(env):
@@ -265,8 +277,8 @@ def test_smoke_dry_run_prints_the_patched_and_the_launcher_run(env):
     variables, mlm = env
     lines = run_script("scripts/gpu/smoke_pretrain_gpt.sh", dict(variables, DRY_RUN="1")).stdout.strip().splitlines()
     patched, launcher = (shlex.split(line) for line in lines)
-    assert patched[:4] == ["torchrun", "--standalone", "--nproc-per-node", "1"]
-    assert patched[4] == str(mlm / "pretrain_gpt.py") and launcher[4:7] == ["-m", "megatron_bytescale.launch", str(mlm / "pretrain_gpt.py")]
+    assert patched[:6] == ["python", "-m", "megatron_bytescale.torchrun", "--standalone", "--nproc-per-node", "1"]
+    assert patched[6] == str(mlm / "pretrain_gpt.py") and launcher[6:9] == ["-m", "megatron_bytescale.launch", str(mlm / "pretrain_gpt.py")]
     assert after(patched, "--train-iters")[0] == "4" and after(launcher, "--train-iters")[0] == "6"
     assert "--load" not in patched and after(launcher, "--load")[0] == after(patched, "--save")[0]
     assert after(patched, "--transformer-impl")[0] == "local"

@@ -1,11 +1,13 @@
 """``bytescale prepare-data``: write a Megatron indexed dataset (PREFIX.bin/.idx) from
 source trees or text files, byte-level tokenized, one document per package / repository /
 JSON line / file / line. The result feeds both our loaders and Megatron's ``pretrain_gpt.py``
-(``--data-path PREFIX --tokenizer-type NullTokenizer --vocab-size 256``; see tokenizer.py)."""
+(``--data-path PREFIX --tokenizer-type NullTokenizer --vocab-size 512``, the vocabulary it was
+written for; see tokenizer.py)."""
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 
 import numpy as np
@@ -101,5 +103,8 @@ def main(args) -> int:
         )
     if summary["skipped_empty_documents"]:
         print(f"skipped {summary['skipped_empty_documents']:,} documents without text")
-    print(f"train with Megatron: pretrain_gpt.py --data-path {summary['prefix']} --tokenizer-type NullTokenizer --vocab-size 256")
+    # the vocabulary the dataset was written for (the loader refuses a smaller --vocab-size), and
+    # the prefix quoted so the line can be pasted into a shell
+    print(f"train with Megatron: pretrain_gpt.py --data-path {shlex.quote(str(summary['prefix']))} "
+          f"--tokenizer-type NullTokenizer --vocab-size {args.vocab_size}")
     return 0

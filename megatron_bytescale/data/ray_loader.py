@@ -26,8 +26,10 @@ close it there; ranks call ``close(kill_actors=False)``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -110,6 +112,45 @@ def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S, answer_t
         )
 
 
+def token_refused(address: str) -> str:
+    return (f"--address {address}: the Ray head refuses this process's authentication token (the cluster runs with "
+            "RAY_AUTH_MODE=token): set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the "
+            "head's token, the one `ray start --head` was given")
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def check_token(address: str) -> None:
+    """Fail fast when the head at ``address`` refuses this process's token (a cluster started with
+    RAY_AUTH_MODE=token): ``ray.init`` would log InvalidAuthToken warnings for ~20 s and then report a
+    connection failure. Ray's own GCS client sends what ``ray.init`` would send and is refused in a
+    second; any other failure is left to ``ray.init``."""
+    if address == "auto" or "://" in address:
+        return
+    try:
+        from ray._raylet import GcsClient
+    except ImportError:  # a Ray without this client: ray.init reports it
+        return
+    try:
+        with _stderr_silenced():  # Ray's C++ client logs the refusal too (a glog line on fd 2)
+            GcsClient(address=address)
+    except ray.exceptions.AuthenticationError:
+        raise ConfigError(token_refused(address)) from None
+    except Exception:  # noqa: BLE001 - not a token problem: ray.init names it
+        return
+
+
 def init_ray(address: str | None = None, num_cpus: int = 2, object_store_memory: int | None = 256 << 20) -> None:
     """Attach to the cluster at ``address``, or start a small local Ray instance (no
     dashboard); a no-op when Ray is already initialised. Local workers get this project on
@@ -118,8 +159,11 @@ def init_ray(address: str | None = None, num_cpus: int = 2, object_store_memory:
         return
     if address:
         check_reachable(address)
+        check_token(address)
         try:
             ray.init(address=address, logging_level=logging.WARNING)
+        except ray.exceptions.AuthenticationError:
+            raise ConfigError(token_refused(address)) from None
         except ConnectionError as exc:  # something listens there, but it is not a Ray head
             raise ConfigError(f"--address {address}: {exc}; is it the Ray head's GCS port (default 6379)?") from None
         return

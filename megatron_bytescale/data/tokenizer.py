@@ -13,7 +13,8 @@ the bytes (``numpy.frombuffer``); ``ByteLevelTokenizer.text_to_ids`` builds a Py
 byte, far too slow for multi-megabyte repositories (a test checks both give the same ids).
 
 Training on these datasets with Megatron's ``pretrain_gpt.py``:
-``--tokenizer-type NullTokenizer --vocab-size 256`` (its EOD id is then 256, the same as ours).
+``--tokenizer-type NullTokenizer --vocab-size 512`` (the dataset's vocabulary: the HDP loader refuses a
+smaller one; our loader appends EOD 256 itself).
 """
 
 from __future__ import annotations

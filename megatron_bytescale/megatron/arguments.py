@@ -625,6 +625,51 @@ def _check_capacity(args) -> None:
             raise ConfigError(f"--seq-length {format_size(args.seq_length)} does not fit even with full offload: {exc}") from None
 
 
+def check_launch(args) -> None:
+    """What Megatron's validate_args asserts about the world size, as a one-line error."""
+    world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
+    tp, pp = getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1)
+    if world < tp * pp:  # e.g. an elastic restart on fewer nodes than one model replica spans
+        raise ConfigError(
+            f"world size {world} is smaller than one model replica: --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp} ranks; start at least {tp * pp} ranks (a multiple of "
+            f"{tp * pp}) or lower TP/PP"
+        )
+    if world % (tp * pp):
+        raise ConfigError(
+            f"world size {world} does not divide by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}: start a multiple of {tp * pp} ranks or change the sizes"
+        )
+
+
+def check_data_exists(args) -> None:
+    """Every dataset prefix the HDP loader will open exists (PREFIX.bin and PREFIX.idx)."""
+    train = getattr(args, "train_data_path", None) or getattr(args, "data_path", None)
+    for flag, paths in (("--data-path", train), ("--valid-data-path", getattr(args, "valid_data_path", None))):
+        for prefix in paths or ():
+            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                raise ConfigError(
+                    f"{flag} {prefix}: {prefix}{missing[0]} not found; build the dataset with "
+                    f"`bytescale prepare-data --output {prefix} ...`"
+                )
+
+
+def check_schedule(args) -> None:
+    """Megatron's learning-rate scheduler asserts warm-up < decay steps (in every rank, a minute in,
+    optimizer_param_scheduler.py:157); the same rule as one line."""
+    train, warmup = getattr(args, "train_iters", None), getattr(args, "lr_warmup_iters", 0) or 0
+    if train is None or getattr(args, "lr_warmup_fraction", None) is not None or getattr(args, "lr_warmup_samples", 0):
+        return
+    decay = getattr(args, "lr_decay_iters", None) or train
+    if warmup >= decay:
+        flag = "--lr-decay-iters" if getattr(args, "lr_decay_iters", None) else "--train-iters"
+        raise ConfigError(
+            f"--lr-warmup-iters {warmup} is not below {flag} {decay}: the learning rate would never decay; "
+            f"lower --lr-warmup-iters (e.g. {max(0, decay // 10)}) or raise {flag}"
+        )
+
+
 # ------------------------------------------------------------------ flags -> planner inputs
 def model_spec_from_args(args) -> ModelSpec:
     """The model shape as Megatron resolved it (kv_channels and ffn_hidden_size filled in)."""

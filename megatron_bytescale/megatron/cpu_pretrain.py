@@ -1,6 +1,6 @@
 """Megatron-LM's own ``pretrain_gpt.py`` under HDP on this CPU machine (``bytescale demo --megatron-lm DIR``).
 
-It starts ``torchrun --standalone --nproc-per-node N -m megatron_bytescale.launch DIR/pretrain_gpt.py``
+It starts ``python -m megatron_bytescale.torchrun --standalone --nproc-per-node N -m megatron_bytescale.launch DIR/pretrain_gpt.py``
 with the tiny model's flags (``configs/models/tiny.args``), the HDP flags and what a CPU run needs
 (gloo comes from ``cpu_compat.install_training``; fp32, the local transformer implementation and
 no TE/Apex fusions from the flags below): the same command line ``scripts/train_local.sh`` builds
@@ -11,13 +11,13 @@ terminal.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from ..errors import ConfigError
 from ..planner.specs import MODEL_DIR, read_args_file
+from .rank_guard import DIE_WITH_PARENT
 
 # what the local transformer implementation without TE/Apex refuses, and the torch.compile'd
 # fusions (seconds of compiling on CPU for a model this small)
@@ -47,8 +47,9 @@ def pretrain_gpt_command(megatron_lm: str | Path, data: str, *, ranks: int, step
     ]
     if profile:
         flags += ["--hdp-profile", str(profile)]
-    torchrun = shutil.which("torchrun") or "torchrun"
-    return [torchrun, "--standalone", "--nproc-per-node", str(ranks), "-m", "megatron_bytescale.launch", str(script), *flags]
+    # torchrun with the launch checks and one-line rank errors (megatron_bytescale/torchrun.py)
+    return [sys.executable, "-m", "megatron_bytescale.torchrun", "--standalone", "--nproc-per-node", str(ranks),
+            "-m", "megatron_bytescale.launch", str(script), *flags]
 
 
 def run_pretrain_gpt(megatron_lm: str | Path, data: str, **sizes) -> int:
@@ -58,5 +59,6 @@ def run_pretrain_gpt(megatron_lm: str | Path, data: str, **sizes) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(megatron_lm).resolve()), str(root),
                                                                      os.environ.get("PYTHONPATH")])))
     env.setdefault("OMP_NUM_THREADS", "1")
+    env[DIE_WITH_PARENT] = "1"  # the launcher, and so its ranks, end with this process
     print("Megatron-LM pretrain_gpt.py on CPU/gloo:\n  " + " ".join(command), flush=True)
     return subprocess.run(command, env=env, stdout=sys.stdout, stderr=sys.stderr).returncode

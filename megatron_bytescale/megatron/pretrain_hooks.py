@@ -26,10 +26,11 @@ The HDP group is Megatron's data-parallel group with context parallel (DP x CP, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import queue
-import sys
 import threading
 from typing import Any, Callable, Iterator, Optional
 
@@ -40,11 +41,15 @@ from ..megatron_era import is_v019
 from .arguments import (
     add_hdp_arguments,
     chain_extra_args_providers,
+    check_data_exists,
     check_global_batch,
+    check_launch,
+    check_schedule,
     cost_model_from_args,
     planner_config_from_args,
     validate_hdp_args,
 )
+from . import checkpoint_guard, rank_guard
 from .step_timing import StepTimer
 
 # Megatron's ``--spec MODULE NAME`` reads ``vars(MODULE)[NAME]``: the HDP model provider puts
@@ -93,54 +98,34 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
 
     @functools.wraps(validate_args)
     def validate(args, defaults={}):  # noqa: B006 (Megatron's signature)
+        hdp = getattr(args, "hybrid_data_parallel", False)
         try:
-            if getattr(args, "hybrid_data_parallel", False):
+            if hdp:
                 check_launch(args)  # before Megatron's asserts would fire with a traceback
-            result = validate_args(args, defaults)
+                check_schedule(args)  # Megatron's scheduler asserts it a minute later, in every rank
+            # Megatron prints its ~200-line argument dump at the end of validate_args: held back
+            # until the HDP checks pass, so a refusal is not buried under it
+            dump = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(dump) if hdp else contextlib.nullcontext():
+                    result = validate_args(args, defaults)
+            except BaseException:
+                print(dump.getvalue(), end="", flush=True)
+                raise
             validate_hdp_args(args)
-            if getattr(args, "hybrid_data_parallel", False):
+            if hdp:
                 check_global_batch(args)
                 check_data_exists(args)
+                checkpoint_guard.hold_save_lock(args)
+            print(dump.getvalue(), end="", flush=True)
         except ConfigError as exc:
-            # a wrong launch stops here, before any worker trains, with one line (every rank
-            # would print it: rank 0 does)
-            if getattr(args, "rank", 0) == 0:
-                print(f"error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            # a wrong launch stops here, before any worker trains, with one line: from the
+            # launcher (megatron_bytescale.torchrun), else from rank 0
+            rank_guard.report(str(exc))
         return result
 
     validate._hdp_wrapped = True
     return validate
-
-
-def check_launch(args) -> None:
-    """What Megatron's validate_args asserts about the world size, as a one-line error."""
-    world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
-    tp, pp = getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1)
-    if world < tp * pp:  # e.g. an elastic restart on fewer nodes than one model replica spans
-        raise ConfigError(
-            f"world size {world} is smaller than one model replica: --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp} ranks; start at least {tp * pp} ranks (a multiple of "
-            f"{tp * pp}) or lower TP/PP"
-        )
-    if world % (tp * pp):
-        raise ConfigError(
-            f"world size {world} does not divide by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}: start a multiple of {tp * pp} ranks or change the sizes"
-        )
-
-
-def check_data_exists(args) -> None:
-    """Every dataset prefix the HDP loader will open exists (PREFIX.bin and PREFIX.idx)."""
-    train = getattr(args, "train_data_path", None) or getattr(args, "data_path", None)
-    for flag, paths in (("--data-path", train), ("--valid-data-path", getattr(args, "valid_data_path", None))):
-        for prefix in paths or ():
-            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-            if missing:
-                raise ConfigError(
-                    f"{flag} {prefix}: {prefix}{missing[0]} not found; build the dataset with "
-                    f"`bytescale prepare-data --output {prefix} ...`"
-                )
 
 
 # ------------------------------------------------------------------ forward/backward
@@ -211,6 +196,7 @@ def install_argument_validation() -> None:
     else:
         import megatron.training.initialize as module
 
+    rank_guard.die_with_launcher()  # the first hook every entry point installs
     module.validate_args = validate_args_then_hdp(module.validate_args)
 
 
@@ -262,8 +248,8 @@ def install_checkpoint_rng() -> None:
         return
 
     for module in (checkpointing, training):  # training.py:104-105 imports both by name
-        module.save_checkpoint = every_hdp_rank_rng(module.save_checkpoint)
-        module.load_checkpoint = every_hdp_rank_rng(module.load_checkpoint)
+        module.save_checkpoint = checkpoint_guard.manifested_save(every_hdp_rank_rng(module.save_checkpoint), _hdp_args)
+        module.load_checkpoint = checkpoint_guard.verified_load(every_hdp_rank_rng(module.load_checkpoint), _hdp_args)
 
 
 def check_megatron_version() -> None:

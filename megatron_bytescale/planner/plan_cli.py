@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 
 from ..errors import ConfigError
-from ..lengths_file import read_lengths_file
+from ..lengths_file import iter_lengths_file, read_lengths_file
 from ..units import format_size, parse_size
 from .cost_model import CostModel
 from .plan import MicroBatch, Plan
@@ -43,14 +45,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-memory-per-gpu", default=None, metavar="BYTES",
                    help="pinned host memory per GPU for offloaded activations, e.g. 64G "
                         "[the profile's or the hardware spec's host_memory_bytes]")
+    p.add_argument("--global-batch-tokens", default=None, metavar="TOKENS",
+                   help="plan the lengths, in order, as consecutive steps of at most TOKENS tokens (e.g. 32M), "
+                        "printing each step's summary as it is planned (no per-rank table; --json writes one plan "
+                        "per line); a lengths file is then read as it goes, one step in memory at a time. "
+                        "Default: all lengths are one step")
     p.add_argument("--json", help="write the plan JSON here")
     p.add_argument("--max-rows", type=int, default=64, help="ranks shown in the table [64]; 0 shows all")
 
 
 def parse_lengths(text: str) -> list[int]:
-    items = [t for t in text.split(",") if t.strip()]
-    if not items:
+    items = text.split(",")
+    if not text.strip():
         raise ConfigError("--lengths is empty: give comma-separated lengths, e.g. --lengths 1K,300K")
+    for position, item in enumerate(items, start=1):
+        if not item.strip():
+            raise ConfigError(
+                f"--lengths {text}: item {position} of {len(items)} is empty (two commas in a row, or one at an end); "
+                "give comma-separated lengths, e.g. --lengths 1K,300K"
+            )
     return [parse_size(t, f"sequence length {t.strip()!r} in --lengths") for t in items]
 
 
@@ -152,8 +165,6 @@ def main(args) -> int:
     check_vpp(args.vpp, args.pp, cost.num_layers)
     capacity = parse_size(args.capacity, "--capacity")
     context = parse_size(args.context, "--context")
-    lengths = parse_lengths(args.lengths) if args.lengths is not None else read_lengths_file(args.lengths_file)
-    lengths = apply_context(lengths, context, args.cut)
     config = PlannerConfig(
         num_ranks=num_ranks,
         capacity=capacity,
@@ -164,11 +175,92 @@ def main(args) -> int:
         pipeline_stages=args.pp,
         expert_parallel=args.ep,
         virtual_stages=args.vpp,
+        capacity_flag="--capacity",
     )
+    if args.global_batch_tokens is not None:
+        return plan_steps(args, config, cost, context, parse_size(args.global_batch_tokens, "--global-batch-tokens"))
+    if args.lengths is not None:
+        lengths = parse_lengths(args.lengths)
+    else:
+        lengths = read_with_progress(args.lengths_file)
+        if len(lengths) > LARGE_STEP:
+            print(f"planning {len(lengths):,} sequences as one step (--global-batch-tokens plans them step by step)",
+                  file=sys.stderr, flush=True)
+    lengths = apply_context(lengths, context, args.cut)
     plan = plan_step(lengths, config, cost).validate()
     print(format_table(plan, args.max_rows))
     print(format_summary(plan))
     if args.json:
         plan.to_json(args.json)
         print(f"plan written to {args.json}")
+    return 0
+
+
+LARGE_STEP = 100_000  # sequences: planning one step this large takes a minute or more
+
+
+def _progress_bar(path):
+    """A tqdm bar over the file's bytes on stderr (shown for files that take a while to read)."""
+    from tqdm import tqdm
+
+    return tqdm(total=Path(path).stat().st_size, unit="B", unit_scale=True, desc=f"reading {path}",
+                file=sys.stderr, mininterval=1.0, delay=2.0, leave=False)
+
+
+def read_with_progress(path) -> list[int]:
+    if not Path(path).is_file():
+        return read_lengths_file(path)  # its one-line error
+    with _progress_bar(path) as bar:
+        return list(iter_lengths_file(path, bar.update))
+
+
+def step_lengths(lengths: Iterator[int], budget: int, context: int, cut: bool) -> Iterator[list[int]]:
+    """Consecutive steps of at most ``budget`` tokens from ``lengths`` (in order, each cut or
+    refused at ``context`` first)."""
+    step: list[int] = []
+    tokens = 0
+    for index, length in enumerate(lengths):
+        if length > context:
+            if not cut:
+                apply_context([length], context, cut)  # the one-line refusal
+            length = context
+        if step and tokens + length > budget:
+            yield step
+            step, tokens = [], 0
+        step.append(length)
+        tokens += length
+    if step:
+        yield step
+
+
+def plan_steps(args, config: PlannerConfig, cost: CostModel, context: int, budget: int) -> int:
+    """Plan and print step after step; only the current step's plan is kept."""
+    if budget < context and not args.cut:
+        raise ConfigError(
+            f"--global-batch-tokens {format_size(budget)} is smaller than --context {format_size(context)}: a context-long "
+            "sequence could never be in a step; raise --global-batch-tokens or lower --context"
+        )
+    context = min(context, budget)
+    source = iter(parse_lengths(args.lengths)) if args.lengths is not None else None
+    bar = None if source is not None else _progress_bar(args.lengths_file)
+    if source is None:
+        source = iter_lengths_file(args.lengths_file, bar.update)
+    out = open(args.json, "w") if args.json else None
+    try:
+        steps = 0
+        for steps, lengths in enumerate(step_lengths(source, budget, context, args.cut), start=1):
+            plan = plan_step(lengths, config, cost).validate()
+            if out is not None:
+                out.write(plan.to_json() + "\n")
+            summary = format_summary(plan).replace("\n", "\n  ")
+            if bar is not None:
+                bar.write(f"step {steps}: {summary}", file=sys.stdout)
+            else:
+                print(f"step {steps}: {summary}", flush=True)
+    finally:
+        if bar is not None:
+            bar.close()
+        if out is not None:
+            out.close()
+    print(f"{steps} steps planned" + (f"; plans written to {args.json}, one JSON object per line" if args.json else ""))
     return 0

@@ -41,15 +41,16 @@ class Shard:
 
 
 def memory_floor(
-    seq_len: int, capacity: int, cost: CostModel, offload: bool, num_ranks: int, host: int | None = None
+    seq_len: int, capacity: int, cost: CostModel, offload: bool, num_ranks: int, host: int | None = None,
+    capacity_flag: str = "--hdp-token-capacity",
 ) -> OffloadDecision:
     """D_mem(s) and its ratio (``host``: the host budget in token-equivalents, None: none);
-    an error when even that needs more ranks than there are."""
+    an error when even that needs more ranks than there are (naming the caller's capacity flag)."""
     d = decide(seq_len, capacity, cost, offload, host)
     if d.ranks > num_ranks:
-        fixes = "raise --hdp-token-capacity, " + ("" if offload else "enable offload, ") + "or add GPUs"
+        fixes = f"raise {capacity_flag}, " + ("" if offload else "enable offload, ") + "or add GPUs"
         if offload and host is not None:
-            fixes = "raise --hdp-token-capacity or the host memory per GPU, or add GPUs"
+            fixes = f"raise {capacity_flag} or the host memory per GPU, or add GPUs"
         raise ConfigError(
             f"capacity too small: sequence of {seq_len} tokens needs {d.ranks} ranks at capacity {capacity}"
             f"{' with offloading' if offload else ''}, only {num_ranks} ranks; {fixes}"
@@ -142,8 +143,10 @@ class RingSizer:
         ranks_per_node: int,
         pipeline_stages: int = 1,
         host: int | None = None,
+        capacity_flag: str = "--hdp-token-capacity",
     ):
         self.capacity = capacity
+        self.capacity_flag = capacity_flag  # how the command that called us spells the capacity
         self.host = host  # host budget per micro-batch in token-equivalents (None: unbounded)
         # a rank that runs a share alone fills and drains its pipeline with it: p times the
         # share's stage time is what the step target is compared with
@@ -161,7 +164,9 @@ class RingSizer:
     def floor(self, seq_len: int) -> OffloadDecision:
         d = self._floors.get(seq_len)
         if d is None:  # asked per length several times a step (range, sizing): decided once
-            d = self._floors[seq_len] = memory_floor(seq_len, self.capacity, self.cost, self.offload, self.num_ranks, self.host)
+            d = self._floors[seq_len] = memory_floor(
+                seq_len, self.capacity, self.cost, self.offload, self.num_ranks, self.host, self.capacity_flag
+            )
         return d
 
     def _size_range(self, seq_len: int) -> tuple[int, int]:

@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from ..planner.cost_model import CostModel
 from ..planner.plan_cli import check_vpp, with_host_memory
 from ..planner.specs import HardwareSpec, ModelSpec
-from ..units import format_size, parse_size
+from ..units import format_size, parse_size, seed
 from .cluster import Cluster
 from .static_cp import StrategyError
 from .strategies import STRATEGIES, StrategyInput, make_plan, parse_strategies
@@ -291,7 +291,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated from {', '.join(STRATEGIES)} (default: all; with --ep > 1 all but "
                              f"{NO_EXPERT_SLOTS}, whose barriers the simulator does not align for expert all-to-alls)")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--validate", default="first", choices=["first", "all", "none"], help="which steps' plans to validate")
     parser.add_argument("--dkv-bf16", action="store_true",
                         help="cost ring attention with the backward's dK/dV accumulators sent in bf16 (fp32 by default)")

@@ -68,6 +68,7 @@ def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True
             pipeline_schedule=x.pipeline_schedule,
             expert_parallel=x.cluster.ep,
             virtual_stages=x.virtual_stages,
+            capacity_flag="--capacity",  # simulate's flag
         )
         t0 = time.perf_counter()
         plan = plan_step(list(x.seq_lens), config, x.cost)

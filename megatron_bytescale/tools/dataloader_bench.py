@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..units import seed
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megatron_bytescale"
 
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=["local", "ray"], default="local")
     parser.add_argument("--ranks", type=int, default=8, help="HDP ranks to plan and deliver for")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument(
         "--data", help="indexed dataset prefix (default: a corpus of this interpreter's site-packages, built once "
         f"under {DEFAULT_CACHE})",
@@ -64,6 +65,16 @@ def default_dataset() -> str:
         return str(prefix)
     except ConfigError:
         pass
+    try:
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        probe = prefix.parent / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot build the default corpus in {prefix.parent} ({exc.strerror or exc}): pass --data PREFIX (build one "
+            "with `bytescale prepare-data`) or set XDG_CACHE_HOME to a writable folder"
+        ) from None
     print(f"building the default corpus at {prefix} (once) ...", flush=True)
     args = argparse.Namespace(
         output=str(prefix), site_packages="", repos=None, jsonl=None, text_files=None, text_lines=None,
