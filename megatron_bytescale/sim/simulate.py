@@ -293,7 +293,7 @@ def shadow_verdict(report: SimReport) -> str:
     if not parts:
         return ""
     return (f"HDP (hdp-balanced) {totals(hdp)['mean_step_time_s']:.2f} s per step: " + "; ".join(parts)
-            + f" (total step time over the {len(hdp)} step(s), per step shown)")
+            + f" (ratios of the total time over the {len(hdp)} step(s); seconds: mean per step)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
