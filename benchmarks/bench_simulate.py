@@ -37,7 +37,7 @@ totals to static, to the lower bound and to max(lower bound, critical path), the
 total estimate against the total simulated step, the mean floor of rings spanning every
 pipeline, and the most chunk forwards a device holds.
 
-    PYTHONPATH=. python benchmarks/bench_simulate.py --vpp-grid [--dataset github] [--steps 2] [--json OUT]
+    PYTHONPATH=. python benchmarks/bench_simulate.py --vpp-grid [--vpp-values 1,5] [--dataset github] [--steps 2] [--json OUT]
 
 Expert parallelism (``--ep-grid``): the MoE models on 1,024 GPUs without pipelines (EP needs
 PP 1 under HDP), Mistral-8x7B at TP 2 with EP 1 and 4 (an EP group in one node) and
@@ -166,8 +166,9 @@ def vpp_grid(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     ap.add_argument("--vpp-grid", action="store_true")
+    ap.add_argument("--vpp-values", default=",".join(map(str, VPP_GRID)), help="the rows' V (default 1,2,4,5)")
     rows = []
-    for v in VPP_GRID:
+    for v in [int(x) for x in ap.parse_known_args(HEADLINE + VPP_FLAGS + argv)[0].vpp_values.split(",")]:
         args = ap.parse_args(HEADLINE + VPP_FLAGS + argv + ["--vpp", str(v)])
         cfg = config_from_args(args)
         report = run(cfg)
