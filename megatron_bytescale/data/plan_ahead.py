@@ -50,7 +50,9 @@ class PlanAhead:
                 "to plan in the training process"
             ) from None
         ours, theirs = socket.socketpair()
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        # the child finds this package (and a planning function's module) where the parent does
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "megatron_bytescale.data.plan_ahead", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
