@@ -98,3 +98,49 @@ def test_close_ends_the_planning_process_and_errors_surface_at_their_step(corpus
 
 def _wrong_plan(seq_lens):
     return default_plan_fn(CONFIG)(list(seq_lens)[:-1] or [1])
+
+
+def test_a_killed_training_process_leaves_no_planning_process(corpus, tmp_path):
+    # the child reads end of stream on its socket when the training process dies, and exits
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(  # PlanAhead as the loader drives it, without importing torch (a quick start)
+        "import functools, time\n"
+        "from megatron_bytescale.data.indexed import DocumentDataset\n"
+        "from megatron_bytescale.data.plan_ahead import PlanAhead\n"
+        "from megatron_bytescale.data.sampler import GlobalBatchSampler, Position\n"
+        "from megatron_bytescale.planner.cost_model import CostModel\n"
+        "from megatron_bytescale.planner.planner import PlannerConfig, plan_step\n"
+        "from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec\n"
+        f"sampler = GlobalBatchSampler(DocumentDataset({corpus!r}).lengths, step_tokens={SETTINGS['step_tokens']}, "
+        f"context_length={SETTINGS['context_length']}, seed=11)\n"
+        "cost = CostModel.analytic(ModelSpec.load('tiny'), HardwareSpec.load('h200'))\n"
+        f"plan_fn = functools.partial(plan_step, config=PlannerConfig(num_ranks={RANKS}, capacity={CAPACITY}), cost=cost)\n"
+        "ahead = PlanAhead(sampler, plan_fn, 0, Position(), 2)\n"
+        "ahead.get(0, Position())\n"
+        "print(ahead._proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(proc.stdout.readline())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            if open(f"/proc/{child}/stat").read().split()[2] == "Z":  # exited, not yet reaped by init
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"planning process {child} outlived the killed training process")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
