@@ -118,10 +118,11 @@ hdp_args() {
     [[ -n ${HDP_STEP_TOKENS:-} ]] && TRAIN_ARGS+=(--hdp-step-tokens "$HDP_STEP_TOKENS")
     [[ -n ${HDP_BALANCE:-} ]] && TRAIN_ARGS+=(--hdp-balance "$HDP_BALANCE")
     [[ ${HDP_SELECTIVE_OFFLOAD:-0} == 1 ]] && TRAIN_ARGS+=(--hdp-selective-offload)
+    # neither: the planner's cost model follows the device (h100 on GPUs, the shipped CPU profile without CUDA)
     if [[ -n ${HDP_PROFILE:-} ]]; then
         TRAIN_ARGS+=(--hdp-profile "$HDP_PROFILE")
-    else
-        TRAIN_ARGS+=(--hdp-hardware "${HDP_HARDWARE:-h100}")
+    elif [[ -n ${HDP_HARDWARE:-} ]]; then
+        TRAIN_ARGS+=(--hdp-hardware "$HDP_HARDWARE")
     fi
     [[ -n ${HDP_RAY_ADDRESS:-} ]] && TRAIN_ARGS+=(--hdp-ray-address "$HDP_RAY_ADDRESS")
     [[ -n ${SAVE_DIR:-} ]] && TRAIN_ARGS+=(--save "$SAVE_DIR" --save-interval "${SAVE_INTERVAL:-1000}")

@@ -64,3 +64,20 @@ def simple_plan(seq_lens, num_ranks: int, capacity: int, num_layers: int = 4) ->
 
 def simple_plan_fn(num_ranks: int, capacity: int):
     return functools.partial(simple_plan, num_ranks=num_ranks, capacity=capacity)
+
+
+class SlowOnCall:
+    """A planning function that sleeps ``seconds`` on its ``call``-th call (0-based) and is
+    otherwise ``plan_fn``: a step whose plan outlasts the previous step's training.
+    Picklable, so it also runs in the plan-ahead process (which counts its own calls)."""
+
+    def __init__(self, plan_fn, call: int, seconds: float):
+        self.plan_fn, self.call, self.seconds, self.calls = plan_fn, call, seconds, 0
+
+    def __call__(self, seq_lens):
+        import time
+
+        if self.calls == self.call:
+            time.sleep(self.seconds)
+        self.calls += 1
+        return self.plan_fn(seq_lens)

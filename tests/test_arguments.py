@@ -114,6 +114,9 @@ HDP = ["--hybrid-data-parallel", "--hdp-token-capacity", "8K"]
 @pytest.fixture(autouse=True)
 def _no_local_world_size(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    # the flags of a GPU run (default cost model: analytic H100); a CPU run's default is
+    # test_the_cost_model_follows_the_device's
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
 
 
 def test_namespace_covers_every_megatron_arg_the_validator_reads():
@@ -422,3 +425,40 @@ def test_expert_parallelism_with_the_all_to_all_dispatcher_is_accepted_and_plann
     config = planner_config_from_args(args)
     assert config.expert_parallel == 2
     assert cost_model_from_args(args).moe_a2a_bytes_per_token == 2 * 64 * 2  # top-2 x hidden 64, bf16
+
+
+def test_the_cost_model_follows_the_device(monkeypatch):
+    # without CUDA the planner predicts CPU seconds: the shipped CPU profile, carried to the
+    # model (for the profiled tiny model, the profile itself); with CUDA the analytic H100 model
+    import dataclasses
+
+    from megatron_bytescale.megatron.arguments import cost_model_from_args
+    from megatron_bytescale.planner.cost_model import CostModel
+    from megatron_bytescale.planner.cpu_profile import CPU_PROFILE, cpu_cost_model
+    from megatron_bytescale.planner.specs import ModelSpec
+
+    tiny = []  # MEGATRON above is the tiny model's shape
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    args = validate_hdp_args(parse(HDP + tiny))
+    assert args.hdp_hardware == "cpu"
+    cpu, profile = cost_model_from_args(args), CostModel.from_profile(CPU_PROFILE)
+    for f in ("a1", "b1", "g", "a2", "kv_bytes_per_token", "bw_intra_node", "num_layers"):
+        assert getattr(cpu, f) == pytest.approx(getattr(profile, f)), f
+    # another model: the measured seconds per FLOP carry over (a 7B layer is ~2,000x tiny's linear work)
+    big = cpu_cost_model(ModelSpec.load("llama-7b"))
+    assert big.b1 / profile.b1 == pytest.approx(big.flops_per_token_linear / profile.flops_per_token_linear)
+    assert big.g == profile.g and big.num_layers == 32
+    # four ranks on two cores: each second of compute takes two
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    shared = cost_model_from_args(args)
+    assert (shared.a1, shared.b1, shared.g) == pytest.approx((2 * cpu.a1, 2 * cpu.b1, 2 * cpu.g))
+    assert shared.bw_intra_node == cpu.bw_intra_node
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    gpu_args = validate_hdp_args(parse(HDP + tiny))
+    assert gpu_args.hdp_hardware == "h100"
+    assert cost_model_from_args(gpu_args).b1 < cpu.b1 / 1000
+    # asked for explicitly, on any machine
+    assert dataclasses.astuple(cost_model_from_args(validate_hdp_args(parse(HDP + tiny + ["--hdp-hardware", "cpu"])))) \
+        == dataclasses.astuple(cpu)

@@ -8,8 +8,6 @@ GPTModel on gloo ranks, the HDP step, the planner, the data loader, the offloade
 from __future__ import annotations
 
 import argparse
-import threading
-import time
 
 import pytest
 import torch
@@ -136,40 +134,6 @@ def test_forward_step_wrapper_dispatches_and_refuses_schedule_plans(megatron_arg
         step(iter([micro_batch()]), model, return_schedule_plan=True)
 
 
-# ---------------------------------------------------------------- prefetching
-def test_prefetcher_keeps_order_and_reads_ahead():
-    produced = []
-
-    def source():
-        for i in range(6):
-            produced.append(i)
-            yield i
-
-    p = hooks.Prefetcher(source(), depth=2)
-    deadline = time.time() + 10
-    while len(produced) < 3 and time.time() < deadline:  # depth 2 queued + 1 waiting to be put
-        time.sleep(0.01)
-    assert produced == [0, 1, 2]
-    assert list(p) == [0, 1, 2, 3, 4, 5]
-    p.close()
-
-
-def test_prefetcher_raises_where_the_source_failed_and_stops_cleanly():
-    def source():
-        yield 1
-        raise ConfigError("bad document")
-
-    p = hooks.Prefetcher(source(), depth=3)
-    assert next(p) == 1
-    with pytest.raises(ConfigError, match="bad document"):
-        next(p)
-    endless = hooks.Prefetcher(iter(lambda: 0, 1), depth=2)
-    assert next(endless) == 0
-    endless.close()
-    assert not endless._thread.is_alive()
-    assert not [t for t in threading.enumerate() if t.name == "hdp-prefetch" and t.is_alive()]
-
-
 # ---------------------------------------------------------------- data iterators
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -217,9 +181,7 @@ def test_plan_ahead_yields_the_same_steps(corpus):
     ahead_args.hdp_plan_ahead = 2
     ahead, _, _ = hooks.hdp_data_iterators(ahead_args, rank=0)
     plain, _, _ = hooks.hdp_data_iterators(data_args(corpus), rank=0)
-    assert isinstance(ahead, hooks.Prefetcher)
     assert [digest(next(ahead)) for _ in range(3)] == [digest(next(plain)) for _ in range(3)]
-    ahead.close()
 
 
 def test_validation_iterator_and_datasets_provider(corpus, megatron_args, monkeypatch):

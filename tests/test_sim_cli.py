@@ -19,10 +19,21 @@ def test_simulate_prints_a_table_and_writes_json_and_plot(tmp_path, capsys):
     assert data["config"]["gpus"] == 16 and data["config"]["capacity"] == 8192 and data["config"]["d_hdp"] == 16
     keys = {"step_time_s", "lower_bound_s", "busy_max_s", "busy_mean_s", "exposed_comm_s", "p2p_bytes",
             "offload_bytes", "microbatches_max", "plan_time_s"}
+    static = data["results"]["static"]["per_batch"]
     for name, res in data["results"].items():
         assert keys <= set(res), name
         assert res["step_time_s"] >= res["lower_bound_s"] > 0
+        # every batch's figures are kept, and the headline ratios are ratios of totals over them
+        rows = res["per_batch"]
+        assert len(rows) == 2 and all(keys <= set(r) for r in rows)
+        total = sum(r["step_time_s"] for r in rows)
+        assert res["total_step_time_s"] == pytest.approx(total)
+        assert res["x_lower_bound"] == pytest.approx(total / sum(r["lower_bound_s"] for r in rows))
+        assert res["speedup_vs_static"] == pytest.approx(sum(r["step_time_s"] for r in static) / total)
+        per_batch = sorted(s["step_time_s"] / r["step_time_s"] for s, r in zip(static, rows))
+        assert res["speedup_vs_static_per_batch_median"] == pytest.approx(sum(per_batch) / 2)
     assert data["results"]["static"]["offload_bytes"] == 0
+    assert [b["tokens"] for b in data["batches"]] == [512 * 1024] * 2
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 

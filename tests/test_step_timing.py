@@ -9,7 +9,7 @@ from megatron_bytescale.megatron.step_timing import StepTimer
 def _steps(n, predicted=0.02):
     for k in range(n):
         plan = SimpleNamespace(meta={"est_time_max_s": predicted, "est_rank_time_s": [predicted / 2, predicted]})
-        yield SimpleNamespace(plan=plan, rank=0, step=k, micro_batches=[])
+        yield SimpleNamespace(plan=plan, rank=0, step=k, micro_batches=[], plan_wait_s=0.001 * k, plan_s=0.5)
 
 
 def _forward_backward(*, data_iterator, forward_only=False, **_):
@@ -29,6 +29,8 @@ def test_logs_prediction_and_measurement_every_log_interval():
     ratio = float(lines[0].split("(")[2].split("x the prediction")[0])
     assert 0.04 <= measured < 1.0 and abs(ratio - measured / 0.02) < 0.05  # both printed rounded
     assert "bytescale profile" in lines[0]
+    # exposed planning: what the rank waited for this step's plan, beside what planning took
+    assert lines[0].endswith("; planning exposed 0.002 s (planning took 0.500 s)")
 
 
 def test_only_rank_zero_logs_and_evaluation_is_not_timed():

@@ -15,6 +15,9 @@ Usage on one rank::
 
 For several ranks in one process (benchmarks, tests): ``loader.batch(rank)`` for each rank,
 then ``loader.advance()``.
+
+With ``plan_ahead=N`` (> 0) a background process plans the next N steps while training runs
+(``plan_ahead.py``): the step's ``plan_wait_s`` is then only what planning was not hidden.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from .indexed import DocumentDataset
 from .loader import StepLoader
+from .plan_ahead import PlanAhead
 from .planning import PlanFn, StepBatch, StepPlan, StepPlanner, default_plan_fn, deliver
 from .sampler import GlobalBatchSampler, Position, loader_state, restore_state
 
@@ -42,6 +46,7 @@ class LocalDataLoader(StepLoader):
         plan_fn: PlanFn | None = None,
         cost=None,
         vocab_size: int | None = None,
+        plan_ahead: int = 0,
     ):
         if plan_fn is None and planner_config is None:
             raise ConfigError("give the loader a PlannerConfig (or a plan_fn) so it can plan steps")
@@ -55,12 +60,25 @@ class LocalDataLoader(StepLoader):
         self.step = 0
         self.position = Position()
         self._current: StepPlan | None = None
+        if plan_ahead < 0:
+            raise ConfigError(f"plan_ahead must be >= 0 steps, got {plan_ahead}")
+        self.plan_ahead = plan_ahead
+        self._ahead: PlanAhead | None = None  # started at the first step, restarted where the position jumps
+        self._wait_s = 0.0
 
     # ------------------------------------------------------------------ steps
     def step_plan(self) -> StepPlan:
         """The current step's plan (computed once, then cached until ``advance``)."""
         if self._current is None:
-            self._current = self.planner.plan(self.step, self.position)
+            t0 = time.perf_counter()
+            if self.plan_ahead:
+                if self._ahead is None:
+                    self._ahead = PlanAhead(self.sampler, self.planner.plan_fn, self.step, self.position, self.plan_ahead)
+                samples, plan, end, plan_s = self._ahead.get(self.step, self.position)
+                self._current = self.planner.checked(self.step, samples, plan, self.position, end, plan_s)
+            else:
+                self._current = self.planner.plan(self.step, self.position)
+            self._wait_s = time.perf_counter() - t0
         return self._current
 
     def batch(self, rank: int | None = None) -> StepBatch:
@@ -74,6 +92,7 @@ class LocalDataLoader(StepLoader):
         return StepBatch(
             step=sp.step, rank=rank, plan=sp.plan, samples=sp.samples, micro_batches=mbs,
             bytes_read=self.dataset.bytes_read - before, plan_s=sp.plan_s if fresh else 0.0,
+            plan_wait_s=self._wait_s if fresh else 0.0,
             delivery_s=time.perf_counter() - t0, next_position=sp.end,
         )
 
@@ -91,6 +110,12 @@ class LocalDataLoader(StepLoader):
         self.sampler.check_position(position)
         self.step, self.position = step, position
         self._current = None
+        self._stop_planning()  # its steps follow the old position
+
+    def _stop_planning(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
 
     def close(self) -> None:
-        pass
+        self._stop_planning()

@@ -67,6 +67,7 @@ class StepBatch(RuntimeStepBatch):
     samples: tuple[Sample, ...] = ()  # sequence id i of the plan is samples[i]
     bytes_read: int = 0  # token bytes this rank read (or pulled) for the step
     plan_s: float = 0.0  # seconds the planning function took for this step
+    plan_wait_s: float = 0.0  # exposed planning: seconds this rank waited for the step's plan
     delivery_s: float = 0.0  # wall time from asking for the step to holding its tensors
     next_position: Position | None = field(default=None, repr=False)
 
@@ -85,7 +86,12 @@ class StepPlanner:
         lens = [s.length for s in samples]
         t0 = time.perf_counter()
         plan = self.plan_fn(lens)
-        plan_s = time.perf_counter() - t0
+        return self.checked(step, samples, plan, position, end, time.perf_counter() - t0)
+
+    def checked(self, step: int, samples, plan: Plan, position: Position, end: Position, plan_s: float) -> StepPlan:
+        """The step's plan, once it is known to plan exactly these samples for these ranks
+        (planned here, or ahead in a background process: ``plan_ahead.py``)."""
+        lens = [s.length for s in samples]
         if tuple(plan.seq_lens) != tuple(lens):
             raise PlanError(
                 f"step {step}: the planning function returned a plan for lengths {list(plan.seq_lens)[:8]}..., "

@@ -27,6 +27,23 @@ from ..units import format_size, parse_size
 BALANCE_CHOICES = ("none", "dp", "pp")
 DATALOADER_CHOICES = ("local", "ray")
 DEFAULT_HARDWARE = "h100"
+# --hdp-hardware cpu: the shipped CPU profile carried to the model (planner/cpu_profile.py);
+# the default where the run has no CUDA device
+CPU_HARDWARE = "cpu"
+
+
+def cpu_ranks_per_core() -> float:
+    """Ranks this launch starts on this machine (torchrun's LOCAL_WORLD_SIZE) over the cores
+    this process may run on: above 1 they share the cores, and each computes that much slower."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return local / max(1, len(os.sched_getaffinity(0)))
+
+
+def default_hardware() -> str:
+    """What the planner's cost model describes unless told: this machine's kind of device."""
+    import torch
+
+    return DEFAULT_HARDWARE if torch.cuda.is_available() else CPU_HARDWARE
 
 # Megatron-LM (core_v0.16.1) attributes the validator, the translators below and pretrain_hooks
 # read, after Megatron's validate_args has run. tests/test_arguments_megatron.py checks each one
@@ -226,7 +243,9 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         default=None,
         metavar="NAME|FILE",
         help=f"Hardware spec for the analytic cost model: one of {', '.join(available(HARDWARE_DIR, '.yaml'))} "
-        f"or a YAML file (default {DEFAULT_HARDWARE}). Not used with --hdp-profile.",
+        f"or a YAML file, or {CPU_HARDWARE} (the shipped CPU profile, configs/profiles/tiny-cpu.json, carried to "
+        f"the model). Default: {DEFAULT_HARDWARE} on GPUs, {CPU_HARDWARE} where there is no CUDA device. Not used "
+        "with --hdp-profile.",
     )
     g.add_argument(
         "--hdp-host-memory-per-gpu",
@@ -264,9 +283,9 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         type=_non_negative_int,
         default=_HDP_DEFAULTS["hdp_plan_ahead"],
         metavar="K",
-        help="Plan (and read) this many steps ahead of training on a background thread or in the Ray "
-        "scheduler, overlapping planning with compute (0: plan each step when it starts; the Ray loader "
-        "plans at least one ahead). Default 2.",
+        help="Plan this many steps ahead of training, in a background process (local loader) or in the Ray "
+        "scheduler, overlapping planning with compute (0: plan each step when it starts, in the training "
+        "process; the Ray loader plans at least one ahead). Default 2.",
     )
     g.add_argument(
         "--hdp-ranks-per-node",
@@ -585,15 +604,17 @@ def _resolve(args) -> None:
         if not Path(args.hdp_profile).is_file():
             raise ConfigError(f"--hdp-profile {args.hdp_profile}: no such file (write one with `bytescale profile`)")
     else:
-        args.hdp_hardware = args.hdp_hardware or DEFAULT_HARDWARE
-        HardwareSpec.load(args.hdp_hardware)  # unknown names and malformed files fail here, with the choices
+        args.hdp_hardware = args.hdp_hardware or default_hardware()
+        if args.hdp_hardware != CPU_HARDWARE:
+            HardwareSpec.load(args.hdp_hardware)  # unknown names and malformed files fail here, with the choices
     args.hdp_size = args.data_parallel_size  # DP x CP with CP = 1 (checked above)
     if args.hdp_step_tokens is None:
         args.hdp_step_tokens = args.global_batch_size * args.seq_length
     if args.hdp_ranks_per_node is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
         if not local:
-            local = HardwareSpec.load(args.hdp_hardware).gpus_per_node if args.hdp_hardware else 8
+            local = (HardwareSpec.load(args.hdp_hardware).gpus_per_node
+                     if args.hdp_hardware and args.hdp_hardware != CPU_HARDWARE else 8)
         args.hdp_ranks_per_node = max(1, min(args.hdp_size, local // args.tensor_model_parallel_size))
     args.dataloader_type = "external"
 
@@ -692,12 +713,18 @@ def model_spec_from_args(args) -> ModelSpec:
 
 
 def cost_model_from_args(args):
-    """The profile if given, else the analytic model for these flags on --hdp-hardware; either
-    way under the run's activation recompute flags (a profile is measured without recompute)."""
+    """The profile if given, else the shipped CPU profile (``--hdp-hardware cpu``, the default
+    without CUDA) or the analytic model for these flags on --hdp-hardware; either way under
+    the run's activation recompute flags (a profile is measured without recompute)."""
     from ..planner.cost_model import CostModel
 
     if args.hdp_profile is not None:
         cost = CostModel.from_profile(args.hdp_profile)
+    elif (args.hdp_hardware or default_hardware()) == CPU_HARDWARE:
+        from ..planner.cpu_profile import cpu_cost_model
+
+        cost = cpu_cost_model(model_spec_from_args(args), tp=args.tensor_model_parallel_size,
+                              pp=args.pipeline_model_parallel_size, ranks_per_core=cpu_ranks_per_core())
     else:
         cost = CostModel.analytic(
             model_spec_from_args(args),

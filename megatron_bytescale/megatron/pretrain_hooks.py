@@ -30,8 +30,7 @@ import contextlib
 import functools
 import io
 import os
-import queue
-import threading
+import sys
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -408,53 +407,6 @@ def forward_step(base: Callable, loss_func: Optional[Callable] = None) -> Callab
     return step
 
 
-class Prefetcher:
-    """Iterate ``source`` ``depth`` items ahead on a background thread (planning and reading
-    the next steps overlap training). Exceptions surface at the item that raised them."""
-
-    _END = object()
-
-    def __init__(self, source: Iterator, depth: int):
-        self._source, self._queue = source, queue.Queue(maxsize=max(1, depth))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hdp-prefetch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for item in self._source:
-                if not self._put((item, None)):
-                    return
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            self._put((None, exc))
-            return
-        self._put((self._END, None))
-
-    def _put(self, entry) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(entry, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        item, exc = self._queue.get()
-        if exc is not None:
-            raise exc
-        if item is self._END:
-            raise StopIteration
-        return item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
 def _single_prefix(paths, flag: str) -> str:
     """One dataset prefix from Megatron's nargs='*' data-path flags (no blends)."""
     if isinstance(paths, str):
@@ -494,7 +446,9 @@ def build_loader(args, prefix: str, rank: int, *, name: str = "train"):
         )
     from ..data.local_loader import LocalDataLoader
 
-    return LocalDataLoader(prefix, config, **common)
+    # the next steps are planned in a background process (data/plan_ahead.py), not a thread:
+    # planning would hold the GIL the training loop launches its kernels with
+    return LocalDataLoader(prefix, config, **common, plan_ahead=args.hdp_plan_ahead)
 
 
 def fast_forward(loader, args, prefix: str, steps: int) -> None:
@@ -533,8 +487,6 @@ def hdp_data_iterators(args, rank: Optional[int] = None):
     train = build_loader(args, train_prefix, rank, name="train")
     fast_forward(train, args, train_prefix, getattr(args, "iteration", 0))
     train_iter: Iterator = iter(train)
-    if args.hdp_dataloader == "local" and args.hdp_plan_ahead > 0:
-        train_iter = Prefetcher(train_iter, args.hdp_plan_ahead)
     valid_iter = None
     if args.valid_data_path:
         valid_prefix = _single_prefix(args.valid_data_path, "--valid-data-path")

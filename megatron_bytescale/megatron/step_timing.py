@@ -5,6 +5,10 @@ the busiest rank's forward+backward, ring waits and pipeline fill included). Tra
 measures the same span: the HDP forward-backward call of Megatron's train step (micro-batches
 plus the gradient reduction at its end). A ratio far from 1 means the cost model does not
 describe this hardware: re-run ``bytescale profile`` and pass ``--hdp-profile``.
+
+The same line reports the step's exposed planning: the seconds this rank waited for the
+step's plan (near zero when the loader plans ahead in its background process and planning is
+shorter than a step), beside the seconds planning took.
 """
 
 from __future__ import annotations
@@ -62,8 +66,13 @@ class StepTimer:
             return ""
         own = (meta.get("est_rank_time_s") or [None] * (step_batch.rank + 1))[step_batch.rank]
         mine = f", this rank {own:.3f} s" if own is not None else ""
+        wait = getattr(step_batch, "plan_wait_s", None)
+        planning = (
+            f"; planning exposed {wait:.3f} s (planning took {getattr(step_batch, 'plan_s', 0.0):.3f} s)"
+            if wait is not None else ""
+        )
         return (
             f"hdp step {getattr(step_batch, 'step', '?')}: planner predicted {predicted:.3f} s (busiest rank{mine}), "
             f"measured {seconds:.3f} s forward-backward here ({seconds / predicted:.2f}x the prediction; far from 1: "
-            "re-run `bytescale profile` on these GPUs and pass --hdp-profile)"
+            f"re-run `bytescale profile` on these GPUs and pass --hdp-profile){planning}"
         )

@@ -2,8 +2,10 @@
 
 Every step draws one global batch of sequence lengths (a synthetic workload, a lengths
 file, or the user's own Megatron dataset), each strategy plans it, and the timeline engine
-costs every plan with the same cost model on the same cluster. Reported figures are medians
-over the steps; the Gantt chart shows the first step.
+costs every plan with the same cost model on the same cluster. Speedups and "x lower bound"
+are ratios of totals over the steps (``sim/throughput.py``: what a training run measures),
+other figures means over the steps; ``--json`` keeps every step's figures. The Gantt chart
+shows the first step.
 
 With ``--data-path PREFIX`` (a Megatron indexed dataset, read through megatron-core) the
 batches are the ones training would see: ``GlobalBatchSampler`` over the dataset's document
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from ..units import format_size, parse_size, seed
 from .cluster import Cluster
 from .static_cp import StrategyError
 from .strategies import STRATEGIES, StrategyInput, make_plan, parse_strategies
+from .throughput import means, totals
 from .timeline import Timeline, evaluate
 
 
@@ -73,17 +75,31 @@ class SimReport:
     dataset: dict = field(default_factory=dict)  # --data-path: documents, tokens, longest document
     lower_bound_first: float = 0.0
 
-    def medians(self) -> dict[str, dict]:
+    def results(self) -> dict[str, dict]:
+        """Per strategy: its means over the steps, overwritten by the totals and ratios of totals
+        (``speedup_vs_static``: static's total step time over this one's, on the same batches;
+        ``x_lower_bound``, ``x_bound``: total step time over the sum of the steps' bounds), the
+        per-step medians of those ratios beside them (``..._per_batch_median``), and every
+        step's own figures (``per_batch``)."""
         out = {}
+        base = self.steps.get("static") if "static" not in self.errors else None
         for name in self.config.strategies:
             if name in self.errors:
                 out[name] = {"error": self.errors[name]}
                 continue
             rows = self.steps.get(name, [])
-            keys = [k for k in rows[0] if all(k in r for r in rows)] if rows else []
-            out[name] = {k: float(statistics.median(r[k] for r in rows)) for k in keys}
+            if not rows:
+                continue
+            res = means(rows)
+            tot = totals(rows, base if base and len(base) == len(rows) else None)
+            if "speedup" in tot:
+                tot["speedup_vs_static"] = tot.pop("speedup")
+                tot["speedup_vs_static_per_batch_median"] = tot.pop("speedup_per_batch_median")
+            res.update(tot)
+            res["per_batch"] = rows
             if self.notes.get(name):
-                out[name]["notes"] = self.notes[name]
+                res["notes"] = self.notes[name]
+            out[name] = res
         return out
 
     def to_json(self) -> dict:
@@ -92,10 +108,10 @@ class SimReport:
         cfg["d_hdp"] = self.cluster.d_hdp
         cfg["gpus_per_node"] = self.cluster.gpus_per_node
         cfg["cost_model"] = asdict(self.cost)
-        out = {"config": cfg, "results": self.medians()}
+        out = {"config": cfg, "results": self.results()}
         if self.dataset:
             out["dataset"] = self.dataset
-            out["batches"] = [{"sequences": n, "longest": m, "tokens": t} for n, m, t in self.batch_stats]
+        out["batches"] = [{"sequences": n, "longest": m, "tokens": t} for n, m, t in self.batch_stats]
         return out
 
 
@@ -187,18 +203,20 @@ def run(cfg: SimConfig, progress: bool = True) -> SimReport:
                         report.timelines[name] = result.timeline
                         report.lower_bound_first = result.lower_bound
             bar.update(1)
-        if "static" in this_step:  # ratios per step, then medians: batches differ from step to step
-            for m in this_step.values():
-                m["speedup_vs_static"] = this_step["static"]["step_time_s"] / m["step_time_s"]
     bar.close()
     return report
 
 
 def format_table(report: SimReport) -> str:
-    """Medians over the steps; ratios are taken per step, then the median."""
-    med = report.medians()
+    """Step: the mean over the steps (their total / the count); speedup and x LB, x bound:
+    ratios of totals; "per batch": the median of the per-step ratios, beside them; the other
+    columns are means over the steps."""
+    med = report.results()
+    many = report.config.steps > 1
     head = (
-        f"{'strategy':<14}{'step s':>9}{'speedup':>9}{'x LB':>7}{'x bound':>8}{'busy max':>9}{'busy avg':>9}"
+        f"{'strategy':<14}{'step s':>9}{'speedup':>9}" + (f"{'(batch)':>9}" if many else "")
+        + f"{'x LB':>7}" + (f"{'(batch)':>8}" if many else "")
+        + f"{'x bound':>8}{'busy max':>9}{'busy avg':>9}"
         f"{'exp.comm':>9}{'P2P TB':>8}{'offl TB':>8}{'host GB':>8}{'mb max':>7}{'plan s':>8}"
     )
     lines = [head, "-" * len(head)]
@@ -207,8 +225,11 @@ def format_table(report: SimReport) -> str:
             lines.append(f"{name:<14}n/a: {m['error']}")
             continue
         speedup = f"{m['speedup_vs_static']:.2f}x" if "speedup_vs_static" in m else "-"
+        per_batch = f"{m['speedup_vs_static_per_batch_median']:.2f}x" if "speedup_vs_static" in m else "-"
         lines.append(
-            f"{name:<14}{m['step_time_s']:>9.2f}{speedup:>9}{m['x_lower_bound']:>7.2f}{m['x_bound']:>8.2f}"
+            f"{name:<14}{m['mean_step_time_s']:>9.2f}{speedup:>9}" + (f"{per_batch:>9}" if many else "")
+            + f"{m['x_lower_bound']:>7.2f}" + (f"{m['x_lower_bound_per_batch_median']:>8.2f}" if many else "")
+            + f"{m['x_bound']:>8.2f}"
             f"{m['busy_max_s']:>9.2f}{m['busy_mean_s']:>9.2f}{m['exposed_comm_s']:>9.2f}"
             f"{m['p2p_bytes'] / 1e12:>8.1f}{m['offload_bytes'] / 1e12:>8.1f}{m['host_bytes_max_gpu'] / 1e9:>8.1f}"
             f"{m['microbatches_max']:>7.0f}{m['plan_time_s']:>8.2f}"
@@ -217,10 +238,16 @@ def format_table(report: SimReport) -> str:
     if ok:
         lines.append(
             f"lower bound LB (all FLOPs spread over all GPUs): {ok[0]['lower_bound_s']:.2f} s; critical path (longest "
-            f"sequence alone, best ring): {ok[0]['critical_path_s']:.2f} s; bound = max of the two (medians)"
+            f"sequence alone, best ring): {ok[0]['critical_path_s']:.2f} s; bound = max of the two (means over the steps)"
         )
     lines.append(
-        "speedup: static step / step; busy, exposed comm: per GPU (max / mean); P2P, offload: all GPUs; exp.comm: mean; "
+        "step: mean over the steps; speedup: static's total step time / this total, x LB / x bound: total step time / "
+        "sum of the steps' bounds (ratios of totals: throughput)"
+        + ("; (batch): median of the per-step ratios" if many else "")
+        + "; other columns: means over the steps"
+    )
+    lines.append(
+        "busy, exposed comm: per GPU (max / mean); P2P, offload: all GPUs; exp.comm: mean; "
         f"host: pinned host memory the busiest GPU needs for offloaded activations (budget "
         f"{report.cost.host_memory_bytes / 1e9:.0f} GB per GPU)"
     )
@@ -252,20 +279,21 @@ def format_table(report: SimReport) -> str:
 
 
 def shadow_verdict(report: SimReport) -> str:
-    """One line answering "would HDP help here?": HDP's step against static DP x CP and
-    Megatron's dynamic CP on this cluster and these batches (ratios per step, then the median)."""
-    hdp = [m["step_time_s"] for m in report.steps.get("hdp-balanced", [])]
-    if not hdp:
+    """One line answering "would HDP help here?": HDP's total step time over these batches
+    against static DP x CP's and Megatron's dynamic CP's on this cluster (ratios of totals)."""
+    hdp = report.steps.get("hdp-balanced", [])
+    if not hdp or "hdp-balanced" in report.errors:
         return ""
     parts = []
     for name, label in (("static", "static DP x CP"), ("megatron-dcp", "Megatron's dynamic CP")):
-        other = [m["step_time_s"] for m in report.steps.get(name, [])]
-        if len(other) == len(hdp):
-            ratio = statistics.median(o / h for o, h in zip(other, hdp))
-            parts.append(f"{ratio:.2f}x faster than {label} ({statistics.median(other):.2f} s)")
+        other = report.steps.get(name, [])
+        if len(other) == len(hdp) and name not in report.errors:
+            t = totals(hdp, other)
+            parts.append(f"{t['speedup']:.2f}x faster than {label} ({t['total_baseline_step_time_s'] / len(hdp):.2f} s)")
     if not parts:
         return ""
-    return f"HDP (hdp-balanced) {statistics.median(hdp):.2f} s per step: " + "; ".join(parts) + " (medians over the steps)"
+    return (f"HDP (hdp-balanced) {totals(hdp)['mean_step_time_s']:.2f} s per step: " + "; ".join(parts)
+            + f" (ratios of the total time over the {len(hdp)} step(s); seconds: mean per step)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -301,7 +329,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vpp", type=int, default=1, metavar="V",
                         help="model chunks per pipeline device (virtual pipeline stages, interleaved 1F1B); every "
                              "strategy runs with them, the static baseline Megatron's interleaved order [1]")
-    parser.add_argument("--json", default=None, metavar="OUT", help="write the config and median results as JSON")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the config, every step's figures per strategy and the totals as JSON")
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart of the first step")
 
 
@@ -351,7 +379,7 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"{cfg.model} on {report.cluster.describe()}; context {format_size(cfg.context)}, capacity "
         f"{format_size(cfg.capacity)}, {format_size(cfg.global_batch_tokens)} tokens/step of {source}; "
-        f"medians over {cfg.steps} step(s)"
+        f"{cfg.steps} step(s), ratios of totals"
         + (f"; VPP {cfg.vpp}: {cfg.vpp} model chunks per pipeline device for every strategy (static and "
            "megatron-dcp run Megatron's interleaved 1F1B over their micro-batches)" if cfg.vpp > 1 else "")
     )
