@@ -20,10 +20,11 @@ import numpy as np
 
 from .errors import BytescaleError
 from .planner.cost_model import FP32_BYTES, CostModel
-from .planner.plan import MicroBatch, Plan, whole_piece
+from .planner.contract import MicroBatch, Plan, whole_piece
 from .planner.planner import PlannerConfig, plan_step
 from .planner.specs import HardwareSpec, ModelSpec
 from .units import parse_size
+from .planner.ring_traffic import p2p_bytes_per_rank
 
 # max |g_hdp - g_ref| relative to the largest reference gradient, and the loss's relative gap.
 # fp32: reordered sums differ by rounding only (~1e-7 relative per op; 1e-5 leaves room for the
@@ -256,7 +257,7 @@ def verify(
     kv = 2 * (spec.num_query_groups // tp) * spec.kv_channels * act
     grad_kv = 2 * (spec.num_query_groups // tp) * spec.kv_channels * FP32_BYTES
     q_bytes = spec.num_attention_heads // tp * spec.kv_channels * act
-    predicted = plan.p2p_bytes_per_rank(kv, grad_kv, spec.num_layers, q_bytes_per_token=q_bytes)
+    predicted = p2p_bytes_per_rank(plan, kv, grad_kv, spec.num_layers, q_bytes_per_token=q_bytes)
     measured = [o["p2p_bytes"] for o in hdp[::tp]]
     max_abs, max_rel = grad_diffs(hdp, ref)
     sizes = plan.ring_sizes()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from megatron_bytescale.data.corpus import site_packages_documents
 from megatron_bytescale.data.indexed import write_indexed_dataset
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 
 # Small real distributions installed with the test dependencies (pytest pulls these in).
 # installed wherever the tests run: matplotlib needs cycler, pytest iniconfig, pluggy and packaging,

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_bytescale.errors import ConfigError, PlanError
-from megatron_bytescale.planner.plan import MicroBatch, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, ring_pieces, whole_piece
 from megatron_bytescale.runtime.attention_ops import (
     CpuFlashKernel,
     TORCH_BACKEND,

@@ -7,10 +7,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatron_bytescale.errors import ConfigError, PlanError
 from megatron_bytescale.planner.cost_model import CostModel
-from megatron_bytescale.planner.expert_slots import (
-    align_expert_slots, all_to_all_time, ep_groups, slot_errors, slot_finish_times,
-)
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract.slots import ep_groups, slot_errors
+from megatron_bytescale.planner.expert_slots import align_expert_slots, all_to_all_time, slot_finish_times
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 
 from hdp_helpers import one_rank_plan, read_tokens
 

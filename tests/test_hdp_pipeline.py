@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.pipeline_order import plan_pipeline_deadlock
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import FORWARD, Op, plan_pipeline_deadlock
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 
 from hdp_helpers import global_layer_names, grads_of, one_rank_reference, step_batch
 
@@ -193,7 +193,7 @@ def test_stage_orders_from_the_plan_are_what_runs(runs):
     (1F1B would run the local micro-batches first); the deadlocking plan runs once it
     carries orders."""
     plans, _, outs = runs
-    assert plans["reordered"].stage_order(1, 0)[0] == (0, 2)
+    assert plans["reordered"].stage_order(1, 0)[0] == Op(FORWARD, 2)
     assert all(o["reordered"]["ring_bytes"] > 0 for o in outs)
     assert all(o["reordered"]["first_is_ring"] for o in outs)  # pipeline 1 too: its ring went first
     assert all("error" not in o["deadlock-ordered"] for o in outs)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 
 from hdp_helpers import grads_of, one_rank_plan, read_tokens, run_plan, shard_info, shard_like
 
@@ -84,7 +85,7 @@ def test_mixed_batch_on_four_ranks_equals_one_rank():
         assert o["loss"] == pytest.approx(ref["loss"], abs=TOL)
         assert max_grad_diff(o["grads"], ref["grads"]) < TOL
     # the ring really communicated, exactly what the plan predicts (tiny: 2 KV heads x 16 dims)
-    predicted = plan.p2p_bytes_per_rank(kv_bytes_per_token=2 * 2 * 16 * 4, grad_bytes_per_token=2 * 2 * 16 * 4, num_layers=4)
+    predicted = p2p_bytes_per_rank(plan, kv_bytes_per_token=2 * 2 * 16 * 4, grad_bytes_per_token=2 * 2 * 16 * 4, num_layers=4)
     assert [o["p2p"] for o in outs] == predicted
     assert outs[3]["p2p"] == 0 and outs[0]["p2p"] > 0
 

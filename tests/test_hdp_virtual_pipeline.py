@@ -3,7 +3,7 @@
 Four processes: two pipelines of two devices, each device holding two model chunks of one
 layer (Megatron's interleaved layout: chunk c of device d is virtual stage c * 2 + d, so
 device 0 holds layers 0 and 2, device 1 layers 1 and 3). Each pipeline runs its own
-micro-batches through the interleaved order (``pipeline_order.interleaved_order``), which runs
+micro-batches through the interleaved order (``contract.interleaved_order``), which runs
 any count; rings join the same device of both pipelines. The reference runs every sequence
 whole on one rank without PP, from the same full weights. All cases run in one launch each way;
 the last wraps each chunk in Megatron's DistributedDataParallel with ``overlap_grad_reduce``
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.pipeline_order import encode_stage_orders, interleaved_order, plan_pipeline_deadlock
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import encode_stage_orders, interleaved_order, plan_pipeline_deadlock
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 
 from hdp_helpers import global_layer_names, one_rank_reference, step_batch
 

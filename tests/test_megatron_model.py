@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from megatron_bytescale.errors import BytescaleError, ConfigError
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Piece
-from megatron_bytescale.planner.zigzag import zigzag_ranges
+from megatron_bytescale.planner.contract import MicroBatch, Piece
+from megatron_bytescale.planner.contract.zigzag import zigzag_ranges
 
 from hdp_helpers import grads_of, read_tokens, shard_like
 

@@ -5,7 +5,7 @@ empty slot pad) gives the same loss and gradients as unpadded, with the aux loss
 from __future__ import annotations
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, whole_piece
 
 from hdp_helpers import read_tokens
 

@@ -18,7 +18,7 @@ from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.megatron import pretrain_hooks as hooks
 from megatron_bytescale.megatron.arguments import validate_hdp_args
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.runtime.batch import MicroBatchData
 
 from data_support import build_corpus

@@ -87,7 +87,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     else:
         # HDP forward step: one MicroBatchData in, pretrain_gpt's loss_func out
         import torch
-        from megatron_bytescale.planner.plan import MicroBatch
+        from megatron_bytescale.planner.contract import MicroBatch
         from megatron_bytescale.runtime.batch import MicroBatchData
         mb = MicroBatchData(MicroBatch(()), torch.arange(5), torch.arange(1, 6), torch.ones(5), torch.arange(5))
         calls = []

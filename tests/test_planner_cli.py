@@ -4,7 +4,7 @@ import re
 import pytest
 
 from megatron_bytescale.cli import main
-from megatron_bytescale.planner.plan import Plan
+from megatron_bytescale.planner.contract import Plan
 
 BASE = ["plan", "--model", "llama-7b", "--gpus", "16", "--capacity", "8K"]
 

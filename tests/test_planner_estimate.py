@@ -91,7 +91,7 @@ def test_every_ring_pays_the_home_hop_even_when_compute_hides_the_others():
 def test_one_f_one_b_estimate_equals_the_simulated_pipeline(lens, p):
     """One pipeline of whole sequences: the planner's 1F1B makespan is the simulator's step."""
     from megatron_bytescale.planner.estimate import one_f_one_b_time, pipeline_time, rank_times
-    from megatron_bytescale.planner.plan import MicroBatch, Plan, whole_piece
+    from megatron_bytescale.planner.contract import MicroBatch, Plan, whole_piece
 
     cost = small_cost(num_layers=2)
     ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)),)

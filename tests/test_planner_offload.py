@@ -15,7 +15,7 @@ from megatron_bytescale.planner.offload_policy import (
     ratio_for_share,
     share_pairs,
 )
-from megatron_bytescale.planner.plan import resident_fraction
+from megatron_bytescale.planner.contract import resident_fraction
 
 from planner_cases import small_cost
 

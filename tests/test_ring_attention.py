@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 
 from megatron_bytescale.errors import ConfigError, PlanError
 from megatron_bytescale.local_world import run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.runtime.attention_ops import TORCH_BACKEND
 from megatron_bytescale.runtime.layout import MicroBatchLayout
 from megatron_bytescale.runtime.ring_attention import attention_backward, attention_forward, ring_attention
 from megatron_bytescale.runtime.ring_comm import LocalRing, P2PCounter
+from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 
 HQ, HKV, D = 4, 2, 8  # GQA: two query heads per KV head
 ATOL = 1e-5
@@ -56,7 +57,7 @@ def max_errors(layout, out, grads, ref):
 
 
 def predicted_bytes(plan):
-    return plan.p2p_bytes_per_rank(2 * HKV * D * 4, 2 * HKV * D * 4, num_layers=1)
+    return p2p_bytes_per_rank(plan, 2 * HKV * D * 4, 2 * HKV * D * 4, num_layers=1)
 
 
 def make_plan(seq_lens, ranks):

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from megatron_bytescale.errors import PlanError
-from megatron_bytescale.planner.plan import MicroBatch, Piece, ring_pieces, whole_piece
-from megatron_bytescale.planner.zigzag import rank_tokens
+from megatron_bytescale.planner.contract import MicroBatch, Piece, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract.zigzag import rank_tokens
 from megatron_bytescale.runtime.batch import build_micro_batch_data
 from megatron_bytescale.runtime.layout import MicroBatchLayout, put_rows, take_rows
 

@@ -9,14 +9,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.planner.cost_model import FORWARD_SHARE
 from megatron_bytescale.planner.estimate import micro_batch_time
-from megatron_bytescale.planner.pipeline_order import (
+from megatron_bytescale.planner.contract import (
     FORWARD,
+    Op,
     encode_stage_orders,
     find_pipeline_deadlock,
-    plan_ring_keys,
     pipelined_finish_times,
 )
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.stage_schedule import stage_schedule
 from megatron_bytescale.sim.cluster import Cluster
@@ -61,7 +61,7 @@ def test_a_ring_late_in_one_members_list_runs_first_on_both():
     assert base == pytest.approx(68 / 3)
     assert found is not None and found.makespan == pytest.approx(50 / 3)
     check_stage_orders(keys, found.orders, 2)
-    assert found.orders[1][0][0] == (FORWARD, 2)  # the ring's forward before the local work
+    assert found.orders[1][0][0] == Op(FORWARD, 2)  # the ring's forward before the local work
     assert found.peak_in_flight <= 2
 
 
@@ -103,7 +103,7 @@ def test_plans_with_stage_orders_hold_every_token_once_and_match_the_simulator(c
     assert plan.meta["est_time_max_s"] == pytest.approx(step, rel=0.05)
     if plan.stage_orders is not None:
         orders = plan.decoded_stage_orders()
-        check_stage_orders(plan_ring_keys(plan), orders, p)
+        check_stage_orders(plan.ring_keys(), orders, p)
         assert peak_in_flight(orders) <= p
         assert step < plan.meta["stage_orders"]["one_f_one_b_est_s"] * (1 + 0.05)
         again = Plan.from_json(plan.to_json())
@@ -192,14 +192,14 @@ def test_the_floor_of_rings_on_every_pipeline_is_their_1f1b_alone_and_nothing_be
     assert floor == pytest.approx((3 + 4 - 1) * ring_stage, rel=1e-6)
     assert timeline.step_time >= floor * (1 - 1e-9)
     assert evaluate(plan, cluster, cost).metrics()["pipeline_ring_floor_s"] == floor
-    keys = plan_ring_keys(plan)
+    keys = plan.ring_keys()
     times = [[micro_batch_time(cost, mb) for mb in mbs] for mbs in plan.ranks]
     found = stage_schedule(keys, times, 4, cost.forward_share)
     assert found is None or found.makespan >= floor * (1 - 1e-6)
 
 
 def test_a_plan_ordered_for_other_stage_counts_is_refused():
-    from megatron_bytescale.planner.pipeline_order import plan_pipeline_deadlock
+    from megatron_bytescale.planner.contract import plan_pipeline_deadlock
 
     ok = [[[(0, 0), (0, 1), (1, 1), (1, 0)]] * 2, [[(0, 0), (0, 1), (1, 0), (1, 1)]] * 2]
     plan = two_rank_plan(encode_stage_orders(ok)).validate()

@@ -13,13 +13,14 @@ from hypothesis import strategies as st
 
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.local_world import run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.runtime.attention_ops import get_backend
 from megatron_bytescale.runtime.group_exchange import LocalGroup, SelfRing
 from megatron_bytescale.runtime.layout import MicroBatchLayout
 from megatron_bytescale.runtime.ring_attention import ring_attention
 from megatron_bytescale.runtime.ring_comm import LocalRing, P2PCounter
 from megatron_bytescale.runtime.two_level_attention import head_slices, two_level_with
+from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 
 HQ, HKV, D = 8, 4, 8
 ATOL = 1e-5  # as tests/test_ring_attention.py
@@ -123,7 +124,7 @@ def _check(plan, results, divisible_mbs):
         if divisible_mbs:  # the bytes the plan predicts for the micro-batches whose heads split evenly
             sub = Plan(plan.num_ranks, plan.capacity, 1, plan.seq_lens,
                        tuple(tuple(mbs[m] for m in divisible_mbs if m < len(mbs)) for mbs in plan.ranks))
-            expected = sub.p2p_bytes_per_rank(kv_bytes, kv_bytes, 1, q_bytes_per_token=q_bytes)[rank]
+            expected = p2p_bytes_per_rank(sub, kv_bytes, kv_bytes, 1, q_bytes_per_token=q_bytes)[rank]
             assert expected > 0
             assert res[("auto", False)][1] >= expected  # the others add on top
 
@@ -162,11 +163,11 @@ def test_bytes_sent_are_what_the_plan_predicts():
     a = ring_pieces(0, 37, ring, 2)
     plan = make_plan([37, 6], [[[a[ring.index(r)]] + ([whole_piece(1, 6, r)] if r == 1 else [])] for r in range(4)])
     results = run_local_world(run_plan_on_rank, 4, plan.to_json(), 2, timeout_s=TIMEOUT_S)
-    expected = plan.p2p_bytes_per_rank(2 * HKV * D * 4, 2 * HKV * D * 4, 1, q_bytes_per_token=HQ * D * 4)
+    expected = p2p_bytes_per_rank(plan, 2 * HKV * D * 4, 2 * HKV * D * 4, 1, q_bytes_per_token=HQ * D * 4)
     for rank, res in enumerate(results):
         assert max(max(e[:4]) for e in res[("auto", False)][0]) < ATOL
         assert res[("auto", False)][1] == expected[rank] > 0
-        bf16_expected = plan.p2p_bytes_per_rank(2 * HKV * D * 4, 2 * HKV * D * 2, 1, q_bytes_per_token=HQ * D * 4)
+        bf16_expected = p2p_bytes_per_rank(plan, 2 * HKV * D * 4, 2 * HKV * D * 2, 1, q_bytes_per_token=HQ * D * 4)
         assert res[("auto", True)][1] == bf16_expected[rank] < expected[rank]
 
 

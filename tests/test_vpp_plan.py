@@ -10,17 +10,16 @@ from planner_cases import check_stage_orders, draw_lengths, peak_in_flight, ring
 
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.planner.cost_model import FORWARD_SHARE, CostModel
-from megatron_bytescale.planner.pipeline_order import (
+from megatron_bytescale.planner.contract import (
     BACKWARD,
     FORWARD,
     find_pipeline_deadlock,
-    _run_one_pipeline,
     interleaved_order,
     megatron_interleaved_orders,
     pipelined_finish_times,
-    plan_ring_keys,
 )
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.slot_alignment import _run_one_pipeline
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.plan_cli import check_vpp
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.stage_schedule import chunk_schedule, stage_schedule
@@ -123,11 +122,11 @@ def test_plans_with_virtual_stages_run_every_token_once_safely_and_as_estimated(
     assert plan.meta["est_time_max_s"] == pytest.approx(result.timeline.step_time, rel=0.05)
     orders = plan.decoded_stage_orders()
     if orders is not None:
-        check_stage_orders(plan_ring_keys(plan), orders, p, v)
+        check_stage_orders(plan.ring_keys(), orders, p, v)
         cap = plan.meta["stage_orders"]["chunk_cap"]
     else:  # the interleaved order: Megatron's warm-up, at most p V + p - 1 chunk forwards
         cap = p * v + p - 1
-        assert find_pipeline_deadlock(plan_ring_keys(plan), p, None, v) is None
+        assert find_pipeline_deadlock(plan.ring_keys(), p, None, v) is None
     assert result.peak_in_flight <= cap
     assert result.metrics()["chunks_in_flight_max"] == result.peak_in_flight
 
@@ -200,7 +199,7 @@ def slot_aligned_pipelines(draw):
 @settings(max_examples=80, deadline=None)
 @given(slot_aligned_pipelines())
 def test_slot_aligned_interleaved_orders_never_deadlock(case):
-    from megatron_bytescale.planner.pipeline_order import (
+    from megatron_bytescale.planner.slot_alignment import (
         slot_interleaved_orders,
         slot_offsets,
     )

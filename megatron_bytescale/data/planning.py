@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import PlanError
-from ..planner.plan import Plan
+from ..planner.contract import Plan
 from ..runtime.batch import MicroBatchData, build_micro_batch_data
 from ..runtime.batch import StepBatch as RuntimeStepBatch
 from .sampler import GlobalBatchSampler, Position, Sample

@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ..lengths_file import read_lengths_file
 from ..units import format_size, parse_size
 from .cost_model import CostModel
-from .plan import MicroBatch, Plan
+from .contract import MicroBatch, Plan
 from .planner import BALANCE_MODES, PlannerConfig, plan_step
 from .specs import HardwareSpec, ModelSpec
 

@@ -16,7 +16,7 @@ best-fit between that rank's ring micro-batches; they are not packed beside ring
 because a ring member that carries extra tokens holds up every other member of its ring.
 
 With ``pipeline_stages > 1`` (every mode) each ring micro-batch then takes one slot on all
-its members, so that 1F1B cannot deadlock (``pipeline_order.py``): members run some of
+its members, so that 1F1B cannot deadlock (``slot_alignment.py``): members run some of
 their local micro-batches before or after a ring instead, or split a pack, and only if they
 have none left take one from another rank. A batch with too little short work to fill the
 slots may get its rings reordered, or placed again (``meta["pipeline_order"]`` says which).
@@ -40,15 +40,16 @@ from ..errors import ConfigError, PlanError
 from .balance import Assignment, Unit, schedule
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
-from .expert_slots import GroupPlacer, align_expert_slots, check_expert_parallel, round_rings_to_groups, slot_finish_times
+from .contract.slots import check_expert_parallel
+from .expert_slots import GroupPlacer, align_expert_slots, round_rings_to_groups, slot_finish_times
 from .offload_policy import host_capacity
-from .pipeline_order import Item, LocalBatch, Ordered, encode_stage_orders, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
-from .plan import MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_pieces
+from .contract import MicroBatch, Piece, Plan, encode_stage_orders, micro_batch, ring_pieces, whole_pieces
 from . import two_level
 from .stage_schedule import chunk_schedule, stage_schedule
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
-from .zigzag import rank_tokens, zigzag_ranges
+from .contract.zigzag import rank_tokens, zigzag_ranges
+from .slot_alignment import Item, LocalBatch, Ordered, order_runs, rank_estimates
 
 BALANCE_MODES = ("none", "dp", "pp")
 PIPELINE_SCHEDULES = ("1f1b", "search")
@@ -207,7 +208,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     stage_orders, one_f_one_b_est, notes, found_cap = None, float(est.max()) if est.size else 0.0, [], None
     chunks = config.virtual_stages
     if stages > 1 and chunks > 1:
-        # With virtual stages the slot alignment of pipeline_order (made for 1F1B) does not
+        # With virtual stages the slot alignment (slot_alignment.py, made for 1F1B) does not
         # keep the default interleaved order free of deadlock, so chunk orders are always
         # chosen (stage_schedule.chunk_schedule): the default and slot-aligned interleaved
         # orders (at most Megatron's p V + p - 1 chunk forwards in flight) and the list
@@ -293,7 +294,7 @@ def _order(
 ) -> Ordered:
     """Rings start when their last member reaches them (a member is held until the slowest
     is done). With pipelines each ring also takes one slot on all its members
-    (pipeline_order.py), else 1F1B could deadlock."""
+    (slot_alignment.py), else 1F1B could deadlock."""
     return order_runs(
         _rank_items(lens, units, assignment, config.capacity, cost),
         [u for u in assignment.order if u in assignment.members],

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..errors import PlanError
-from ..planner.plan import MicroBatch, Plan
+from ..planner.contract import MicroBatch, Plan
 
 # (seq_id, start, end) -> token ids of that sequence's tokens [start, end)
 TokenReader = Callable[[int, int, int], np.ndarray]

@@ -24,8 +24,8 @@ from typing import Union
 import torch
 
 from ..errors import PlanError
-from ..planner.plan import MicroBatch
-from ..planner.zigzag import zigzag_ranges
+from ..planner.contract import MicroBatch
+from ..planner.contract.zigzag import zigzag_ranges
 
 Run = tuple[int, int, int]  # (seq_id, start, end): positions [start, end) of one sequence
 Rows = Union[slice, torch.Tensor]  # rows of this rank's token tensors: a slice when contiguous

@@ -3,7 +3,7 @@
 Under HDP every pipeline (the PP stages of one HDP rank) runs its own list of micro-batches:
 any count, zero included, and any lengths. Each stage runs them in exactly the order the plan
 gives: its own per-stage order when it has one (``Plan.stage_orders``, e.g. from
-``planner.stage_schedule``), else ``planner.pipeline_order.one_f_one_b`` (Megatron's
+``planner.stage_schedule``), else ``planner.contract.one_f_one_b`` (Megatron's
 non-interleaved 1F1B: ``p - k - 1`` warm-up forwards on stage ``k``, then one forward one
 backward, then the cool-down backwards); either is an order the planner proves free of
 deadlock when ring micro-batches join stages of different pipelines.
@@ -14,7 +14,7 @@ chunks, chunk ``c`` of device ``d`` being virtual stage ``c * p + d``. An operat
 (device ``d - 1`` mod ``p``: device 0's chunk ``c > 0`` follows chunk ``c - 1`` of device
 ``p - 1``) and sends to ``vs + 1``, backward the reverse; ``vs = 0`` embeds, ``vs = p * chunks
 - 1`` computes the loss. Without an order from the plan a device runs
-``pipeline_order.interleaved_order`` (1F1B for one chunk).
+``contract.interleaved_order`` (1F1B for one chunk).
 
 Why not megatron-core's ``forward_backward_pipelining_without_interleaving`` (it does handle
 ``variable_seq_lengths``): it takes one micro-batch count, shape and data iterator and
@@ -31,7 +31,7 @@ ignores tags), so activations travel on the pipeline group and gradients on a se
 over the same ranks (``gradient_group``): with chunks, activations and gradients both flow
 from device 0 to device 1, and each direction must be its own stream. Both ends of each
 stream must agree on the order of the micro-batches crossing it;
-``pipeline_order.crossing_order_mismatch`` checks it (``Plan.validate`` too). Sends are
+``contract.crossing_order_mismatch`` checks it (``Plan.validate`` too). Sends are
 posted and only waited at the end of the step, so a stage blocks only where the schedule
 needs its input; this is the dependency structure ``find_pipeline_deadlock`` models.
 """
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
-from ..planner.pipeline_order import FORWARD, interleaved_order
+from ..planner.contract import FORWARD, as_ops, interleaved_order
 
 MAX_DIMS = 4  # shape header: [ndim, d0, .., d3]
 SHAPE_TAG, DATA_TAG = 0, 1
@@ -183,7 +183,7 @@ def run_one_f_one_b(
     """
     if order is None:
         order = interleaved_order(count, link.stages, link.stage, link.chunks)
-    ops = [op if len(op) == 3 else (op[0], op[1], 0) for op in order]
+    ops = as_ops(order)
     if forward_only:
         ops = [op for op in ops if op[0] == FORWARD]
     saved: dict[tuple[int, int], tuple] = {}  # (micro-batch, chunk) -> (input, output)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..errors import ConfigError, PlanError
 from .batch import StepBatch
 from .context import active_micro_batch
-from ..planner.pipeline_order import BACKWARD, crossing_order_mismatch, plan_pipeline_deadlock
+from ..planner.contract import BACKWARD, crossing_order_mismatch, plan_pipeline_deadlock
 from .grad_sync import StepGradSync, overlaps_param_gather
 from .layout import MicroBatchLayout
 from .padding import pad_micro_batch, sequence_parallel_multiple

@@ -29,8 +29,8 @@ import torch
 from ..errors import PlanError
 from .group_exchange import GroupExchange, SelfRing
 from .layout import MicroBatchLayout, put_rows, take_rows
-from .ring_attention import ring_backward, ring_forward
 from .ring_comm import RingComm
+from .ring_core import ring_backward, ring_forward
 
 HeadSlice = tuple[tuple[int, ...], tuple[int, ...]]  # (query heads, KV heads) of one place
 

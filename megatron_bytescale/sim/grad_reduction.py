@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..planner.cost_model import CostModel
-from ..planner.plan import Plan
+from ..planner.contract import Plan
 from .cluster import Cluster
 
 if TYPE_CHECKING:  # timeline imports this module

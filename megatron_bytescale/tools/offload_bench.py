@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from ..local_world import available_memory
-from ..planner.plan import resident_fraction
+from ..planner.contract import resident_fraction
 from ..planner.specs import ModelSpec
 from ..runtime.offload import ActivationOffloader
 from .layer_stack import LayerStack

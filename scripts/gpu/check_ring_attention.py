@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from megatron_bytescale.planner.plan import MicroBatch, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, ring_pieces, whole_piece
 from megatron_bytescale.runtime.attention_ops import flash_kernel, get_backend
 from megatron_bytescale.runtime.layout import MicroBatchLayout, TokenBlock
 from megatron_bytescale.runtime.ring_attention import attention_backward, attention_forward

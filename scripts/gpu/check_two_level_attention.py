@@ -50,7 +50,7 @@ from check_ring_attention import (
     write_figures,
 )
 
-from megatron_bytescale.planner.plan import MicroBatch, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, ring_pieces, whole_piece
 from megatron_bytescale.runtime.attention_ops import get_backend
 from megatron_bytescale.runtime.group_exchange import LocalGroup, SelfRing
 from megatron_bytescale.runtime.ring_comm import LocalRing
