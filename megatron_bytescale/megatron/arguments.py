@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import BytescaleError, ConfigError
+from ..planner.balance import BALANCE_MODES
 from ..planner.specs import HARDWARE_DIR, HardwareSpec, ModelSpec, available
 from ..units import format_size, parse_size
 
-BALANCE_CHOICES = ("none", "dp", "pp")
 DATALOADER_CHOICES = ("local", "ray")
 DEFAULT_HARDWARE = "h100"
 
@@ -189,7 +189,7 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     )
     g.add_argument(
         "--hdp-balance",
-        choices=BALANCE_CHOICES,
+        choices=BALANCE_MODES,
         default=None,
         help="Balance scheduler: 'dp' (ranks run sequences of one length level at a time), 'pp' (each "
         "pipeline gets micro-batches of similar length: the one for pipeline parallelism) or 'none' "

@@ -41,6 +41,9 @@ import numpy as np
 from ..errors import ConfigError
 from .placement import RingPlacer
 
+# the balance modes: "none" (hdp-naive: equal tokens), "dp" and "pp" (hdp-balanced, this scheduler);
+# PlannerConfig.balance, `bytescale plan --balance` and --hdp-balance choose among them
+BALANCE_MODES = ("none", "dp", "pp")
 DEFAULT_BUCKETS = 8
 BULK_RUN = 2048  # runs of single-rank units at least this long are given out in rounds
 MIN_ROUND = 256  # ... while a round places at least this many

@@ -16,7 +16,8 @@ from ..lengths_file import read_lengths_file
 from ..units import format_size, parse_size
 from .cost_model import CostModel
 from .contract import MicroBatch, Plan
-from .planner import BALANCE_MODES, PlannerConfig, plan_step
+from .balance import BALANCE_MODES
+from .planner import PlannerConfig, plan_step
 from .specs import HardwareSpec, ModelSpec
 
 

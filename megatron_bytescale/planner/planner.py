@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, PlanError
-from .balance import Assignment, Unit, schedule
+from .balance import BALANCE_MODES, Assignment, Unit, schedule
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
 from .contract.slots import check_expert_parallel
@@ -51,7 +51,6 @@ from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_b
 from .contract.zigzag import rank_tokens, zigzag_ranges
 from .slot_alignment import Item, LocalBatch, Ordered, order_runs, rank_estimates
 
-BALANCE_MODES = ("none", "dp", "pp")
 PIPELINE_SCHEDULES = ("1f1b", "search")
 RETARGET = (1.0, 1.1, 1.2, 0.85, 1.35, 0.7, 1.5)  # target scales tried while the step overshoots the target
 # With pipelines, target scales tried from the top down (see _pipeline_candidates)
