@@ -59,7 +59,9 @@ def simple_plan(seq_lens, num_ranks: int, capacity: int, num_layers: int = 4) ->
             load[r] += s
     for r in range(num_ranks):
         close(r)
-    return Plan(num_ranks, capacity, num_layers, tuple(seq_lens), tuple(tuple(m) for m in ranks), {"strategy": "simple"})
+    return Plan(
+        num_ranks, capacity, num_layers, tuple(seq_lens), tuple(tuple(m) for m in ranks), {"strategy": "simple"}
+    )
 
 
 def simple_plan_fn(num_ranks: int, capacity: int):

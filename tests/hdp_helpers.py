@@ -47,7 +47,11 @@ def run_plan(plan_json: str, model, group, **kwargs):
 def shard_info(model) -> dict[str, tuple]:
     """How each parameter is cut over TP: (tensor-parallel?, partition dim, partition stride)."""
     return {
-        n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1), getattr(p, "partition_stride", 1))
+        n: (
+            getattr(p, "tensor_model_parallel", False),
+            getattr(p, "partition_dim", -1),
+            getattr(p, "partition_stride", 1),
+        )
         for n, p in model.named_parameters()
     }
 

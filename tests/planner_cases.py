@@ -42,7 +42,13 @@ def check_stage_orders(keys, orders, p: int, chunks: int = 1) -> None:
     """Per-device orders of (direction, micro-batch[, chunk]) run every chunk of every
     micro-batch of their rank once forward and then once backward, the devices of each
     pipeline agree on the order of the messages between them, and nothing deadlocks."""
-    from megatron_bytescale.planner.contract import BACKWARD, FORWARD, as_ops, crossing_order_mismatch, find_pipeline_deadlock
+    from megatron_bytescale.planner.contract import (
+        BACKWARD,
+        FORWARD,
+        as_ops,
+        crossing_order_mismatch,
+        find_pipeline_deadlock,
+    )
 
     for r, rank in enumerate(orders):
         assert len(rank) == p

@@ -13,7 +13,14 @@ SIZES = dict(ranks=4, steps=30, capacity=1024, context=4096, step_tokens=16384, 
 def test_command_is_torchrun_of_the_launcher_with_tiny_and_hdp_flags(tmp_path):
     (tmp_path / "pretrain_gpt.py").write_text("")
     argv = pretrain_gpt_command(tmp_path, "data/corpus", **SIZES)
-    assert argv[1:7] == ["--standalone", "--nproc-per-node", "4", "-m", "megatron_bytescale.launch", str(tmp_path / "pretrain_gpt.py")]
+    assert argv[1:7] == [
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "megatron_bytescale.launch",
+        str(tmp_path / "pretrain_gpt.py"),
+    ]
     flags = argv[7:]
     assert flags[: len(read_args_file(MODEL_DIR / "tiny.args"))] == read_args_file(MODEL_DIR / "tiny.args")
 

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch.distributed as dist
-
 from data_support import build_corpus, simple_plan_fn
+
 from megatron_bytescale.data.indexed import DocumentDataset
 from megatron_bytescale.data.local_loader import LocalDataLoader
 from megatron_bytescale.data.planning import SamplesDigest, rank_token_ranges
@@ -131,7 +131,8 @@ WORLD_SETTINGS = dict(step_tokens=3 * 2 * CAPACITY, context_length=2 * CAPACITY,
 
 
 def _rank_loop(rank, world_size, corpus, steps):
-    loader = LocalDataLoader(corpus, PlannerConfig(num_ranks=world_size, capacity=CAPACITY), rank=rank, **WORLD_SETTINGS)
+    config = PlannerConfig(num_ranks=world_size, capacity=CAPACITY)
+    loader = LocalDataLoader(corpus, config, rank=rank, **WORLD_SETTINGS)
     out = []
     for batch in loader:
         d = SamplesDigest()

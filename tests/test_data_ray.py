@@ -7,8 +7,8 @@ import time
 
 import pytest
 import ray
-
 from data_support import build_corpus
+
 from megatron_bytescale.data.local_loader import LocalDataLoader
 from megatron_bytescale.data.planning import SamplesDigest
 from megatron_bytescale.data.ray_loader import RayDataLoader, check_reachable, init_ray

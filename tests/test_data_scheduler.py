@@ -4,8 +4,8 @@ evicted steps, resets, and errors/timeouts instead of hangs."""
 import time
 
 import pytest
-
 from data_support import simple_plan_fn
+
 from megatron_bytescale.data.planning import StepPlanner
 from megatron_bytescale.data.ray_loader import PlanScheduler
 from megatron_bytescale.data.sampler import GlobalBatchSampler, Position
@@ -35,7 +35,9 @@ def key(sp):
 
 
 def reference(steps):
-    planner = StepPlanner(GlobalBatchSampler(LENGTHS, step_tokens=1600, context_length=800, seed=2), simple_plan_fn(2, 400))
+    planner = StepPlanner(
+        GlobalBatchSampler(LENGTHS, step_tokens=1600, context_length=800, seed=2), simple_plan_fn(2, 400)
+    )
     out, pos = [], Position()
     for step in range(steps):
         sp = planner.plan(step, pos)

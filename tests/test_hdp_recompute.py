@@ -11,12 +11,11 @@ reference run without recompute.
 from __future__ import annotations
 
 import pytest
+from hdp_helpers import grads_of, one_rank_plan, step_batch
 
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
-
-from hdp_helpers import grads_of, one_rank_plan, step_batch
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -27,7 +26,11 @@ KV_BYTES = 2 * 2 * 16 * 4  # tiny: 2 KV heads x 16 dims, K and V, fp32
 
 CASES = {
     # name: (TransformerConfig overrides, layers whose forward runs twice, offload ratio)
-    "full_uniform": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2), LAYERS, 0.0),
+    "full_uniform": (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+        LAYERS,
+        0.0,
+    ),
     "full_block": (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3), 3, 0.0),
     "selective_core_attn": (dict(recompute_granularity="selective", recompute_modules=["core_attn"]), LAYERS, 0.0),
     # layers 0-1 recomputed, layer 2 offloaded (the last layer stays: keep_last=1)

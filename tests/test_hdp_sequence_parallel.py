@@ -7,13 +7,12 @@ count); the ring still moves only the planned KV blocks.
 from __future__ import annotations
 
 import pytest
+from hdp_helpers import grads_of, one_rank_plan, run_plan, shard_info, shard_like
 
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
-from megatron_bytescale.runtime.padding import padding_for
 from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
-
-from hdp_helpers import grads_of, one_rank_plan, run_plan, shard_info, shard_like
+from megatron_bytescale.runtime.padding import padding_for
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -66,7 +65,16 @@ def test_tp2_sequence_parallel_by_hdp2_equals_one_rank():
         worst = 0.0
         for name, grad in o["grads"].items():
             tp_parallel, dim, stride = o["shard_info"][name]
-            param = type("P", (), {"tensor_model_parallel": tp_parallel, "partition_dim": dim, "partition_stride": stride, "shape": grad.shape})
+            param = type(
+                "P",
+                (),
+                {
+                    "tensor_model_parallel": tp_parallel,
+                    "partition_dim": dim,
+                    "partition_stride": stride,
+                    "shape": grad.shape,
+                },
+            )
             worst = max(worst, float((grad - shard_like(ref["grads"][name], param, o["tp_rank"], 2)).abs().max()))
         assert worst < TOL, worst
     # ranks 0, 1 are HDP rank 0's TP pair, 2, 3 HDP rank 1's (TP varies fastest)

@@ -123,7 +123,8 @@ def test_series_applies_in_order_with_git_apply_check(patched_tree):
     assert "from megatron_bytescale.megatron import pretrain_hooks as hdp" in text
     # and it reverses cleanly (nothing applied twice or fuzzily)
     for path in reversed(PATCHES):
-        proc = subprocess.run(["git", "apply", "-R", "--check", str(path)], cwd=patched_tree, capture_output=True, text=True)
+        check = ["git", "apply", "-R", "--check", str(path)]
+        proc = subprocess.run(check, cwd=patched_tree, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         subprocess.run(["git", "apply", "-R", str(path)], cwd=patched_tree, check=True)
     assert (patched_tree / "pretrain_gpt.py").read_bytes() == (Path(MEGATRON_LM_DIR) / "pretrain_gpt.py").read_bytes()
@@ -144,8 +145,14 @@ def test_patched_pretrain_gpt_defines_every_name_the_patch_uses(patched_tree):
             defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
         elif isinstance(node, ast.Assign):
             defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and isinstance(n.func.value, ast.Name) and n.func.value.id == "hdp"]
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "hdp"
+    ]
     assert {c.func.attr for c in calls} == _hook_names(PATCHES)
     for call in calls:
         for arg in ast.walk(call):

@@ -4,19 +4,18 @@ simulator (``sim.timeline``, which runs 1F1B per rank) never finds a deadlock.""
 from collections import defaultdict
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from planner_cases import draw_lengths, small_cost
 
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.planner import slot_alignment
+from megatron_bytescale.planner.contract import MicroBatch, Plan, find_pipeline_deadlock, ring_pieces, whole_piece
 from megatron_bytescale.planner.estimate import rank_times
-from megatron_bytescale.planner.contract import find_pipeline_deadlock
-from megatron_bytescale.planner.slot_alignment import LocalBatch, order_runs
-from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
+from megatron_bytescale.planner.slot_alignment import LocalBatch, order_runs
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import simulate
-
-from planner_cases import draw_lengths, small_cost
 
 
 def slot_offsets(runs_keys) -> dict[int, int] | None:
@@ -258,7 +257,9 @@ def test_pp_balance_estimate_matches_the_simulator_and_beats_static(dataset):
     from megatron_bytescale.sim.strategies import StrategyInput, make_plan
     from megatron_bytescale.sim.timeline import evaluate
 
-    cfg = SimConfig(gpus=1024, context=256 << 10, capacity=8 << 10, global_batch_tokens=4 << 20, model="llama-70b", tp=8, pp=4)
+    cfg = SimConfig(
+        gpus=1024, context=256 << 10, capacity=8 << 10, global_batch_tokens=4 << 20, model="llama-70b", tp=8, pp=4
+    )
     cluster, spec_cost = check_config(cfg)
     lens = sample_lengths(dataset, cfg.global_batch_tokens, cfg.context, np.random.default_rng(0))
     # With the hardware spec's host budget (shared by the 4 micro-batches a stage holds) and

@@ -54,7 +54,9 @@ def test_every_member_derives_the_same_blocks():
     blocks = blocks.pop()
     assert layouts[2].block_tokens == tuple(rank_tokens(23, 3, j) + rank_tokens(13, 3, j) for j in range(3))
     # together the blocks hold every token of the distributed sequences exactly once
-    pairs = sorted(zip(torch.cat([b.seq_ids for b in blocks]).tolist(), torch.cat([b.positions for b in blocks]).tolist()))
+    pairs = sorted(
+        zip(torch.cat([b.seq_ids for b in blocks]).tolist(), torch.cat([b.positions for b in blocks]).tolist())
+    )
     assert pairs == sorted([(7, p) for p in range(23)] + [(2, p) for p in range(13)])
 
 

@@ -31,7 +31,9 @@ def instructions() -> list[tuple[str, str]]:
 
 
 def args_defaults() -> dict[str, str]:
-    return dict(re.fullmatch(r"(\w+)=(\S+)", rest).groups() for kw, rest in instructions() if kw == "ARG" and "=" in rest)
+    return dict(
+        re.fullmatch(r"(\w+)=(\S+)", rest).groups() for kw, rest in instructions() if kw == "ARG" and "=" in rest
+    )
 
 
 def runs() -> str:
@@ -56,16 +58,21 @@ def test_megatron_lm_is_cloned_at_the_patched_tag():
     defaults = args_defaults()
     assert defaults["MEGATRON_LM_TAG"] == "core_v0.16.1"
     assert defaults["MEGATRON_LM_REPO"].endswith("NVIDIA/Megatron-LM.git")
-    assert re.search(r'git clone --depth 1 --branch "\$\{MEGATRON_LM_TAG\}" "\$\{MEGATRON_LM_REPO\}" "\$\{MEGATRON_LM_DIR\}"', runs())
+    assert re.search(
+        r'git clone --depth 1 --branch "\$\{MEGATRON_LM_TAG\}" "\$\{MEGATRON_LM_REPO\}" "\$\{MEGATRON_LM_DIR\}"', runs()
+    )
 
 
 def test_the_patch_series_is_applied_in_order_and_checked():
     text = runs()
     copy = [rest for kw, rest in instructions() if kw == "COPY"]
     assert copy == [". ${BYTESCALE_DIR}"]  # patches/ travel with the source
-    assert re.search(r'cd "\$\{MEGATRON_LM_DIR\}" && for p in "\$\{BYTESCALE_DIR\}"/patches/\*\.patch; do '
-                     r'git apply --check "\$p" && git apply "\$p" \|\| exit 1; done', text)
-    assert "import pretrain_hooks\" pretrain_gpt.py" in text  # and the result is verified
+    assert re.search(
+        r'cd "\$\{MEGATRON_LM_DIR\}" && for p in "\$\{BYTESCALE_DIR\}"/patches/\*\.patch; do '
+        r'git apply --check "\$p" && git apply "\$p" \|\| exit 1; done',
+        text,
+    )
+    assert 'import pretrain_hooks" pretrain_gpt.py' in text  # and the result is verified
 
 
 def test_the_plugin_and_megatron_training_are_importable():

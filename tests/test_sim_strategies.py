@@ -122,7 +122,9 @@ def test_megatron_dcp_failures_are_reported_not_hidden():
 
 def test_unknown_strategy_names_the_choices():
     assert parse_strategies("static, hdp-balanced") == ["static", "hdp-balanced"]
-    with pytest.raises(ConfigError, match="unknown strategy 'dp-only'.*static, megatron-dcp, hdp-sharding, hdp-naive, hdp-balanced"):
+    with pytest.raises(
+        ConfigError, match="unknown strategy 'dp-only'.*static, megatron-dcp, hdp-sharding, hdp-naive, hdp-balanced"
+    ):
         parse_strategies("static,dp-only")
 
 

@@ -3,12 +3,11 @@
 import pytest
 
 from megatron_bytescale.errors import PlanError
+from megatron_bytescale.planner.contract import MicroBatch, Op, Plan, one_f_one_b, ring_pieces, whole_piece
 from megatron_bytescale.planner.cost_model import FORWARD_SHARE, CostModel
-from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
-from megatron_bytescale.sim.cluster import Cluster
-from megatron_bytescale.planner.contract import Op, one_f_one_b
-from megatron_bytescale.sim.timeline import critical_path, evaluate, lower_bound, simulate
 from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
+from megatron_bytescale.sim.cluster import Cluster
+from megatron_bytescale.sim.timeline import critical_path, evaluate, lower_bound, simulate
 
 MS = 1e-3
 F, B = FORWARD_SHARE, 1 - FORWARD_SHARE

@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.local_world import run_local_world
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 from megatron_bytescale.runtime.attention_ops import get_backend
 from megatron_bytescale.runtime.group_exchange import LocalGroup, SelfRing
 from megatron_bytescale.runtime.layout import MicroBatchLayout
 from megatron_bytescale.runtime.ring_attention import ring_attention
 from megatron_bytescale.runtime.ring_comm import LocalRing, P2PCounter
 from megatron_bytescale.runtime.two_level_attention import head_slices, two_level_with
-from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 
 HQ, HKV, D = 8, 4, 8
 ATOL = 1e-5  # as tests/test_ring_attention.py
@@ -132,8 +132,10 @@ def _check(plan, results, divisible_mbs):
 def bf16_dkv_error(results, relative=True):
     """max |dK/dV with bf16 accumulators - reference| over all ranks and micro-batches,
     relative to the largest |dK| or |dV| of the micro-batch (or absolute)."""
-    return max(max(max(e[2] / (e[4] if relative else 1), e[3] / (e[5] if relative else 1)) for e in res[("auto", True)][0])
-               for res in results)
+    return max(
+        max(max(e[2] / (e[4] if relative else 1), e[3] / (e[5] if relative else 1)) for e in res[("auto", True)][0])
+        for res in results
+    )
 
 
 def test_two_level_matches_fused_attention_on_four_ranks():
@@ -146,8 +148,10 @@ def test_two_level_matches_fused_attention_on_four_ranks():
 def report(name, results):
     fp32 = [max(e[:4]) for r in results for e in r[("auto", False)][0]]
     fwd = [e[0] for r in results for e in r[("auto", False)][0]]
-    print(f"\n{name}: max abs error fwd {max(fwd):.2e}, fwd+bwd {max(fp32):.2e}; bf16 dK/dV: max abs "
-          f"{bf16_dkv_error(results, relative=False):.2e}, relative {bf16_dkv_error(results):.2e}")
+    print(
+        f"\n{name}: max abs error fwd {max(fwd):.2e}, fwd+bwd {max(fp32):.2e}; bf16 dK/dV: max abs "
+        f"{bf16_dkv_error(results, relative=False):.2e}, relative {bf16_dkv_error(results):.2e}"
+    )
 
 
 def test_two_level_matches_fused_attention_on_six_ranks():
@@ -206,8 +210,9 @@ def test_threaded_two_level_matches_fused_attention(case, backend, seed):
         q, k, v, g = (gather(full, layout, i).float() for i in range(4))
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         cross = rings[gl.place].member(gl.group_index) if m > 1 else SelfRing()
-        out = two_level_with(q, k, v, layout, groups[gl.group_index].member(gl.place), cross, D**-0.5,
-                             get_backend(backend, q))
+        out = two_level_with(
+            q, k, v, layout, groups[gl.group_index].member(gl.place), cross, D**-0.5, get_backend(backend, q)
+        )
         (out * g).sum().backward()
         got = [out, q.grad, k.grad, v.grad]
         return max((x.double() - gather(ref, layout, i)).abs().max().item() for i, x in enumerate(got))

@@ -5,17 +5,17 @@ import numpy as np
 import pytest
 
 from megatron_bytescale.planner import two_level
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces
+from megatron_bytescale.planner.contract.zigzag import rank_tokens
 from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.placement import RingPlacer
-from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
+from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 from megatron_bytescale.planner.sharding import RingSizer
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
-from megatron_bytescale.planner.contract.zigzag import rank_tokens
 from megatron_bytescale.runtime.two_level_attention import head_slices
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import critical_path, evaluate, simulate
-from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 
 
 def llama7b(tp=1, **kw):

@@ -3,20 +3,22 @@ micro-batch count without deadlock and with the devices agreeing on message orde
 chunk orders through JSON, and ``validate`` refuses chunk orders that cannot run."""
 
 import pytest
+from planner_cases import check_stage_orders
 
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.planner.contract import (
     BACKWARD,
     FORWARD,
+    MicroBatch,
+    Plan,
     decode_order,
     encode_stage_orders,
     find_pipeline_deadlock,
     interleaved_order,
     one_f_one_b,
+    ring_pieces,
+    whole_piece,
 )
-from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
-
-from planner_cases import check_stage_orders
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3])
@@ -50,9 +52,20 @@ def test_fixed_warmup_interleaving_deadlocks_where_ours_does_not():
 def ring_plan(orders, chunks: int) -> Plan:
     """Two pipelines sharing one ring micro-batch (sequence 0), each with a local one."""
     r = ring_pieces(0, 10, (0, 1))
-    ranks = ((MicroBatch((r[0],)), MicroBatch((whole_piece(1, 3, 0),))), (MicroBatch((whole_piece(2, 4, 1),)), MicroBatch((r[1],))))
+    ranks = (
+        (MicroBatch((r[0],)), MicroBatch((whole_piece(1, 3, 0),))),
+        (MicroBatch((whole_piece(2, 4, 1),)), MicroBatch((r[1],))),
+    )
     codes = None if orders is None else encode_stage_orders(orders, chunks)
-    return Plan(num_ranks=2, capacity=20, num_layers=4, seq_lens=(10, 3, 4), ranks=ranks, stage_orders=codes, virtual_stages=chunks)
+    return Plan(
+        num_ranks=2,
+        capacity=20,
+        num_layers=4,
+        seq_lens=(10, 3, 4),
+        ranks=ranks,
+        stage_orders=codes,
+        virtual_stages=chunks,
+    )
 
 
 def test_chunk_orders_round_trip_and_validate():

@@ -1,4 +1,5 @@
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from megatron_bytescale.planner.contract.zigzag import causal_work, rank_tokens, zigzag_ranges
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 

@@ -25,11 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .contract import MicroBatch, rank_tokens
-from .contract import graph
+from .contract import MicroBatch, graph, rank_tokens
 from .cost_model import FORWARD_SHARE, CostModel
 from .offload_policy import copy_exposure
-
 
 
 def dkv_home_time(cost: CostModel, block_tokens: float, inter_node: bool) -> float:

@@ -24,11 +24,11 @@ from graphlib import TopologicalSorter
 import numpy as np
 
 from ..errors import ConfigError
+from .contract import MicroBatch, Plan, micro_batch
+from .contract.slots import ep_groups, slot_nodes
 from .cost_model import CostModel
 from .estimate import crosses_nodes, micro_batch_time
 from .placement import RingPlacer
-from .contract import MicroBatch, Plan, micro_batch
-from .contract.slots import ep_groups, slot_nodes
 
 EMPTY = micro_batch(())  # an empty slot: the rank runs one padding token through the model
 
@@ -50,7 +50,9 @@ def align_expert_slots(plan: Plan, expert_parallel: int) -> Plan:
                 heads.setdefault(q[0].ring_key, set()).add(rank)
         ready = {key for key, members in heads.items() if members == set(key[0])}
         if not ready and all(q[0].ring is not None for q in queues if q):
-            raise ConfigError("the plan's ring micro-batches are ordered inconsistently across ranks: validate it first")
+            raise ConfigError(
+                "the plan's ring micro-batches are ordered inconsistently across ranks: validate it first"
+            )
         for rank, q in enumerate(queues):
             if not q:
                 continue
@@ -69,9 +71,15 @@ def align_expert_slots(plan: Plan, expert_parallel: int) -> Plan:
         for r in group:
             ranks[r] = tuple(slotted[r].get(s, EMPTY) for s in used)
     aligned = Plan(
-        num_ranks=plan.num_ranks, capacity=plan.capacity, num_layers=plan.num_layers, seq_lens=plan.seq_lens,
-        ranks=tuple(ranks), meta=dict(plan.meta), host_capacity=plan.host_capacity,
-        recomputed_layers=plan.recomputed_layers, expert_parallel=expert_parallel,
+        num_ranks=plan.num_ranks,
+        capacity=plan.capacity,
+        num_layers=plan.num_layers,
+        seq_lens=plan.seq_lens,
+        ranks=tuple(ranks),
+        meta=dict(plan.meta),
+        host_capacity=plan.host_capacity,
+        recomputed_layers=plan.recomputed_layers,
+        expert_parallel=expert_parallel,
     )
     aligned.meta["expert_slots"] = {
         "slots_per_group": [len(ranks[g[0]]) for g in groups],
@@ -105,7 +113,9 @@ class GroupPlacer(RingPlacer):
         ep_groups(num_ranks, expert_parallel)
         self.expert_parallel = expert_parallel
 
-    def place_ranks(self, loads: np.ndarray, ring_size: int, group: int = 1, changed: list[int] | None = None) -> list[int]:
+    def place_ranks(
+        self, loads: np.ndarray, ring_size: int, group: int = 1, changed: list[int] | None = None
+    ) -> list[int]:
         e = self.expert_parallel
         if ring_size % e or group > 1:
             return super().place_ranks(loads, ring_size, group, changed)

@@ -37,19 +37,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, PlanError
+from . import two_level
 from .balance import BALANCE_MODES, Assignment, Unit, schedule
+from .contract import MicroBatch, Piece, Plan, encode_stage_orders, micro_batch, ring_pieces, whole_pieces
+from .contract.slots import check_expert_parallel
+from .contract.zigzag import rank_tokens, zigzag_ranges
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
-from .contract.slots import check_expert_parallel
 from .expert_slots import GroupPlacer, align_expert_slots, round_rings_to_groups, slot_finish_times
 from .offload_policy import host_capacity
 from .placement import RingPlacer, check_shape
-from .contract import MicroBatch, Piece, Plan, encode_stage_orders, micro_batch, ring_pieces, whole_pieces
-from . import two_level
-from .stage_schedule import chunk_schedule, stage_schedule
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
-from .contract.zigzag import rank_tokens, zigzag_ranges
 from .slot_alignment import Item, LocalBatch, Ordered, order_runs, rank_estimates
+from .stage_schedule import chunk_schedule, stage_schedule
 
 PIPELINE_SCHEDULES = ("1f1b", "search")
 RETARGET = (1.0, 1.1, 1.2, 0.85, 1.35, 0.7, 1.5)  # target scales tried while the step overshoots the target
@@ -80,7 +80,12 @@ class PlannerConfig:
                 raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}{fix}")
 
         whole("num_ranks", self.num_ranks, 1, "; pass the HDP ranks (GPUs / (TP x PP))")
-        whole("token capacity", self.capacity, 1, "; set --hdp-token-capacity to the tokens one rank holds per micro-batch (e.g. 8K)")
+        whole(
+            "token capacity",
+            self.capacity,
+            1,
+            "; set --hdp-token-capacity to the tokens one rank holds per micro-batch (e.g. 8K)",
+        )
         whole("ranks_per_node", self.ranks_per_node, 1, "; pass the HDP ranks per node (GPUs per node / TP)")
         whole("pipeline_stages", self.pipeline_stages, 1)
         whole("expert_parallel", self.expert_parallel, 1, "; pass --expert-model-parallel-size")
@@ -120,7 +125,8 @@ def check_lengths(seq_lens: Sequence[int]) -> tuple[int, ...]:
     if bad.size:
         i = int(bad[0])
         raise ConfigError(
-            f"sequence {i} has length {int(arr[i])}: lengths must be positive ({bad.size} bad); drop empty samples before planning"
+            f"sequence {i} has length {int(arr[i])}: lengths must be positive ({bad.size} bad); drop empty samples "
+            "before planning"
         )
     return tuple(arr.tolist())
 
@@ -178,7 +184,9 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         factors = sorted({1, stages}) if balanced else [1]
         best = None
         for factor in factors:
-            sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, factor, host)
+            sizer = RingSizer(
+                config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, factor, host
+            )
             base = balanced_target(np.asarray(lens), sizer) if balanced else None
             for scale in RETARGET if balanced else (1.0,):
                 target = None if base is None else base * scale
@@ -231,7 +239,11 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
             stage_orders, est = encode_stage_orders(found.orders), np.array(found.finish)
         notes.append(
             "searched stage orders: "
-            + (f"kept ({found.makespan:.4g} s against 1F1B's {one_f_one_b_est:.4g} s)" if found else "none shorter than 1F1B")
+            + (
+                f"kept ({found.makespan:.4g} s against 1F1B's {one_f_one_b_est:.4g} s)"
+                if found
+                else "none shorter than 1F1B"
+            )
         )
 
     plan = Plan(
@@ -280,8 +292,11 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         # with pipeline_schedule="search": the 1F1B estimate the stage orders beat (if found)
         # (with virtual stages the base is the interleaved order; chunk_cap: the chunk forwards
         # a device may hold under the orders found, None for the interleaved order)
-        "stage_orders": {"found": stage_orders is not None, "one_f_one_b_est_s": one_f_one_b_est,
-                         "chunk_cap": found_cap},
+        "stage_orders": {
+            "found": stage_orders is not None,
+            "one_f_one_b_est_s": one_f_one_b_est,
+            "chunk_cap": found_cap,
+        },
         **({"notes": notes} if notes else {}),
         "plan_time_s": time.perf_counter() - t0,
     }
@@ -289,7 +304,13 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
 
 
 def _order(
-    lens, units, assignment: Assignment, config: PlannerConfig, cost: CostModel, placer: RingPlacer, fallback: bool = True
+    lens,
+    units,
+    assignment: Assignment,
+    config: PlannerConfig,
+    cost: CostModel,
+    placer: RingPlacer,
+    fallback: bool = True,
 ) -> Ordered:
     """Rings start when their last member reaches them (a member is held until the slowest
     is done). With pipelines each ring also takes one slot on all its members
@@ -351,8 +372,10 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     for _, shards, target, units, assignment, scale in sorted(candidates, key=lambda c: c[0])[:PIPELINE_ORDERED]:
         ordered = _order(lens, units, assignment, config, cost, placer, fallback=False)
         ring_time = {u: units[u].time for u in assignment.members}
-        step = float("inf") if ordered.deadlock else max(
-            rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages), default=0.0
+        step = (
+            float("inf")
+            if ordered.deadlock
+            else max(rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages), default=0.0)
         )
         if best is None or step < best[0]:
             best = (step, shards, target, units, assignment, scale, ordered)
@@ -393,8 +416,17 @@ def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) 
                 t = two_level.share_time(cost, sh.seq_len, sh.ring_size, sh.heads_split, ranks_per_node)
             else:
                 t = ring_share_time(cost, sh.seq_len, sh.ring_size, sh.ring_size > ranks_per_node)
-            units.append(Unit("ring", (sid,), sh.ring_size, t, -(-sh.seq_len // sh.ring_size), sh.ratio,
-                              heads_split=sh.heads_split))
+            units.append(
+                Unit(
+                    "ring",
+                    (sid,),
+                    sh.ring_size,
+                    t,
+                    -(-sh.seq_len // sh.ring_size),
+                    sh.ratio,
+                    heads_split=sh.heads_split,
+                )
+            )
     return units
 
 
@@ -492,7 +524,9 @@ def _pack_times(lens, packs: list[tuple[int, ...]], cost: CostModel) -> list[flo
     if not packs:
         return []
     sizes = np.fromiter((len(b) for b in packs), dtype=np.int64, count=len(packs))
-    s = np.asarray(lens, dtype=np.int64)[np.fromiter((i for b in packs for i in b), dtype=np.int64, count=int(sizes.sum()))]
+    s = np.asarray(lens, dtype=np.int64)[
+        np.fromiter((i for b in packs for i in b), dtype=np.int64, count=int(sizes.sum()))
+    ]
     first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     tokens = np.add.reduceat(s, first)  # whole numbers: exact
     pairs = np.add.reduceat(s * s, first)
@@ -521,8 +555,14 @@ def _splitter(lens, cost: CostModel):
     return split
 
 
-def _build(lens, units: list[Unit], members: dict[int, tuple[int, ...]], runs: list[list[Item]],
-           ranks_per_node: int = 1, cost: CostModel | None = None) -> tuple:
+def _build(
+    lens,
+    units: list[Unit],
+    members: dict[int, tuple[int, ...]],
+    runs: list[list[Item]],
+    ranks_per_node: int = 1,
+    cost: CostModel | None = None,
+) -> tuple:
     """The plan's micro-batches from each rank's ordered items (a two-level ring keeps the
     group size its placement allows: ``two_level.realized_split``)."""
     pieces_of: dict[int, dict[int, Piece]] = {}  # rings with whole sequences beside their shares
@@ -572,6 +612,8 @@ def _build(lens, units: list[Unit], members: dict[int, tuple[int, ...]], runs: l
                 continue
             unit = units[x]
             slot = members[x].index(rank)
-            mbs.append(micro_batch((pieces_of[x][rank],) + whole_pieces(unit.fillers[slot], lens, one, ranges_of), unit.ratio))
+            mbs.append(
+                micro_batch((pieces_of[x][rank],) + whole_pieces(unit.fillers[slot], lens, one, ranges_of), unit.ratio)
+            )
         ranks.append(tuple(mbs))
     return tuple(ranks)

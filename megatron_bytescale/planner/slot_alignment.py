@@ -36,7 +36,6 @@ from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from itertools import accumulate
 
 import numpy as np
@@ -154,7 +153,9 @@ def rank_estimates(
     if finish is None and chunks > 1:  # the slot-aligned interleaved orders are safe where rings share slots
         for megatron in (False, True):
             orders = slot_interleaved_orders(keys, times, stages, chunks, forward_share, megatron=megatron)
-            found = None if orders is None else pipelined_finish_times(keys, times, stages, forward_share, orders, chunks)
+            found = None
+            if orders is not None:
+                found = pipelined_finish_times(keys, times, stages, forward_share, orders, chunks)
             if found is not None and (finish is None or max(found) < max(finish)):
                 finish = found
     if finish is not None:
@@ -235,7 +236,7 @@ def _sequential(runs, ring_order, members, ring_time) -> Ordered:
             clock[r] = end
     for r in range(n):
         run, c = out[r], clock[r]
-        for x in run[pos[r]:]:
+        for x in run[pos[r] :]:
             c += x.time
         clock[r] = c
     return Ordered(out, clock)
@@ -260,7 +261,7 @@ def _aligned(runs, ring_order, members, ring_time, split, lookahead, frugal: boo
     while pending:
         # the first ring (in schedule order) that can take one slot from what its members
         # have; if none of the next few can, the first takes local work from other ranks
-        for k, u in enumerate(pending[:lookahead]):
+        for k, u in enumerate(pending[:lookahead]):  # noqa: B007 - k is read after the loop
             take = state.aligned_take(u, members[u], result, borrow=False)
             if take is not None:
                 break
@@ -488,7 +489,9 @@ class _State:
                 have = len(batches)
                 if q in members and self.offset[q] is not None:
                     have -= max(0, lo - self.cursor(q))
-                load = self.clock[q] + sum(x.time if isinstance(x, LocalBatch) else self.ring_time[x] for x in self.queues[q])
+                load = self.clock[q] + sum(
+                    x.time if isinstance(x, LocalBatch) else self.ring_time[x] for x in self.queues[q]
+                )
                 if have > 0 and load > most:
                     donor, spare, most = q, have, load
             if donor is None:
@@ -607,8 +610,14 @@ def slot_offsets(ring_keys: Sequence[Sequence[object | None]]) -> list[int] | No
 
 
 def slot_interleaved_orders(
-    ring_keys: Sequence[Sequence[object | None]], times: Sequence[Sequence[float]], stages: int, chunks: int,
-    forward_share: float = FORWARD_SHARE, slot_times: bool = False, megatron: bool = False, shift: int = 0,
+    ring_keys: Sequence[Sequence[object | None]],
+    times: Sequence[Sequence[float]],
+    stages: int,
+    chunks: int,
+    forward_share: float = FORWARD_SHARE,
+    slot_times: bool = False,
+    megatron: bool = False,
+    shift: int = 0,
 ) -> list[list[list[Op]]] | None:
     """Interleaved orders that cannot deadlock when rings sit at one slot on all members: the
     order of one long pipeline over all slots (``_run_one_pipeline``; unit times, or with

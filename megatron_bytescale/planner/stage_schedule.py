@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from .contract import BACKWARD, FORWARD, Op, PipelineGraph, interleaved_order, pipelined_finish_times
 from .slot_alignment import slot_interleaved_orders, slot_offsets
+
 _EPS = 1e-12
 # With chunks, Megatron's warm-up cap is tried after 1F1B's only on batches of at most this
 # many operations (each try simulates every operation; ~2 s per 10^5 on one core)
@@ -281,7 +282,8 @@ def chunk_schedule(
         found = stage_schedule(ring_keys, times, p, forward_share, chunks=chunks,
                                base_orders=None if best is None else best[1])
         if found is not None and (best is None or found.makespan < best[0]):
-            what = f"the list schedule ({found.makespan:.4g} s" + (f" against {best[3]}'s {best[0]:.4g} s)" if best else ")")
+            against = f" against {best[3]}'s {best[0]:.4g} s)" if best else ")"
+            what = f"the list schedule ({found.makespan:.4g} s" + against
             return found.orders, found.finish, found.cap, what
     if best is None:
         return None

@@ -5,8 +5,8 @@ its true position inside its own sequence (RoPE, causal masking) and its next-to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch

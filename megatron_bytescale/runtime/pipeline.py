@@ -80,7 +80,9 @@ class StageLink:
     (``pp_group`` None: a pipeline of one stage, which exchanges nothing). ``chunks``: model
     chunks per device; ``grad_group``: the communicator for gradients (default ``pp_group``)."""
 
-    def __init__(self, pp_group=None, header_device: torch.device = torch.device("cpu"), chunks: int = 1, grad_group=None):
+    def __init__(
+        self, pp_group=None, header_device: torch.device = torch.device("cpu"), chunks: int = 1, grad_group=None
+    ):
         self.group = pp_group
         self.grad_group = grad_group if grad_group is not None else pp_group
         self.stages = dist.get_world_size(pp_group) if pp_group is not None else 1
@@ -113,7 +115,9 @@ class StageLink:
     def _send(self, tensor: torch.Tensor, peer: int, group) -> None:
         tensor = tensor.detach().contiguous()
         if tensor.dim() > MAX_DIMS:
-            raise PlanError(f"pipeline stages exchange tensors of at most {MAX_DIMS} dimensions, got {tuple(tensor.shape)}")
+            raise PlanError(
+                f"pipeline stages exchange tensors of at most {MAX_DIMS} dimensions, got {tuple(tensor.shape)}"
+            )
         header = torch.zeros(MAX_DIMS + 1, dtype=torch.int64, device=self._device)
         header[0] = tensor.dim()
         header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)

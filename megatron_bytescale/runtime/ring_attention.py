@@ -20,12 +20,10 @@ which builds on the same ring passes (``ring_core``).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..errors import PlanError
-from .attention_ops import get_backend, merge
+from .attention_ops import get_backend
 from .layout import MicroBatchLayout, put_rows, take_rows
 from .ring_comm import P2PCounter, RingComm
 from .ring_core import ring_backward, ring_forward
@@ -38,10 +36,10 @@ def ring_attention(
     v: torch.Tensor,
     layout: MicroBatchLayout,
     group=None,
-    softmax_scale: Optional[float] = None,
+    softmax_scale: float | None = None,
     backend: str = "auto",
-    counter: Optional[P2PCounter] = None,
-    grad_dtype: Optional[torch.dtype] = None,
+    counter: P2PCounter | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """q [T, hq, d], k/v [T, hkv, d] in ``layout``'s token order -> out [T, hq, d]; differentiable.
 
@@ -94,7 +92,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Micr
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise PlanError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads (GQA)")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise PlanError(f"q, k, v must share dtype and device; got {q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}")
+        raise PlanError(
+            f"q, k, v must share dtype and device; got {q.dtype}/{k.dtype}/{v.dtype} on "
+            f"{q.device}/{k.device}/{v.device}"
+        )
 
 
 # ------------------------------------------------------------------ the computation

@@ -9,7 +9,7 @@ the plain ring, ``two_level_attention`` over the groups after its head all-to-al
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -36,7 +36,9 @@ def ring_forward(q, k, v, layout: MicroBatchLayout, comm, scale, backend, side_w
     return out, lse  # never None: every query sees itself in its own block
 
 
-def ring_backward(dout, q, k, v, out, lse, layout: MicroBatchLayout, comm, scale, backend, side_work=None, grad_dtype=None):
+def ring_backward(
+    dout, q, k, v, out, lse, layout: MicroBatchLayout, comm, scale, backend, side_work=None, grad_dtype=None
+):
     """Gradients of this member's block; dK/dV of every block come home round the ring.
 
     ``grad_dtype`` (e.g. bf16): the dtype the dK/dV accumulators travel in; each hop adds its
@@ -52,7 +54,9 @@ def ring_backward(dout, q, k, v, out, lse, layout: MicroBatchLayout, comm, scale
         if step == 0 and side_work is not None:
             side_work()
         res = backend.backward(dout, q, kv[0], kv[1], out, lse, blocks[i], blocks[j], scale)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device) if grad_in is None else grad_in.wait().float()
+        dkv = (
+            torch.zeros(kv.shape, dtype=torch.float32, device=kv.device) if grad_in is None else grad_in.wait().float()
+        )
         if res is not None:
             dq += res[0]
             dkv[0] += res[1]

@@ -21,7 +21,6 @@ from pathlib import Path
 from ...errors import PlanError
 from . import rules
 from .ops import Op, decode_order, interleaved_order
-from .rules import resident_fraction
 from .zigzag import Ranges, zigzag_ranges
 
 PLAN_FORMAT_VERSION = 1
@@ -253,7 +252,8 @@ class Plan:
     def from_dict(cls, data: dict) -> Plan:
         try:
             if data.get("version") != PLAN_FORMAT_VERSION:
-                raise PlanError(f"plan format version {data.get('version')!r}; this tool reads version {PLAN_FORMAT_VERSION}")
+                raise PlanError(f"plan format version {data.get('version')!r}; this tool reads version "
+                                f"{PLAN_FORMAT_VERSION}")
             seq_lens = tuple(int(s) for s in data["seq_lens"])
             ranks = tuple(
                 tuple(

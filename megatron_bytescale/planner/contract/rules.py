@@ -173,7 +173,8 @@ def ring_order_errors(plan) -> list[str]:
         ring, seqs = key
         if members != set(ring):
             errors.append(
-                f"ring micro-batch of sequences {list(seqs)} on ring {ring} is scheduled only on ranks {sorted(members)}"
+                f"ring micro-batch of sequences {list(seqs)} on ring {ring} is scheduled only on ranks "
+                f"{sorted(members)}"
             )
     # Deadlock freedom: the "runs before" relation between ring micro-batches on each rank
     # must be acyclic (then the lowest unfinished one can always make progress).
@@ -213,7 +214,8 @@ def stage_order_errors(plan) -> list[str]:
             if sorted(codes) != want:
                 chunks = f" (each of its {v} chunks)" if v > 1 else ""
                 errors.append(
-                    f"{where}: the order must run each of the {count} micro-batches{chunks} once forward and once backward"
+                    f"{where}: the order must run each of the {count} micro-batches{chunks} once forward and once "
+                    "backward"
                 )
                 continue
             seen = set()

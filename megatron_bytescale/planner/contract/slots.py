@@ -51,7 +51,9 @@ def _slot_nodes(plan) -> tuple[dict, list[str]]:
     for group in ep_groups(plan.num_ranks, plan.expert_parallel):
         counts = {r: len(plan.ranks[r]) for r in group}
         if len(set(counts.values())) > 1:
-            errors.append(f"EP group {list(group)} holds different numbers of micro-batch slots {counts}; each needs the same")
+            errors.append(
+                f"EP group {list(group)} holds different numbers of micro-batch slots {counts}; each needs the same"
+            )
             continue
         for k in range(counts[group[0]]):
             for r in group[1:]:
@@ -95,7 +97,10 @@ def slot_errors(plan) -> list[str]:
             if k:
                 a, b = node[(rank, k - 1)], node[(rank, k)]
                 if a == b:
-                    return [f"rank {rank}: slots {k - 1} and {k} must run together (a ring joins them across EP groups): deadlock"]
+                    return [
+                        f"rank {rank}: slots {k - 1} and {k} must run together (a ring joins them across EP groups): "
+                        "deadlock"
+                    ]
                 before[b].add(a)
     try:
         tuple(TopologicalSorter(before).static_order())
