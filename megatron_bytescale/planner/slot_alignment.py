@@ -1,33 +1,14 @@
-"""Order each rank's micro-batches so that ring micro-batches cannot deadlock under 1F1B.
+"""Ring slots: order each rank's micro-batches so that ring micro-batches cannot deadlock
+under 1F1B (and give the interleaved orders that stay safe with model chunks).
 
-Without pipelines a rank runs its micro-batches one after another, so ring micro-batches only
-need the same relative order on every member (``Plan.validate`` rule 5). With ``p > 1``
-stages each rank runs 1F1B, which interleaves forwards of later micro-batches with backwards
-of earlier ones by *index*: on stage ``k``, forward ``i`` precedes backward ``j`` iff
-``i <= j + p - 1 - k``, whatever the rank's micro-batch count. Give every ring a *slot* and
-every rank an offset, and put each ring at index ``slot - offset`` on each member: then every
-rank's 1F1B order, shifted by its offset, is a restriction of the order of one long pipeline,
-so no cycle can form (the design's rule, "the same index on every member", is offset 0). A
-rank's micro-batches fill consecutive slots: a gap between two of its rings must be filled
-with its own local micro-batches, never an empty one (``sim.timeline`` shows what goes wrong
-otherwise: a member waits in a forward for a partner that waits in a backward).
-
-``order_runs(stages > 1)`` takes each rank's work in schedule order and gives rings slots:
-
-1. In schedule order (``_aligned``). Of the slots all members can reach by running some of
-   their local micro-batches first, a ring takes the largest whose estimated start is no
-   later than the schedule's: members fill the time they would wait for their partners, and
-   no ring starts later than planned. A rank that has not run a ring yet may start at any
-   slot. A ring whose members lack local work waits while one of the next ``LOOKAHEAD``
-   rings goes first; if none can, members split their packs in two, then take the last
-   (shortest) local micro-batch of the most loaded rank that has one to spare.
-2. Only when no rank has local work left can a ring miss its slot. Then the shortest
-   estimated step among the orders that are safe wins: the same pass keeping local work
-   for later slots instead of filling waits; either pass if 1F1B runs through it anyway
-   (``find_pipeline_deadlock``, the simulator's model); slots from the ring structure alone
-   (``_slot_search``); the rings placed again level by level (``_place_by_level``), for
-   placements that admit no safe order at all (three rings on three ranks, each pair
-   sharing a rank, nothing else to run). ``Ordered.deadlock`` is set if none is safe.
+``order_runs`` takes each rank's work in schedule order and gives every ring one *slot* on
+all its members (each rank's index plus its offset): members run some of their local
+micro-batches before or after a ring, split packs, or borrow local work, and only when no
+local work is left may a ring miss its slot, in which case the shortest safe candidate order
+wins and ``Ordered.deadlock`` says why if none is safe. ``rank_estimates`` times the result.
+``slot_offsets`` and ``slot_interleaved_orders`` give chunk orders that cannot deadlock when
+rings sit at one slot. Why one slot per ring is safe under 1F1B, and the passes in detail:
+docs/design.md, "Pipeline order".
 """
 
 from __future__ import annotations
