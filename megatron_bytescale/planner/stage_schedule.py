@@ -56,7 +56,7 @@ def stage_schedule(
     (a ring operation lasts its slowest member's share). With ``chunks`` model chunks per
     device the operations are chunk operations, ``cap`` counts chunk forwards (default
     ``p * chunks``: the activations of 1F1B's ``p`` micro-batches) and the default base is
-    the interleaved order; the orders are (direction, micro-batch, chunk)."""
+    the interleaved order; the orders are ``Op`` lists per rank and device."""
     p = stages
     # With chunks: first 1F1B's memory (p x V chunk forwards); gangs of rings can stall each
     # other under it, so also Megatron's interleaved warm-up (p x V + p - 1: what the

@@ -9,8 +9,9 @@ backward, then the cool-down backwards); either is an order the planner proves f
 deadlock when ring micro-batches join stages of different pipelines.
 
 Virtual pipeline stages (Megatron's interleaved layout): each device holds ``chunks`` model
-chunks, chunk ``c`` of device ``d`` being virtual stage ``c * p + d``. An operation is then
-(direction, micro-batch, chunk); the forward of virtual stage ``vs`` receives from ``vs - 1``
+chunks, chunk ``c`` of device ``d`` being virtual stage ``c * p + d``. An operation is an
+``Op(direction, micro_batch, chunk)`` (``planner.contract.ops``); the forward of virtual
+stage ``vs`` receives from ``vs - 1``
 (device ``d - 1`` mod ``p``: device 0's chunk ``c > 0`` follows chunk ``c - 1`` of device
 ``p - 1``) and sends to ``vs + 1``, backward the reverse; ``vs = 0`` embeds, ``vs = p * chunks
 - 1`` computes the loss. Without an order from the plan a device runs
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
-from ..planner.contract import FORWARD, as_ops, interleaved_order
+from ..planner.contract import FORWARD, Op, as_ops, interleaved_order
 
 MAX_DIMS = 4  # shape header: [ndim, d0, .., d3]
 SHAPE_TAG, DATA_TAG = 0, 1
@@ -173,11 +174,11 @@ def run_one_f_one_b(
     device: torch.device,
     forward_only: bool = False,
     release: Callable[[torch.Tensor], None] | None = None,
-    order: list[tuple[int, ...]] | None = None,
+    order: list[Op] | None = None,
 ) -> None:
-    """Run ``count`` micro-batches through this device's chunks in ``order`` ((direction,
-    micro-batch[, chunk]), the plan's order for this device), or when ``order`` is None in 1F1B
-    order (``interleaved_order`` with ``link.chunks`` > 1).
+    """Run ``count`` micro-batches through this device's chunks in ``order`` (its ops, the
+    plan's order for this device), or when ``order`` is None in the default order (1F1B, or
+    ``interleaved_order`` with ``link.chunks`` > 1).
 
     ``forward(m, chunk, input)`` returns the chunk's output (the loss on the last virtual
     stage); ``backward(m, chunk, input, output, output_grad)`` returns the gradient of

@@ -277,7 +277,7 @@ def crossing_order_mismatch(stage_orders: Sequence[Sequence[Sequence[int]]], chu
     in the same order.
     Without chunks this is: stage ``k + 1`` runs its forwards in stage ``k``'s order of
     forwards, stage ``k`` its backwards in stage ``k + 1``'s order. ``stage_orders``: per
-    device, (direction, micro-batch[, chunk]) in run order."""
+    device, its ops in run order."""
     p = len(stage_orders)
     last = p * chunks - 1
     sent: dict[tuple[int, int], list] = defaultdict(list)
