@@ -3,9 +3,10 @@
 import json
 
 import pytest
-from data_support import build_corpus
 
 from megatron_bytescale import cli
+
+from data_support import build_corpus
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,13 @@ import struct
 import numpy as np
 import pytest
 import torch
-from data_support import SMALL_PACKAGES, build_corpus
 
 from megatron_bytescale import cli
 from megatron_bytescale.data.corpus import SourceDocument, site_packages_documents
 from megatron_bytescale.data.indexed import DocumentDataset, write_indexed_dataset
 from megatron_bytescale.errors import ConfigError
+
+from data_support import SMALL_PACKAGES, build_corpus
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch.distributed as dist
-from data_support import build_corpus, simple_plan_fn
 
 from megatron_bytescale.data.indexed import DocumentDataset
 from megatron_bytescale.data.local_loader import LocalDataLoader
@@ -15,6 +14,8 @@ from megatron_bytescale.data.planning import SamplesDigest, rank_token_ranges
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.local_world import run_local_world
 from megatron_bytescale.planner.planner import PlannerConfig
+
+from data_support import build_corpus, simple_plan_fn
 
 RANKS, CAPACITY = 4, 2048
 SETTINGS = dict(step_tokens=3 * RANKS * CAPACITY, context_length=RANKS * CAPACITY, seed=11)

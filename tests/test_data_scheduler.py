@@ -4,12 +4,13 @@ evicted steps, resets, and errors/timeouts instead of hangs."""
 import time
 
 import pytest
-from data_support import simple_plan_fn
 
 from megatron_bytescale.data.planning import StepPlanner
 from megatron_bytescale.data.ray_loader import PlanScheduler
 from megatron_bytescale.data.sampler import GlobalBatchSampler, Position
 from megatron_bytescale.errors import ConfigError, PlanError
+
+from data_support import simple_plan_fn
 
 LENGTHS = [50, 300, 7, 1200, 90, 640, 33, 410, 5, 800] * 3
 KW = dict(step_tokens=1600, context_length=800, seed=2, num_ranks=2, timeout_s=10)

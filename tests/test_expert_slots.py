@@ -5,7 +5,6 @@ refuse plans that would hang."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_cases import draw_lengths, small_cost
 
 from megatron_bytescale.errors import ConfigError, PlanError
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
@@ -14,6 +13,8 @@ from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.expert_slots import align_expert_slots, all_to_all_time, slot_finish_times
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
+
+from planner_cases import draw_lengths, small_cost
 
 
 @st.composite

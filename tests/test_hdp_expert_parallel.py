@@ -9,11 +9,12 @@ import re
 import zlib
 
 import pytest
-from hdp_helpers import one_rank_plan, run_plan
 
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.expert_slots import align_expert_slots
+
+from hdp_helpers import one_rank_plan, run_plan
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 

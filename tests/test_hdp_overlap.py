@@ -11,10 +11,11 @@ Gradients must equal one rank's on the same global batch.
 from __future__ import annotations
 
 import pytest
-from hdp_helpers import one_rank_plan, read_tokens
 
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
+
+from hdp_helpers import one_rank_plan, read_tokens
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -62,10 +63,10 @@ def _overlapped(rank, world, plan_json, steps=2):
 
 
 def _reference(rank, world, lens):
-    from hdp_helpers import grads_of
-
     from megatron_bytescale.megatron import local_run
     from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
+
+    from hdp_helpers import grads_of
 
     model, group = local_run.setup_model("tiny", seed=SEED)
     plan = one_rank_plan(lens)
@@ -103,10 +104,11 @@ LR = 0.5
 def _reference_sgd(rank, world, lens, steps):
     """One rank, two steps of plain SGD on the full parameters: gradients of each step."""
     import torch
-    from hdp_helpers import grads_of
 
     from megatron_bytescale.megatron import local_run
     from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
+
+    from hdp_helpers import grads_of
 
     model, group = local_run.setup_model("tiny", seed=SEED)
     plan = one_rank_plan(lens)

@@ -9,7 +9,6 @@ on one rank without PP, from the same full weights. All cases run in one launch 
 from __future__ import annotations
 
 import pytest
-from hdp_helpers import global_layer_names, grads_of, one_rank_reference, step_batch
 
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.contract import (
@@ -21,6 +20,8 @@ from megatron_bytescale.planner.contract import (
     ring_pieces,
     whole_piece,
 )
+
+from hdp_helpers import global_layer_names, grads_of, one_rank_reference, step_batch
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hdp_helpers import grads_of, read_tokens
 
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.contract import MicroBatch, Plan, whole_piece
+
+from hdp_helpers import grads_of, read_tokens
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 

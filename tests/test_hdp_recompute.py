@@ -11,11 +11,12 @@ reference run without recompute.
 from __future__ import annotations
 
 import pytest
-from hdp_helpers import grads_of, one_rank_plan, step_batch
 
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
+
+from hdp_helpers import grads_of, one_rank_plan, step_batch
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 

@@ -7,12 +7,13 @@ count); the ring still moves only the planned KV blocks.
 from __future__ import annotations
 
 import pytest
-from hdp_helpers import grads_of, one_rank_plan, run_plan, shard_info, shard_like
 
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 from megatron_bytescale.runtime.padding import padding_for
+
+from hdp_helpers import grads_of, one_rank_plan, run_plan, shard_info, shard_like
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 

@@ -8,11 +8,12 @@ whole on a single rank. Loss and every gradient must agree in fp32.
 from __future__ import annotations
 
 import pytest
-from hdp_helpers import grads_of, one_rank_plan, read_tokens, run_plan, shard_info, shard_like
 
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
+
+from hdp_helpers import grads_of, one_rank_plan, read_tokens, run_plan, shard_info, shard_like
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 

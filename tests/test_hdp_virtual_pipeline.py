@@ -13,7 +13,6 @@ and reduces with Megatron's ``finalize_model_grads`` over the list of chunks.
 from __future__ import annotations
 
 import pytest
-from hdp_helpers import global_layer_names, one_rank_reference, step_batch
 
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.contract import (
@@ -25,6 +24,8 @@ from megatron_bytescale.planner.contract import (
     ring_pieces,
     whole_piece,
 )
+
+from hdp_helpers import global_layer_names, one_rank_reference, step_batch
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -79,9 +80,9 @@ def one_chunk_plan() -> Plan:
 def planned_plan() -> Plan:
     """What the planner makes with two chunks per device: rings across both pipelines in the
     chunk order it chose as the shortest safe one, run as planned."""
-    from planner_cases import small_cost
-
     from megatron_bytescale.planner.planner import PlannerConfig, plan_step
+
+    from planner_cases import small_cost
 
     config = PlannerConfig(
         num_ranks=2, capacity=20, ranks_per_node=2, balance="none", pipeline_stages=PP, virtual_stages=V

@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from hdp_helpers import grads_of, read_tokens, shard_like
 
 from megatron_bytescale.errors import BytescaleError, ConfigError
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.contract import MicroBatch, Piece
 from megatron_bytescale.planner.contract.zigzag import zigzag_ranges
+
+from hdp_helpers import grads_of, read_tokens, shard_like
 
 # import megatron-core once in the launcher's forkserver, not in every rank
 preload(["megatron.core.models.gpt.gpt_model", "megatron.core.distributed", "megatron_bytescale.megatron.model"])

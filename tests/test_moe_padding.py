@@ -4,10 +4,10 @@ empty slot pad) gives the same loss and gradients as unpadded, with the aux loss
 
 from __future__ import annotations
 
-from hdp_helpers import read_tokens
-
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.contract import MicroBatch, Plan, whole_piece
+
+from hdp_helpers import read_tokens
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 

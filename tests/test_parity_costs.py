@@ -2,7 +2,6 @@
 policy, planner, simulator) and the exposed gradient reduction with and without overlap."""
 
 import pytest
-from planner_cases import small_cost
 
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
@@ -11,6 +10,8 @@ from megatron_bytescale.planner.offload_policy import decide
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import evaluate, simulate
+
+from planner_cases import small_cost
 
 MS = 1e-3
 F, B = FORWARD_SHARE, 1 - FORWARD_SHARE

@@ -13,8 +13,6 @@ import time
 
 import pytest
 import torch
-from data_support import build_corpus
-from hdp_helpers import step_batch
 from test_arguments import HDP, parse
 
 from megatron_bytescale.errors import ConfigError
@@ -23,6 +21,9 @@ from megatron_bytescale.megatron import pretrain_hooks as hooks
 from megatron_bytescale.megatron.arguments import validate_hdp_args
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.runtime.batch import MicroBatchData
+
+from data_support import build_corpus
+from hdp_helpers import step_batch
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 

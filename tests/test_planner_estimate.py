@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_cases import draw_lengths, small_cost
 
 from megatron_bytescale.planner.estimate import dkv_home_time, exposed_ring_time, ring_share_time
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.sharding import ring_times
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import simulate
+
+from planner_cases import draw_lengths, small_cost
 
 
 @st.composite

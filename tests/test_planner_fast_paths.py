@@ -10,12 +10,13 @@ import heapq
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from planner_cases import small_cost
 
 from megatron_bytescale.planner import balance, two_level
 from megatron_bytescale.planner.balance import _Loads, make_buckets
 from megatron_bytescale.planner.placement import RingPlacer
 from megatron_bytescale.planner.sharding import RingSizer, ring_times
+
+from planner_cases import small_cost
 
 # coarse values make equal keys and equal unit times common (the tie rules must agree)
 coarse = st.integers(0, 6).map(lambda v: v / 4)

@@ -3,7 +3,6 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from planner_cases import small_cost
 
 from megatron_bytescale.planner.contract import resident_fraction
 from megatron_bytescale.planner.offload_policy import (
@@ -17,6 +16,8 @@ from megatron_bytescale.planner.offload_policy import (
     ratio_for_share,
     share_pairs,
 )
+
+from planner_cases import small_cost
 
 
 @given(st.integers(1, 10_000), st.floats(0, 1), st.integers(1, 80))

@@ -2,7 +2,6 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from planner_cases import small_cost
 
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.planner.balance import Unit, make_buckets, schedule
@@ -16,6 +15,8 @@ from megatron_bytescale.planner.sharding import (
     plan_ring_sizes,
     ring_times,
 )
+
+from planner_cases import small_cost
 
 
 # ------------------------------------------------------------------ packing

@@ -6,7 +6,6 @@ from collections import defaultdict
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_cases import draw_lengths, small_cost
 
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.planner import slot_alignment
@@ -16,6 +15,8 @@ from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.slot_alignment import LocalBatch, order_runs
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import simulate
+
+from planner_cases import draw_lengths, small_cost
 
 
 def slot_offsets(runs_keys) -> dict[int, int] | None:

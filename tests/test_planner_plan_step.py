@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_cases import small_cost
 
 from megatron_bytescale.errors import BytescaleError, ConfigError
 from megatron_bytescale.planner.cost_model import CostModel
@@ -13,6 +12,8 @@ from megatron_bytescale.planner.offload_policy import copy_hides, host_capacity
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.sharding import memory_floor
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
+
+from planner_cases import small_cost
 
 
 @st.composite

@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import lifetime_support
 import pytest
 
 from megatron_bytescale.errors import ConfigError
@@ -22,6 +21,8 @@ from megatron_bytescale.local_world import (
     run_local_world,
 )
 from megatron_bytescale.process_lifetime import _alive
+
+import lifetime_support
 
 HERE = Path(__file__).resolve().parent
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gpu_scripts import load_gpu_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +19,8 @@ from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
 from megatron_bytescale.runtime.offload import ActivationOffloader
 from megatron_bytescale.tools import offload_bench, profiler
 from megatron_bytescale.tools.layer_stack import LayerStack
+
+from gpu_scripts import load_gpu_script
 
 
 @pytest.fixture(scope="module", autouse=True)

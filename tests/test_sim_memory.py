@@ -5,12 +5,13 @@ import math
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_cases import small_cost
 
 from megatron_bytescale.planner.contract import resident_fraction
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.strategies import StrategyInput, make_plan
 from megatron_bytescale.sim.timeline import evaluate
+
+from planner_cases import small_cost
 
 
 @st.composite

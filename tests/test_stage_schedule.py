@@ -6,7 +6,6 @@ simulated step."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_cases import check_stage_orders, draw_lengths, peak_in_flight, ring_pipelines, small_cost
 
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.planner.contract import (
@@ -26,6 +25,8 @@ from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.stage_schedule import stage_schedule
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import simulate
+
+from planner_cases import check_stage_orders, draw_lengths, peak_in_flight, ring_pipelines, small_cost
 
 
 def pipelines():

@@ -3,7 +3,6 @@ micro-batch count without deadlock and with the devices agreeing on message orde
 chunk orders through JSON, and ``validate`` refuses chunk orders that cannot run."""
 
 import pytest
-from planner_cases import check_stage_orders
 
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.planner.contract import (
@@ -19,6 +18,8 @@ from megatron_bytescale.planner.contract import (
     ring_pieces,
     whole_piece,
 )
+
+from planner_cases import check_stage_orders
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3])

@@ -6,7 +6,6 @@ every token once and are estimated as the simulator runs them."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_cases import check_stage_orders, draw_lengths, peak_in_flight, ring_pipelines, small_cost
 
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.planner.contract import (
@@ -28,6 +27,8 @@ from megatron_bytescale.planner.slot_alignment import _run_one_pipeline
 from megatron_bytescale.planner.stage_schedule import chunk_schedule, stage_schedule
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import evaluate, pipeline_ring_floor, simulate
+
+from planner_cases import check_stage_orders, draw_lengths, peak_in_flight, ring_pipelines, small_cost
 
 MS = 1e-3
 
