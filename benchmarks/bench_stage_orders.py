@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron_bytescale.data.workloads import sample_lengths  # noqa: E402
 from megatron_bytescale.errors import PlanError  # noqa: E402
 from megatron_bytescale.planner.estimate import crosses_nodes, micro_batch_time  # noqa: E402
-from megatron_bytescale.planner.pipeline_order import FORWARD, BACKWARD, encode_stage_orders, plan_ring_keys  # noqa: E402
-from megatron_bytescale.planner.stage_schedule import _list_schedule, _Ops, stage_schedule  # noqa: E402
+from megatron_bytescale.planner.contract import BACKWARD, FORWARD, PipelineGraph, encode_stage_orders  # noqa: E402
+from megatron_bytescale.planner.stage_schedule import _list_schedule, stage_schedule  # noqa: E402
 from megatron_bytescale.sim.simulate import add_arguments, check_config, config_from_args  # noqa: E402
 from megatron_bytescale.sim.strategies import StrategyInput, make_plan  # noqa: E402
 from megatron_bytescale.sim.timeline import lower_bound, pipeline_ring_floor, simulate  # noqa: E402
@@ -65,7 +65,7 @@ def planned_batch(cfg, cluster, cost, rng, virtual_stages: int = 1):
     plan = make_plan("hdp-balanced", StrategyInput(lens, cluster, cost, cfg.capacity, cfg.context, virtual_stages=virtual_stages))
     rpn = plan.meta["ranks_per_node"]
     times = [[micro_batch_time(cost, mb, mb.ring is not None and crosses_nodes(mb.ring, rpn)) for mb in mbs] for mbs in plan.ranks]
-    return lens, plan, plan_ring_keys(plan), times
+    return lens, plan, plan.ring_keys(), times
 
 
 def main() -> int:
@@ -118,7 +118,7 @@ def chunk_rows(cfg, cluster, cost, rng, out) -> int:
     for step in range(cfg.steps):
         lens, plan, keys, times = planned_batch(cfg, cluster, cost, rng, v)
         row = {"step": step, "vpp": v, "planned_s": simulate(plan, cluster, cost).step_time}
-        ops = _Ops(keys, times, p, cost.forward_share, v)
+        ops = PipelineGraph.of_times(keys, times, p, cost.forward_share, v)
         for name, cap in (("list_pv_s", p * v), ("list_megatron_s", p * v + p - 1), ("list_unlimited_s", ops.total)):
             seqs = _list_schedule(ops, cap)
             orders = None if seqs is None else encode_stage_orders(ops.orders(seqs), v)

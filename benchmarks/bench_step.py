@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from megatron_bytescale.units import format_size, parse_size  # noqa: E402
+from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank  # noqa: E402
 
 
 def corpus_reader(prefix: str, lengths: list[int], seed: int):
@@ -41,7 +42,7 @@ def _rank(rank, world, plan_json, prefix, lengths, seed, repeats):
     import torch.distributed as dist
 
     from megatron_bytescale.megatron import local_run
-    from megatron_bytescale.planner.plan import Plan
+    from megatron_bytescale.planner.contract import Plan
     from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
 
     model, group = local_run.setup_model("tiny", seed=seed)
@@ -103,7 +104,7 @@ def main() -> int:
             "step_time_s_total": sum(step_times),  # throughput: the speedup is static's total over HDP's
             "step_times_s": step_times,
             "p2p_bytes": sum(o["p2p_bytes"] for o in outs),
-            "p2p_bytes_predicted": int(sum(plan.p2p_bytes_per_rank(cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers))),
+            "p2p_bytes_predicted": int(sum(p2p_bytes_per_rank(plan, cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers))),
             "p2p_wait_s_max": max(o["p2p_wait_s"] for o in outs),
             "loss": outs[0]["loss"],
             "ranks_per_sequence": sorted(plan.ring_sizes().values(), reverse=True),

@@ -29,12 +29,24 @@ def quiet_optional_backend_warnings() -> None:
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("megatron_bytescale.demo", "train a tiny GPT under HDP on 4 CPU processes, then on the static mesh, and compare"),
+    "demo": (
+        "megatron_bytescale.demo",
+        "train a tiny GPT under HDP on 4 CPU processes, then on the static mesh, and compare",
+    ),
     "verify": ("megatron_bytescale.verify", "check that HDP on N gloo ranks trains exactly like one rank"),
     "plan": ("megatron_bytescale.planner.plan_cli", "plan one step of HDP for a batch of sequence lengths"),
-    "simulate": ("megatron_bytescale.sim.simulate", "compare static CP, Megatron dynamic CP and HDP on a simulated cluster"),
-    "prepare-data": ("megatron_bytescale.data.prepare", "write a Megatron indexed dataset from source trees or text files"),
-    "dataloader-bench": ("megatron_bytescale.tools.dataloader_bench", "time planning and delivery of the local or Ray data loader"),
+    "simulate": (
+        "megatron_bytescale.sim.simulate",
+        "compare static CP, Megatron dynamic CP and HDP on a simulated cluster",
+    ),
+    "prepare-data": (
+        "megatron_bytescale.data.prepare",
+        "write a Megatron indexed dataset from source trees or text files",
+    ),
+    "dataloader-bench": (
+        "megatron_bytescale.tools.dataloader_bench",
+        "time planning and delivery of the local or Ray data loader",
+    ),
     "profile": ("megatron_bytescale.tools.profiler", "measure the cost model's coefficients on this machine"),
     "patches": ("megatron_bytescale.megatron.patch_series", "show (or apply) the pretrain_gpt.py patch series for a Megatron-LM checkout"),
 }
@@ -67,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Hybrid Data Parallelism for long-context Megatron-LM training.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in SUBCOMMANDS.items():
+    for name, (_module, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 

@@ -64,8 +64,8 @@ def megatron_core_sources() -> list[Path]:
 
 def ensure_corpus(prefix: Path) -> str:
     """The demo's indexed dataset: built once from real source files, then reused."""
-    from .data.indexed import write_indexed_dataset
     from .data.corpus import text_file_documents
+    from .data.indexed import write_indexed_dataset
     from .data.tokenizer import ByteTokenizer
 
     if Path(f"{prefix}.bin").exists() and Path(f"{prefix}.idx").exists():
@@ -73,8 +73,13 @@ def ensure_corpus(prefix: Path) -> str:
     files = megatron_core_sources()
     if not files:
         raise BytescaleError("no megatron-core source files found to build the demo corpus; pass --data PREFIX")
-    info = write_indexed_dataset(prefix, text_file_documents(files), ByteTokenizer(vocab_size=VOCAB), source="megatron-core sources")
-    print(f"corpus: {info.num_documents} documents (megatron-core source files), {info.num_tokens:,} tokens -> {prefix}.bin/.idx")
+    info = write_indexed_dataset(
+        prefix, text_file_documents(files), ByteTokenizer(vocab_size=VOCAB), source="megatron-core sources"
+    )
+    print(
+        f"corpus: {info.num_documents} documents (megatron-core source files), {info.num_tokens:,} tokens -> "
+        f"{prefix}.bin/.idx"
+    )
     return str(prefix)
 
 
@@ -147,7 +152,9 @@ def check_inputs(cfg: DemoConfig) -> None:
     if not math.isfinite(cfg.lr) or cfg.lr <= 0:
         raise BytescaleError(f"--lr {cfg.lr}: the learning rate must be a positive finite number, e.g. --lr 3e-3")
     if cfg.checkpoint_every < 0:
-        raise BytescaleError(f"--checkpoint-every {cfg.checkpoint_every}: give a number of steps, or 0 for no checkpoints")
+        raise BytescaleError(
+            f"--checkpoint-every {cfg.checkpoint_every}: give a number of steps, or 0 for no checkpoints"
+        )
     check_world_size(cfg.ranks, "--ranks")
     if cfg.context > cfg.capacity * cfg.ranks:
         raise BytescaleError(
@@ -198,8 +205,13 @@ def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str, resume_fr
     offloader = ActivationOffloader(transformer_layers(model))  # applies each micro-batch's planned ratio
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     loader = LocalDataLoader(
-        cfg.data, plan_fn=plan_function(strategy, cfg, world), step_tokens=cfg.step_tokens,
-        context_length=cfg.context, seed=cfg.seed, rank=rank, vocab_size=VOCAB,
+        cfg.data,
+        plan_fn=plan_function(strategy, cfg, world),
+        step_tokens=cfg.step_tokens,
+        context_length=cfg.context,
+        seed=cfg.seed,
+        rank=rank,
+        vocab_size=VOCAB,
     )
     start = 0
     if resume_from is not None:
@@ -210,7 +222,9 @@ def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str, resume_fr
         start = state["step"]
     plot_step = cfg.steps - 1 if cfg.plot_step < 0 else cfg.plot_step
     records = []
-    bar = tqdm(total=cfg.steps, initial=start, disable=rank != 0, desc=STRATEGY_NAMES[strategy], unit="step", file=sys.stderr)
+    bar = tqdm(
+        total=cfg.steps, initial=start, disable=rank != 0, desc=STRATEGY_NAMES[strategy], unit="step", file=sys.stderr
+    )
     for step in range(start, cfg.steps):
         dist.barrier(group)  # a common start: the step time is the slowest rank's
         t0 = time.perf_counter()
@@ -226,7 +240,10 @@ def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str, resume_fr
         gathered = None
         if step == plot_step:  # every rank's micro-batch timings, on the common step clock
             gathered = [None] * world
-            ops = [(m.start - t0, m.forward_end - t0, m.end - t0, m.forward_wait_s, m.backward_wait_s) for m in result.stats.timings]
+            ops = [
+                (m.start - t0, m.forward_end - t0, m.end - t0, m.forward_wait_s, m.backward_wait_s)
+                for m in result.stats.timings
+            ]
             dist.all_gather_object(gathered, ops, group=group)
         tokens = sum(batch.plan.seq_lens)
         rings = Counter(batch.plan.ring_sizes().values())
@@ -248,14 +265,20 @@ def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str, resume_fr
             ring_text = " ".join(f"{n}x{size}" for size, n in record["ranks_per_sequence"].items())
             bar.write(
                 f"  step {step + 1:>3}/{cfg.steps}  loss {result.loss:7.4f}  {record['tokens_per_s']:>8,.0f} tok/s  "
-                f"ranks/seq [{ring_text}]  P2P {format_size(record['p2p_bytes'])}B  offloaded {format_size(record['offloaded_bytes'])}B"
+                f"ranks/seq [{ring_text}]  P2P {format_size(record['p2p_bytes'])}B  offloaded "
+                f"{format_size(record['offloaded_bytes'])}B"
             )
             bar.update(1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 checkpoint_io.save(
                     checkpoint_dir(cfg, strategy) / checkpoint_io.checkpoint_name(step + 1),
-                    {"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "data": loader.state_dict(), "config": trained_with(cfg, strategy)},
+                    {
+                        "step": step + 1,
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "data": loader.state_dict(),
+                        "config": trained_with(cfg, strategy),
+                    },
                 )
     bar.close()
     local_run.teardown()
@@ -266,9 +289,20 @@ def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str, resume_fr
 def run_strategy(cfg: DemoConfig, strategy: str, resume_from: Path | None = None) -> list[dict]:
     from .local_world import preload, run_local_world
 
-    preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run", "megatron_bytescale.data.local_loader"])
+    preload(
+        [
+            "megatron.core.models.gpt.gpt_model",
+            "megatron_bytescale.megatron.local_run",
+            "megatron_bytescale.data.local_loader",
+        ]
+    )
     return run_local_world(
-        _train_rank, cfg.ranks, cfg, strategy, None if resume_from is None else str(resume_from), timeout_s=cfg.timeout_s
+        _train_rank,
+        cfg.ranks,
+        cfg,
+        strategy,
+        None if resume_from is None else str(resume_from),
+        timeout_s=cfg.timeout_s,
     )[0]
 
 
@@ -351,16 +385,22 @@ def _run_demo(cfg: DemoConfig) -> dict:
     check_dataset(cfg)
     runs = {}
     for strategy in cfg.strategies:
-        print(f"\n{STRATEGY_NAMES[strategy]}: {cfg.ranks} gloo ranks, {cfg.steps} steps of {format_size(cfg.step_tokens)} tokens, "
-              f"capacity {format_size(cfg.capacity)}, context {format_size(cfg.context)}")
+        print(
+            f"\n{STRATEGY_NAMES[strategy]}: {cfg.ranks} gloo ranks, {cfg.steps} steps of "
+            f"{format_size(cfg.step_tokens)} tokens, "
+            f"capacity {format_size(cfg.capacity)}, context {format_size(cfg.context)}"
+        )
         runs[strategy] = run_strategy(cfg, strategy, resume.get(strategy))
     summaries = {s: summarize(r) for s, r in runs.items() if r}
     if not summaries:
         print("nothing to do: every strategy's latest checkpoint is already at --steps")
         return {}
     print("\n" + comparison_table(summaries))
-    report = {"config": asdict(cfg), "summary": summaries,
-              "steps": {s: [{k: v for k, v in r.items() if k != "timeline"} for r in recs] for s, recs in runs.items()}}
+    report = {
+        "config": asdict(cfg),
+        "summary": summaries,
+        "steps": {s: [{k: v for k, v in r.items() if k != "timeline"} for r in recs] for s, recs in runs.items()},
+    }
     (out / "demo.json").write_text(json.dumps(report, indent=2) + "\n")
     plot = plot_measured(runs, out / "timeline.png")
     print(f"\nwrote {out / 'demo.json'}" + (f" and {plot}" if plot else ""))
@@ -376,8 +416,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-tokens", default=str(d.step_tokens), help=f"tokens per global batch (default {d.step_tokens})")
     parser.add_argument("--seed", type=seed, default=d.seed)
     parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--profile", default=d.profile, help="the HDP planner's cost-model profile (default: measured tiny-on-CPU)")
-    parser.add_argument("--data", help="Megatron indexed dataset prefix (default: built from megatron-core's source files)")
+    parser.add_argument(
+        "--profile", default=d.profile, help="the HDP planner's cost-model profile (default: measured tiny-on-CPU)"
+    )
+    parser.add_argument(
+        "--data", help="Megatron indexed dataset prefix (default: built from megatron-core's source files)"
+    )
     parser.add_argument("--out", default=d.out, help=f"output folder (default {d.out})")
     parser.add_argument("--strategies", default=",".join(d.strategies), help="hdp, static or both (default hdp,static)")
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints (0: none)")
@@ -395,10 +439,19 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     if args.ranks < 1 or args.steps < 1:
         raise BytescaleError("--ranks and --steps must be at least 1")
     return DemoConfig(
-        ranks=args.ranks, steps=args.steps, capacity=parse_size(args.capacity, "--capacity"),
-        context=parse_size(args.context, "--context"), step_tokens=parse_size(args.step_tokens, "--step-tokens"),
-        seed=args.seed, lr=args.lr, profile=args.profile, out=args.out, data=args.data, strategies=strategies,
-        checkpoint_every=args.checkpoint_every, resume=args.resume,
+        ranks=args.ranks,
+        steps=args.steps,
+        capacity=parse_size(args.capacity, "--capacity"),
+        context=parse_size(args.context, "--context"),
+        step_tokens=parse_size(args.step_tokens, "--step-tokens"),
+        seed=args.seed,
+        lr=args.lr,
+        profile=args.profile,
+        out=args.out,
+        data=args.data,
+        strategies=strategies,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
     )
 
 
@@ -408,8 +461,17 @@ def main(args: argparse.Namespace) -> int:
         from .megatron.cpu_pretrain import run_pretrain_gpt
 
         data = cfg.data or ensure_corpus(Path(cfg.out) / "data" / "megatron_core_sources")
-        return run_pretrain_gpt(args.megatron_lm, data, ranks=cfg.ranks, steps=cfg.steps, capacity=cfg.capacity,
-                                context=cfg.context, step_tokens=cfg.step_tokens, seed=cfg.seed, lr=cfg.lr,
-                                profile=cfg.profile)
+        return run_pretrain_gpt(
+            args.megatron_lm,
+            data,
+            ranks=cfg.ranks,
+            steps=cfg.steps,
+            capacity=cfg.capacity,
+            context=cfg.context,
+            step_tokens=cfg.step_tokens,
+            seed=cfg.seed,
+            lr=cfg.lr,
+            profile=cfg.profile,
+        )
     run_demo(cfg)
     return 0

@@ -22,8 +22,9 @@ import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from . import errors, process_lifetime
 from .errors import BytescaleError, ConfigError, WorkerError  # noqa: F401 - WorkerError is part of this API
@@ -194,8 +195,11 @@ def run_local_world(
     env = dict(os.environ)
     result_dir = _new_result_dir()
     procs = [
-        ctx.Process(target=_child, args=(payload, r, world_size, port, timeout_s, threads, env, results, heartbeat, os.getpid(),
-                                         result_dir), daemon=True)
+        ctx.Process(
+            target=_child,
+            args=(payload, r, world_size, port, timeout_s, threads, env, results, heartbeat, os.getpid(), result_dir),
+            daemon=True,
+        )
         for r in range(world_size)
     ]
     out: dict[int, Any] = {}
@@ -247,7 +251,10 @@ def _name_dead_peer(procs, out, failed: int, value, grace_s: float = 1.0) -> Non
             last = value[1] if isinstance(value, tuple) else value.strip().splitlines()[-1]
             code = procs[dead[0]].exitcode
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            raise WorkerError(f"rank {dead[0]} {how} before reporting (pid {procs[dead[0]].pid}); rank {failed} then failed: {last[:300]}")
+            raise WorkerError(
+                f"rank {dead[0]} {how} before reporting (pid {procs[dead[0]].pid}); rank {failed} then failed: "
+                f"{last[:300]}"
+            )
         time.sleep(0.1)
 
 

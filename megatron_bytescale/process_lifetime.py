@@ -80,7 +80,9 @@ def die_with_launcher(launcher_pid: int, heartbeat=None, index: int = 0) -> None
     threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
 
 
-def stalled(heartbeat, pending: list[int], now: float | None = None, timeout_s: float | None = None) -> list[tuple[int, float]]:
+def stalled(
+    heartbeat, pending: list[int], now: float | None = None, timeout_s: float | None = None
+) -> list[tuple[int, float]]:
     """(index, seconds silent) of the ``pending`` workers that have beaten at least once and then
     stayed silent longer than ``timeout_s``."""
     now = time.monotonic() if now is None else now

@@ -24,7 +24,8 @@ def parse_size(text: str | int, what: str = "size") -> int:
             value = math.nan
         if not math.isfinite(value) or value > 2**62:
             raise BytescaleError(
-                f"cannot read {what} {excerpt(text)}: write a finite number with an optional K/M/G suffix, e.g. 8K or 2M"
+                f"cannot read {what} {excerpt(text)}: write a finite number with an optional K/M/G suffix, e.g. 8K or "
+                "2M"
             )
         if value != int(value):
             raise BytescaleError(f"{what} {excerpt(text)} is not a whole number of tokens/bytes")

@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from .errors import BytescaleError
+from .planner.contract import MicroBatch, Plan, whole_piece
 from .planner.cost_model import FP32_BYTES, CostModel
-from .planner.plan import MicroBatch, Plan, whole_piece
 from .planner.planner import PlannerConfig, plan_step
+from .planner.ring_traffic import p2p_bytes_per_rank
 from .planner.specs import HardwareSpec, ModelSpec
 from .units import parse_size
 
@@ -86,14 +87,19 @@ def parse_two_level(text: str | None) -> tuple[int, int] | None:
     try:
         return int(seq), int(u) if u else 2
     except ValueError:
-        raise BytescaleError(f"--two-level {text!r}: give SEQ or SEQ:U (a sequence index, a group size), e.g. 0:2") from None
+        raise BytescaleError(
+            f"--two-level {text!r}: give SEQ or SEQ:U (a sequence index, a group size), e.g. 0:2"
+        ) from None
 
 
 def with_two_level(plan: Plan, seq_id: int, u: int, q_heads: int, kv_heads: int) -> Plan:
     """Run sequence ``seq_id``'s ring two-level with groups of ``u`` (and its micro-batch's
     other ring sequences with it: one micro-batch, one ring)."""
     if not 0 <= seq_id < len(plan.seq_lens):
-        raise BytescaleError(f"--two-level: sequence {seq_id} is not in the batch of {len(plan.seq_lens)}; give an index 0..{len(plan.seq_lens) - 1}")
+        raise BytescaleError(
+            f"--two-level: sequence {seq_id} is not in the batch of {len(plan.seq_lens)}; give an index "
+            f"0..{len(plan.seq_lens) - 1}"
+        )
     ring = plan.ring_sizes().get(seq_id, 1)
     if ring == 1:
         raise BytescaleError(
@@ -101,7 +107,9 @@ def with_two_level(plan: Plan, seq_id: int, u: int, q_heads: int, kv_heads: int)
             f"{plan.capacity}; pick a sequence longer than the capacity (or lower --capacity)"
         )
     if u < 2 or ring % u:
-        raise BytescaleError(f"--two-level: group size {u} must be >= 2 and divide sequence {seq_id}'s ring of {ring} ranks")
+        raise BytescaleError(
+            f"--two-level: group size {u} must be >= 2 and divide sequence {seq_id}'s ring of {ring} ranks"
+        )
     if q_heads % u or kv_heads % u:
         raise BytescaleError(
             f"--two-level: group size {u} must divide the {q_heads} query and {kv_heads} KV heads per TP rank "
@@ -110,7 +118,8 @@ def with_two_level(plan: Plan, seq_id: int, u: int, q_heads: int, kv_heads: int)
     ranks = tuple(
         tuple(
             replace(mb, pieces=tuple(replace(p, heads_split=u) if p.is_distributed else p for p in mb.pieces))
-            if seq_id in mb.distributed_seq_ids else mb
+            if seq_id in mb.distributed_seq_ids
+            else mb
             for mb in mbs
         )
         for mbs in plan.ranks
@@ -126,7 +135,9 @@ def _rank_main(rank, world, model, tp, seed, plan_json, offload, dtype="fp32"):
     from .megatron import local_run
     from .runtime.batch import StepBatch, build_micro_batch_data
 
-    gpt, group = local_run.setup_model(model, tp=tp, seed=seed, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    gpt, group = local_run.setup_model(
+        model, tp=tp, seed=seed, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    )
     plan = Plan.from_json(plan_json)
     hdp = parallel_state.get_data_parallel_rank()
     read = tokens_for(seed, ModelSpec.load(model).vocab_size)
@@ -156,7 +167,9 @@ def run_plan(
     from .local_world import preload, run_local_world
 
     preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
-    return run_local_world(_rank_main, plan.num_ranks * tp, model, tp, seed, plan.to_json(), offload, dtype, timeout_s=timeout_s)
+    return run_local_world(
+        _rank_main, plan.num_ranks * tp, model, tp, seed, plan.to_json(), offload, dtype, timeout_s=timeout_s
+    )
 
 
 def grad_diffs(outs: list[dict], refs: list[dict]) -> tuple[float, float]:
@@ -199,7 +212,9 @@ def check_request(lengths: list[int], *, world_size: int, tp: int, offload_ratio
         )
 
 
-def plan_hdp(lengths: list[int], *, ranks: int, capacity: int, spec: ModelSpec, tp: int, offload_ratio: float | None) -> Plan:
+def plan_hdp(
+    lengths: list[int], *, ranks: int, capacity: int, spec: ModelSpec, tp: int, offload_ratio: float | None
+) -> Plan:
     """The planner's HDP plan in verify's terms (its errors name verify's flags)."""
     cost = CostModel.analytic(spec, HardwareSpec.load("h100"), tp=tp)
     if offload_ratio is not None:
@@ -224,8 +239,16 @@ def plan_hdp(lengths: list[int], *, ranks: int, capacity: int, spec: ModelSpec, 
 
 
 def verify(
-    lengths: list[int], *, world_size: int, capacity: int, seed: int = 0, model: str = "tiny", tp: int = 1,
-    offload_ratio: float | None = None, dtype: str = "fp32", two_level: tuple[int, int] | None = None,
+    lengths: list[int],
+    *,
+    world_size: int,
+    capacity: int,
+    seed: int = 0,
+    model: str = "tiny",
+    tp: int = 1,
+    offload_ratio: float | None = None,
+    dtype: str = "fp32",
+    two_level: tuple[int, int] | None = None,
 ) -> dict:
     check_request(lengths, world_size=world_size, tp=tp, offload_ratio=offload_ratio, dtype=dtype)
     ranks = world_size // tp
@@ -239,7 +262,13 @@ def verify(
     from .sim.static_cp import static_plan
 
     try:  # the static mesh never offloads: a batch that fits only by offloading has no static run
-        static = static_plan(lengths, Cluster(gpus=world_size, tp=tp, pp=1, gpus_per_node=world_size), capacity, max(lengths), spec.num_layers)
+        static = static_plan(
+            lengths,
+            Cluster(gpus=world_size, tp=tp, pp=1, gpus_per_node=world_size),
+            capacity,
+            max(lengths),
+            spec.num_layers,
+        )
     except BytescaleError as exc:
         if offload_ratio is None:
             raise
@@ -256,7 +285,7 @@ def verify(
     kv = 2 * (spec.num_query_groups // tp) * spec.kv_channels * act
     grad_kv = 2 * (spec.num_query_groups // tp) * spec.kv_channels * FP32_BYTES
     q_bytes = spec.num_attention_heads // tp * spec.kv_channels * act
-    predicted = plan.p2p_bytes_per_rank(kv, grad_kv, spec.num_layers, q_bytes_per_token=q_bytes)
+    predicted = p2p_bytes_per_rank(plan, kv, grad_kv, spec.num_layers, q_bytes_per_token=q_bytes)
     measured = [o["p2p_bytes"] for o in hdp[::tp]]
     max_abs, max_rel = grad_diffs(hdp, ref)
     sizes = plan.ring_sizes()
@@ -292,13 +321,17 @@ def passed(report: dict) -> list[str]:
     if report.get("label_tokens", 1) <= 0:
         failures.append("no token carries a label: the loss is 0 on both sides and nothing was compared")
     for name, key in (("HDP", "loss_hdp"), ("static DPxCP", "loss_static")):
-        if report.get(key) is not None and abs(report[key] - report["loss_ref"]) > tol["loss"] * max(1.0, abs(report["loss_ref"])):
+        if report.get(key) is not None and abs(report[key] - report["loss_ref"]) > tol["loss"] * max(
+            1.0, abs(report["loss_ref"])
+        ):
             failures.append(f"loss differs: {name} {report[key]:.8f} vs one rank {report['loss_ref']:.8f}")
     for name, key in (("HDP", "max_rel_grad_diff"), ("static DPxCP", "static_max_rel_grad_diff")):
         if report.get(key) is not None and report[key] > tol["grad"]:
             failures.append(f"{name} gradients differ: max relative difference {report[key]:.2e} > {tol['grad']:.0e}")
     if report["p2p_bytes"] != report["p2p_bytes_predicted"]:
-        failures.append(f"P2P bytes {report['p2p_bytes']} differ from the plan's prediction {report['p2p_bytes_predicted']}")
+        failures.append(
+            f"P2P bytes {report['p2p_bytes']} differ from the plan's prediction {report['p2p_bytes_predicted']}"
+        )
     return failures
 
 
@@ -311,21 +344,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="model config (default: tiny)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size inside each HDP rank")
     parser.add_argument(
-        "--offload-ratio", type=float, default=None,
+        "--offload-ratio",
+        type=float,
+        default=None,
         help="plan with offloading (a long sequence may then fit on fewer ranks) and offload at least this share "
-             "of every ring micro-batch's activations; the check is that offloading changes nothing",
+        "of every ring micro-batch's activations; the check is that offloading changes nothing",
     )
     parser.add_argument(
-        "--dtype", default="fp32",
+        "--dtype",
+        default="fp32",
         help="fp32 (default: exact, tolerance 1e-5) or bf16: HDP in bf16 against a bf16 one-rank reference, "
-             "tolerance 5e-2 relative on gradients and 2e-3 on the loss (measured: 1e-2 and 3e-6 on the tiny model), since bf16 keeps 8 mantissa bits "
-             "(rounding 2^-8 = 0.4%%) and HDP sums ring blocks and gradients in another order than one rank, "
-             "so a few roundings differ. fp64 is not supported",
+        "tolerance 5e-2 relative on gradients and 2e-3 on the loss (measured: 1e-2 and 3e-6 on the tiny model), since "
+        "bf16 keeps 8 mantissa bits "
+        "(rounding 2^-8 = 0.4%%) and HDP sums ring blocks and gradients in another order than one rank, "
+        "so a few roundings differ. fp64 is not supported",
     )
     parser.add_argument(
-        "--two-level", metavar="SEQ[:U]", default=None,
+        "--two-level",
+        metavar="SEQ[:U]",
+        default=None,
         help="force two-level attention (head all-to-all in groups of U ranks, default 2, ring across groups) "
-             "on sequence SEQ's ring (an index into the lengths)",
+        "on sequence SEQ's ring (an index into the lengths)",
     )
     parser.add_argument("--json", help="write the report here")
 
@@ -333,25 +372,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     lengths = parse_lengths(args.lengths, args.lengths_file)
     report = verify(
-        lengths, world_size=args.world_size, capacity=parse_size(args.capacity, "--capacity"), seed=args.seed,
-        model=args.model, tp=args.tp, offload_ratio=args.offload_ratio, dtype=args.dtype,
+        lengths,
+        world_size=args.world_size,
+        capacity=parse_size(args.capacity, "--capacity"),
+        seed=args.seed,
+        model=args.model,
+        tp=args.tp,
+        offload_ratio=args.offload_ratio,
+        dtype=args.dtype,
         two_level=parse_two_level(args.two_level),
     )
     failures = passed(report)
     report["ok"] = not failures
-    print(f"HDP on {report['world_size']} ranks vs one rank, {len(lengths)} sequences, capacity {report['capacity']}, {report['dtype']}")
+    print(
+        f"HDP on {report['world_size']} ranks vs one rank, {len(lengths)} sequences, capacity {report['capacity']}, "
+        f"{report['dtype']}"
+    )
     print(f"  ranks per sequence : {report['ranks_per_sequence']}")
     static = report["static_skipped"] is None
     static_loss = f"  static {report['loss_static']:.8f}" if static else ""
     print(f"  loss               : one rank {report['loss_ref']:.8f}  HDP {report['loss_hdp']:.8f}{static_loss}")
     static_grad = f"  static max relative {report['static_max_rel_grad_diff']:.2e}" if static else ""
-    print(f"  gradients          : max |diff| {report['max_abs_grad_diff']:.2e}  max relative {report['max_rel_grad_diff']:.2e}{static_grad}")
-    static_p2p = (f"static DPxCP (CP={report['static_cp']}) {report['p2p_bytes_static']:,}" if static
-                  else f"static DPxCP not run: it cannot hold the batch without offloading ({report['static_skipped']})")
-    print(f"  P2P bytes          : HDP {report['p2p_bytes']:,} (plan predicts {report['p2p_bytes_predicted']:,})  {static_p2p}")
+    print(
+        f"  gradients          : max |diff| {report['max_abs_grad_diff']:.2e}  max relative "
+        f"{report['max_rel_grad_diff']:.2e}{static_grad}"
+    )
+    static_p2p = (
+        f"static DPxCP (CP={report['static_cp']}) {report['p2p_bytes_static']:,}"
+        if static
+        else f"static DPxCP not run: it cannot hold the batch without offloading ({report['static_skipped']})"
+    )
+    print(
+        f"  P2P bytes          : HDP {report['p2p_bytes']:,} (plan predicts {report['p2p_bytes_predicted']:,})  "
+        f"{static_p2p}"
+    )
     if report["two_level"] is not None:
         tl = report["two_level"]
-        print(f"  two-level          : sequence {tl['seq']}'s ring in groups of {tl['heads_split']} (head all-to-all, ring across groups)")
+        print(
+            f"  two-level          : sequence {tl['seq']}'s ring in groups of {tl['heads_split']} (head all-to-all, "
+            "ring across groups)"
+        )
     if args.offload_ratio is not None:
         ratios = ", ".join(f"{r:g}" for r in report["offload_ratios"]) or "none"
         print(f"  offloaded bytes    : {report['offloaded_bytes']:,} (ring micro-batch ratios: {ratios})")
@@ -359,5 +419,9 @@ def main(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     for f in failures:
         print(f"FAILED: {f}", file=sys.stderr)
-    print(("OK: HDP matches one rank" + (" (and so does the static mesh)" if static else "")) if not failures else "MISMATCH")
+    print(
+        ("OK: HDP matches one rank" + (" (and so does the static mesh)" if static else ""))
+        if not failures
+        else "MISMATCH"
+    )
     return 0 if not failures else 1

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from megatron_bytescale.data.corpus import site_packages_documents
 from megatron_bytescale.data.indexed import write_indexed_dataset
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 
 # Small real distributions installed with the test dependencies (pytest pulls these in).
 # installed wherever the tests run: matplotlib needs cycler, pytest iniconfig, pluggy and packaging,
@@ -59,7 +59,9 @@ def simple_plan(seq_lens, num_ranks: int, capacity: int, num_layers: int = 4) ->
             load[r] += s
     for r in range(num_ranks):
         close(r)
-    return Plan(num_ranks, capacity, num_layers, tuple(seq_lens), tuple(tuple(m) for m in ranks), {"strategy": "simple"})
+    return Plan(
+        num_ranks, capacity, num_layers, tuple(seq_lens), tuple(tuple(m) for m in ranks), {"strategy": "simple"}
+    )
 
 
 def simple_plan_fn(num_ranks: int, capacity: int):

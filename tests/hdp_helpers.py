@@ -38,7 +38,7 @@ def run_plan(plan_json: str, model, group, **kwargs):
     from megatron.core import parallel_state
 
     from megatron_bytescale.megatron import local_run
-    from megatron_bytescale.planner.plan import Plan
+    from megatron_bytescale.planner.contract import Plan
 
     step = step_batch(Plan.from_json(plan_json), parallel_state.get_data_parallel_rank())
     return local_run.run_step(step, model, group, **kwargs)
@@ -47,7 +47,11 @@ def run_plan(plan_json: str, model, group, **kwargs):
 def shard_info(model) -> dict[str, tuple]:
     """How each parameter is cut over TP: (tensor-parallel?, partition dim, partition stride)."""
     return {
-        n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1), getattr(p, "partition_stride", 1))
+        n: (
+            getattr(p, "tensor_model_parallel", False),
+            getattr(p, "partition_dim", -1),
+            getattr(p, "partition_stride", 1),
+        )
         for n, p in model.named_parameters()
     }
 
@@ -55,7 +59,7 @@ def shard_info(model) -> dict[str, tuple]:
 def one_rank_plan(lens, num_layers: int = 4):
     """Every sequence of ``lens`` whole, one micro-batch each, on one rank without PP: the
     reference every HDP layout is compared against."""
-    from megatron_bytescale.planner.plan import MicroBatch, Plan, whole_piece
+    from megatron_bytescale.planner.contract import MicroBatch, Plan, whole_piece
 
     ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)),)
     return Plan(num_ranks=1, capacity=max(lens), num_layers=num_layers, seq_lens=tuple(lens), ranks=ranks).validate()

@@ -42,12 +42,18 @@ def check_stage_orders(keys, orders, p: int, chunks: int = 1) -> None:
     """Per-device orders of (direction, micro-batch[, chunk]) run every chunk of every
     micro-batch of their rank once forward and then once backward, the devices of each
     pipeline agree on the order of the messages between them, and nothing deadlocks."""
-    from megatron_bytescale.planner.pipeline_order import BACKWARD, FORWARD, chunk_ops, crossing_order_mismatch, find_pipeline_deadlock
+    from megatron_bytescale.planner.contract import (
+        BACKWARD,
+        FORWARD,
+        as_ops,
+        crossing_order_mismatch,
+        find_pipeline_deadlock,
+    )
 
     for r, rank in enumerate(orders):
         assert len(rank) == p
         for stage in rank:
-            ops = chunk_ops(stage)
+            ops = as_ops(stage)
             want = [(d, m, c) for m in range(len(keys[r])) for c in range(chunks) for d in (FORWARD, BACKWARD)]
             assert sorted(ops) == sorted(want)
             seen = set()
@@ -60,7 +66,7 @@ def check_stage_orders(keys, orders, p: int, chunks: int = 1) -> None:
 
 def peak_in_flight(orders) -> int:
     """The most forwards (chunk forwards) any device of any rank holds before their backward."""
-    from megatron_bytescale.planner.pipeline_order import FORWARD
+    from megatron_bytescale.planner.contract import FORWARD
 
     peak = 0
     for rank in orders:

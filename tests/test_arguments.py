@@ -197,14 +197,21 @@ def test_pipeline_parallel_is_accepted_with_pp_balance():
     args = validate_hdp_args(parse(HDP, pipeline_model_parallel_size=2, data_parallel_size=4))
     assert args.hdp_balance == "pp"  # the default with pipelines
     assert planner_config_from_args(args).pipeline_stages == 2
-    args = validate_hdp_args(parse(HDP + ["--hdp-balance", "pp"], pipeline_model_parallel_size=4, data_parallel_size=2, seq_length=16384))
+    parsed = parse(
+        HDP + ["--hdp-balance", "pp"], pipeline_model_parallel_size=4, data_parallel_size=2, seq_length=16384
+    )
+    args = validate_hdp_args(parsed)
     assert (args.hdp_balance, args.hdp_size) == ("pp", 2)
 
 
 def test_virtual_pipeline_stages_are_accepted_and_planned_with_their_chunk_count():
-    args = validate_hdp_args(parse(HDP, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=4))
+    args = validate_hdp_args(
+        parse(HDP, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=4)
+    )
     assert (args.hdp_balance, planner_config_from_args(args).virtual_stages) == ("pp", 2)
-    validate_hdp_args(parse(HDP, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_grad_reduce=True))
+    validate_hdp_args(
+        parse(HDP, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_grad_reduce=True)
+    )
     assert planner_config_from_args(validate_hdp_args(parse(HDP))).virtual_stages == 1
 
 
@@ -227,16 +234,49 @@ CONFLICTS = {
     "static cp": (HDP, dict(context_parallel_size=2), "drop --context-parallel-size"),
     "hybrid cp": (HDP, dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
     "hybrid cp capacity": (HDP, dict(max_seqlen_per_dp_cp_rank=4096), "--max-seqlen-per-dp-cp-rank"),
-    "virtual pp with param gather": (HDP, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_param_gather=True),
-                                     "--overlap-param-gather with 2 virtual pipeline stages"),
+    "virtual pp with param gather": (
+        HDP,
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_param_gather=True),
+        "--overlap-param-gather with 2 virtual pipeline stages",
+    ),
     "dp balance with pp": (HDP + ["--hdp-balance", "dp"], dict(pipeline_model_parallel_size=2), "use --hdp-balance pp"),
-    "expert parallel allgather": (HDP, dict(num_experts=8, expert_model_parallel_size=2), "use --moe-token-dispatcher-type alltoall"),
-    "expert parallel with pp": (HDP + ["--hdp-balance", "pp"], dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
-                                pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 1"),
-    "expert a2a overlap": (HDP, dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
-                           overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
-    "expert tensor parallel": (HDP, dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
-                               tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1), "drop --expert-tensor-parallel-size"),
+    "expert parallel allgather": (
+        HDP,
+        dict(num_experts=8, expert_model_parallel_size=2),
+        "use --moe-token-dispatcher-type alltoall",
+    ),
+    "expert parallel with pp": (
+        HDP + ["--hdp-balance", "pp"],
+        dict(
+            num_experts=8,
+            expert_model_parallel_size=2,
+            moe_token_dispatcher_type="alltoall",
+            pipeline_model_parallel_size=2,
+        ),
+        "--pipeline-model-parallel-size 1",
+    ),
+    "expert a2a overlap": (
+        HDP,
+        dict(
+            num_experts=8,
+            expert_model_parallel_size=2,
+            moe_token_dispatcher_type="alltoall",
+            overlap_moe_expert_parallel_comm=True,
+        ),
+        "--overlap-moe-expert-parallel-comm",
+    ),
+    "expert tensor parallel": (
+        HDP,
+        dict(
+            num_experts=8,
+            expert_model_parallel_size=2,
+            moe_token_dispatcher_type="alltoall",
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            expert_tensor_parallel_size=1,
+        ),
+        "drop --expert-tensor-parallel-size",
+    ),
     "megatron fsdp": (HDP, dict(use_megatron_fsdp=True), "--use-distributed-optimizer"),
     "torch fsdp2": (HDP, dict(use_torch_fsdp2=True), "--use-distributed-optimizer"),
     "cuda graphs": (HDP, dict(cuda_graph_impl="local"), "CUDA graphs need fixed shapes"),
@@ -256,7 +296,11 @@ CONFLICTS = {
     "test set": (HDP, dict(test_data_path=["data/test"]), "drop it"),
     "full validation": (HDP, dict(full_validation=True), "--full-validation"),
     "eval without valid data": (HDP, dict(valid_data_path=None), "--valid-data-path VALID.*or --eval-iters 0"),
-    "no eval interval": (HDP, dict(eval_interval=None, eval_iters=0, valid_data_path=None), "without --eval-interval.*--eval-interval 1000"),
+    "no eval interval": (
+        HDP,
+        dict(eval_interval=None, eval_iters=0, valid_data_path=None),
+        "without --eval-interval.*--eval-interval 1000",
+    ),
     "step below seq length": (HDP + ["--hdp-step-tokens", "16K"], {}, "below --seq-length 32K"),
     "ray servers without ray": (HDP + ["--hdp-ray-servers", "4"], {}, "--hdp-dataloader ray"),
     "sft": (HDP, dict(sft=True), "--sft / --fim-data"),
@@ -288,7 +332,9 @@ def test_every_conflict_is_a_config_error(case):
 
 
 def test_data_path_and_no_eval_are_accepted():
-    args = validate_hdp_args(parse(HDP, data_path=["data/corpus"], train_data_path=None, valid_data_path=None, eval_iters=0))
+    args = validate_hdp_args(
+        parse(HDP, data_path=["data/corpus"], train_data_path=None, valid_data_path=None, eval_iters=0)
+    )
     assert args.dataloader_type == "external"
 
 
@@ -320,7 +366,9 @@ def test_ray_dataloader_needs_a_shared_cluster_for_several_ranks(monkeypatch):
         validate_hdp_args(parse(HDP + ["--hdp-dataloader", "ray"]))
     args = validate_hdp_args(parse(HDP + ["--hdp-dataloader", "ray", "--hdp-ray-address", "head:6379"]))
     assert args.hdp_ray_address == "head:6379"
-    args = validate_hdp_args(parse(HDP + ["--hdp-dataloader", "ray"], world_size=1, data_parallel_size=1, seq_length=8192))
+    args = validate_hdp_args(
+        parse(HDP + ["--hdp-dataloader", "ray"], world_size=1, data_parallel_size=1, seq_length=8192)
+    )
     assert args.hdp_dataloader == "ray"  # one rank may start its own Ray
 
 
@@ -361,8 +409,17 @@ def test_model_spec_and_cost_model_follow_the_flags():
     args = validate_hdp_args(parse(HDP))
     spec = model_spec_from_args(args)
     expected = ModelSpec.load("tiny")
-    for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                  "ffn_hidden_size", "vocab_size", "swiglu", "num_experts"):
+    for field in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "ffn_hidden_size",
+        "vocab_size",
+        "swiglu",
+        "num_experts",
+    ):
         assert getattr(spec, field) == getattr(expected, field), field
     cost = cost_model_from_args(args)
     assert cost == CostModel.analytic(expected, HardwareSpec.load("h100"))
@@ -403,7 +460,9 @@ def test_activation_recompute_is_accepted_and_costed():
         args = validate_hdp_args(parse(HDP, **flags))
         cost = cost_model_from_args(args)
         assert cost.recomputed_attention_layers > 0, flags
-    block = cost_model_from_args(validate_hdp_args(parse(HDP, recompute_granularity="full", recompute_method="block", recompute_num_layers=2)))
+    block = cost_model_from_args(
+        validate_hdp_args(parse(HDP, recompute_granularity="full", recompute_method="block", recompute_num_layers=2))
+    )
     assert (block.recomputed_layers, block.activation_layers) == (2, 2)
 
 
@@ -421,7 +480,9 @@ def test_sequence_parallelism_with_tp_is_accepted_and_divides_activations():
 
 
 def test_expert_parallelism_with_the_all_to_all_dispatcher_is_accepted_and_planned_in_slots():
-    args = validate_hdp_args(parse(HDP, num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall"))
+    args = validate_hdp_args(
+        parse(HDP, num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall")
+    )
     config = planner_config_from_args(args)
     assert config.expert_parallel == 2
     assert cost_model_from_args(args).moe_a2a_bytes_per_token == 2 * 64 * 2  # top-2 x hidden 64, bf16

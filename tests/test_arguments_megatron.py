@@ -39,7 +39,8 @@ def validated(extra):
     argv = read_args_file("configs/models/tiny.args") + [
         "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
         "--global-batch-size", "16", "--train-iters", "10", "--lr", "1e-4",
-        "--tokenizer-type", "NullTokenizer", "--bf16", "--data-path", "data/corpus", "--eval-iters", "0", "--eval-interval", "10",
+        "--tokenizer-type", "NullTokenizer", "--bf16", "--data-path", "data/corpus", "--eval-iters", "0",
+        "--eval-interval", "10",
         "--attention-dropout", "0.0"] + extra
     args = megatron_parser().parse_args(argv)
     args.rank, args.world_size = 0, 8
@@ -67,7 +68,8 @@ dests = {a.dest for a in parser._actions}
 options = {o for a in parser._actions for o in a.option_strings}
 ours = argparse.ArgumentParser(); add_hdp_arguments(ours)
 print(json.dumps({"missing": sorted(set(MEGATRON_ARGS_READ) - dests),
-                  "clash": sorted({o for a in ours._actions for o in a.option_strings if o not in ("-h", "--help")} & options)}))
+                  "clash": sorted({o for a in ours._actions for o in a.option_strings if o not in ("-h", "--help")} &
+                  options)}))
 """
     )
     assert out == {"missing": [], "clash": []}
@@ -126,7 +128,8 @@ def test_virtual_pipeline_stages_after_megatron_validation():
 from megatron_bytescale.megatron.arguments import planner_config_from_args
 args = validated(["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "1K",
                   "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"])
-print(json.dumps({"hdp_size": args.hdp_size, "balance": args.hdp_balance, "vpp": args.virtual_pipeline_model_parallel_size,
+print(json.dumps({"hdp_size": args.hdp_size, "balance": args.hdp_balance, "vpp":
+args.virtual_pipeline_model_parallel_size,
                   "virtual_stages": planner_config_from_args(args).virtual_stages}))
 """
     )
@@ -137,11 +140,33 @@ print(json.dumps({"hdp_size": args.hdp_size, "balance": args.hdp_balance, "vpp":
     "extra,message",
     [
         (["--hybrid-data-parallel", "--hdp-token-capacity", "1K"], "add --calculate-per-token-loss"),
-        (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "1K",
-          "--micro-batch-size", "2"], "use --micro-batch-size 1"),
-        (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "1K",
-          "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer",
-          "--overlap-grad-reduce", "--overlap-param-gather"], "--overlap-param-gather with 2 virtual pipeline stages per rank"),
+        (
+            [
+                "--calculate-per-token-loss",
+                "--hybrid-data-parallel",
+                "--hdp-token-capacity",
+                "1K",
+                "--micro-batch-size",
+                "2",
+            ],
+            "use --micro-batch-size 1",
+        ),
+        (
+            [
+                "--calculate-per-token-loss",
+                "--hybrid-data-parallel",
+                "--hdp-token-capacity",
+                "1K",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--use-distributed-optimizer",
+                "--overlap-grad-reduce",
+                "--overlap-param-gather",
+            ],
+            "--overlap-param-gather with 2 virtual pipeline stages per rank",
+        ),
         (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "256"], "does not fit"),
     ],
 )

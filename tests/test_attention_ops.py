@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_bytescale.errors import ConfigError, PlanError
-from megatron_bytescale.planner.plan import MicroBatch, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, ring_pieces, whole_piece
 from megatron_bytescale.runtime.attention_ops import (
-    CpuFlashKernel,
     TORCH_BACKEND,
+    CpuFlashKernel,
     TorchBackend,
     VarlenBackend,
     block_backward,
@@ -82,7 +82,9 @@ def test_block_gradients_from_the_final_lse_add_up_to_full_gradients(problem):
     dq = torch.zeros(q.shape)
     dk, dv = [], []
     for a, e in zip(bounds, bounds[1:]):
-        gq, gk, gv = block_backward(dout, q.detach(), k.detach()[a:e], v.detach()[a:e], ref_out.detach(), ref_lse, mask[:, a:e], scale)
+        gq, gk, gv = block_backward(
+            dout, q.detach(), k.detach()[a:e], v.detach()[a:e], ref_out.detach(), ref_lse, mask[:, a:e], scale
+        )
         dq += gq
         dk.append(gk)
         dv.append(gv)
@@ -158,8 +160,10 @@ def test_varlen_calls_compute_what_the_dense_mask_computes(layouts, seed, kernel
         assert torch.equal(got[1] == float("-inf"), dense[1] == float("-inf"))
         torch.testing.assert_close(got[1].clamp_min(-1e4), dense[1].clamp_min(-1e4), atol=ATOL, rtol=0)
         out, lse = dense
-        for g, want in zip(varlen.backward(dout, q, k, v, out, lse, qb, kb, 0.5),
-                           TORCH_BACKEND.backward(dout, q, k, v, out, lse, qb, kb, 0.5)):
+        for g, want in zip(
+            varlen.backward(dout, q, k, v, out, lse, qb, kb, 0.5),
+            TORCH_BACKEND.backward(dout, q, k, v, out, lse, qb, kb, 0.5),
+        ):
             torch.testing.assert_close(g, want, atol=ATOL, rtol=0)
 
 

@@ -33,20 +33,38 @@ CASES = [
     (PLAN[:-2] + ["--capacity", "nan", "--lengths", "100"], "cannot read --capacity 'nan': write a finite number"),
     (PLAN[:-2] + ["--capacity", "inf", "--lengths", "100"], "cannot read --capacity 'inf'"),
     (PLAN + ["--lengths-file", "{d}/latin1.txt"], "latin1.txt: not UTF-8 text (byte 0)"),
-    (PLAN + ["--lengths-file", "{d}/huge.txt"], "line 1: length '9999999999999999999999999999999999999999'... (5,000,000 characters) exceeds"),
+    (
+        PLAN + ["--lengths-file", "{d}/huge.txt"],
+        "line 1: length '9999999999999999999999999999999999999999'... (5,000,000 characters) exceeds",
+    ),
     (PLAN + ["--lengths-file", "{d}/hugex.txt"], "is not a whole number"),
     (PLAN + ["--lengths", "100", "--gpus-per-node", "0"], "--gpus-per-node must be positive, got 4, 1, 1, 0"),
-    (PLAN + ["--lengths", "100", "--json", "{d}/missing/plan.json"], "--json {d}/missing/plan.json: folder {d}/missing does not exist"),
+    (
+        PLAN + ["--lengths", "100", "--json", "{d}/missing/plan.json"],
+        "--json {d}/missing/plan.json: folder {d}/missing does not exist",
+    ),
     (PLAN + ["--lengths", "100", "--profile", "{d}/bw0.json"], "field 'bw_intra_node' must be positive, got 0"),
     (PLAN + ["--lengths", "100", "--profile", "{d}/nan.json"], "field 'a1' must be a finite number, got nan"),
     (PLAN + ["--lengths", "100", "--profile", "{d}/inf.json"], "field 'bw_d2h' must be a finite number, got inf"),
     (SIM[:8] + ["1K"], "--global-batch-tokens 1K is smaller than --context 64K"),
     (SIM + ["--gpus-per-node", "0"], "gpus_per_node must be a positive whole number, got 0"),
-    (SIM + ["--lengths-file", "{d}/hugex.txt"], "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... (5,000,000 characters) is not a whole number"),
+    (
+        SIM + ["--lengths-file", "{d}/hugex.txt"],
+        "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... (5,000,000 characters) is not a whole number",
+    ),
     (SIM + ["--plot", "{d}/missing/t.png"], "--plot {d}/missing/t.png: folder {d}/missing does not exist"),
-    (["prepare-data", "--output", "{d}/o", "--jsonl", "{d}/bad.jsonl"], "bad.jsonl:2: not UTF-8 text (byte 13 of the line)"),
-    (["prepare-data", "--output", "{d}/o", "--jsonl", "{d}/bad.jsonl", "--max-file-bytes=-1"], "--max-file-bytes -1: give the largest"),
-    (["dataloader-bench", "--mode", "ray", "--address", "127.0.0.1:1"], "--address 127.0.0.1:1: no Ray cluster answers there"),
+    (
+        ["prepare-data", "--output", "{d}/o", "--jsonl", "{d}/bad.jsonl"],
+        "bad.jsonl:2: not UTF-8 text (byte 13 of the line)",
+    ),
+    (
+        ["prepare-data", "--output", "{d}/o", "--jsonl", "{d}/bad.jsonl", "--max-file-bytes=-1"],
+        "--max-file-bytes -1: give the largest",
+    ),
+    (
+        ["dataloader-bench", "--mode", "ray", "--address", "127.0.0.1:1"],
+        "--address 127.0.0.1:1: no Ray cluster answers there",
+    ),
     (["profile", "--out", "{d}/missing/p.json"], "--out {d}/missing/p.json: folder {d}/missing does not exist"),
 ]
 
@@ -67,9 +85,14 @@ def test_prepare_data_counts_non_utf8_files_apart_from_binary_ones(tmp_path, cap
     (tmp_path / "ok.txt").write_text("hello\n")
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
     (tmp_path / "blob.bin").write_bytes(b"\x00\x01")
-    argv = ["prepare-data", "--output", str(tmp_path / "o"), "--text-files"] + [str(tmp_path / n) for n in ("ok.txt", "latin1.txt", "blob.bin")]
+    argv = ["prepare-data", "--output", str(tmp_path / "o"), "--text-files"] + [
+        str(tmp_path / n) for n in ("ok.txt", "latin1.txt", "blob.bin")
+    ]
     assert cli.main(argv) == 0
-    assert "1 text files used, 1 binary, 0 over --max-file-bytes, 1 not UTF-8 and 0 unreadable skipped" in capsys.readouterr().out
+    assert (
+        "1 text files used, 1 binary, 0 over --max-file-bytes, 1 not UTF-8 and 0 unreadable skipped"
+        in capsys.readouterr().out
+    )
 
 
 def test_a_dead_ray_address_fails_in_seconds_naming_it():
@@ -103,16 +126,22 @@ def _serve_once(reply: bytes | None):
     return server.getsockname()[1], done
 
 
-@pytest.mark.parametrize("reply, why", [
-    (None, "no HTTP/2 answer within 1 s"),
-    (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", "not HTTP/2"),
-    (b"SSH-2.0-OpenSSH_9.6\r\n", "not HTTP/2"),
-])
+@pytest.mark.parametrize(
+    "reply, why",
+    [
+        (None, "no HTTP/2 answer within 1 s"),
+        (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", "not HTTP/2"),
+        (b"SSH-2.0-OpenSSH_9.6\r\n", "not HTTP/2"),
+    ],
+)
 def test_an_address_that_is_not_a_ray_head_fails_in_seconds_naming_it(reply, why):
     port, done = _serve_once(reply)
     t0 = time.monotonic()
     try:
-        with pytest.raises(ConfigError, match=rf"^--address 127.0.0.1:{port}: something listens there but it is not a Ray head \(.*{why}"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^--address 127.0.0.1:{port}: something listens there but it is not a Ray head \(.*{why}",
+        ):
             check_reachable(f"127.0.0.1:{port}", answer_timeout_s=1.0)
     finally:
         done.set()

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megatron_bytescale.errors import PlanError
-from megatron_bytescale.planner.plan import MicroBatch, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, ring_pieces, whole_piece
 from megatron_bytescale.runtime.batch import build_micro_batch_data
 
 DOCS = {0: np.arange(100, 120), 1: np.arange(7, 10)}

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from data_support import build_corpus
 from megatron_bytescale import cli
+
+from data_support import build_corpus
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +16,19 @@ def corpus(tmp_path_factory):
 
 def bench(corpus, tmp_path, *extra):
     out = tmp_path / "bench.json"
-    argv = ["dataloader-bench", "--ranks", "4", "--steps", "3", "--capacity", "1024", "--data", corpus, "--json", str(out)]
+    argv = [
+        "dataloader-bench",
+        "--ranks",
+        "4",
+        "--steps",
+        "3",
+        "--capacity",
+        "1024",
+        "--data",
+        corpus,
+        "--json",
+        str(out),
+    ]
     assert cli.main(argv + list(extra)) == 0
     return json.loads(out.read_text())
 
@@ -23,7 +36,13 @@ def bench(corpus, tmp_path, *extra):
 def test_bench_reports_timings_digest_and_bytes(corpus, tmp_path, capsys):
     result = bench(corpus, tmp_path, "--seed", "3")
     printed = capsys.readouterr().out
-    for key in ("samples_digest", "plan_s_median", "delivery_s_median", "bytes_read_per_rank_max", "bytes_read_all_ranks"):
+    for key in (
+        "samples_digest",
+        "plan_s_median",
+        "delivery_s_median",
+        "bytes_read_per_rank_max",
+        "bytes_read_all_ranks",
+    ):
         assert key in result and key in printed
     assert result["plan_s_median"] > 0 and result["delivery_s_median"] > 0
     step_bytes = result["bytes_if_every_rank_reads_all"] / 4

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from data_support import SMALL_PACKAGES, build_corpus
 from megatron_bytescale import cli
 from megatron_bytescale.data.corpus import SourceDocument, site_packages_documents
 from megatron_bytescale.data.indexed import DocumentDataset, write_indexed_dataset
 from megatron_bytescale.errors import ConfigError
+
+from data_support import SMALL_PACKAGES, build_corpus
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +210,8 @@ def test_prepare_data_from_jsonl_and_text_lines(tmp_path, capsys):
 
 def test_prepare_data_from_site_packages_subset(tmp_path, capsys):
     out = tmp_path / "sp"
-    assert cli.main(["prepare-data", "--site-packages", "--packages", "iniconfig", "--output", str(out), "--quiet"]) == 0
+    argv = ["prepare-data", "--site-packages", "--packages", "iniconfig", "--output", str(out), "--quiet"]
+    assert cli.main(argv) == 0
     ds = DocumentDataset(out)
     assert len(ds) == 1 and ds.document_names[0].startswith("iniconfig==")
     assert "NullTokenizer --vocab-size 512" in capsys.readouterr().out
@@ -235,6 +237,8 @@ def test_prepare_data_errors_are_reported_without_traceback(tmp_path, capsys):
     rc = cli.main(["prepare-data", "--jsonl", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o")])
     assert rc == 2
     assert "missing.jsonl does not exist" in capsys.readouterr().err
-    rc = cli.main(["prepare-data", "--repos", str(tmp_path), "--packages", "iniconfig", "--output", str(tmp_path / "o")])
+    rc = cli.main(
+        ["prepare-data", "--repos", str(tmp_path), "--packages", "iniconfig", "--output", str(tmp_path / "o")]
+    )
     assert rc == 2
     assert "--packages only applies to --site-packages" in capsys.readouterr().err

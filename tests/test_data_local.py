@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from data_support import build_corpus, simple_plan_fn
 from megatron_bytescale.data.indexed import DocumentDataset
 from megatron_bytescale.data.local_loader import LocalDataLoader
 from megatron_bytescale.data.planning import SamplesDigest, rank_token_ranges
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.local_world import run_local_world
 from megatron_bytescale.planner.planner import PlannerConfig
+
+from data_support import build_corpus, simple_plan_fn
 
 RANKS, CAPACITY = 4, 2048
 SETTINGS = dict(step_tokens=3 * RANKS * CAPACITY, context_length=RANKS * CAPACITY, seed=11)
@@ -131,7 +132,8 @@ WORLD_SETTINGS = dict(step_tokens=3 * 2 * CAPACITY, context_length=2 * CAPACITY,
 
 
 def _rank_loop(rank, world_size, corpus, steps):
-    loader = LocalDataLoader(corpus, PlannerConfig(num_ranks=world_size, capacity=CAPACITY), rank=rank, **WORLD_SETTINGS)
+    config = PlannerConfig(num_ranks=world_size, capacity=CAPACITY)
+    loader = LocalDataLoader(corpus, config, rank=rank, **WORLD_SETTINGS)
     out = []
     for batch in loader:
         d = SamplesDigest()

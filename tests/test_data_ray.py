@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import ray
 
-from data_support import build_corpus
 from megatron_bytescale.data.local_loader import LocalDataLoader
 from megatron_bytescale.data.planning import SamplesDigest
 from megatron_bytescale.data.ray_loader import RayDataLoader, check_reachable, init_ray
 from megatron_bytescale.errors import BytescaleError, ConfigError
 from megatron_bytescale.planner.planner import PlannerConfig
+
+from data_support import build_corpus
 
 RANKS, CAPACITY = 4, 2048
 CONFIG = PlannerConfig(num_ranks=RANKS, capacity=CAPACITY)  # the shipped default planner

@@ -5,11 +5,12 @@ import time
 
 import pytest
 
-from data_support import simple_plan_fn
 from megatron_bytescale.data.planning import StepPlanner
 from megatron_bytescale.data.ray_loader import PlanScheduler
 from megatron_bytescale.data.sampler import GlobalBatchSampler, Position
 from megatron_bytescale.errors import ConfigError, PlanError
+
+from data_support import simple_plan_fn
 
 LENGTHS = [50, 300, 7, 1200, 90, 640, 33, 410, 5, 800] * 3
 KW = dict(step_tokens=1600, context_length=800, seed=2, num_ranks=2, timeout_s=10)
@@ -35,7 +36,9 @@ def key(sp):
 
 
 def reference(steps):
-    planner = StepPlanner(GlobalBatchSampler(LENGTHS, step_tokens=1600, context_length=800, seed=2), simple_plan_fn(2, 400))
+    planner = StepPlanner(
+        GlobalBatchSampler(LENGTHS, step_tokens=1600, context_length=800, seed=2), simple_plan_fn(2, 400)
+    )
     out, pos = [], Position()
     for step in range(steps):
         sp = planner.plan(step, pos)

@@ -15,11 +15,11 @@ from megatron_bytescale.errors import BytescaleError
 def corpus(tmp_path_factory):
     """A small real corpus that does not change with this package: megatron-core's (pinned)
     sources, one document each."""
+    import megatron.core
+
     from megatron_bytescale.data.corpus import text_file_documents
     from megatron_bytescale.data.indexed import write_indexed_dataset
     from megatron_bytescale.data.tokenizer import ByteTokenizer
-
-    import megatron.core
 
     files = sorted(Path(megatron.core.__file__).parent.rglob("*.py"))
     prefix = tmp_path_factory.mktemp("corpus") / "sources"

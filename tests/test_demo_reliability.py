@@ -10,12 +10,11 @@ import time
 
 import numpy as np
 import pytest
+from test_demo import config, corpus, losses  # noqa: F401 - the corpus fixture
 
 from megatron_bytescale.demo import run_demo
 from megatron_bytescale.errors import BytescaleError
 from megatron_bytescale.folder_lock import FolderLock, hold_as_worker
-
-from test_demo import config, corpus, losses  # noqa: F401 - the corpus fixture
 
 
 def test_resume_takes_the_newest_valid_checkpoint_and_continues_exactly(tmp_path, corpus, capsys):  # noqa: F811
@@ -40,7 +39,9 @@ def test_resume_takes_the_newest_valid_checkpoint_and_continues_exactly(tmp_path
     assert losses(rest, "hdp") == losses(whole, "hdp")[2:]  # bit for bit
 
     t0 = time.monotonic()
-    with pytest.raises(BytescaleError, match=r"^--lr 0.01 contradicts .*step_2.pt, trained with --lr 0.003; resume with --lr 0.003"):
+    with pytest.raises(
+        BytescaleError, match=r"^--lr 0.01 contradicts .*step_2.pt, trained with --lr 0.003; resume with --lr 0.003"
+    ):
         run_demo(config(tmp_path / "hurt", corpus, strategies=("hdp",), resume=True, lr=0.01))
     with pytest.raises(BytescaleError, match=r"^--capacity 2048 contradicts .*trained with --capacity 1024"):
         run_demo(config(tmp_path / "hurt", corpus, strategies=("hdp",), resume=True, capacity=2048))
@@ -53,7 +54,9 @@ def test_a_second_run_on_the_same_folder_is_refused_while_the_first_or_its_ranks
             run_demo(config(tmp_path, corpus, resume=True))
     fd = hold_as_worker(tmp_path)  # an orphaned rank of an earlier run
     try:
-        with pytest.raises(BytescaleError, match=rf"^processes of a previous bytescale demo on {tmp_path} are still running"):
+        with pytest.raises(
+            BytescaleError, match=rf"^processes of a previous bytescale demo on {tmp_path} are still running"
+        ):
             run_demo(config(tmp_path, corpus, resume=True))
     finally:
         os.close(fd)
@@ -81,7 +84,10 @@ def wide_ids_corpus(tmp_path, corpus):  # noqa: F811
         ({"ranks": 100_000}, r"^--ranks 100000: this machine can hold at most"),
         ({"profile": "BAD_JSON"}, r"bad.json: not valid YAML/JSON \(.* at line 1, column 8\)"),
         ({"data": "/no/such/prefix"}, r"/no/such/prefix"),
-        ({"data": "WIDE"}, r"^--data .*wide: token id 600 \(first in document 0\) is outside the tiny model's vocabulary of 512"),
+        (
+            {"data": "WIDE"},
+            r"^--data .*wide: token id 600 \(first in document 0\) is outside the tiny model's vocabulary of 512",
+        ),
     ],
 )
 def test_bad_input_is_one_line_from_the_parent(tmp_path, corpus, wide_ids_corpus, change, message):  # noqa: F811

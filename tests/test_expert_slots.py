@@ -3,14 +3,14 @@ slots equal per EP group, rings at one slot on all members, no deadlock; and the
 refuse plans that would hang."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from megatron_bytescale.errors import ConfigError, PlanError
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract.slots import ep_groups, slot_errors
 from megatron_bytescale.planner.cost_model import CostModel
-from megatron_bytescale.planner.expert_slots import (
-    align_expert_slots, all_to_all_time, ep_groups, slot_errors, slot_finish_times,
-)
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.expert_slots import align_expert_slots, all_to_all_time, slot_finish_times
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
 
@@ -24,8 +24,12 @@ def cases(draw):
     capacity = draw(st.integers(8, 120))
     lens = draw_lengths(draw, capacity, num_ranks, max_short=30, max_long=4)
     config = PlannerConfig(
-        num_ranks=num_ranks, capacity=capacity, ranks_per_node=draw(st.sampled_from([1, 2, 4])) if num_ranks % 4 == 0 else 1,
-        balance=draw(st.sampled_from(["none", "dp", "pp"])), offload=draw(st.booleans()), expert_parallel=ep,
+        num_ranks=num_ranks,
+        capacity=capacity,
+        ranks_per_node=draw(st.sampled_from([1, 2, 4])) if num_ranks % 4 == 0 else 1,
+        balance=draw(st.sampled_from(["none", "dp", "pp"])),
+        offload=draw(st.booleans()),
+        expert_parallel=ep,
     )
     return draw(st.permutations(lens)), config
 
@@ -50,11 +54,13 @@ def test_aligned_plans_hold_every_token_once_and_cannot_deadlock(case):
     for mbs in plan.ranks:
         for mb in mbs:
             if mb.ring is not None and len(mb.ring) % e == 0 and mb.heads_split == 1:
-                assert {r // e for r in mb.ring} == {r // e for r in mb.ring if r % e == 0} and len({r // e for r in mb.ring}) * e == len(mb.ring)
+                assert {r // e for r in mb.ring} == {r // e for r in mb.ring if r % e == 0} and len(
+                    {r // e for r in mb.ring}
+                ) * e == len(mb.ring)
     # the estimate waits for the slowest member of each slot: never below the no-wait sum
     finish = slot_finish_times(plan, cost, config.ranks_per_node)
     assert plan.meta["est_time_max_s"] == pytest.approx(max(finish))
-    for rank, mbs in enumerate(plan.ranks):
+    for rank in range(len(plan.ranks)):
         assert plan.meta["est_rank_time_s"][rank] == pytest.approx(finish[rank])
 
 

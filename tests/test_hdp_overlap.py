@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 
 from hdp_helpers import one_rank_plan, read_tokens
 
@@ -63,9 +63,10 @@ def _overlapped(rank, world, plan_json, steps=2):
 
 
 def _reference(rank, world, lens):
-    from hdp_helpers import grads_of
     from megatron_bytescale.megatron import local_run
     from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
+
+    from hdp_helpers import grads_of
 
     model, group = local_run.setup_model("tiny", seed=SEED)
     plan = one_rank_plan(lens)
@@ -104,9 +105,10 @@ def _reference_sgd(rank, world, lens, steps):
     """One rank, two steps of plain SGD on the full parameters: gradients of each step."""
     import torch
 
-    from hdp_helpers import grads_of
     from megatron_bytescale.megatron import local_run
     from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
+
+    from hdp_helpers import grads_of
 
     model, group = local_run.setup_model("tiny", seed=SEED)
     plan = one_rank_plan(lens)
@@ -144,7 +146,7 @@ def _sharded(rank, world, plan_json, ref):
     names = {p: n for n, p in model.named_parameters()}
     plan = Plan.from_json(plan_json)
     out = []
-    for s, expected in enumerate(ref):
+    for _s, expected in enumerate(ref):
         ddp.zero_grad_buffer()
         step = StepBatch(plan, rank, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(rank)])
         result = local_run.run_step(step, ddp, group)

@@ -11,8 +11,15 @@ from __future__ import annotations
 import pytest
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.pipeline_order import plan_pipeline_deadlock
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import (
+    FORWARD,
+    MicroBatch,
+    Op,
+    Plan,
+    plan_pipeline_deadlock,
+    ring_pieces,
+    whole_piece,
+)
 
 from hdp_helpers import global_layer_names, grads_of, one_rank_reference, step_batch
 
@@ -54,7 +61,10 @@ def deadlocking_plan() -> Plan:
     pipeline 1 waits in ring 2's forward while pipeline 0 waits in ring 1's backward."""
     lens = (10, 12, 5)
     r1, r2 = ring_pieces(0, 10, (0, 1)), ring_pieces(1, 12, (0, 1))
-    ranks = ((MicroBatch((r1[0],)), MicroBatch((r2[0],))), (MicroBatch((r1[1],)), MicroBatch((whole_piece(2, 5, 1),)), MicroBatch((r2[1],))))
+    ranks = (
+        (MicroBatch((r1[0],)), MicroBatch((r2[0],))),
+        (MicroBatch((r1[1],)), MicroBatch((whole_piece(2, 5, 1),)), MicroBatch((r2[1],))),
+    )
     return Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks).validate()
 
 
@@ -66,7 +76,11 @@ def reordered_plan() -> Plan:
     ring = ring_pieces(0, 24, (0, 1))
     ranks = (
         (MicroBatch((ring[0],)), MicroBatch((whole_piece(1, 12, 0),))),
-        (MicroBatch((whole_piece(2, 8, 1),)), MicroBatch((whole_piece(3, 5, 1),)), MicroBatch((ring[1],), offload_ratio=0.5)),
+        (
+            MicroBatch((whole_piece(2, 8, 1),)),
+            MicroBatch((whole_piece(3, 5, 1),)),
+            MicroBatch((ring[1],), offload_ratio=0.5),
+        ),
     )
     orders = (
         ((0, 1, -1, -2), (0, -1, 1, -2)),
@@ -82,7 +96,9 @@ def deadlock_made_safe_plan() -> Plan:
     orders = tuple(
         tuple(tuple(c for m in range(len(mbs)) for c in (m, -1 - m)) for _ in range(PP)) for mbs in plan.ranks
     )
-    return Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=plan.seq_lens, ranks=plan.ranks, stage_orders=orders).validate()
+    return Plan(
+        num_ranks=2, capacity=20, num_layers=2, seq_lens=plan.seq_lens, ranks=plan.ranks, stage_orders=orders
+    ).validate()
 
 
 CASES = {
@@ -193,11 +209,13 @@ def test_stage_orders_from_the_plan_are_what_runs(runs):
     (1F1B would run the local micro-batches first); the deadlocking plan runs once it
     carries orders."""
     plans, _, outs = runs
-    assert plans["reordered"].stage_order(1, 0)[0] == (0, 2)
+    assert plans["reordered"].stage_order(1, 0)[0] == Op(FORWARD, 2)
     assert all(o["reordered"]["ring_bytes"] > 0 for o in outs)
     assert all(o["reordered"]["first_is_ring"] for o in outs)  # pipeline 1 too: its ring went first
     assert all("error" not in o["deadlock-ordered"] for o in outs)
-    assert plan_pipeline_deadlock(deadlocking_plan(), PP) and plan_pipeline_deadlock(plans["deadlock-ordered"], PP) is None
+    assert (
+        plan_pipeline_deadlock(deadlocking_plan(), PP) and plan_pipeline_deadlock(plans["deadlock-ordered"], PP) is None
+    )
 
 
 def test_an_order_that_deadlocks_under_1f1b_is_refused_on_every_rank(runs):

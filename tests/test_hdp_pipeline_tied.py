@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, whole_piece
 
 from hdp_helpers import grads_of, read_tokens
 

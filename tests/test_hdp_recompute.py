@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 
 from hdp_helpers import grads_of, one_rank_plan, step_batch
 
@@ -26,7 +27,11 @@ KV_BYTES = 2 * 2 * 16 * 4  # tiny: 2 KV heads x 16 dims, K and V, fp32
 
 CASES = {
     # name: (TransformerConfig overrides, layers whose forward runs twice, offload ratio)
-    "full_uniform": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2), LAYERS, 0.0),
+    "full_uniform": (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+        LAYERS,
+        0.0,
+    ),
     "full_block": (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3), 3, 0.0),
     "selective_core_attn": (dict(recompute_granularity="selective", recompute_modules=["core_attn"]), LAYERS, 0.0),
     # layers 0-1 recomputed, layer 2 offloaded (the last layer stays: keep_last=1)
@@ -94,8 +99,8 @@ def runs():
 def test_recompute_is_exact_and_resends_what_the_plan_predicts(runs, case):
     plan, outs, ref = runs
     recomputed = CASES[case][1]
-    predicted = plan.p2p_bytes_per_rank(KV_BYTES, KV_BYTES, num_layers=LAYERS, recomputed_layers=recomputed)
-    without = plan.p2p_bytes_per_rank(KV_BYTES, KV_BYTES, num_layers=LAYERS)
+    predicted = p2p_bytes_per_rank(plan, KV_BYTES, KV_BYTES, num_layers=LAYERS, recomputed_layers=recomputed)
+    without = p2p_bytes_per_rank(plan, KV_BYTES, KV_BYTES, num_layers=LAYERS)
     for rank, o in enumerate(d[case] for d in outs):
         assert o["loss"] == pytest.approx(ref["loss"], abs=TOL)
         assert max_grad_diff(o["grads"], ref["grads"]) < TOL, (case, rank)

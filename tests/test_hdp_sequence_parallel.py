@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 from megatron_bytescale.runtime.padding import padding_for
 
 from hdp_helpers import grads_of, one_rank_plan, run_plan, shard_info, shard_like
@@ -56,7 +57,7 @@ def test_tp2_sequence_parallel_by_hdp2_equals_one_rank():
     assert all(padding_for(mb.tokens, 2) for mbs in plan.ranks for mb in mbs[:1])  # padding happens
     outs = run_local_world(_step, 4, plan.to_json(), 2, True, timeout_s=180)
     (ref,) = run_local_world(_step, 1, one_rank_plan(plan.seq_lens).to_json(), 1, False, timeout_s=120)
-    predicted = plan.p2p_bytes_per_rank(KV_BYTES, KV_BYTES, num_layers=4)
+    predicted = p2p_bytes_per_rank(plan, KV_BYTES, KV_BYTES, num_layers=4)
     assert ref["sp_weights"] == 0
     for o in outs:
         assert o["sp_weights"] == 2 * 4 + 1  # both norms of each layer and the final norm
@@ -65,7 +66,16 @@ def test_tp2_sequence_parallel_by_hdp2_equals_one_rank():
         worst = 0.0
         for name, grad in o["grads"].items():
             tp_parallel, dim, stride = o["shard_info"][name]
-            param = type("P", (), {"tensor_model_parallel": tp_parallel, "partition_dim": dim, "partition_stride": stride, "shape": grad.shape})
+            param = type(
+                "P",
+                (),
+                {
+                    "tensor_model_parallel": tp_parallel,
+                    "partition_dim": dim,
+                    "partition_stride": stride,
+                    "shape": grad.shape,
+                },
+            )
             worst = max(worst, float((grad - shard_like(ref["grads"][name], param, o["tp_rank"], 2)).abs().max()))
         assert worst < TOL, worst
     # ranks 0, 1 are HDP rank 0's TP pair, 2, 3 HDP rank 1's (TP varies fastest)

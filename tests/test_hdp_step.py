@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 
 from hdp_helpers import grads_of, one_rank_plan, read_tokens, run_plan, shard_info, shard_like
 
@@ -30,7 +31,10 @@ def mixed_plan() -> Plan:
         (MicroBatch((share[0],)),),
         (MicroBatch((share[1], whole_piece(4, 3, 1))),),
         (MicroBatch((share[2],)),),
-        (MicroBatch((whole_piece(1, 5, 3), whole_piece(2, 9, 3))), MicroBatch((whole_piece(3, 7, 3), whole_piece(5, 11, 3)))),
+        (
+            MicroBatch((whole_piece(1, 5, 3), whole_piece(2, 9, 3))),
+            MicroBatch((whole_piece(3, 7, 3), whole_piece(5, 11, 3))),
+        ),
     )
     return Plan(num_ranks=4, capacity=18, num_layers=4, seq_lens=lens, ranks=ranks).validate()
 
@@ -84,7 +88,9 @@ def test_mixed_batch_on_four_ranks_equals_one_rank():
         assert o["loss"] == pytest.approx(ref["loss"], abs=TOL)
         assert max_grad_diff(o["grads"], ref["grads"]) < TOL
     # the ring really communicated, exactly what the plan predicts (tiny: 2 KV heads x 16 dims)
-    predicted = plan.p2p_bytes_per_rank(kv_bytes_per_token=2 * 2 * 16 * 4, grad_bytes_per_token=2 * 2 * 16 * 4, num_layers=4)
+    predicted = p2p_bytes_per_rank(
+        plan, kv_bytes_per_token=2 * 2 * 16 * 4, grad_bytes_per_token=2 * 2 * 16 * 4, num_layers=4
+    )
     assert [o["p2p"] for o in outs] == predicted
     assert outs[3]["p2p"] == 0 and outs[0]["p2p"] > 0
 
@@ -102,7 +108,10 @@ def test_a_rank_with_no_micro_batches_still_joins_the_reduction():
 def test_tp2_by_hdp2_equals_one_rank():
     share = ring_pieces(0, 23, (0, 1))
     plan = Plan(
-        num_ranks=2, capacity=20, num_layers=4, seq_lens=(23, 8, 5),
+        num_ranks=2,
+        capacity=20,
+        num_layers=4,
+        seq_lens=(23, 8, 5),
         ranks=((MicroBatch((share[0], whole_piece(1, 8, 0))),), (MicroBatch((share[1], whole_piece(2, 5, 1))),)),
     ).validate()
     outs = run_local_world(_step, 4, plan.to_json(), 2, timeout_s=180)
@@ -112,7 +121,16 @@ def test_tp2_by_hdp2_equals_one_rank():
         worst = 0.0
         for name, grad in o["grads"].items():
             tp_parallel, dim, stride = o["shard_info"][name]
-            param = type("P", (), {"tensor_model_parallel": tp_parallel, "partition_dim": dim, "partition_stride": stride, "shape": grad.shape})
+            param = type(
+                "P",
+                (),
+                {
+                    "tensor_model_parallel": tp_parallel,
+                    "partition_dim": dim,
+                    "partition_stride": stride,
+                    "shape": grad.shape,
+                },
+            )
             worst = max(worst, float((grad - shard_like(ref["grads"][name], param, o["tp_rank"], 2)).abs().max()))
         assert worst < TOL, worst
 

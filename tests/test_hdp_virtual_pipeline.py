@@ -3,7 +3,7 @@
 Four processes: two pipelines of two devices, each device holding two model chunks of one
 layer (Megatron's interleaved layout: chunk c of device d is virtual stage c * 2 + d, so
 device 0 holds layers 0 and 2, device 1 layers 1 and 3). Each pipeline runs its own
-micro-batches through the interleaved order (``pipeline_order.interleaved_order``), which runs
+micro-batches through the interleaved order (``contract.interleaved_order``), which runs
 any count; rings join the same device of both pipelines. The reference runs every sequence
 whole on one rank without PP, from the same full weights. All cases run in one launch each way;
 the last wraps each chunk in Megatron's DistributedDataParallel with ``overlap_grad_reduce``
@@ -15,8 +15,15 @@ from __future__ import annotations
 import pytest
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.pipeline_order import encode_stage_orders, interleaved_order, plan_pipeline_deadlock
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import (
+    MicroBatch,
+    Plan,
+    encode_stage_orders,
+    interleaved_order,
+    plan_pipeline_deadlock,
+    ring_pieces,
+    whole_piece,
+)
 
 from hdp_helpers import global_layer_names, one_rank_reference, step_batch
 
@@ -38,11 +45,21 @@ def ring_plan() -> Plan:
     lens = (22, 9, 6, 11, 5)
     ring = ring_pieces(0, 22, (0, 1))
     ranks = (
-        (MicroBatch((ring[0],), offload_ratio=0.5), MicroBatch((whole_piece(1, 9, 0),)), MicroBatch((whole_piece(2, 6, 0),))),
+        (
+            MicroBatch((ring[0],), offload_ratio=0.5),
+            MicroBatch((whole_piece(1, 9, 0),)),
+            MicroBatch((whole_piece(2, 6, 0),)),
+        ),
         (MicroBatch((ring[1],), offload_ratio=0.5), MicroBatch((whole_piece(3, 11, 1), whole_piece(4, 5, 1)))),
     )
     return Plan(
-        num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks, stage_orders=_interleaved(ranks), virtual_stages=V
+        num_ranks=2,
+        capacity=20,
+        num_layers=2,
+        seq_lens=lens,
+        ranks=ranks,
+        stage_orders=_interleaved(ranks),
+        virtual_stages=V,
     ).validate()
 
 
@@ -67,7 +84,9 @@ def planned_plan() -> Plan:
 
     from planner_cases import small_cost
 
-    config = PlannerConfig(num_ranks=2, capacity=20, ranks_per_node=2, balance="none", pipeline_stages=PP, virtual_stages=V)
+    config = PlannerConfig(
+        num_ranks=2, capacity=20, ranks_per_node=2, balance="none", pipeline_stages=PP, virtual_stages=V
+    )
     return plan_step([30, 38, 12, 17, 5, 14], config, small_cost(num_layers=2)).validate()
 
 
@@ -91,8 +110,12 @@ def _interleaved_run(rank, world, plans_json, weights):
     layers = [layer for m in chunks for layer in transformer_layers(m)]
     offloader = ActivationOffloader(layers, keep_last=0, min_tensor_bytes=0)
     hdp = parallel_state.get_data_parallel_rank()
-    out = {"stage": parallel_state.get_pipeline_model_parallel_rank(), "hdp": hdp, "names": names,
-           "layers": [[layer.layer_number for layer in m.decoder.layers] for m in chunks]}
+    out = {
+        "stage": parallel_state.get_pipeline_model_parallel_rank(),
+        "hdp": hdp,
+        "names": names,
+        "layers": [[layer.layer_number for layer in m.decoder.layers] for m in chunks],
+    }
     for case, text in plans_json.items():
         step = step_batch(Plan.from_json(text), hdp)
         for p in params.values():
@@ -140,12 +163,18 @@ def _ddp_steps(chunks, group, plan_json, hdp, steps=2):
         for d in ddps:
             d.zero_grad_buffer()
         result = local_run.run_step(step_batch(Plan.from_json(plan_json), hdp), ddps, group)
-        out.append({
-            "loss": result.loss,
-            "buckets": sum(len(d.bucket_groups) for d in ddps),
-            "in_backward": sum(d._hdp_in_order_launch.launched_in_backward for d in ddps),
-            "grads": {f"c{c}.{n}": p.main_grad.detach().clone() for c, m in enumerate(chunks) for n, p in m.named_parameters()},
-        })
+        out.append(
+            {
+                "loss": result.loss,
+                "buckets": sum(len(d.bucket_groups) for d in ddps),
+                "in_backward": sum(d._hdp_in_order_launch.launched_in_backward for d in ddps),
+                "grads": {
+                    f"c{c}.{n}": p.main_grad.detach().clone()
+                    for c, m in enumerate(chunks)
+                    for n, p in m.named_parameters()
+                },
+            }
+        )
     return out
 
 
@@ -176,8 +205,10 @@ def test_pp2_v2_by_hdp2_equals_one_rank(runs):
             assert got["mbs"] == got["timings"] == len(plan.ranks[o["hdp"]])
             for name, grad in got["grads"].items():
                 worst = max(worst, float((grad - want["grads"][o["names"][name]]).abs().max()))
-        print(f"PP=2 x V=2 x HDP=2, {case}: loss {outs[0][case]['loss']:.8f} vs one rank {want['loss']:.8f}, "
-              f"max gradient difference {worst:.3g}")
+        print(
+            f"PP=2 x V=2 x HDP=2, {case}: loss {outs[0][case]['loss']:.8f} vs one rank {want['loss']:.8f}, "
+            f"max gradient difference {worst:.3g}"
+        )
         assert worst < TOL, (case, worst)
         # the chunks of all devices together hold every weight (nothing untested)
         assert {o["names"][n] for o in outs for n in o[case]["grads"]} == set(want["grads"])
@@ -185,7 +216,9 @@ def test_pp2_v2_by_hdp2_equals_one_rank(runs):
     assert plans["planned"].virtual_stages == V  # its chunk orders, or Megatron's when that is the shortest
     assert all(o["planned"]["ring_bytes"] > 0 for o in outs)  # the planner's rings ran
     assert all(o["ring"]["ring_bytes"] > 0 and o["ring"]["offloaded"] > 0 for o in outs)  # the ring ran, offloading
-    assert all(o["ring"]["stage_bytes"] > 0 for o in outs)  # every device sends (device 1's chunk 0 to device 0's chunk 1)
+    assert all(
+        o["ring"]["stage_bytes"] > 0 for o in outs
+    )  # every device sends (device 1's chunk 0 to device 0's chunk 1)
     assert [by[(s, 1)]["idle"]["stage_bytes"] for s in range(PP)] == [0, 0]
 
 

@@ -1,6 +1,8 @@
 """Imports point one way (docs/design.md, section 1.2): a lower layer never imports a higher one,
-the planner imports no torch, Ray or megatron-core, and the modules of data/ import each other
-without a cycle. Pure Python: the package's sources are parsed with ``ast``, nothing is imported.
+the planner imports no torch, Ray or megatron-core, the Plan contract (``planner/contract/``)
+imports only the base layer, the runtime reads only the contract of the planner, and no
+modules of the package import each other in a cycle. Pure Python: the package's sources are
+parsed with ``ast``, nothing is imported.
 
 Every import counts, also one inside a function: a lazy import is still a dependency (the data
 loader circle was made of lazy imports). ``megatron_bytescale/megatron/`` is our glue package;
@@ -29,6 +31,7 @@ LAYER_OF = {
     "folder_lock": "base",  # one run per output folder (stdlib only)
     "checkpoint_manifest": "base",  # sizes and SHA-256 of a checkpoint folder (stdlib only)
     "checkpoint_io": "runtime",  # atomic, checksummed torch.save files
+    "planner.contract": "contract",  # the Plan, Op, the pipeline dependency graph, the rules
     "planner": "planner",
     "runtime": "runtime",
     "local_world": "runtime",  # starts local torch.distributed (gloo) worlds
@@ -46,28 +49,66 @@ LAYER_OF = {
 
 # Layer -> what its modules may import (of ours), and why.
 ALLOWED = {
-    "base": ({"base"}, "errors.py, units.py and the small stdlib-only helpers (lengths files, process lifetime, folder locks) "
-             "are shared by every layer, so they import only each other"),
-    "planner": ({"base", "planner"}, "the planner is pure: it turns lengths into a Plan and knows no runtime"),
-    "runtime": ({"base", "planner", "runtime"}, "the runtime executes Plans on torch.distributed, below the "
-                "Megatron glue, the data loaders and the tools that use it"),
-    "data": ({"base", "planner", "runtime", "data"}, "data/ plans steps and builds the runtime's batches; the "
-             "Megatron glue wires it in, never the other way round"),
-    "sim": ({"base", "planner", "sim"}, "the simulator costs Plans from the planner on data/'s workloads, never "
-            "the runtime or the glue"),
-    "megatron": ({"base", "planner", "runtime", "data", "megatron"}, "the Megatron glue sits on the runtime and data/; "
-                 "only tools, the demo, verify and the CLI sit above it"),
-    "top": ({"base", "planner", "runtime", "data", "sim", "megatron", "top"}, "the top layer may use everything"),
+    "base": (
+        {"base"},
+        "errors.py, units.py and the small stdlib-only helpers (lengths files, process lifetime, folder locks) "
+        "are shared by every layer, so they import only each other",
+    ),
+    "contract": (
+        {"base", "contract"},
+        "the Plan contract is what the runtime and the simulator read: loading it must "
+        "not load the schedulers, estimates and heuristics that produce plans",
+    ),
+    "planner": (
+        {"base", "contract", "planner"},
+        "the planner is pure: it turns lengths into a Plan and knows no runtime",
+    ),
+    "runtime": (
+        {"base", "contract", "runtime"},
+        "the runtime executes Plans on torch.distributed (it reads the contract, "
+        "not the planner that makes plans), below the Megatron glue, the data loaders and the tools that use it",
+    ),
+    "data": (
+        {"base", "contract", "planner", "runtime", "data"},
+        "data/ plans steps and builds the runtime's batches; the Megatron glue wires it in, never the other way round",
+    ),
+    "sim": (
+        {"base", "contract", "sim"},
+        "the simulator costs Plans (the contract) on data/'s workloads, never the runtime or the glue",
+    ),
+    "megatron": (
+        {"base", "contract", "planner", "runtime", "data", "megatron"},
+        "the Megatron glue sits on the runtime and data/; only tools, the demo, verify and the CLI sit above it",
+    ),
+    "top": (
+        {"base", "contract", "planner", "runtime", "data", "sim", "megatron", "top"},
+        "the top layer may use everything",
+    ),
 }
 
-# Single modules a layer may use although their package sits elsewhere: the simulator reads
-# the workload generators (pure: lengths from a distribution or a file), nothing else of data/.
-EXTRA_ALLOWED = {"sim": {f"{PACKAGE}.data.workloads"}}
+# Single modules a layer may use although their package sits elsewhere, and why.
+EXTRA_ALLOWED_WHY = {
+    "sim": {
+        "data.workloads": "the workload generators (lengths from a distribution or a file), nothing else of data/",
+        "planner.planner": "the HDP strategies are the planner itself (plan_step), compared with the others",
+        "planner.cost_model": "every strategy is costed with the planner's cost model, so they compare like for like",
+        "planner.specs": "the model and hardware specs the cost model is built from",
+        "planner.plan_cli": "the CLI checks shared with `bytescale plan` (--vpp, --host-memory-per-gpu)",
+        "planner.offload_policy": "the copy-exposure rule of offloaded activations, the one the planner plans with",
+        "planner.two_level": "the two-level attention costs (head all-to-all, split choice), the planner's",
+        "planner.expert_slots": "aligning a strategy's plan to EP slots and the MoE all-to-all time",
+        "planner.ring_traffic": "the bytes a ring sends, the formula verify checks against the runtime's counter",
+    },
+}
+EXTRA_ALLOWED = {layer: {f"{PACKAGE}.{m}" for m in why} for layer, why in EXTRA_ALLOWED_WHY.items()}
 
 # Third-party top-level packages a layer must not import.
 FORBIDDEN_THIRD_PARTY = {
-    "planner": ({"torch", "ray", "megatron"}, "the planner is pure Python + numpy (it runs in Ray actors and the CLI "
-                "without torch)"),
+    "planner": (
+        {"torch", "ray", "megatron"},
+        "the planner is pure Python + numpy (it runs in Ray actors and the CLI without torch)",
+    ),
+    "contract": ({"torch", "ray", "megatron", "numpy", "yaml"}, "the Plan contract is the standard library only"),
 }
 
 
@@ -118,7 +159,7 @@ def imports_of(name: str, source: str, path: str, is_package: bool, modules: set
 def layer(module: str) -> str | None:
     if module != PACKAGE and not module.startswith(PACKAGE + "."):
         return None
-    rest = module[len(PACKAGE) + 1:]
+    rest = module[len(PACKAGE) + 1 :]
     for prefix in sorted(LAYER_OF, key=len, reverse=True):
         if rest == prefix or (prefix and rest.startswith(prefix + ".")):
             return LAYER_OF[prefix]
@@ -131,7 +172,9 @@ def violations(found: list[Import]) -> list[str]:
     for imp in found:
         src = layer(imp.importer)
         if src is None:
-            out.append(f"{imp.path}: module {imp.importer} is in no layer: add it to LAYER_OF in tests/test_layering.py")
+            out.append(
+                f"{imp.path}: module {imp.importer} is in no layer: add it to LAYER_OF in tests/test_layering.py"
+            )
             continue
         top = imp.target.split(".")[0]
         if top == PACKAGE:
@@ -143,8 +186,10 @@ def violations(found: list[Import]) -> list[str]:
                     f"{src} may import only {', '.join(sorted(allowed | EXTRA_ALLOWED.get(src, set())))} ({why})"
                 )
         elif src in FORBIDDEN_THIRD_PARTY and top in FORBIDDEN_THIRD_PARTY[src][0]:
-            out.append(f"{imp.path}:{imp.line}: {imp.importer} ({src} layer) imports {imp.target}: "
-                       f"{FORBIDDEN_THIRD_PARTY[src][1]}")
+            out.append(
+                f"{imp.path}:{imp.line}: {imp.importer} ({src} layer) imports {imp.target}: "
+                f"{FORBIDDEN_THIRD_PARTY[src][1]}"
+            )
     return out
 
 
@@ -171,7 +216,9 @@ def package_imports(root: Path = ROOT) -> list[Import]:
     repo = root.parent
     found = []
     for name, path in modules.items():
-        found += imports_of(name, path.read_text(), str(path.relative_to(repo)), path.name == "__init__.py", set(modules))
+        found += imports_of(
+            name, path.read_text(), str(path.relative_to(repo)), path.name == "__init__.py", set(modules)
+        )
     return found
 
 
@@ -185,9 +232,28 @@ def test_no_import_points_up(found):
     assert not bad, "imports against the layering (docs/design.md, section 1.2):\n" + "\n".join(bad)
 
 
-def test_data_modules_import_each_other_without_a_cycle(found):
-    bad = cycles(found, f"{PACKAGE}.data")
-    assert not bad, "import cycles in data/:\n" + "\n".join(bad)
+def test_no_modules_import_each_other_in_a_cycle(found):
+    """Over the whole package (every sub-package included): a cycle hides which module is
+    the lower one, and lazy imports that break it at run time still count."""
+    bad = cycles(found, PACKAGE)
+    assert not bad, "import cycles:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", ["data", "planner", "planner.contract", "runtime", "sim", "megatron", "tools"])
+def test_each_package_imports_its_own_modules_without_a_cycle(found, package):
+    bad = cycles(found, f"{PACKAGE}.{package}")
+    assert not bad, f"import cycles in {package}/:\n" + "\n".join(bad)
+
+
+def test_runtime_and_simulator_read_the_planner_only_through_the_contract(found):
+    """What runtime/ and sim/ import of planner/: the contract, and for the simulator only the
+    modules EXTRA_ALLOWED names with a reason."""
+    for imp in found:
+        src = layer(imp.importer)
+        if src in ("runtime", "sim") and imp.target.startswith(f"{PACKAGE}.planner"):
+            assert layer(imp.target) == "contract" or imp.target in EXTRA_ALLOWED.get(src, ()), (
+                f"{imp.path}:{imp.line}: {imp.importer} imports {imp.target}, not the planner's contract"
+            )
 
 
 def test_every_module_has_a_layer():
@@ -196,18 +262,23 @@ def test_every_module_has_a_layer():
 
 # The checker itself: it must see what it is meant to catch.
 
+
 def _check(name: str, source: str, is_package: bool = False, modules=()) -> list[str]:
     known = {f"{PACKAGE}.{m}" for m in modules} | {name}
     return violations(imports_of(name, source, name.replace(".", "/") + ".py", is_package, known))
 
 
 def test_checker_flags_relative_and_absolute_upward_imports():
-    for source in ("from ..megatron import parallel", "from ..megatron.model import load_model",
-                   "import megatron_bytescale.megatron.parallel", "from megatron_bytescale.tools import profiler",
-                   "def f():\n    from ..sim.timeline import simulate\n"):
+    for source in (
+        "from ..megatron import parallel",
+        "from ..megatron.model import load_model",
+        "import megatron_bytescale.megatron.parallel",
+        "from megatron_bytescale.tools import profiler",
+        "def f():\n    from ..sim.timeline import simulate\n",
+    ):
         bad = _check(f"{PACKAGE}.runtime.thing", source, modules=["megatron.parallel", "tools.profiler"])
         assert len(bad) == 1 and f"{PACKAGE}.runtime.thing (runtime layer) imports {PACKAGE}." in bad[0], source
-        assert "runtime may import only base, planner, runtime" in bad[0]
+        assert "runtime may import only base, contract, runtime" in bad[0]
 
 
 def test_checker_tells_megatron_core_from_our_glue():
@@ -229,11 +300,27 @@ def test_checker_resolves_package_relative_imports():
 
 def test_checker_finds_a_lazy_import_cycle():
     names = {f"{PACKAGE}.data.{m}" for m in ("loader", "local_loader")}
-    found = imports_of(f"{PACKAGE}.data.loader", "def make():\n    from .local_loader import L\n", "loader.py", False, names)
-    found += imports_of(f"{PACKAGE}.data.local_loader", "from .loader import StepLoader\n", "local_loader.py", False, names)
+    found = imports_of(
+        f"{PACKAGE}.data.loader", "def make():\n    from .local_loader import L\n", "loader.py", False, names
+    )
+    found += imports_of(
+        f"{PACKAGE}.data.local_loader", "from .loader import StepLoader\n", "local_loader.py", False, names
+    )
     (cycle,) = cycles(found, f"{PACKAGE}.data")
     assert f"{PACKAGE}.data.loader imports {PACKAGE}.data.local_loader" in f"{cycle} imports {cycle}"
     assert f"{PACKAGE}.data.local_loader imports {PACKAGE}.data.loader" in f"{cycle} imports {cycle}"
+
+
+def test_checker_keeps_the_contract_below_the_planner():
+    bad = _check(
+        f"{PACKAGE}.planner.contract.plan", "from ..cost_model import FORWARD_SHARE", modules=["planner.cost_model"]
+    )
+    assert len(bad) == 1 and "contract may import only base, contract" in bad[0]
+    assert _check(f"{PACKAGE}.planner.contract.plan", "import numpy")
+    (bad,) = _check(f"{PACKAGE}.runtime.thing", "from ..planner.planner import plan_step", modules=["planner.planner"])
+    assert "runtime may import only base, contract, runtime" in bad
+    assert _check(f"{PACKAGE}.runtime.thing", "from ..planner.contract import Plan", modules=["planner.contract"]) == []
+    assert layer(f"{PACKAGE}.planner.contract") == "contract" and layer(f"{PACKAGE}.planner.planner") == "planner"
 
 
 def test_checker_places_every_module():

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from megatron_bytescale.errors import BytescaleError, ConfigError
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Piece
-from megatron_bytescale.planner.zigzag import zigzag_ranges
+from megatron_bytescale.planner.contract import MicroBatch, Piece
+from megatron_bytescale.planner.contract.zigzag import zigzag_ranges
 
 from hdp_helpers import grads_of, read_tokens, shard_like
 
@@ -97,7 +97,9 @@ def _forward_backward_packed(rank, world):
     except BytescaleError as exc:
         out["no_context_error"] = str(exc)
     # the MoE variant (Mistral-style layers) runs too: router and experts on the CPU
-    moe = model.build_gpt_model(dataclasses.replace(ModelSpec.load("tiny"), num_experts=4, moe_router_topk=2), seed=SEED)
+    moe = model.build_gpt_model(
+        dataclasses.replace(ModelSpec.load("tiny"), num_experts=4, moe_router_topk=2), seed=SEED
+    )
     _token_losses(moe, packed, packed_layout).sum().backward()
     experts = [p.grad for n, p in moe.named_parameters() if ".experts." in n]
     out["moe_expert_grads"] = len(experts) > 0 and all(g is not None and bool(torch.isfinite(g).all()) for g in experts)

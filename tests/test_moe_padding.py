@@ -5,7 +5,7 @@ empty slot pad) gives the same loss and gradients as unpadded, with the aux loss
 from __future__ import annotations
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, whole_piece
 
 from hdp_helpers import read_tokens
 
@@ -20,9 +20,16 @@ def _run(pad_to, pass_mask):
     from megatron_bytescale.runtime import padding
     from megatron_bytescale.runtime.batch import StepBatch, build_micro_batch_data
 
-    model, group = local_run.setup_model("tiny-moe", seed=3, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1)
-    plan = Plan(num_ranks=1, capacity=20, num_layers=2, seq_lens=(9, 6), ranks=((
-        MicroBatch((whole_piece(0, 9, 0), whole_piece(1, 6, 0))),),)).validate()
+    model, group = local_run.setup_model(
+        "tiny-moe", seed=3, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1
+    )
+    plan = Plan(
+        num_ranks=1,
+        capacity=20,
+        num_layers=2,
+        seq_lens=(9, 6),
+        ranks=((MicroBatch((whole_piece(0, 9, 0), whole_piece(1, 6, 0))),),),
+    ).validate()
     step = StepBatch(plan, 0, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(0)])
 
     def unmasked(data, layout, multiple):  # what the router would count without the mask

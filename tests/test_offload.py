@@ -381,8 +381,8 @@ def _gpt_offload_matches(rank, world_size, ratios):
     import torch.distributed as dist
 
     from megatron_bytescale.megatron import model, parallel
-    from megatron_bytescale.planner.plan import MicroBatch, Piece
-    from megatron_bytescale.planner.zigzag import zigzag_ranges
+    from megatron_bytescale.planner.contract import MicroBatch, Piece
+    from megatron_bytescale.planner.contract.zigzag import zigzag_ranges
     from megatron_bytescale.runtime.batch import build_micro_batch_data
     from megatron_bytescale.runtime.context import active_micro_batch
     from megatron_bytescale.runtime.layout import MicroBatchLayout

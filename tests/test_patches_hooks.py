@@ -11,17 +11,17 @@ import argparse
 
 import pytest
 import torch
+from test_arguments import HDP, parse
 
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.megatron import pretrain_hooks as hooks
 from megatron_bytescale.megatron.arguments import validate_hdp_args
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.runtime.batch import MicroBatchData
 
 from data_support import build_corpus
 from hdp_helpers import step_batch
-from test_arguments import HDP, parse
 
 preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
 
@@ -157,7 +157,8 @@ def digest(batch):
 
 def test_data_iterators_serve_each_rank_its_share_of_one_plan(corpus):
     args = data_args(corpus)
-    (train0, valid0, test0), (train1, _, _) = hooks.hdp_data_iterators(args, rank=0), hooks.hdp_data_iterators(args, rank=1)
+    train0, valid0, test0 = hooks.hdp_data_iterators(args, rank=0)
+    train1, _, _ = hooks.hdp_data_iterators(args, rank=1)
     assert valid0 is None and test0 is None
     for _ in range(2):
         a, b = next(train0), next(train1)
@@ -220,12 +221,11 @@ def _megatron_step(rank, world, plan_json, offload):
     [loss, tokens] pairs of this rank's micro-batches, all-reduce them over the DP x CP group."""
     import torch.distributed as dist
     from megatron.core import parallel_state
+    from test_arguments import HDP, parse
 
     from megatron_bytescale.megatron import local_run
     from megatron_bytescale.megatron import pretrain_hooks as hooks
     from megatron_bytescale.runtime.step import last_step_stats
-
-    from test_arguments import HDP, parse
 
     args = parse(HDP + (["--hdp-selective-offload"] if offload else []), data_parallel_size=world, seq_length=20)
     hooks._megatron_args = lambda: args
@@ -240,15 +240,27 @@ def _megatron_step(rank, world, plan_json, offload):
     fb = hooks.get_forward_backward_func_or_hdp(lambda: None)()
     losses = fb(
         forward_step_func=hooks.forward_step(lambda *a: None, hooks.per_token_loss),
-        data_iterator=iter([step]), model=[model], num_microbatches=1, seq_length=20, micro_batch_size=1,
-        decoder_seq_length=None, forward_only=False,
+        data_iterator=iter([step]),
+        model=[model],
+        num_microbatches=1,
+        seq_length=20,
+        micro_batch_size=1,
+        decoder_seq_length=None,
+        forward_only=False,
     )
     keys = sorted(losses[0].keys())
     val = torch.vstack([x[hooks.LOSS_KEY].view(-1) for x in losses]).sum(dim=0)
     dist.all_reduce(val, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     grad = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    out = {"keys": keys, "entries": len(losses), "loss": (val[0] / val[1]).item(), "tokens": int(val[1].item()),
-           "offloaded": last_step_stats().offloaded_bytes, "offloader": hooks._offloader(model) is not None, "grad": grad}
+    out = {
+        "keys": keys,
+        "entries": len(losses),
+        "loss": (val[0] / val[1]).item(),
+        "tokens": int(val[1].item()),
+        "offloaded": last_step_stats().offloaded_bytes,
+        "offloader": hooks._offloader(model) is not None,
+        "grad": grad,
+    }
     local_run.teardown()
     return out
 
@@ -277,11 +289,10 @@ def _train_from_corpus(rank, world, corpus):
     does), run two HDP steps the way Megatron's train_step calls them."""
     import torch.distributed as dist
     from megatron.core import parallel_state
+    from test_patches_hooks import data_args
 
     from megatron_bytescale.megatron import local_run
     from megatron_bytescale.megatron import pretrain_hooks as hooks
-
-    from test_patches_hooks import data_args
 
     args = data_args(corpus)
     args.seq_length, args.hdp_token_capacity, args.hdp_step_tokens = 2048, 1024, 6144
@@ -291,8 +302,15 @@ def _train_from_corpus(rank, world, corpus):
     fb = hooks.get_forward_backward_func_or_hdp(lambda: None)()
     losses = []
     for _ in range(2):
-        out = fb(forward_step_func=hooks.forward_step(lambda *a: None, hooks.per_token_loss), data_iterator=train,
-                 model=[model], num_microbatches=1, seq_length=2048, micro_batch_size=1, forward_only=False)
+        out = fb(
+            forward_step_func=hooks.forward_step(lambda *a: None, hooks.per_token_loss),
+            data_iterator=train,
+            model=[model],
+            num_microbatches=1,
+            seq_length=2048,
+            micro_batch_size=1,
+            forward_only=False,
+        )
         val = torch.vstack([x[hooks.LOSS_KEY].view(-1) for x in out]).sum(dim=0)
         dist.all_reduce(val, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         losses.append((val[0] / val[1]).item())
@@ -310,6 +328,7 @@ def test_two_ranks_train_from_independently_planned_deliveries(corpus):
 def _build(rank, world, position_embedding_type):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.spec_utils import import_module
+    from test_arguments import HDP, parse
 
     from megatron_bytescale.megatron import parallel
     from megatron_bytescale.megatron import pretrain_hooks as hooks
@@ -317,10 +336,13 @@ def _build(rank, world, position_embedding_type):
     from megatron_bytescale.megatron.model import load_model, transformer_config
     from megatron_bytescale.megatron.rotary import TruePositionRotaryEmbedding
 
-    from test_arguments import HDP, parse
-
-    args = parse(HDP, data_parallel_size=1, seq_length=8192, position_embedding_type=position_embedding_type,
-                 transformer_impl="local")
+    args = parse(
+        HDP,
+        data_parallel_size=1,
+        seq_length=8192,
+        position_embedding_type=position_embedding_type,
+        transformer_impl="local",
+    )
     hooks._megatron_args = lambda: args
     parallel.init_parallel()
     spec, arch = load_model("tiny")
@@ -328,13 +350,20 @@ def _build(rank, world, position_embedding_type):
 
     def gpt_builder(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
         # what Megatron-LM's gpt_builder does with --spec
-        return GPTModel(config=config, transformer_layer_spec=import_module(args.spec), vocab_size=512,
-                        max_sequence_length=8192, position_embedding_type=position_embedding_type)
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=import_module(args.spec),
+            vocab_size=512,
+            max_sequence_length=8192,
+            position_embedding_type=position_embedding_type,
+        )
 
     model = hooks.model_provider(gpt_builder)(pre_process=True, post_process=True, config=config)
     out = {
         "spec": args.spec,
-        "core_attention": {type(layer.self_attention.core_attention) is HDPCoreAttention for layer in model.decoder.layers},
+        "core_attention": {
+            type(layer.self_attention.core_attention) is HDPCoreAttention for layer in model.decoder.layers
+        },
         "true_rope": isinstance(getattr(model, "rotary_pos_emb", None), TruePositionRotaryEmbedding),
     }
     parallel.destroy_parallel()
@@ -343,15 +372,21 @@ def _build(rank, world, position_embedding_type):
 
 def test_model_provider_builds_hdp_attention_through_megatron_s_spec_hook():
     (out,) = run_local_world(_build, 1, "rope", timeout_s=120)
-    assert out == {"spec": ["megatron_bytescale.megatron.pretrain_hooks", "HDP_LAYER_SPEC"],
-                   "core_attention": {True}, "true_rope": True}
+    assert out == {
+        "spec": ["megatron_bytescale.megatron.pretrain_hooks", "HDP_LAYER_SPEC"],
+        "core_attention": {True},
+        "true_rope": True,
+    }
     (out,) = run_local_world(_build, 1, "learned_absolute", timeout_s=120)
     assert out["core_attention"] == {True} and out["true_rope"] is False  # learned positions read position_ids
 
 
 def test_model_provider_is_megatron_s_own_without_hdp(megatron_args):
     megatron_args(parse([]))
-    assert hooks.model_provider(lambda **kw: ("megatron model", kw))(pre_process=True) == ("megatron model", {"pre_process": True})
+    assert hooks.model_provider(lambda **kw: ("megatron model", kw))(pre_process=True) == (
+        "megatron model",
+        {"pre_process": True},
+    )
 
 
 def _moe_spec(rank, world):

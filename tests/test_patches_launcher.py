@@ -87,7 +87,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     else:
         # HDP forward step: one MicroBatchData in, pretrain_gpt's loss_func out
         import torch
-        from megatron_bytescale.planner.plan import MicroBatch
+        from megatron_bytescale.planner.contract import MicroBatch
         from megatron_bytescale.runtime.batch import MicroBatchData
         mb = MicroBatchData(MicroBatch(()), torch.arange(5), torch.arange(1, 6), torch.ones(5), torch.arange(5))
         calls = []
@@ -177,7 +177,13 @@ def test_without_hdp_everything_is_megatron_s_own(stand_in):
 
 def test_with_hdp_the_hooks_take_over(stand_in):
     proc, report = launch(
-        stand_in, "--calculate-per-token-loss", "--seq-length", "4096", "--hybrid-data-parallel", "--hdp-token-capacity", "1K"
+        stand_in,
+        "--calculate-per-token-loss",
+        "--seq-length",
+        "4096",
+        "--hybrid-data-parallel",
+        "--hdp-token-capacity",
+        "1K",
     )
     assert proc.returncode == 0, proc.stderr
     assert report["validated"] and report["hdp_size"] == 8 and report["dataloader_type"] == "external"
@@ -195,10 +201,15 @@ def test_hdp_conflicts_stop_the_run_with_the_config_error(stand_in):
 def test_a_patched_script_is_run_as_is(stand_in):
     tmp_path, script = stand_in
     patched = tmp_path / "mlm" / "pretrain_gpt_patched.py"
-    text = script.read_text().replace(
-        "from megatron.training import get_args, pretrain",
-        "from megatron.training import get_args, pretrain\nfrom megatron_bytescale.megatron import pretrain_hooks as hdp",
-    ).replace("extra_args_provider=None)", "extra_args_provider=hdp.extra_args_provider(None))")
+    text = (
+        script.read_text()
+        .replace(
+            "from megatron.training import get_args, pretrain",
+            "from megatron.training import get_args, pretrain\nfrom megatron_bytescale.megatron import pretrain_hooks "
+            "as hdp",
+        )
+        .replace("extra_args_provider=None)", "extra_args_provider=hdp.extra_args_provider(None))")
+    )
     patched.write_text(text)
     # wrapping pretrain as well would add the HDP flags twice (an argparse conflict)
     proc, report = launch(stand_in, "--seq-length", "2048", "--hdp-plan-ahead", "3", script=patched)
@@ -206,9 +217,21 @@ def test_a_patched_script_is_run_as_is(stand_in):
 
 
 def test_usage_and_bad_script():
-    proc = subprocess.run([sys.executable, "-m", "megatron_bytescale.launch"], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_bytescale.launch"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=120,
+    )
     assert proc.returncode == 2 and "usage: python -m megatron_bytescale.launch" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "megatron_bytescale.launch", "no_such_pretrain_gpt.py"], cwd=ROOT,
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_bytescale.launch", "no_such_pretrain_gpt.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=120,
+    )
     assert proc.returncode == 2 and "not a Python file" in proc.stderr

@@ -1,7 +1,8 @@
 import pytest
 
 from megatron_bytescale.errors import PlanError
-from megatron_bytescale.planner.plan import MicroBatch, Plan, resident_fraction, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, resident_fraction, ring_pieces, whole_piece
+from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 
 
 def make_plan(seq_lens, ranks, capacity=8, layers=4, num_ranks=None):
@@ -88,7 +89,7 @@ def test_static_style_micro_batch_shares_one_ring():
     plan.validate()
     # member 0 sends its own block and receives the successor's: (T0 + T1 - T1) tokens of KV
     kv, grad = 10.0, 100.0
-    sent = plan.p2p_bytes_per_rank(kv, grad, num_layers=2)
+    sent = p2p_bytes_per_rank(plan, kv, grad, num_layers=2)
     t0 = 3 + 3  # rank_tokens(6,2,0) + rank_tokens(5,2,0)
     t1 = 3 + 2
     assert sent[0] == 2 * (2 * t0 * kv + (t0 + t1) * grad)

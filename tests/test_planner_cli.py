@@ -4,7 +4,7 @@ import re
 import pytest
 
 from megatron_bytescale.cli import main
-from megatron_bytescale.planner.plan import Plan
+from megatron_bytescale.planner.contract import Plan
 
 BASE = ["plan", "--model", "llama-7b", "--gpus", "16", "--capacity", "8K"]
 
@@ -25,7 +25,10 @@ def test_plan_prints_a_table_and_writes_valid_json(tmp_path, capsys):
 
 def test_tp_pp_and_no_offload(tmp_path, capsys):
     out = tmp_path / "p.json"
-    rc = main(BASE + ["--tp", "2", "--pp", "2", "--lengths", "20K,2K", "--no-offload", "--balance", "none", "--json", str(out)])
+    rc = main(
+        BASE
+        + ["--tp", "2", "--pp", "2", "--lengths", "20K,2K", "--no-offload", "--balance", "none", "--json", str(out)]
+    )
     assert rc == 0
     plan = json.loads(out.read_text())
     assert plan["num_ranks"] == 4 and plan["num_layers"] == 16  # 16 GPUs / (TP 2 x PP 2); 32 layers / 2 stages
@@ -92,8 +95,28 @@ def test_cut_sequences_to_the_context(tmp_path, capsys):
 
 def test_host_memory_bounds_every_offloaded_micro_batch(tmp_path, capsys):
     out = tmp_path / "p.json"
-    assert main(["plan", "--model", "llama-7b", "--gpus", "64", "--capacity", "8K", "--lengths", "2M",
-                 "--balance", "none", "--host-memory-per-gpu", "96G", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "llama-7b",
+                "--gpus",
+                "64",
+                "--capacity",
+                "8K",
+                "--lengths",
+                "2M",
+                "--balance",
+                "none",
+                "--host-memory-per-gpu",
+                "96G",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     plan = Plan.from_json(out).validate()
     per_token = 32 * 119_296  # activation bytes of one token over the 32 layers of LLaMA-7B
     worst = max(mb.tokens * mb.offload_ratio * 30 / 32 * per_token for mbs in plan.ranks for mb in mbs)

@@ -3,7 +3,8 @@ plans without pipelines: both cost a ring the same way, the final dKV hop includ
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from megatron_bytescale.planner.estimate import dkv_home_time, exposed_ring_time, ring_share_time
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
@@ -90,8 +91,8 @@ def test_every_ring_pays_the_home_hop_even_when_compute_hides_the_others():
 @given(st.lists(st.integers(1, 400), min_size=1, max_size=12), st.sampled_from([2, 3, 4]))
 def test_one_f_one_b_estimate_equals_the_simulated_pipeline(lens, p):
     """One pipeline of whole sequences: the planner's 1F1B makespan is the simulator's step."""
+    from megatron_bytescale.planner.contract import MicroBatch, Plan, whole_piece
     from megatron_bytescale.planner.estimate import one_f_one_b_time, pipeline_time, rank_times
-    from megatron_bytescale.planner.plan import MicroBatch, Plan, whole_piece
 
     cost = small_cost(num_layers=2)
     ranks = (tuple(MicroBatch((whole_piece(i, s, 0),)) for i, s in enumerate(lens)),)

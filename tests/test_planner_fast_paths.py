@@ -8,13 +8,13 @@ once) is checked against a plain one-at-a-time version on random inputs, ties in
 import heapq
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from megatron_bytescale.planner import balance
+from megatron_bytescale.planner import balance, two_level
 from megatron_bytescale.planner.balance import _Loads, make_buckets
 from megatron_bytescale.planner.placement import RingPlacer
 from megatron_bytescale.planner.sharding import RingSizer, ring_times
-from megatron_bytescale.planner import two_level
 
 from planner_cases import small_cost
 
@@ -80,7 +80,10 @@ def test_rounds_give_what_one_unit_at_a_time_gives(clock, units, mode, longest_f
             arrays = loads_at(clock, stages, by_tokens)
             balance.BULK_RUN, balance.MIN_ROUND = bulk_run, min_round
             try:
-                assert arrays.give_many(np.array(seconds), np.array(tokens, dtype=np.float64)) + arrays.give_many(*then) == ranks
+                assert (
+                    arrays.give_many(np.array(seconds), np.array(tokens, dtype=np.float64)) + arrays.give_many(*then)
+                    == ranks
+                )
             finally:
                 balance.BULK_RUN, balance.MIN_ROUND = old
             assert arrays.clock == clocks and arrays.last_key == keys and arrays.tokens == loads.tokens
@@ -129,8 +132,11 @@ def plain_placement(loads, size, per_node):
 @settings(max_examples=80, deadline=None)
 @given(
     st.sampled_from([(16, 4), (24, 8), (12, 3)]),
-    st.lists(st.tuples(st.integers(1, 12), st.lists(st.tuples(st.integers(0, 23), coarse | st.just(-0.25)), max_size=5)),
-             min_size=1, max_size=25),
+    st.lists(
+        st.tuples(st.integers(1, 12), st.lists(st.tuples(st.integers(0, 23), coarse | st.just(-0.25)), max_size=5)),
+        min_size=1,
+        max_size=25,
+    ),
 )
 def test_placement_told_the_changes_matches_placement_that_compares(shape, steps):
     num_ranks, per_node = shape
@@ -169,13 +175,19 @@ def test_two_level_curves_of_many_lengths_match_one_length_at_a_time():
         sizer = RingSizer(512, cost, True, 64, 8, stages)
         for target in (0.0, 1e-3, 0.05, 0.2, 1.0, 1e9):
             starts = sizer.first_within(lengths, target)
-            assert [sizer.size(s, target, k) for s, k in zip(lengths, starts)] == [sizer.size(s, target) for s in lengths]
+            assert [sizer.size(s, target, k) for s, k in zip(lengths, starts)] == [
+                sizer.size(s, target) for s in lengths
+            ]
 
 
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(coarse, min_size=2, max_size=10),
-    st.lists(st.tuples(st.integers(1, 8).map(lambda v: v / 8), st.integers(1, 50), st.integers(1, 4)), min_size=1, max_size=12),
+    st.lists(
+        st.tuples(st.integers(1, 8).map(lambda v: v / 8), st.integers(1, 50), st.integers(1, 4)),
+        min_size=1,
+        max_size=12,
+    ),
     st.sampled_from([(1, False), (3, False), (1, True)]),
 )
 def test_ring_members_given_at_once_match_run_then_push(clock, rings, mode):
@@ -226,8 +238,11 @@ def test_plan_step_leaves_the_garbage_collector_as_it_found_it():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 30)), min_size=1, max_size=8),
-       st.integers(1, 9), st.integers(0, 20))
+@given(
+    st.lists(st.tuples(st.integers(1, 40), st.integers(0, 30)), min_size=1, max_size=8),
+    st.integers(1, 9),
+    st.integers(0, 20),
+)
 def test_multiples_of_a_group_size_match_the_modulo_mask(runs, u, above):
     from megatron_bytescale.planner.sharding import _multiples, _ragged
 
@@ -256,7 +271,9 @@ def plain_balanced_target(lens, sizer):
     fixed = [c for c in curves if c[3][0] <= floor]
     varying = [c for c in curves if c[3][0] > floor]
     work += sum(n * rs[0] for n, _, rs, _ in fixed)
-    held = sorted([(t, 1) for t in short_times.tolist()] + [(b[0], n * sz[0]) for n, sz, _, b in fixed], key=lambda x: x[0])
+    held = sorted(
+        [(t, 1) for t in short_times.tolist()] + [(b[0], n * sz[0]) for n, sz, _, b in fixed], key=lambda x: x[0]
+    )
 
     def passes(t):
         total = work
@@ -322,7 +339,9 @@ def test_curves_prepared_at_once_match_each_length_alone():
         d = (rng.integers(8 // u + 1, 400, 5000) * u).astype(np.int64)  # multiples of u past a node
         s = rng.integers(600, 10**6, d.size)
         expected = two_level.share_times(cost, s, d, u, 8)
-        assert np.array_equal(two_level.valid_share_times(cost, s.astype(np.float64), d.astype(np.float64), u), expected)
+        assert np.array_equal(
+            two_level.valid_share_times(cost, s.astype(np.float64), d.astype(np.float64), u), expected
+        )
 
 
 @settings(max_examples=150, deadline=None)
@@ -353,8 +372,11 @@ def plain_group_placement(loads, size, group, per_node):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.sampled_from([0.0, 0.0, 0.0, 0.25, 0.5, 1.0]), min_size=32, max_size=32),
-       st.sampled_from([2, 4, 8]), st.integers(2, 4))
+@given(
+    st.lists(st.sampled_from([0.0, 0.0, 0.0, 0.25, 0.5, 1.0]), min_size=32, max_size=32),
+    st.sampled_from([2, 4, 8]),
+    st.integers(2, 4),
+)
 def test_placement_in_groups_matches_the_plain_rule(loads, group, nodes_worth):
     """Groups at the least load taken directly (rings placed early) or by the full sort: both
     are the plain rule."""
@@ -404,8 +426,13 @@ def plain_pp_schedule(units, placer, slack, stages, num_buckets=balance.DEFAULT_
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 16).map(lambda v: v / 8), st.sampled_from([1, 1, 1, 2, 3])), min_size=1, max_size=60),
-       st.sampled_from([1, 2, 4]), st.sampled_from([0.0, 0.05, 0.3]))
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 16).map(lambda v: v / 8), st.sampled_from([1, 1, 1, 2, 3])), min_size=1, max_size=60
+    ),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([0.0, 0.05, 0.3]),
+)
 def test_pp_runs_given_in_one_loop_match_least_run_push(specs, stages, slack):
     from megatron_bytescale.planner.balance import Unit, schedule
 

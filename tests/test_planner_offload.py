@@ -1,9 +1,10 @@
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from hypothesis import given, settings, strategies as st
-
+from megatron_bytescale.planner.contract import resident_fraction
 from megatron_bytescale.planner.offload_policy import (
     RATIO_STEP,
     copy_exposure,
@@ -15,7 +16,6 @@ from megatron_bytescale.planner.offload_policy import (
     ratio_for_share,
     share_pairs,
 )
-from megatron_bytescale.planner.plan import resident_fraction
 
 from planner_cases import small_cost
 
@@ -141,7 +141,7 @@ def test_host_budget_is_counted_in_token_equivalents():
     assert host_capacity(small_cost()) is None  # no budget given: unbounded
     # 131,072 tokens at r = 1 park 30/32 of them: 122,880 token-equivalents = 469 GB
     assert host_tokens(131_072, 1.0, 32) == 122_880
-    assert 122_880 * 32 * 119_296 == pytest.approx(469e9, rel=1e-3)
+    assert pytest.approx(469e9, rel=1e-3) == 122_880 * 32 * 119_296
 
 
 def test_host_budget_sets_how_many_ranks_a_long_sequence_needs():

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.planner.balance import Unit, make_buckets, schedule

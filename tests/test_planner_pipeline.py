@@ -4,16 +4,17 @@ simulator (``sim.timeline``, which runs 1F1B per rank) never finds a deadlock.""
 from collections import defaultdict
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from megatron_bytescale.errors import PlanError
-from megatron_bytescale.planner import pipeline_order
+from megatron_bytescale.planner import slot_alignment
+from megatron_bytescale.planner.contract import MicroBatch, Plan, find_pipeline_deadlock, ring_pieces, whole_piece
 from megatron_bytescale.planner.estimate import rank_times
-from megatron_bytescale.planner.pipeline_order import LocalBatch, find_pipeline_deadlock, order_runs
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
+from megatron_bytescale.planner.slot_alignment import LocalBatch, order_runs
 from megatron_bytescale.sim.cluster import Cluster
-from megatron_bytescale.sim.timeline import ring_key, simulate
+from megatron_bytescale.sim.timeline import simulate
 
 from planner_cases import draw_lengths, small_cost
 
@@ -53,7 +54,7 @@ def slot_offsets(runs_keys) -> dict[int, int] | None:
 
 
 def plan_keys(plan):
-    return [[ring_key(mb) for mb in mbs] for mbs in plan.ranks]
+    return plan.ring_keys()
 
 
 # ----------------------------------------------------------------- the property
@@ -239,7 +240,7 @@ def test_plan_step_places_rings_again_and_reports_when_it_cannot(monkeypatch):
     plan = plan_step(lens, config, cost).validate()
     assert plan.meta["pipeline_order"]["rings_placed_again"]
     simulate(plan, Cluster(12, pp=4, gpus_per_node=3), cost)
-    monkeypatch.setattr(pipeline_order, "_place_by_level", lambda *args: None)
+    monkeypatch.setattr(slot_alignment, "_place_by_level", lambda *args: None)
     with pytest.raises(PlanError, match="no 1F1B order without deadlock found for 4 pipeline stages.*wait in a cycle"):
         plan_step(lens, config, cost)
 
@@ -257,7 +258,9 @@ def test_pp_balance_estimate_matches_the_simulator_and_beats_static(dataset):
     from megatron_bytescale.sim.strategies import StrategyInput, make_plan
     from megatron_bytescale.sim.timeline import evaluate
 
-    cfg = SimConfig(gpus=1024, context=256 << 10, capacity=8 << 10, global_batch_tokens=4 << 20, model="llama-70b", tp=8, pp=4)
+    cfg = SimConfig(
+        gpus=1024, context=256 << 10, capacity=8 << 10, global_batch_tokens=4 << 20, model="llama-70b", tp=8, pp=4
+    )
     cluster, spec_cost = check_config(cfg)
     lens = sample_lengths(dataset, cfg.global_batch_tokens, cfg.context, np.random.default_rng(0))
     # With the hardware spec's host budget (shared by the 4 micro-batches a stage holds) and

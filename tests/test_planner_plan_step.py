@@ -2,7 +2,8 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from megatron_bytescale.errors import BytescaleError, ConfigError
 from megatron_bytescale.planner.cost_model import CostModel
@@ -63,7 +64,7 @@ def test_plans_are_valid_for_any_mix_and_cluster_shape(case):
     assert plan.meta["plan_time_s"] > 0
     rpn = min(config.ranks_per_node, config.num_ranks)
     l = cost.num_layers
-    for rank, mbs in enumerate(plan.ranks):
+    for _rank, mbs in enumerate(plan.ranks):
         for mb in mbs:
             # device memory, in bytes: the last two layers whole, 1 - r of the others
             device = cost.a2 * mb.tokens * (2 + (1 - mb.offload_ratio) * max(0, l - 2))
@@ -208,7 +209,9 @@ def test_naive_and_sharding_plans_run_through_pipelines(pp, offload):
     cost = CostModel.analytic(ModelSpec.load("llama-7b"), HardwareSpec.load("h100"), pp=pp)
     lens = sample_lengths("github", 512 * 1024, 64 * 1024, rng=2)
     cluster = Cluster(32, pp=pp, gpus_per_node=4)
-    config = PlannerConfig(cluster.d_hdp, 8192, cluster.hdp_per_node, balance="none", offload=offload, pipeline_stages=pp)
+    config = PlannerConfig(
+        cluster.d_hdp, 8192, cluster.hdp_per_node, balance="none", offload=offload, pipeline_stages=pp
+    )
     plan = plan_step(lens, config, cost).validate()
     simulate(plan, cluster, cost)  # raises PlanError if the plan deadlocks
     if not offload:  # still at the memory floor, nothing offloaded, even if rings were placed again
@@ -234,7 +237,11 @@ def test_pipeline_stages_count_in_the_estimate(llama):
         ([3], PlannerConfig(4, 0), r"token capacity must be a whole number >= 1, got 0; set --hdp-token-capacity"),
         ([3], PlannerConfig(0, 8), "num_ranks must be a whole number >= 1"),
         ([3], PlannerConfig(12, 8, ranks_per_node=8), "do not fill whole nodes of 8 ranks"),
-        ([3], PlannerConfig(4, 8, ranks_per_node=0), "ranks_per_node must be a whole number >= 1, got 0; pass the HDP ranks per node"),
+        (
+            [3],
+            PlannerConfig(4, 8, ranks_per_node=0),
+            "ranks_per_node must be a whole number >= 1, got 0; pass the HDP ranks per node",
+        ),
         ([3], PlannerConfig(4, 8, balance="lpt"), r"unknown balance mode 'lpt'; choose one of none, dp, pp"),
         ([3], PlannerConfig(4, 8, slack=1.5), r"slack must be in \[0, 1\)"),
         ([3], PlannerConfig(4, 8, pipeline_stages=0), "pipeline_stages must be a whole number >= 1"),

@@ -156,10 +156,19 @@ def test_stop_and_resume_continues_the_uninterrupted_run_exactly(fmt, request, d
         uninterrupted, tree, checkpoint = (request.getfixturevalue("patched_run"),
                                            request.getfixturevalue("patched_tree"), work / "ckpt_dist")
     else:  # the launcher run's, resumed by the launcher
-        uninterrupted, tree, checkpoint = request.getfixturevalue("launcher_run"), Path(MEGATRON_LM_DIR), work / "ckpt_torch"
-    resumed = train(tree, "--hidden-dropout", "0.1", "--ckpt-format", fmt,
-                    **_hdp4(data, LOAD_DIR=_resume_from(checkpoint, 2, work), SAVE_INTERVAL=100)).check()
-    assert "successfully loaded checkpoint from" in resumed.log and sorted(resumed.losses) == [3, 4, 5], resumed.summary()
+        uninterrupted = request.getfixturevalue("launcher_run")
+        tree, checkpoint = Path(MEGATRON_LM_DIR), work / "ckpt_torch"
+    resumed = train(
+        tree,
+        "--hidden-dropout",
+        "0.1",
+        "--ckpt-format",
+        fmt,
+        **_hdp4(data, LOAD_DIR=_resume_from(checkpoint, 2, work), SAVE_INTERVAL=100),
+    ).check()
+    assert "successfully loaded checkpoint from" in resumed.log and sorted(resumed.losses) == [3, 4, 5], (
+        resumed.summary()
+    )
     print(f"{fmt}: uninterrupted {uninterrupted.losses}, resumed {resumed.losses}")
     # Megatron logs the first iteration of a run without resetting its loss accumulator
     # (training.py:1797), so the next line averages both: the resumed run's iteration 4 is the
@@ -181,14 +190,19 @@ def _parameters(checkpoint: Path) -> dict:
     out = checkpoint / "full.pt"
     dcp_to_torch_save(checkpoint / f"iter_{int(iteration):07d}", out)
     state = torch.load(out, weights_only=False)
-    return {k: v for k, v in state.items() if not k.startswith("optimizer") and torch.is_tensor(v)
-            and "_extra_state" not in k}
+    return {
+        k: v
+        for k, v in state.items()
+        if not k.startswith("optimizer") and torch.is_tensor(v) and "_extra_state" not in k
+    }
 
 
 # TP=2 with Megatron's default initialisation: each TP shard drawn from the model-parallel RNG
 # stream (per TP rank, the same on every HDP rank; on CPU cpu_compat.CpuRNGStatesTracker);
 # TP=1 with --use-cpu-initialization: the full weights drawn once and split
-@pytest.mark.parametrize("tp, init", [(1, ("--use-cpu-initialization",)), (2, ())], ids=["tp1-cpu-init", "tp2-default-init"])
+@pytest.mark.parametrize(
+    "tp, init", [(1, ("--use-cpu-initialization",)), (2, ())], ids=["tp1-cpu-init", "tp2-default-init"]
+)
 def test_hdp_step_equals_one_hdp_rank(tp, init, data, work):
     """Megatron's iteration-1 loss and the parameters after iteration 1: HDP over 4 ranks
     (TP=1: 4 HDP ranks; TP=2: TP=2 x HDP=2) against one HDP rank of the same TP size on the same
@@ -212,8 +226,10 @@ def test_hdp_step_equals_one_hdp_rank(tp, init, data, work):
     params_hdp, params_one = _parameters(work / f"ckpt_tp{tp}_hdp{4 // tp}"), _parameters(work / f"ckpt_tp{tp}_hdp1")
     assert params_hdp.keys() == params_one.keys() and len(params_one) >= 8  # layers are stacked
     worst = max(float((params_hdp[k].double() - params_one[k].double()).abs().max()) for k in params_one)
-    print(f"TP={tp}: iteration-1 loss {hdp.losses[1]} (HDP={4 // tp}) vs {one.losses[1]} (one HDP rank); "
-          f"max parameter difference after iteration 1: {worst:.3e}")
+    print(
+        f"TP={tp}: iteration-1 loss {hdp.losses[1]} (HDP={4 // tp}) vs {one.losses[1]} (one HDP rank); "
+        f"max parameter difference after iteration 1: {worst:.3e}"
+    )
     assert worst < 5e-6  # fp32: different summation orders, through one Adam step
 
 
@@ -253,8 +269,13 @@ def test_pipeline_parallel_hdp_equals_one_rank_with_tied_embeddings(patched_run,
     1``: device 0 holds layers 1 and 3, device 1 layers 2 and 4; the tied copies sit in chunk 0
     of device 0 and chunk 1 of device 1)."""
     model = work / "tiny-tied.args"
-    model.write_text("".join(line for line in (ROOT / "configs/models/tiny.args").read_text().splitlines(True)
-                             if "--untie-embeddings-and-output-weights" not in line))
+    model.write_text(
+        "".join(
+            line
+            for line in (ROOT / "configs/models/tiny.args").read_text().splitlines(True)
+            if "--untie-embeddings-and-output-weights" not in line
+        )
+    )
     flags = ("--hidden-dropout", "0", "--ckpt-format", "torch_dist", "--finetune")
     common = dict(MODEL=model, GLOBAL_BATCH_SIZE=8, TRAIN_ITERS=3, DATA_PATH=data["train"], LOAD_DIR=work / "ckpt_dist")
 
@@ -274,13 +295,18 @@ def test_pipeline_parallel_hdp_equals_one_rank_with_tied_embeddings(patched_run,
         print(f"{name} losses {run_.losses}, grad norms {run_.grad_norms}; one rank {one.losses}, {one.grad_norms}")
         for i in (1, 2, 3):  # Megatron prints 7 digits: fp32 summation orders differ in the last
             assert abs(float(run_.losses[i]) - float(one.losses[i])) < 5e-6, (name, i, run_.losses, one.losses)
-            assert abs(float(run_.grad_norms[i]) - float(one.grad_norms[i])) <= 1e-3, (name, i, run_.grad_norms, one.grad_norms)
+            assert abs(float(run_.grad_norms[i]) - float(one.grad_norms[i])) <= 1e-3, (
+                name,
+                i,
+                run_.grad_norms,
+                one.grad_norms,
+            )
 
 
 def _drop(flag):
     def edit(flags):
         i = flags.index(flag)
-        return flags[:i] + flags[i + 2:]
+        return flags[:i] + flags[i + 2 :]
 
     return edit
 
@@ -288,7 +314,7 @@ def _drop(flag):
 def _tp(size):
     def edit(flags):
         i = flags.index("--tensor-model-parallel-size")
-        return flags[:i + 1] + [str(size)] + flags[i + 2:]
+        return flags[: i + 1] + [str(size)] + flags[i + 2 :]
 
     return edit
 
@@ -313,13 +339,19 @@ def test_wrong_launches_stop_with_one_line(data):
         variables, edit, world, expected = WRONG_LAUNCHES[case]
         env = _environment(Path(MEGATRON_LM_DIR), DRY_RUN=1, NPROC=1, DATA_PATH=data["train"], TRAIN_ITERS=2)
         env.update({k: str(v) for k, v in variables.items()})
-        proc = subprocess.run(["bash", str(ROOT / "scripts/train_local.sh")], env=env,
-                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts/train_local.sh")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
         if edit is None:
             return case, proc, expected
         assert proc.returncode == 0, proc.stderr
         argv = shlex.split(proc.stdout.strip().splitlines()[-1])
-        flags = edit(argv[argv.index("megatron_bytescale.launch") + 2:])
+        flags = edit(argv[argv.index("megatron_bytescale.launch") + 2 :])
         return case, _direct(flags, WORLD_SIZE=world, RANK=0, LOCAL_RANK=0, DATA_PATH=data["train"]), expected
 
     with ThreadPoolExecutor(2) as pool:
@@ -333,7 +365,11 @@ def test_wrong_launches_stop_with_one_line(data):
 
 def _direct(args: list[str], **variables) -> subprocess.CompletedProcess:
     variables.setdefault("PYTHONPATH", os.pathsep.join([MEGATRON_LM_DIR, str(ROOT)]))
-    return subprocess.run([sys.executable, "-m", "megatron_bytescale.launch", str(Path(MEGATRON_LM_DIR) / "pretrain_gpt.py"), *args],
-                          env=_environment(Path(MEGATRON_LM_DIR), **variables), capture_output=True, text=True,
-                          timeout=TIMEOUT, cwd=ROOT)
-
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_bytescale.launch", str(Path(MEGATRON_LM_DIR) / "pretrain_gpt.py"), *args],
+        env=_environment(Path(MEGATRON_LM_DIR), **variables),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=ROOT,
+    )

@@ -85,7 +85,9 @@ def test_a_dead_rank_is_named_not_its_peers_connection_error():
 
 def test_a_ring_exchange_without_progress_names_its_peers():
     message, _ = run_local_world(lifetime_support.wedged_ring_peer, 2, timeout_s=60)
-    assert message.startswith("ring exchange made no progress for 2 s: ring (0, 1): this rank (global 0) sends to global rank 1")
+    assert message.startswith(
+        "ring exchange made no progress for 2 s: ring (0, 1): this rank (global 0) sends to global rank 1"
+    )
 
 
 def test_bad_input_found_in_a_rank_comes_back_as_its_one_line_error():

@@ -121,7 +121,10 @@ def test_profile_round_trips_through_cost_model(tmp_path):
     assert cost.host_memory_bytes == pytest.approx(0.5 * profiler.host_ram_bytes() / 8)
     assert src["bw_inter_node"].startswith("analytic") and "H800" in src["bw_inter_node"]
     assert cost.num_layers == 2  # tiny's 4 layers over 2 pipeline stages
-    assert cost.kv_bytes_per_token == CostModel.analytic(ModelSpec.load("tiny"), HardwareSpec.load("h800")).kv_bytes_per_token
+    assert (
+        cost.kv_bytes_per_token
+        == CostModel.analytic(ModelSpec.load("tiny"), HardwareSpec.load("h800")).kv_bytes_per_token
+    )
     # Act(s) measured equals the held bytes the sweep recorded
     for s, act in zip(prof["notes"]["seq_lens"], prof["notes"]["act_bytes"]):
         assert cost.act_bytes(s) == pytest.approx(act, rel=1e-6)
@@ -135,8 +138,9 @@ def test_host_memory_per_gpu_and_forward_share():
     # time-weighted: 1 ms of 3 and 10 ms of 25 -> 11 / 28
     samples = [profiler.LayerSample(64, 3e-3, 1e-3, 0, 0), profiler.LayerSample(128, 25e-3, 10e-3, 0, 0)]
     assert profiler.forward_share_of(samples) == pytest.approx(11 / 28)
-    prof = profiler.build_profile("tiny", "h200", [32, 64, 96], backend="torch", repeats=1, copy_bytes=1 << 16,
-                                  host_memory=64 << 30)
+    prof = profiler.build_profile(
+        "tiny", "h200", [32, 64, 96], backend="torch", repeats=1, copy_bytes=1 << 16, host_memory=64 << 30
+    )
     assert prof["host_memory_bytes"] == float(64 << 30)
     assert prof["source"]["host_memory_bytes"].startswith("given")
 
@@ -178,8 +182,9 @@ def _cli_profile(rank, world_size, out):
     """`bytescale profile` end to end on megatron-core layers (each rank a gloo process)."""
     from megatron_bytescale.cli import main
 
-    code = main(["profile", "--model", "tiny", "--seq-lens", "32,64,128", "--repeats", "1",
-                 "--copy-bytes", "1M", "--out", out])
+    code = main(
+        ["profile", "--model", "tiny", "--seq-lens", "32,64,128", "--repeats", "1", "--copy-bytes", "1M", "--out", out]
+    )
     return code
 
 
@@ -212,8 +217,16 @@ def test_p2p_bandwidth_between_two_ranks():
 # ------------------------------------------------ GPU offload check: shared logic on CPU
 def test_offload_check_logic_on_cpu():
     report = offload_bench.run_offload_check(
-        model="tiny", tokens_list=[128, 256], ratios=[0.5, 1.0], layers=4, device="cpu",
-        dtype=torch.float32, backend="torch", min_tensor_bytes=0, repeats=1, warmup=0,
+        model="tiny",
+        tokens_list=[128, 256],
+        ratios=[0.5, 1.0],
+        layers=4,
+        device="cpu",
+        dtype=torch.float32,
+        backend="torch",
+        min_tensor_bytes=0,
+        repeats=1,
+        warmup=0,
     )
     rows = report["rows"]
     assert [(r["tokens"], r["ratio"]) for r in rows] == [(t, r) for t in (128, 256) for r in (0.0, 0.5, 1.0)]

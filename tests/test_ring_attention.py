@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from megatron_bytescale.errors import ConfigError, PlanError
 from megatron_bytescale.local_world import run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 from megatron_bytescale.runtime.attention_ops import TORCH_BACKEND
 from megatron_bytescale.runtime.layout import MicroBatchLayout
 from megatron_bytescale.runtime.ring_attention import attention_backward, attention_forward, ring_attention
@@ -56,7 +57,7 @@ def max_errors(layout, out, grads, ref):
 
 
 def predicted_bytes(plan):
-    return plan.p2p_bytes_per_rank(2 * HKV * D * 4, 2 * HKV * D * 4, num_layers=1)
+    return p2p_bytes_per_rank(plan, 2 * HKV * D * 4, 2 * HKV * D * 4, num_layers=1)
 
 
 def make_plan(seq_lens, ranks):
@@ -215,7 +216,8 @@ def _bad_rings(rank, world_size):
     """Errors raised before any communication, so nothing hangs (returned, not raised)."""
     messages = []
     for ring, as_rank in (((0, 1, 2), rank), ((0, 1), 1 - rank)):
-        layout = MicroBatchLayout.from_micro_batch(MicroBatch((ring_pieces(0, 12, ring)[ring.index(as_rank)],)), as_rank)
+        piece = ring_pieces(0, 12, ring)[ring.index(as_rank)]
+        layout = MicroBatchLayout.from_micro_batch(MicroBatch((piece,)), as_rank)
         q = torch.zeros(layout.num_tokens, 2, 8)
         try:
             ring_attention(q, q, q, layout)

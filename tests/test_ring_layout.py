@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from megatron_bytescale.errors import PlanError
-from megatron_bytescale.planner.plan import MicroBatch, Piece, ring_pieces, whole_piece
-from megatron_bytescale.planner.zigzag import rank_tokens
+from megatron_bytescale.planner.contract import MicroBatch, Piece, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract.zigzag import rank_tokens
 from megatron_bytescale.runtime.batch import build_micro_batch_data
 from megatron_bytescale.runtime.layout import MicroBatchLayout, put_rows, take_rows
 
@@ -54,7 +54,9 @@ def test_every_member_derives_the_same_blocks():
     blocks = blocks.pop()
     assert layouts[2].block_tokens == tuple(rank_tokens(23, 3, j) + rank_tokens(13, 3, j) for j in range(3))
     # together the blocks hold every token of the distributed sequences exactly once
-    pairs = sorted(zip(torch.cat([b.seq_ids for b in blocks]).tolist(), torch.cat([b.positions for b in blocks]).tolist()))
+    pairs = sorted(
+        zip(torch.cat([b.seq_ids for b in blocks]).tolist(), torch.cat([b.positions for b in blocks]).tolist())
+    )
     assert pairs == sorted([(7, p) for p in range(23)] + [(2, p) for p in range(13)])
 
 

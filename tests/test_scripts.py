@@ -39,7 +39,9 @@ def test_bash_syntax(path):
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install shellcheck)")
+@pytest.mark.skipif(
+    shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install shellcheck)"
+)
 def test_shellcheck_clean():
     proc = subprocess.run(["shellcheck", "-x", *map(str, SCRIPTS)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -73,10 +75,16 @@ def env(tmp_path):
     bin_dir.mkdir()
     _tool(bin_dir, "scontrol", 'echo "gpu-node-07"; echo "gpu-node-08"\n')
     # srun: drop its own options, run the command once as node 1 / task 9 of a 2x8 job
-    _tool(bin_dir, "srun", 'while [[ $1 == --* ]]; do shift; done\n'
-          'SLURM_NODEID=1 SLURM_PROCID=9 SLURM_LOCALID=1 SLURM_NTASKS=16 exec "$@"\n')
-    record = 'import json, os, sys; print(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in ' \
-             '("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")}}))'
+    _tool(
+        bin_dir,
+        "srun",
+        "while [[ $1 == --* ]]; do shift; done\n"
+        'SLURM_NODEID=1 SLURM_PROCID=9 SLURM_LOCALID=1 SLURM_NTASKS=16 exec "$@"\n',
+    )
+    record = (
+        'import json, os, sys; print(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in '
+        '("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")}}))'
+    )
     _tool(bin_dir, "torchrun", f"exec {sys.executable} -c '{record}' torchrun \"$@\"\n")
     # python: `-m megatron_bytescale.torchrun ...` is recorded as torchrun (what it runs in-process);
     # the launch check (`-m megatron_bytescale.megatron.preflight`) leaves its argv in preflight.json
@@ -102,7 +110,9 @@ def env(tmp_path):
 
 
 def run_script(script, variables, *args, check=True):
-    proc = subprocess.run(["bash", str(ROOT / script), *args], env=variables, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(ROOT / script), *args], env=variables, capture_output=True, text=True, timeout=60
+    )
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -115,21 +125,27 @@ def model_args(name):
 
 
 def after(argv, marker):
-    return argv[argv.index(marker) + 1:]
+    return argv[argv.index(marker) + 1 :]
 
 
 def test_train_local_runs_torchrun_with_the_launcher(env):
     variables, mlm = env
-    out = json.loads(run_script("scripts/train_local.sh", dict(variables, NPROC="4", MODEL="tiny"), "--seed", "7").stdout)
+    out = json.loads(
+        run_script("scripts/train_local.sh", dict(variables, NPROC="4", MODEL="tiny"), "--seed", "7").stdout
+    )
     argv = out["argv"]
     assert argv[:5] == ["torchrun", "--standalone", "--nproc-per-node", "4", "-m"]
     assert argv[5:7] == ["megatron_bytescale.launch", str(mlm / "pretrain_gpt.py")]
     flags = argv[7:]
     assert flags[: len(model_args("tiny"))] == model_args("tiny")
-    for pair in (["--hybrid-data-parallel", "--hdp-token-capacity"], ["--global-batch-size", "4"],
-                 ["--data-path", variables["DATA_PATH"], "--eval-iters", "0"], ["--seed", "7"]):
+    for pair in (
+        ["--hybrid-data-parallel", "--hdp-token-capacity"],
+        ["--global-batch-size", "4"],
+        ["--data-path", variables["DATA_PATH"], "--eval-iters", "0"],
+        ["--seed", "7"],
+    ):
         i = flags.index(pair[0])
-        assert flags[i: i + len(pair)] == pair
+        assert flags[i : i + len(pair)] == pair
     assert "--calculate-per-token-loss" in flags and flags[-2:] == ["--seed", "7"]
 
 
@@ -140,7 +156,9 @@ def test_a_patched_checkout_runs_pretrain_gpt_itself(env):
     assert argv[3:5] == ["2", str(mlm / "pretrain_gpt.py")]
     assert "-m" not in argv
     # HDP_MODE forces the launcher even then
-    argv = json.loads(run_script("scripts/train_local.sh", dict(variables, NPROC="2", HDP_MODE="launcher")).stdout)["argv"]
+    argv = json.loads(run_script("scripts/train_local.sh", dict(variables, NPROC="2", HDP_MODE="launcher")).stdout)[
+        "argv"
+    ]
     assert argv[4:6] == ["-m", "megatron_bytescale.launch"]
 
 
@@ -174,16 +192,33 @@ def test_train_local_refuses_bad_settings(env, extra, message):
 def test_optional_variables_become_flags(env):
     variables, _ = env
     settings = dict(
-        VALID_DATA_PATH="/data/valid", HDP_STEP_TOKENS="2M", HDP_BALANCE="none", HDP_SELECTIVE_OFFLOAD="1",
-        HDP_PROFILE=str(Path(variables["DATA_PATH"]).parent.parent / "p.json"), HDP_DATALOADER="ray", HDP_RAY_ADDRESS="head:6379", SAVE_DIR="/ckpt", LOAD_DIR="/ckpt",
-        TP="2", NPROC="8",
+        VALID_DATA_PATH="/data/valid",
+        HDP_STEP_TOKENS="2M",
+        HDP_BALANCE="none",
+        HDP_SELECTIVE_OFFLOAD="1",
+        HDP_PROFILE=str(Path(variables["DATA_PATH"]).parent.parent / "p.json"),
+        HDP_DATALOADER="ray",
+        HDP_RAY_ADDRESS="head:6379",
+        SAVE_DIR="/ckpt",
+        LOAD_DIR="/ckpt",
+        TP="2",
+        NPROC="8",
     )
     flags = json.loads(run_script("scripts/train_local.sh", dict(variables, **settings)).stdout)["argv"]
     text = " ".join(flags)
-    for expected in (f"--train-data-path {variables['DATA_PATH']} --valid-data-path /data/valid --eval-iters 10", "--hdp-step-tokens 2M", "--hdp-balance none",
-                     "--hdp-selective-offload", f"--hdp-profile {Path(variables['DATA_PATH']).parent.parent / 'p.json'}", "--hdp-dataloader ray",
-                     "--hdp-ray-address head:6379", "--save /ckpt", "--load /ckpt", "--tensor-model-parallel-size 2",
-                     "--global-batch-size 4"):
+    for expected in (
+        f"--train-data-path {variables['DATA_PATH']} --valid-data-path /data/valid --eval-iters 10",
+        "--hdp-step-tokens 2M",
+        "--hdp-balance none",
+        "--hdp-selective-offload",
+        f"--hdp-profile {Path(variables['DATA_PATH']).parent.parent / 'p.json'}",
+        "--hdp-dataloader ray",
+        "--hdp-ray-address head:6379",
+        "--save /ckpt",
+        "--load /ckpt",
+        "--tensor-model-parallel-size 2",
+        "--global-batch-size 4",
+    ):
         assert expected in text, expected
     assert "--hdp-hardware" not in flags  # the profile replaces it
 
@@ -191,7 +226,10 @@ def test_optional_variables_become_flags(env):
 def test_pipeline_stages_divide_the_world_with_tp(env):
     variables, _ = env
     argv = json.loads(run_script("scripts/train_local.sh", dict(variables, TP="2", PP="2", NPROC="8")).stdout)["argv"]
-    assert after(argv, "--pipeline-model-parallel-size")[0] == "2" and after(argv, "--tensor-model-parallel-size")[0] == "2"
+    assert (
+        after(argv, "--pipeline-model-parallel-size")[0] == "2"
+        and after(argv, "--tensor-model-parallel-size")[0] == "2"
+    )
     assert after(argv, "--global-batch-size")[0] == "2"  # 8 ranks / (TP 2 x PP 2) HDP ranks
 
 
@@ -206,8 +244,12 @@ def test_srun_sbatch_starts_every_rank_with_its_environment(env):
     variables, mlm = env
     out = json.loads(run_script("scripts/slurm/train_srun.sbatch", variables).stdout)
     assert out["env"] == {
-        "RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8",
-        "MASTER_ADDR": "gpu-node-07", "MASTER_PORT": str(20000 + 4242 % 20000),
+        "RANK": "9",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "8",
+        "MASTER_ADDR": "gpu-node-07",
+        "MASTER_PORT": str(20000 + 4242 % 20000),
         "PYTHONPATH": out["env"]["PYTHONPATH"],
     }
     assert out["env"]["PYTHONPATH"].split(os.pathsep)[:2] == [str(mlm), str(ROOT)]
@@ -224,8 +266,17 @@ def test_torchrun_sbatch_starts_one_torchrun_per_node(env):
     out = json.loads(run_script("scripts/slurm/train_torchrun.sbatch", dict(variables, GPUS_PER_NODE="4")).stdout)
     argv = out["argv"]
     assert argv[:11] == [
-        "torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--node-rank", "1", "--rdzv-id", "4242",
-        "--rdzv-backend", "c10d",
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "4",
+        "--node-rank",
+        "1",
+        "--rdzv-id",
+        "4242",
+        "--rdzv-backend",
+        "c10d",
     ]
     assert argv[11:13] == ["--rdzv-endpoint", f"gpu-node-07:{20000 + 4242 % 20000}"]
     assert argv[13:16] == ["-m", "megatron_bytescale.launch", str(mlm / "pretrain_gpt.py")]
@@ -236,16 +287,31 @@ def test_srun_rank_env_reads_the_compact_tasks_per_node_form(env):
     variables, _ = env
     variables = dict(variables, SLURM_PROCID="3", SLURM_NTASKS="8", SLURM_LOCALID="3", SLURM_TASKS_PER_NODE="4(x2)")
     variables.pop("SLURM_NTASKS_PER_NODE")
-    proc = subprocess.run(["bash", str(ROOT / "scripts/slurm/srun_rank_env.sh"), "python"], env=variables,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts/slurm/srun_rank_env.sh"), "python"],
+        env=variables,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)["env"]
     assert (got["RANK"], got["WORLD_SIZE"], got["LOCAL_RANK"], got["LOCAL_WORLD_SIZE"], got["MASTER_ADDR"]) == (
-        "3", "8", "3", "4", "gpu-node-07")
+        "3",
+        "8",
+        "3",
+        "4",
+        "gpu-node-07",
+    )
     # outside srun it refuses
     variables.pop("SLURM_PROCID")
-    proc = subprocess.run(["bash", str(ROOT / "scripts/slurm/srun_rank_env.sh"), "true"], env=variables,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts/slurm/srun_rank_env.sh"), "true"],
+        env=variables,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and "run this under srun" in proc.stderr
 
 
@@ -254,10 +320,16 @@ def test_srun_rank_env_reads_the_compact_tasks_per_node_form(env):
 @pytest.mark.parametrize("model", ["tiny", "llama-7b"])
 def test_script_command_lines_pass_megatron_and_hdp_validation(env, model):
     variables, _ = env
-    variables = dict(variables, MEGATRON_LM_DIR=MEGATRON_LM_DIR, MODEL=model, NPROC="8", TRANSFORMER_IMPL="local",
-                     VALID_DATA_PATH="/data/valid")
+    variables = dict(
+        variables,
+        MEGATRON_LM_DIR=MEGATRON_LM_DIR,
+        MODEL=model,
+        NPROC="8",
+        TRANSFORMER_IMPL="local",
+        VALID_DATA_PATH="/data/valid",
+    )
     argv = json.loads(run_script("scripts/train_local.sh", variables).stdout)["argv"]
-    flags = argv[argv.index(str(Path(MEGATRON_LM_DIR) / "pretrain_gpt.py")) + 1:]
+    flags = argv[argv.index(str(Path(MEGATRON_LM_DIR) / "pretrain_gpt.py")) + 1 :]
     from test_arguments_megatron import run
 
     out = run(
@@ -295,14 +367,16 @@ def test_smoke_refuses_to_run_without_a_gpu(env):
 @needs_tree
 def test_smoke_command_lines_pass_megatron_and_hdp_validation(env, tmp_path):
     variables, _ = env
-    lines = run_script("scripts/gpu/smoke_pretrain_gpt.sh", dict(variables, DRY_RUN="1", MEGATRON_LM_DIR=MEGATRON_LM_DIR)).stdout
+    lines = run_script(
+        "scripts/gpu/smoke_pretrain_gpt.sh", dict(variables, DRY_RUN="1", MEGATRON_LM_DIR=MEGATRON_LM_DIR)
+    ).stdout
     from test_arguments_megatron import run
 
     for line in lines.strip().splitlines():
         argv = shlex.split(line)
         script = (Path(MEGATRON_LM_DIR) / "pretrain_gpt.py").resolve()
         at = next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py") and Path(a).resolve() == script)
-        flags = argv[at + 1:]
+        flags = argv[at + 1 :]
         out = run(
             f"""
 args = megatron_parser().parse_args({flags!r})

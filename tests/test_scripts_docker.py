@@ -31,7 +31,9 @@ def instructions() -> list[tuple[str, str]]:
 
 
 def args_defaults() -> dict[str, str]:
-    return dict(re.fullmatch(r"(\w+)=(\S+)", rest).groups() for kw, rest in instructions() if kw == "ARG" and "=" in rest)
+    return dict(
+        re.fullmatch(r"(\w+)=(\S+)", rest).groups() for kw, rest in instructions() if kw == "ARG" and "=" in rest
+    )
 
 
 def runs() -> str:
@@ -56,7 +58,9 @@ def test_megatron_lm_is_cloned_at_the_patched_tag():
     defaults = args_defaults()
     assert defaults["MEGATRON_LM_TAG"] == "core_v0.16.1"
     assert defaults["MEGATRON_LM_REPO"].endswith("NVIDIA/Megatron-LM.git")
-    assert re.search(r'git clone --depth 1 --branch "\$\{MEGATRON_LM_TAG\}" "\$\{MEGATRON_LM_REPO\}" "\$\{MEGATRON_LM_DIR\}"', runs())
+    assert re.search(
+        r'git clone --depth 1 --branch "\$\{MEGATRON_LM_TAG\}" "\$\{MEGATRON_LM_REPO\}" "\$\{MEGATRON_LM_DIR\}"', runs()
+    )
 
 
 def test_the_patch_series_is_applied_in_order_and_checked():

@@ -87,9 +87,8 @@ def _documents(sizes):
 def test_simulate_on_a_megatron_dataset_draws_the_training_batches(tmp_path, capsys):
     # a shadow run: the batches are GlobalBatchSampler's over the dataset's documents, each cut
     # at the 64K context as training would cut it (a 100K-byte document -> 64K + 36K windows)
-    from megatron_bytescale.data.indexed import write_indexed_dataset
+    from megatron_bytescale.data.indexed import DocumentDataset, write_indexed_dataset
     from megatron_bytescale.data.sampler import GlobalBatchSampler, Position
-    from megatron_bytescale.data.indexed import DocumentDataset
 
     prefix = str(tmp_path / "docs")
     write_indexed_dataset(prefix, _documents([100_000, 3_000, 20_000, 500, 70_000, 9_000] * 4), source="test")
@@ -101,11 +100,15 @@ def test_simulate_on_a_megatron_dataset_draws_the_training_batches(tmp_path, cap
     assert f"shadow run on {prefix}: 24 documents" in text
     assert "HDP (hdp-balanced)" in text and "than static DP x CP" in text and "than Megatron's dynamic CP" in text
     data = json.loads(out.read_text())
-    sampler = GlobalBatchSampler(DocumentDataset(prefix).lengths, step_tokens=512 * 1024, context_length=64 * 1024, seed=5)
+    sampler = GlobalBatchSampler(
+        DocumentDataset(prefix).lengths, step_tokens=512 * 1024, context_length=64 * 1024, seed=5
+    )
     samples, pos = sampler.batch(Position())
     second, _ = sampler.batch(pos)
-    want = [{"sequences": len(b), "longest": max(x.length for x in b), "tokens": sum(x.length for x in b)}
-            for b in (samples, second)]
+    want = [
+        {"sequences": len(b), "longest": max(x.length for x in b), "tokens": sum(x.length for x in b)}
+        for b in (samples, second)
+    ]
     assert data["batches"] == want
     assert all(b["longest"] <= 64 * 1024 for b in data["batches"])
     assert data["dataset"]["documents_over_context"] == 8  # the 100K and 70K documents, four of each

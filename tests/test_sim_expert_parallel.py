@@ -5,15 +5,14 @@ estimate of an aligned plan is what the simulator measures."""
 import argparse
 
 import pytest
+from test_sim_timeline import MS, cost_model
 
 from megatron_bytescale.errors import ConfigError, PlanError
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.expert_slots import align_expert_slots
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.simulate import SimConfig, add_arguments, check_config, config_from_args, run
 from megatron_bytescale.sim.timeline import simulate
-
-from test_sim_timeline import MS, cost_model
 
 
 def test_a_slot_waits_for_the_slowest_member_and_adds_the_all_to_alls():
@@ -43,9 +42,18 @@ def test_a_slot_waits_for_the_slowest_member_and_adds_the_all_to_alls():
 def test_a_ring_across_ep_groups_holds_both_groups():
     mb = lambda *p: MicroBatch(tuple(p))  # noqa: E731
     ring = ring_pieces(0, 8, (1, 2))
-    plain = Plan(num_ranks=4, capacity=100, num_layers=1, seq_lens=(8, 10, 2, 2), ranks=(
-        (mb(whole_piece(1, 10, 0)),), (mb(ring[0]),), (mb(ring[1]),), (mb(whole_piece(2, 2, 3)), mb(whole_piece(3, 2, 3))),
-    )).validate()
+    plain = Plan(
+        num_ranks=4,
+        capacity=100,
+        num_layers=1,
+        seq_lens=(8, 10, 2, 2),
+        ranks=(
+            (mb(whole_piece(1, 10, 0)),),
+            (mb(ring[0]),),
+            (mb(ring[1]),),
+            (mb(whole_piece(2, 2, 3)), mb(whole_piece(3, 2, 3))),
+        ),
+    ).validate()
     t = simulate(align_expert_slots(plain, 2).validate(), Cluster(4, ep=2), cost_model())
     # the ring joins slot 0 of group {0, 1} (rank 0's 10 ms) and of group {2, 3}: one merged
     # slot, which all four ranks leave together; rank 3's second micro-batch starts after it
@@ -62,7 +70,9 @@ def test_ep_needs_a_moe_model_a_dividing_size_and_no_pipelines():
     with pytest.raises(ConfigError, match="use --pp 1"):
         Cluster(8, pp=2, ep=2)
     with pytest.raises(ConfigError, match="has no experts"):
-        run(SimConfig(gpus=8, context=4096, capacity=4096, global_batch_tokens=8192, model="tiny", ep=2), progress=False)
+        run(
+            SimConfig(gpus=8, context=4096, capacity=4096, global_batch_tokens=8192, model="tiny", ep=2), progress=False
+        )
     mb = MicroBatch((whole_piece(0, 3, 0),))
     plan = Plan(num_ranks=2, capacity=100, num_layers=1, seq_lens=(3,), ranks=((mb,), ()), expert_parallel=2)
     with pytest.raises(PlanError, match="would deadlock"):
@@ -70,8 +80,17 @@ def test_ep_needs_a_moe_model_a_dividing_size_and_no_pipelines():
 
 
 def test_simulated_ep_steps_match_the_planner_estimate():
-    cfg = SimConfig(gpus=32, tp=2, ep=4, context=64 * 1024, capacity=8 * 1024, global_batch_tokens=512 * 1024,
-                    model="mistral-8x7b", strategies=("static", "hdp-balanced"), steps=1)
+    cfg = SimConfig(
+        gpus=32,
+        tp=2,
+        ep=4,
+        context=64 * 1024,
+        capacity=8 * 1024,
+        global_batch_tokens=512 * 1024,
+        model="mistral-8x7b",
+        strategies=("static", "hdp-balanced"),
+        steps=1,
+    )
     report = run(cfg, progress=False)
     bal = report.steps["hdp-balanced"][0]
     assert bal["planner_estimate_s"] == pytest.approx(bal["step_time_s"], rel=1e-6)
@@ -81,8 +100,20 @@ def test_simulated_ep_steps_match_the_planner_estimate():
 def test_megatron_dcp_is_left_out_under_ep_and_refused_when_asked_for():
     ap = argparse.ArgumentParser()
     add_arguments(ap)
-    base = ["--model", "mistral-8x7b", "--gpus", "64", "--tp", "2", "--context", "64K", "--capacity", "16K",
-            "--global-batch-tokens", "1M"]
+    base = [
+        "--model",
+        "mistral-8x7b",
+        "--gpus",
+        "64",
+        "--tp",
+        "2",
+        "--context",
+        "64K",
+        "--capacity",
+        "16K",
+        "--global-batch-tokens",
+        "1M",
+    ]
     cfg = config_from_args(ap.parse_args(base + ["--ep", "4"]))
     assert "megatron-dcp" not in cfg.strategies and "hdp-balanced" in cfg.strategies
     assert "megatron-dcp" in config_from_args(ap.parse_args(base)).strategies

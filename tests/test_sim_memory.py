@@ -3,9 +3,10 @@ batches and cluster shapes, every HDP strategy, checked on the simulator's own b
 
 import math
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from megatron_bytescale.planner.plan import resident_fraction
+from megatron_bytescale.planner.contract import resident_fraction
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.strategies import StrategyInput, make_plan
 from megatron_bytescale.sim.timeline import evaluate

@@ -93,9 +93,9 @@ def test_megatron_dcp_comes_from_balanced_cp_scheduler(setup, monkeypatch):
         assert [mb.pieces[0].seq_id for mb in mbs] == expected
         assert all(len(mb.pieces) == 1 for mb in mbs)
     # a barrier after every group but the last, at the cumulative micro-batch counts
-    assert len(plan.meta["barriers"]) == len(sample_id_groups) - 1
+    assert len(plan.barriers) == len(sample_id_groups) - 1
     assert len(sample_id_groups) > 1
-    assert plan.meta["barriers"][0] == [len(ids) for ids in sample_id_groups[0]]
+    assert plan.barriers[0] == tuple(len(ids) for ids in sample_id_groups[0])
     # CP group sizes are powers of two and at least the samples' memory needs
     for mbs in plan.ranks:
         for mb in mbs:
@@ -122,7 +122,9 @@ def test_megatron_dcp_failures_are_reported_not_hidden():
 
 def test_unknown_strategy_names_the_choices():
     assert parse_strategies("static, hdp-balanced") == ["static", "hdp-balanced"]
-    with pytest.raises(ConfigError, match="unknown strategy 'dp-only'.*static, megatron-dcp, hdp-sharding, hdp-naive, hdp-balanced"):
+    with pytest.raises(
+        ConfigError, match="unknown strategy 'dp-only'.*static, megatron-dcp, hdp-sharding, hdp-naive, hdp-balanced"
+    ):
         parse_strategies("static,dp-only")
 
 

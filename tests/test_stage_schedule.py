@@ -4,19 +4,23 @@ no deadlock, at most ``p`` micro-batches in flight per stage, and the estimate e
 simulated step."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from megatron_bytescale.errors import PlanError
-from megatron_bytescale.planner.cost_model import FORWARD_SHARE
-from megatron_bytescale.planner.estimate import micro_batch_time
-from megatron_bytescale.planner.pipeline_order import (
+from megatron_bytescale.planner.contract import (
     FORWARD,
+    MicroBatch,
+    Op,
+    Plan,
     encode_stage_orders,
     find_pipeline_deadlock,
-    plan_ring_keys,
     pipelined_finish_times,
+    ring_pieces,
+    whole_piece,
 )
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.cost_model import FORWARD_SHARE
+from megatron_bytescale.planner.estimate import micro_batch_time
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.stage_schedule import stage_schedule
 from megatron_bytescale.sim.cluster import Cluster
@@ -61,7 +65,7 @@ def test_a_ring_late_in_one_members_list_runs_first_on_both():
     assert base == pytest.approx(68 / 3)
     assert found is not None and found.makespan == pytest.approx(50 / 3)
     check_stage_orders(keys, found.orders, 2)
-    assert found.orders[1][0][0] == (FORWARD, 2)  # the ring's forward before the local work
+    assert found.orders[1][0][0] == Op(FORWARD, 2)  # the ring's forward before the local work
     assert found.peak_in_flight <= 2
 
 
@@ -103,7 +107,7 @@ def test_plans_with_stage_orders_hold_every_token_once_and_match_the_simulator(c
     assert plan.meta["est_time_max_s"] == pytest.approx(step, rel=0.05)
     if plan.stage_orders is not None:
         orders = plan.decoded_stage_orders()
-        check_stage_orders(plan_ring_keys(plan), orders, p)
+        check_stage_orders(plan.ring_keys(), orders, p)
         assert peak_in_flight(orders) <= p
         assert step < plan.meta["stage_orders"]["one_f_one_b_est_s"] * (1 + 0.05)
         again = Plan.from_json(plan.to_json())
@@ -124,13 +128,18 @@ def test_plan_step_searches_only_when_asked_and_refuses_unknown_schedules():
 def two_rank_plan(orders=None) -> Plan:
     lens = (10, 3, 4)
     r = ring_pieces(0, 10, (0, 1))
-    ranks = ((MicroBatch((r[0],)), MicroBatch((whole_piece(1, 3, 0),))), (MicroBatch((whole_piece(2, 4, 1),)), MicroBatch((r[1],))))
+    ranks = (
+        (MicroBatch((r[0],)), MicroBatch((whole_piece(1, 3, 0),))),
+        (MicroBatch((whole_piece(2, 4, 1),)), MicroBatch((r[1],))),
+    )
     return Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks, stage_orders=orders)
 
 
 def test_validate_refuses_incomplete_crossed_or_deadlocking_stage_orders():
-    ok = [[[(0, 0), (0, 1), (1, 1), (1, 0)], [(0, 0), (0, 1), (1, 1), (1, 0)]],
-          [[(0, 0), (0, 1), (1, 0), (1, 1)], [(0, 0), (0, 1), (1, 0), (1, 1)]]]
+    ok = [
+        [[(0, 0), (0, 1), (1, 1), (1, 0)], [(0, 0), (0, 1), (1, 1), (1, 0)]],
+        [[(0, 0), (0, 1), (1, 0), (1, 1)], [(0, 0), (0, 1), (1, 0), (1, 1)]],
+    ]
     two_rank_plan(encode_stage_orders(ok)).validate()
     missing = [[s[:3] for s in rank] for rank in ok]
     with pytest.raises(PlanError, match="once forward and once backward"):
@@ -144,7 +153,9 @@ def test_validate_refuses_incomplete_crossed_or_deadlocking_stage_orders():
     ranks = ((MicroBatch((a[0],)), MicroBatch((b[0],))), (MicroBatch((a[1],)), MicroBatch((b[1],))))
     first_a, first_b = [(0, 0), (0, 1), (1, 0), (1, 1)], [(0, 1), (0, 0), (1, 1), (1, 0)]
     stuck = [[first_a, first_a], [first_b, first_b]]
-    plan = Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks, stage_orders=encode_stage_orders(stuck))
+    plan = Plan(
+        num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks, stage_orders=encode_stage_orders(stuck)
+    )
     with pytest.raises(PlanError, match="stage_orders deadlock: .*wait in a cycle"):
         plan.validate()
 
@@ -153,9 +164,13 @@ def test_validate_refuses_incomplete_crossed_or_deadlocking_stage_orders():
 def test_the_pipelined_estimate_uses_the_cost_models_forward_share(schedule):
     """A profile whose forward takes 45% of a layer's time: the planner's pipelined estimate
     (1F1B or searched orders) splits each stage's time as the simulator does."""
-    cost = small_cost(num_layers=4, forward_share=0.45, kv_bytes_per_token=0.0, grad_bytes_per_token=0.0, p2p_latency_s=1e-12)
+    cost = small_cost(
+        num_layers=4, forward_share=0.45, kv_bytes_per_token=0.0, grad_bytes_per_token=0.0, p2p_latency_s=1e-12
+    )
     lens = [300, 260] + [40, 25, 60, 10, 33, 47, 12, 80, 5, 70] * 2
-    config = PlannerConfig(num_ranks=4, capacity=100, ranks_per_node=2, balance="pp", pipeline_stages=4, pipeline_schedule=schedule)
+    config = PlannerConfig(
+        num_ranks=4, capacity=100, ranks_per_node=2, balance="pp", pipeline_stages=4, pipeline_schedule=schedule
+    )
     plan = plan_step(lens, config, cost).validate()
     step = simulate(plan, Cluster(16, pp=4, gpus_per_node=2), cost).step_time
     assert plan.meta["est_time_max_s"] == pytest.approx(step, rel=1e-6)
@@ -179,7 +194,8 @@ def test_the_floor_of_rings_on_every_pipeline_is_their_1f1b_alone_and_nothing_be
     lens = (40, 40, 40) + (6,) * 8
     rings = [ring_pieces(i, 40, (0, 1)) for i in range(3)]
     ranks = tuple(
-        tuple(MicroBatch((rings[i][r],)) for i in range(3)) + tuple(MicroBatch((whole_piece(3 + 4 * r + j, 6, r),)) for j in range(4))
+        tuple(MicroBatch((rings[i][r],)) for i in range(3))
+        + tuple(MicroBatch((whole_piece(3 + 4 * r + j, 6, r),)) for j in range(4))
         for r in range(2)
     )
     plan = Plan(num_ranks=2, capacity=20, num_layers=2, seq_lens=lens, ranks=ranks).validate()
@@ -192,14 +208,14 @@ def test_the_floor_of_rings_on_every_pipeline_is_their_1f1b_alone_and_nothing_be
     assert floor == pytest.approx((3 + 4 - 1) * ring_stage, rel=1e-6)
     assert timeline.step_time >= floor * (1 - 1e-9)
     assert evaluate(plan, cluster, cost).metrics()["pipeline_ring_floor_s"] == floor
-    keys = plan_ring_keys(plan)
+    keys = plan.ring_keys()
     times = [[micro_batch_time(cost, mb) for mb in mbs] for mbs in plan.ranks]
     found = stage_schedule(keys, times, 4, cost.forward_share)
     assert found is None or found.makespan >= floor * (1 - 1e-6)
 
 
 def test_a_plan_ordered_for_other_stage_counts_is_refused():
-    from megatron_bytescale.planner.pipeline_order import plan_pipeline_deadlock
+    from megatron_bytescale.planner.contract import plan_pipeline_deadlock
 
     ok = [[[(0, 0), (0, 1), (1, 1), (1, 0)]] * 2, [[(0, 0), (0, 1), (1, 0), (1, 1)]] * 2]
     plan = two_rank_plan(encode_stage_orders(ok)).validate()

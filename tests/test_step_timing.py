@@ -24,7 +24,9 @@ def test_logs_prediction_and_measurement_every_log_interval():
     it = _steps(6)
     out = [timer.run(_forward_backward, {"data_iterator": it}, log_interval=3, rank=0) for _ in range(6)]
     assert out == [[0], [1], [2], [3], [4], [5]]  # the step batches pass through untouched
-    assert len(lines) == 2 and lines[0].startswith("hdp step 2: planner predicted 0.020 s (busiest rank, this rank 0.010 s)")
+    assert len(lines) == 2 and lines[0].startswith(
+        "hdp step 2: planner predicted 0.020 s (busiest rank, this rank 0.010 s)"
+    )
     measured = float(lines[0].split("measured ")[1].split(" s")[0])
     ratio = float(lines[0].split("(")[2].split("x the prediction")[0])
     assert 0.04 <= measured < 1.0 and abs(ratio - measured / 0.02) < 0.05  # both printed rounded

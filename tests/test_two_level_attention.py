@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.local_world import run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 from megatron_bytescale.runtime.attention_ops import get_backend
 from megatron_bytescale.runtime.group_exchange import LocalGroup, SelfRing
 from megatron_bytescale.runtime.layout import MicroBatchLayout
@@ -123,7 +124,7 @@ def _check(plan, results, divisible_mbs):
         if divisible_mbs:  # the bytes the plan predicts for the micro-batches whose heads split evenly
             sub = Plan(plan.num_ranks, plan.capacity, 1, plan.seq_lens,
                        tuple(tuple(mbs[m] for m in divisible_mbs if m < len(mbs)) for mbs in plan.ranks))
-            expected = sub.p2p_bytes_per_rank(kv_bytes, kv_bytes, 1, q_bytes_per_token=q_bytes)[rank]
+            expected = p2p_bytes_per_rank(sub, kv_bytes, kv_bytes, 1, q_bytes_per_token=q_bytes)[rank]
             assert expected > 0
             assert res[("auto", False)][1] >= expected  # the others add on top
 
@@ -131,8 +132,10 @@ def _check(plan, results, divisible_mbs):
 def bf16_dkv_error(results, relative=True):
     """max |dK/dV with bf16 accumulators - reference| over all ranks and micro-batches,
     relative to the largest |dK| or |dV| of the micro-batch (or absolute)."""
-    return max(max(max(e[2] / (e[4] if relative else 1), e[3] / (e[5] if relative else 1)) for e in res[("auto", True)][0])
-               for res in results)
+    return max(
+        max(max(e[2] / (e[4] if relative else 1), e[3] / (e[5] if relative else 1)) for e in res[("auto", True)][0])
+        for res in results
+    )
 
 
 def test_two_level_matches_fused_attention_on_four_ranks():
@@ -145,8 +148,10 @@ def test_two_level_matches_fused_attention_on_four_ranks():
 def report(name, results):
     fp32 = [max(e[:4]) for r in results for e in r[("auto", False)][0]]
     fwd = [e[0] for r in results for e in r[("auto", False)][0]]
-    print(f"\n{name}: max abs error fwd {max(fwd):.2e}, fwd+bwd {max(fp32):.2e}; bf16 dK/dV: max abs "
-          f"{bf16_dkv_error(results, relative=False):.2e}, relative {bf16_dkv_error(results):.2e}")
+    print(
+        f"\n{name}: max abs error fwd {max(fwd):.2e}, fwd+bwd {max(fp32):.2e}; bf16 dK/dV: max abs "
+        f"{bf16_dkv_error(results, relative=False):.2e}, relative {bf16_dkv_error(results):.2e}"
+    )
 
 
 def test_two_level_matches_fused_attention_on_six_ranks():
@@ -162,11 +167,11 @@ def test_bytes_sent_are_what_the_plan_predicts():
     a = ring_pieces(0, 37, ring, 2)
     plan = make_plan([37, 6], [[[a[ring.index(r)]] + ([whole_piece(1, 6, r)] if r == 1 else [])] for r in range(4)])
     results = run_local_world(run_plan_on_rank, 4, plan.to_json(), 2, timeout_s=TIMEOUT_S)
-    expected = plan.p2p_bytes_per_rank(2 * HKV * D * 4, 2 * HKV * D * 4, 1, q_bytes_per_token=HQ * D * 4)
+    expected = p2p_bytes_per_rank(plan, 2 * HKV * D * 4, 2 * HKV * D * 4, 1, q_bytes_per_token=HQ * D * 4)
     for rank, res in enumerate(results):
         assert max(max(e[:4]) for e in res[("auto", False)][0]) < ATOL
         assert res[("auto", False)][1] == expected[rank] > 0
-        bf16_expected = plan.p2p_bytes_per_rank(2 * HKV * D * 4, 2 * HKV * D * 2, 1, q_bytes_per_token=HQ * D * 4)
+        bf16_expected = p2p_bytes_per_rank(plan, 2 * HKV * D * 4, 2 * HKV * D * 2, 1, q_bytes_per_token=HQ * D * 4)
         assert res[("auto", True)][1] == bf16_expected[rank] < expected[rank]
 
 
@@ -205,8 +210,9 @@ def test_threaded_two_level_matches_fused_attention(case, backend, seed):
         q, k, v, g = (gather(full, layout, i).float() for i in range(4))
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         cross = rings[gl.place].member(gl.group_index) if m > 1 else SelfRing()
-        out = two_level_with(q, k, v, layout, groups[gl.group_index].member(gl.place), cross, D**-0.5,
-                             get_backend(backend, q))
+        out = two_level_with(
+            q, k, v, layout, groups[gl.group_index].member(gl.place), cross, D**-0.5, get_backend(backend, q)
+        )
         (out * g).sum().backward()
         got = [out, q.grad, k.grad, v.grad]
         return max((x.double() - gather(ref, layout, i)).abs().max().item() for i, x in enumerate(got))

@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 
 from megatron_bytescale.planner import two_level
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces
+from megatron_bytescale.planner.contract.zigzag import rank_tokens
 from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.placement import RingPlacer
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
+from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 from megatron_bytescale.planner.sharding import RingSizer
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
-from megatron_bytescale.planner.zigzag import rank_tokens
 from megatron_bytescale.runtime.two_level_attention import head_slices
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import critical_path, evaluate, simulate
@@ -107,7 +108,7 @@ def test_the_timeline_costs_the_all_to_all_and_a_shorter_ring():
     assert critical_path([300_000], cluster, cost) <= two.timeline.step_time * (1 + 1e-9)
     # rank 0's bytes: the cross ring's (8 groups, 1/8 of the KV heads) plus the all-to-all's
     q, kv, grad = cost.q_bytes_per_token, cost.kv_bytes_per_token, cost.grad_bytes_per_token
-    sent = ring_plan(8).p2p_bytes_per_rank(kv, grad, 32, q_bytes_per_token=q)
+    sent = p2p_bytes_per_rank(ring_plan(8), kv, grad, 32, q_bytes_per_token=q)
     blocks = [sum(rank_tokens(300_000, 64, j) for j in range(8 * g, 8 * g + 8)) for g in range(8)]
     ring_part = 32 * (2 * (sum(blocks) - blocks[1]) * kv / 8 + sum(blocks) * grad / 8)
     assert sent[0] - ring_part == pytest.approx(32 * two_level.a2a_bytes(cost, rank_tokens(300_000, 64, 0), 8))

@@ -8,7 +8,7 @@ import pytest
 from test_hdp_step import TOL, _step, max_grad_diff, reference
 
 from megatron_bytescale.local_world import run_local_world
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 
 
 def two_level_plan() -> Plan:

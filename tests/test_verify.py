@@ -10,7 +10,15 @@ from megatron_bytescale import cli
 from megatron_bytescale.errors import BytescaleError
 from megatron_bytescale.verify import parse_lengths, passed, verify
 
-KEYS = {"loss_ref", "loss_hdp", "max_abs_grad_diff", "max_rel_grad_diff", "p2p_bytes", "p2p_bytes_static", "ranks_per_sequence"}
+KEYS = {
+    "loss_ref",
+    "loss_hdp",
+    "max_abs_grad_diff",
+    "max_rel_grad_diff",
+    "p2p_bytes",
+    "p2p_bytes_static",
+    "ranks_per_sequence",
+}
 
 
 def test_verify_command_passes_and_writes_its_report(tmp_path, capsys):
@@ -19,7 +27,7 @@ def test_verify_command_passes_and_writes_its_report(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0, text
     report = json.loads(out.read_text())
-    assert KEYS <= set(report) and report["ok"]
+    assert set(report) >= KEYS and report["ok"]
     assert report["loss_hdp"] == pytest.approx(report["loss_ref"], abs=1e-5)
     assert report["max_rel_grad_diff"] < 1e-5
     assert report["ranks_per_sequence"][0] == 3 and report["ranks_per_sequence"][1:4] == [1, 1, 1]
@@ -49,15 +57,30 @@ def test_a_mismatch_is_reported_as_a_failure():
         (["--world-size", "3", "--tp", "2", "--capacity", "8", "--lengths", "4"], "multiple of --tp 2"),
         (["--world-size", "2", "--capacity", "8", "--lengths", "4", "--offload-ratio", "1.5"], "in [0, 1]"),
         (["--world-size", "2", "--capacity", "8", "--lengths-file", "/nonexistent/lengths.txt"], "lengths.txt"),
-        (["--world-size", "2", "--tp", "0", "--capacity", "8", "--lengths", "4"], "--tp 0: the tensor-parallel size must be at least 1"),
-        (["--world-size", "1000000", "--capacity", "8", "--lengths", "4"], "--world-size 1000000: this machine can hold at most"),
-        (["--world-size", "2", "--capacity", "8", "--lengths", "4", "--dtype", "fp64"], "--dtype fp64 is not supported"),
+        (
+            ["--world-size", "2", "--tp", "0", "--capacity", "8", "--lengths", "4"],
+            "--tp 0: the tensor-parallel size must be at least 1",
+        ),
+        (
+            ["--world-size", "1000000", "--capacity", "8", "--lengths", "4"],
+            "--world-size 1000000: this machine can hold at most",
+        ),
+        (
+            ["--world-size", "2", "--capacity", "8", "--lengths", "4", "--dtype", "fp64"],
+            "--dtype fp64 is not supported",
+        ),
         (["--world-size", "2", "--capacity", "8", "--lengths", "4", "--offload-ratio", "nan"], "in [0, 1], got nan"),
         (["--world-size", "2", "--capacity", "nan", "--lengths", "4"], "cannot read --capacity 'nan'"),
         (["--world-size", "2", "--capacity", "8", "--lengths", "1,1,1"], "no token carries a label"),
-        (["--world-size", "2", "--capacity", "8", "--lengths", "40"],
-         "the 40-token sequence does not fit on 2 HDP ranks of --capacity 8; raise --capacity or --world-size, or pass --offload-ratio R"),
-        (["--world-size", "2", "--capacity", "8", "--lengths", "4", "--json", "/nonexistent/v.json"], "folder /nonexistent does not exist"),
+        (
+            ["--world-size", "2", "--capacity", "8", "--lengths", "40"],
+            "the 40-token sequence does not fit on 2 HDP ranks of --capacity 8; raise --capacity or --world-size, or "
+            "pass --offload-ratio R",
+        ),
+        (
+            ["--world-size", "2", "--capacity", "8", "--lengths", "4", "--json", "/nonexistent/v.json"],
+            "folder /nonexistent does not exist",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, words, capsys):
@@ -89,10 +112,20 @@ def test_bf16_against_a_bf16_reference():
 
 
 def test_a_static_mesh_mismatch_and_an_empty_comparison_fail():
-    good = {"loss_hdp": 1.0, "loss_ref": 1.0, "loss_static": 1.0, "max_rel_grad_diff": 0.0,
-            "static_max_rel_grad_diff": 0.0, "p2p_bytes": 10, "p2p_bytes_predicted": 10, "label_tokens": 5}
+    good = {
+        "loss_hdp": 1.0,
+        "loss_ref": 1.0,
+        "loss_static": 1.0,
+        "max_rel_grad_diff": 0.0,
+        "static_max_rel_grad_diff": 0.0,
+        "p2p_bytes": 10,
+        "p2p_bytes_predicted": 10,
+        "label_tokens": 5,
+    }
     assert passed(good) == []
-    assert passed({**good, "static_max_rel_grad_diff": 0.1}) == ["static DPxCP gradients differ: max relative difference 1.00e-01 > 1e-05"]
+    assert passed({**good, "static_max_rel_grad_diff": 0.1}) == [
+        "static DPxCP gradients differ: max relative difference 1.00e-01 > 1e-05"
+    ]
     assert passed({**good, "loss_static": 2.0}) == ["loss differs: static DPxCP 2.00000000 vs one rank 1.00000000"]
     assert "no token carries a label" in passed({**good, "label_tokens": 0})[0]
 

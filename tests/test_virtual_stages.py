@@ -5,16 +5,19 @@ chunk orders through JSON, and ``validate`` refuses chunk orders that cannot run
 import pytest
 
 from megatron_bytescale.errors import PlanError
-from megatron_bytescale.planner.pipeline_order import (
+from megatron_bytescale.planner.contract import (
     BACKWARD,
     FORWARD,
-    decode_chunk_order,
+    MicroBatch,
+    Plan,
+    decode_order,
     encode_stage_orders,
     find_pipeline_deadlock,
     interleaved_order,
     one_f_one_b,
+    ring_pieces,
+    whole_piece,
 )
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
 
 from planner_cases import check_stage_orders
 
@@ -26,7 +29,7 @@ def test_interleaved_order_runs_every_count(stages, chunks):
         orders = [interleaved_order(count, stages, d, chunks) for d in range(stages)]
         check_stage_orders([[None] * count], [orders], stages, chunks)
         if chunks == 1:
-            assert [(x, m) for x, m, _ in orders[0]] == one_f_one_b(count, stages, 0)
+            assert orders[0] == one_f_one_b(count, stages, 0)
 
 
 def test_fixed_warmup_interleaving_deadlocks_where_ours_does_not():
@@ -50,9 +53,20 @@ def test_fixed_warmup_interleaving_deadlocks_where_ours_does_not():
 def ring_plan(orders, chunks: int) -> Plan:
     """Two pipelines sharing one ring micro-batch (sequence 0), each with a local one."""
     r = ring_pieces(0, 10, (0, 1))
-    ranks = ((MicroBatch((r[0],)), MicroBatch((whole_piece(1, 3, 0),))), (MicroBatch((whole_piece(2, 4, 1),)), MicroBatch((r[1],))))
+    ranks = (
+        (MicroBatch((r[0],)), MicroBatch((whole_piece(1, 3, 0),))),
+        (MicroBatch((whole_piece(2, 4, 1),)), MicroBatch((r[1],))),
+    )
     codes = None if orders is None else encode_stage_orders(orders, chunks)
-    return Plan(num_ranks=2, capacity=20, num_layers=4, seq_lens=(10, 3, 4), ranks=ranks, stage_orders=codes, virtual_stages=chunks)
+    return Plan(
+        num_ranks=2,
+        capacity=20,
+        num_layers=4,
+        seq_lens=(10, 3, 4),
+        ranks=ranks,
+        stage_orders=codes,
+        virtual_stages=chunks,
+    )
 
 
 def test_chunk_orders_round_trip_and_validate():
@@ -66,7 +80,7 @@ def test_chunk_orders_round_trip_and_validate():
     assert again.virtual_stages == v and again.stage_orders == plan.stage_orders
     assert again.stage_order(0, 1) == orders[0][1]
     assert again.chunk_order(1, 0, p) == orders[1][0]
-    assert decode_chunk_order(plan.stage_orders[0][0], v) == orders[0][0]
+    assert decode_order(plan.stage_orders[0][0], v) == orders[0][0]
     assert ring_plan(None, v).chunk_order(0, 1, p) == interleaved_order(2, p, 1, v)
 
 

@@ -6,26 +6,29 @@ every token once and are estimated as the simulator runs them."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_cases import check_stage_orders, draw_lengths, peak_in_flight, ring_pipelines, small_cost
 
 from megatron_bytescale.errors import ConfigError
-from megatron_bytescale.planner.cost_model import FORWARD_SHARE, CostModel
-from megatron_bytescale.planner.pipeline_order import (
+from megatron_bytescale.planner.contract import (
     BACKWARD,
     FORWARD,
+    MicroBatch,
+    Plan,
     find_pipeline_deadlock,
-    _run_one_pipeline,
     interleaved_order,
     megatron_interleaved_orders,
     pipelined_finish_times,
-    plan_ring_keys,
+    ring_pieces,
+    whole_piece,
 )
-from megatron_bytescale.planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.cost_model import FORWARD_SHARE, CostModel
 from megatron_bytescale.planner.plan_cli import check_vpp
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
+from megatron_bytescale.planner.slot_alignment import _run_one_pipeline
 from megatron_bytescale.planner.stage_schedule import chunk_schedule, stage_schedule
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import evaluate, pipeline_ring_floor, simulate
+
+from planner_cases import check_stage_orders, draw_lengths, peak_in_flight, ring_pipelines, small_cost
 
 MS = 1e-3
 
@@ -71,7 +74,9 @@ def test_the_ring_floor_shrinks_its_bubble_by_v():
         rings = [ring_pieces(i, 20, (0, 1)) for i in range(m)]
         ranks = tuple(tuple(MicroBatch((r[k],)) for r in rings) for k in range(2))
         for v in (1, 2, 4):
-            plan = Plan(num_ranks=2, capacity=100, num_layers=4, seq_lens=(20,) * m, ranks=ranks, virtual_stages=v).validate()
+            plan = Plan(
+                num_ranks=2, capacity=100, num_layers=4, seq_lens=(20,) * m, ranks=ranks, virtual_stages=v
+            ).validate()
             floor = pipeline_ring_floor(plan, cluster, cost)
             assert floor == pytest.approx(max(m + 1 / v, 2) * t)
             step = simulate(plan, cluster, cost).step_time
@@ -106,8 +111,15 @@ def planner_cases(draw):
     lens = draw_lengths(draw, capacity, num_ranks, max_short=20, max_long=3, shuffle=True)
     p = draw(st.sampled_from([2, 3]))
     v = draw(st.sampled_from([2, 4]))
-    config = PlannerConfig(num_ranks=num_ranks, capacity=capacity, ranks_per_node=rpn, balance=draw(st.sampled_from(["none", "pp"])),
-                           offload=draw(st.booleans()), pipeline_stages=p, virtual_stages=v)
+    config = PlannerConfig(
+        num_ranks=num_ranks,
+        capacity=capacity,
+        ranks_per_node=rpn,
+        balance=draw(st.sampled_from(["none", "pp"])),
+        offload=draw(st.booleans()),
+        pipeline_stages=p,
+        virtual_stages=v,
+    )
     return lens, config, small_cost(num_layers=4)
 
 
@@ -123,11 +135,11 @@ def test_plans_with_virtual_stages_run_every_token_once_safely_and_as_estimated(
     assert plan.meta["est_time_max_s"] == pytest.approx(result.timeline.step_time, rel=0.05)
     orders = plan.decoded_stage_orders()
     if orders is not None:
-        check_stage_orders(plan_ring_keys(plan), orders, p, v)
+        check_stage_orders(plan.ring_keys(), orders, p, v)
         cap = plan.meta["stage_orders"]["chunk_cap"]
     else:  # the interleaved order: Megatron's warm-up, at most p V + p - 1 chunk forwards
         cap = p * v + p - 1
-        assert find_pipeline_deadlock(plan_ring_keys(plan), p, None, v) is None
+        assert find_pipeline_deadlock(plan.ring_keys(), p, None, v) is None
     assert result.peak_in_flight <= cap
     assert result.metrics()["chunks_in_flight_max"] == result.peak_in_flight
 
@@ -154,13 +166,47 @@ def test_cli_plans_and_simulates_with_vpp_and_refuses_bad_values(tmp_path, capsy
     from megatron_bytescale.cli import main
 
     out = tmp_path / "p.json"
-    rc = main(["plan", "--model", "llama-7b", "--gpus", "16", "--capacity", "8K", "--pp", "2", "--vpp", "2",
-               "--lengths", "20K,2K,3K,1K,40K,5K", "--json", str(out)])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            "llama-7b",
+            "--gpus",
+            "16",
+            "--capacity",
+            "8K",
+            "--pp",
+            "2",
+            "--vpp",
+            "2",
+            "--lengths",
+            "20K,2K,3K,1K,40K,5K",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     plan = Plan.from_json(out).validate()
     assert plan.virtual_stages == 2
-    sim = ["simulate", "--gpus", "16", "--gpus-per-node", "4", "--context", "64K", "--capacity", "8K",
-           "--global-batch-tokens", "512K", "--pp", "2", "--steps", "1", "--strategies", "static,hdp-balanced"]
+    sim = [
+        "simulate",
+        "--gpus",
+        "16",
+        "--gpus-per-node",
+        "4",
+        "--context",
+        "64K",
+        "--capacity",
+        "8K",
+        "--global-batch-tokens",
+        "512K",
+        "--pp",
+        "2",
+        "--steps",
+        "1",
+        "--strategies",
+        "static,hdp-balanced",
+    ]
     rc = main(sim + ["--vpp", "2", "--json", str(tmp_path / "s.json")])
     text = capsys.readouterr().out
     assert rc == 0 and "VPP 2" in text and "interleaved 1F1B" in text
@@ -170,7 +216,10 @@ def test_cli_plans_and_simulates_with_vpp_and_refuses_bad_values(tmp_path, capsy
     results = json.loads((tmp_path / "s.json").read_text())["results"]
     for res in results.values():
         assert res["virtual_stages"] == 2 and res["chunks_in_flight_max"] >= 2
-    for bad, problem in ((["--pp", "1", "--vpp", "2"], "needs pipeline stages"), (["--vpp", "3"], "does not divide the 16 layers")):
+    for bad, problem in (
+        (["--pp", "1", "--vpp", "2"], "needs pipeline stages"),
+        (["--vpp", "3"], "does not divide the 16 layers"),
+    ):
         assert main(sim + bad) != 0
         err = capsys.readouterr().err
         assert problem in err and len(err.strip().splitlines()) == 1
@@ -200,7 +249,7 @@ def slot_aligned_pipelines(draw):
 @settings(max_examples=80, deadline=None)
 @given(slot_aligned_pipelines())
 def test_slot_aligned_interleaved_orders_never_deadlock(case):
-    from megatron_bytescale.planner.pipeline_order import (
+    from megatron_bytescale.planner.slot_alignment import (
         slot_interleaved_orders,
         slot_offsets,
     )
@@ -231,8 +280,14 @@ def test_interleaved_order_is_megatrons_schedule():
         assert [interleaved_order(count, p, d, v) for d in range(p)] == megatron_interleaved_orders(count, p, v)
     # p 2, V 2, 2 micro-batches: device 1 warms up with 2 chunk forwards, then alternates
     assert interleaved_order(2, 2, 1, 2) == [
-        (FORWARD, 0, 0), (FORWARD, 1, 0), (FORWARD, 0, 1), (BACKWARD, 0, 1), (FORWARD, 1, 1), (BACKWARD, 1, 1),
-        (BACKWARD, 0, 0), (BACKWARD, 1, 0),
+        (FORWARD, 0, 0),
+        (FORWARD, 1, 0),
+        (FORWARD, 0, 1),
+        (BACKWARD, 0, 1),
+        (FORWARD, 1, 1),
+        (BACKWARD, 1, 1),
+        (BACKWARD, 0, 0),
+        (BACKWARD, 1, 0),
     ]
 
 
@@ -256,6 +311,10 @@ def test_megatron_interleaved_order_has_megatron_bubble_for_any_count(p, v):
         if m and m % p == 0:
             finish = pipelined_finish_times(keys, [[1.0] * m], p, FORWARD_SHARE, [orders], v)
             assert max(finish) == pytest.approx(m + (p - 1) / v)
-    greedy = pipelined_finish_times([[None] * 16], [[1.0] * 16], 4, FORWARD_SHARE, [_run_one_pipeline([5.0] * 16, [10.0] * 16, 4, 5)], 5)
-    megatron = pipelined_finish_times([[None] * 16], [[1.0] * 16], 4, FORWARD_SHARE, [megatron_interleaved_orders(16, 4, 5)], 5)
+    greedy = pipelined_finish_times(
+        [[None] * 16], [[1.0] * 16], 4, FORWARD_SHARE, [_run_one_pipeline([5.0] * 16, [10.0] * 16, 4, 5)], 5
+    )
+    megatron = pipelined_finish_times(
+        [[None] * 16], [[1.0] * 16], 4, FORWARD_SHARE, [megatron_interleaved_orders(16, 4, 5)], 5
+    )
     assert max(megatron) == pytest.approx(16.6) and max(greedy) > 17.5

@@ -66,7 +66,11 @@ def test_lengths_file_is_resampled_until_the_batch_is_full(tmp_path):
 
 @pytest.mark.parametrize(
     "text, problem",
-    [("100\nabc\n", "line 2: 'abc' is not a whole number"), ("1\n0\n", "line 2: length 0 must be positive"), ("# nothing\n", "holds no lengths")],
+    [
+        ("100\nabc\n", "line 2: 'abc' is not a whole number"),
+        ("1\n0\n", "line 2: length 0 must be positive"),
+        ("# nothing\n", "holds no lengths"),
+    ],
 )
 def test_malformed_lengths_file_names_file_and_line(tmp_path, text, problem):
     path = tmp_path / "bad.txt"

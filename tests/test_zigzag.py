@@ -1,6 +1,7 @@
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from megatron_bytescale.planner.zigzag import causal_work, rank_tokens, zigzag_ranges
+from megatron_bytescale.planner.contract.zigzag import causal_work, rank_tokens, zigzag_ranges
 
 
 @given(st.integers(1, 5000), st.integers(1, 64))

@@ -26,9 +26,9 @@ import importlib.metadata as metadata
 import json
 import os
 import sysconfig
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from ..errors import ConfigError
 
@@ -218,7 +218,8 @@ def jsonl_documents(paths: Iterable[str | Path], key: str = "text") -> Iterator[
                     text = record[key]
                 except (json.JSONDecodeError, KeyError, TypeError) as exc:
                     raise ConfigError(
-                        f"{path}:{lineno}: not a JSON object with a string {key!r} field ({type(exc).__name__}: {exc}); "
+                        f"{path}:{lineno}: not a JSON object with a string {key!r} field ({type(exc).__name__}: "
+                        f"{exc}); "
                         f"fix the line or pass --json-key with the field that holds the text"
                     ) from None
                 if not isinstance(text, str):
@@ -236,9 +237,7 @@ def text_file_documents(
     for path in paths:
         path = Path(path)
         _require_file(path)
-        docs.append(
-            SourceDocument(name=path.name, chunks=lambda path=path: _whole_file(path, max_file_bytes, stats))
-        )
+        docs.append(SourceDocument(name=path.name, chunks=lambda path=path: _whole_file(path, max_file_bytes, stats)))
     return docs
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
@@ -68,9 +68,8 @@ def write_indexed_dataset(
 ) -> DatasetInfo:
     """Tokenize ``documents`` and write ``PREFIX.bin/.idx`` (+ sidecar). Documents without
     content are skipped (counted in the result); files appear only once complete."""
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
     import torch
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     tok = tokenizer or ByteTokenizer()
     prefix = dataset_prefix(prefix)
@@ -154,9 +153,13 @@ def _check_index(prefix: str) -> tuple[np.dtype, int, int]:
     try:
         dtype = np.dtype(DType.dtype_from_code(code))
     except (ValueError, KeyError):
-        raise ConfigError(f"{idx_path}: unknown token dtype code {code}; the index is corrupt, {PREPARE_HINT}") from None
+        raise ConfigError(
+            f"{idx_path}: unknown token dtype code {code}; the index is corrupt, {PREPARE_HINT}"
+        ) from None
     if dtype.kind not in "iu":
-        raise ConfigError(f"{idx_path}: tokens are stored as {dtype}, not integers; token ids must be integers, {PREPARE_HINT}")
+        raise ConfigError(
+            f"{idx_path}: tokens are stored as {dtype}, not integers; token ids must be integers, {PREPARE_HINT}"
+        )
     expected = INDEX_HEADER_BYTES + n_seq * (4 + 8) + n_doc * 8
     if size not in (expected, expected + n_seq):  # + n_seq: the multimodal variant's modes
         raise ConfigError(
@@ -194,7 +197,9 @@ class DocumentDataset:
         self.dtype = dtype
         self.itemsize = dtype.itemsize
         if doc_idx[0] != 0 or doc_idx[-1] != n_seq or np.any(np.diff(doc_idx) < 0):
-            raise ConfigError(f"{idx_path}: document table is not a non-decreasing cover of the sequences; {PREPARE_HINT}")
+            raise ConfigError(
+                f"{idx_path}: document table is not a non-decreasing cover of the sequences; {PREPARE_HINT}"
+            )
         if np.any(seq_lens < 0):
             raise ConfigError(f"{idx_path}: negative sequence lengths; the index is corrupt, {PREPARE_HINT}")
         starts = np.zeros(n_seq + 1, dtype=np.int64)
@@ -233,7 +238,8 @@ class DocumentDataset:
         if meta.get("num_documents") != len(self.lengths) or meta.get("num_tokens") != int(self.lengths.sum()):
             raise ConfigError(
                 f"{meta_path} describes {meta.get('num_documents')} documents / {meta.get('num_tokens')} tokens, "
-                f"the index {len(self.lengths)} / {int(self.lengths.sum())}: the files come from different builds; {PREPARE_HINT}"
+                f"the index {len(self.lengths)} / {int(self.lengths.sum())}: the files come from different builds; "
+                f"{PREPARE_HINT}"
             )
         if self.vocab_size is not None:
             tok_vocab = int(meta.get("tokenizer", {}).get("vocab_size", 0))

@@ -14,13 +14,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 
 from ..errors import PlanError
-from ..planner.plan import Plan
+from ..planner.contract import Plan
 from ..runtime.batch import MicroBatchData, build_micro_batch_data
 from ..runtime.batch import StepBatch as RuntimeStepBatch
 from .sampler import GlobalBatchSampler, Position, Sample

@@ -18,10 +18,15 @@ from .tokenizer import ByteTokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", required=True, help="dataset prefix: writes PREFIX.bin, PREFIX.idx, PREFIX.bytescale.json")
+    parser.add_argument(
+        "--output", required=True, help="dataset prefix: writes PREFIX.bin, PREFIX.idx, PREFIX.bytescale.json"
+    )
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument(
-        "--site-packages", nargs="?", const="", metavar="DIR",
+        "--site-packages",
+        nargs="?",
+        const="",
+        metavar="DIR",
         help="one document per installed distribution (default DIR: this interpreter's site-packages)",
     )
     src.add_argument("--repos", metavar="DIR", help="one document per subdirectory (repository) of DIR")
@@ -30,9 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--text-lines", nargs="+", metavar="FILE", help="one document per non-empty line")
     parser.add_argument("--packages", nargs="+", metavar="NAME", help="with --site-packages: only these distributions")
     parser.add_argument("--json-key", default="text", help="JSON field holding the text (default: text)")
-    parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer vocabulary (bytes + EOD + PAD fit in 258+)")
     parser.add_argument(
-        "--max-file-bytes", type=int, default=corpus.DEFAULT_MAX_FILE_BYTES,
+        "--vocab-size", type=int, default=512, help="tokenizer vocabulary (bytes + EOD + PAD fit in 258+)"
+    )
+    parser.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=corpus.DEFAULT_MAX_FILE_BYTES,
         help="skip source files larger than this (generated data, not code)",
     )
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
@@ -41,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def documents_from_args(args, stats: corpus.CorpusStats):
     """(documents, description of the source, keep document names?)"""
     if args.max_file_bytes <= 0:
-        raise ConfigError(f"--max-file-bytes {args.max_file_bytes}: give the largest file size to read, in bytes (e.g. 4194304)")
+        raise ConfigError(
+            f"--max-file-bytes {args.max_file_bytes}: give the largest file size to read, in bytes (e.g. 4194304)"
+        )
     if args.vocab_size <= 0:
         raise ConfigError(f"--vocab-size {args.vocab_size}: must be positive (bytes + EOD + PAD need at least 258)")
     if args.packages and args.site_packages is None:
@@ -51,7 +62,11 @@ def documents_from_args(args, stats: corpus.CorpusStats):
         docs = corpus.site_packages_documents(site, args.packages, args.max_file_bytes, stats)
         return docs, f"site-packages {site}", True
     if args.repos:
-        return corpus.repository_documents(args.repos, args.max_file_bytes, stats), f"repositories in {args.repos}", True
+        return (
+            corpus.repository_documents(args.repos, args.max_file_bytes, stats),
+            f"repositories in {args.repos}",
+            True,
+        )
     if args.jsonl:
         return corpus.jsonl_documents(args.jsonl, args.json_key), f"JSON lines {' '.join(args.jsonl)}", False
     if args.text_files:

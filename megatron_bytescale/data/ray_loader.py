@@ -62,7 +62,6 @@ _SETTINGS_FRAME = 4
 def _why_not_grpc(sock, timeout_s: float) -> str | None:
     """None when the server on ``sock`` answers the HTTP/2 preface with a SETTINGS frame, as
     every gRPC server does; otherwise what it did instead."""
-    import socket
 
     sock.settimeout(timeout_s)
     header = b""
@@ -73,7 +72,7 @@ def _why_not_grpc(sock, timeout_s: float) -> str | None:
             if not chunk:
                 return "it closed the connection without an HTTP/2 answer"
             header += chunk
-    except socket.timeout:
+    except TimeoutError:
         return f"no HTTP/2 answer within {timeout_s:.0f} s"
     except OSError as exc:
         return exc.strerror or str(exc)
@@ -82,7 +81,9 @@ def _why_not_grpc(sock, timeout_s: float) -> str | None:
     return None
 
 
-def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S, answer_timeout_s: float = ANSWER_TIMEOUT_S) -> None:
+def check_reachable(
+    address: str, timeout_s: float = CONNECT_TIMEOUT_S, answer_timeout_s: float = ANSWER_TIMEOUT_S
+) -> None:
     """Fail fast, naming the address, when nothing listens at a ``host:port`` Ray address
     (``ray.init`` itself retries for minutes with only warnings), or when what listens is not
     a gRPC server, so not a Ray head (``ray.init`` would wait ~40 s for its GCS). ``auto`` and
@@ -207,7 +208,17 @@ class PlanScheduler:
     block each other; also usable in-process (``lengths=...``) for tests."""
 
     def __init__(
-        self, servers=(), *, step_tokens, context_length, seed, plan_fn, num_ranks, lookahead, retain, timeout_s,
+        self,
+        servers=(),
+        *,
+        step_tokens,
+        context_length,
+        seed,
+        plan_fn,
+        num_ranks,
+        lookahead,
+        retain,
+        timeout_s,
         lengths=None,
     ):
         if lengths is None:  # the servers publish their documents' lengths
@@ -345,13 +356,17 @@ class RayDataLoader(StepLoader):
         self.rank, self.timeout_s, self.prefetch = rank, float(timeout_s), prefetch
         num_ranks = planner_config.num_ranks if planner_config is not None else None
         plan_fn = plan_fn or default_plan_fn(planner_config, cost)
+
         def named(suffix: str) -> dict:  # shared by every process that passes the same name
             return {"name": f"{name}-{suffix}", "namespace": NAMESPACE, "get_if_exists": True} if name else {}
 
         server_cls = ray.remote(DocumentServer)
         self.servers = [
             server_cls.options(
-                num_cpus=0, max_restarts=server_max_restarts, max_task_retries=server_max_restarts, **named(f"server-{k}")
+                num_cpus=0,
+                max_restarts=server_max_restarts,
+                max_task_retries=server_max_restarts,
+                **named(f"server-{k}"),
             ).remote(prefix, vocab_size, k, num_servers)
             for k in range(num_servers)
         ]
@@ -359,8 +374,15 @@ class RayDataLoader(StepLoader):
             ray.remote(PlanScheduler)
             .options(num_cpus=0, max_restarts=0, max_concurrency=64, **named("scheduler"))
             .remote(
-                self.servers, step_tokens=step_tokens, context_length=context_length, seed=seed, plan_fn=plan_fn,
-                num_ranks=num_ranks, lookahead=lookahead, retain=retain, timeout_s=self.timeout_s,
+                self.servers,
+                step_tokens=step_tokens,
+                context_length=context_length,
+                seed=seed,
+                plan_fn=plan_fn,
+                num_ranks=num_ranks,
+                lookahead=lookahead,
+                retain=retain,
+                timeout_s=self.timeout_s,
             )
         )
         self._fingerprint = self._get(self.scheduler.fingerprint.remote(), "the scheduler (starting)")
@@ -408,15 +430,19 @@ class RayDataLoader(StepLoader):
         for r in reads:
             by_server[r[0] % len(self.servers)].append(r)
         order = sorted(by_server)
-        results = self._get(
-            [self.servers[k].read.remote(by_server[k]) for k in order], f"document servers {order}"
-        )
+        results = self._get([self.servers[k].read.remote(by_server[k]) for k in order], f"document servers {order}")
         table = {r: arr for k, arrays in zip(order, results) for r, arr in zip(by_server[k], arrays)}
         mbs = deliver(sp, rank, lambda d, a, b: table[(d, a, b)])
         return StepBatch(
-            step=step, rank=rank, plan=sp.plan, samples=sp.samples, micro_batches=mbs,
-            bytes_read=int(sum(a.nbytes for a in table.values())), plan_s=sp.plan_s,
-            delivery_s=time.perf_counter() - t0, next_position=sp.end,
+            step=step,
+            rank=rank,
+            plan=sp.plan,
+            samples=sp.samples,
+            micro_batches=mbs,
+            bytes_read=int(sum(a.nbytes for a in table.values())),
+            plan_s=sp.plan_s,
+            delivery_s=time.perf_counter() - t0,
+            next_position=sp.end,
         )
 
     # ------------------------------------------------------------------ steps
@@ -433,7 +459,9 @@ class RayDataLoader(StepLoader):
         batch = future.result() if future is not None else self._fetch(self.step, rank)
         batch.delivery_s = time.perf_counter() - t0  # what the rank waited for
         if self._current is None:
-            self._current = StepPlan(batch.step, batch.samples, batch.plan, self.position, batch.next_position, batch.plan_s)
+            self._current = StepPlan(
+                batch.step, batch.samples, batch.plan, self.position, batch.next_position, batch.plan_s
+            )
         if self._pool is not None and (self.step + 1, rank) not in self._pending:
             self._pending[(self.step + 1, rank)] = self._pool.submit(self._fetch, self.step + 1, rank)
         return batch

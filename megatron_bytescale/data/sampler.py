@@ -18,8 +18,8 @@ document lengths give the identical sequence of steps.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -144,7 +144,9 @@ def restore_state(state: dict, fingerprint: dict) -> tuple[int, Position]:
         step, position = int(state["step"]), Position.from_dict(state["position"])
         saved = {k: state[k] for k in _FINGERPRINT_KEYS}
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ConfigError(f"malformed data loader state ({type(exc).__name__}: {exc}); pass what state_dict() returned") from None
+        raise ConfigError(
+            f"malformed data loader state ({type(exc).__name__}: {exc}); pass what state_dict() returned"
+        ) from None
     diff = [f"{k}: saved {saved[k]}, now {fingerprint[k]}" for k in _FINGERPRINT_KEYS if saved[k] != fingerprint[k]]
     if diff:
         raise ConfigError(

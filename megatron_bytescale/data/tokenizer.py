@@ -39,7 +39,8 @@ class ByteTokenizer:
         if min(self.eod, self.pad) < BYTE_VOCAB or max(self.eod, self.pad) >= self.vocab_size or self.eod == self.pad:
             raise ConfigError(
                 f"byte-level tokenizer needs distinct EOD/PAD ids in [256, vocab_size); got eod={self.eod}, "
-                f"pad={self.pad}, vocab_size={self.vocab_size}. Use a vocab size of at least 258 (the tiny model uses 512)."
+                f"pad={self.pad}, vocab_size={self.vocab_size}. Use a vocab size of at least 258 (the tiny model uses "
+                "512)."
             )
 
     def encode(self, text: str | bytes) -> np.ndarray:
@@ -63,5 +64,7 @@ class ByteTokenizer:
     @classmethod
     def from_dict(cls, data: dict, source: str) -> ByteTokenizer:
         if data.get("type") != "byte-level":
-            raise ConfigError(f"{source}: tokenizer {data.get('type')!r} is not supported; rebuild with `bytescale prepare-data`")
+            raise ConfigError(
+                f"{source}: tokenizer {data.get('type')!r} is not supported; rebuild with `bytescale prepare-data`"
+            )
         return cls(vocab_size=int(data["vocab_size"]), eod=int(data["eod"]), pad=int(data["pad"]))

@@ -16,9 +16,9 @@ design's token statistics directly. Each file also lists the design's statistics
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -151,7 +151,9 @@ class Workload:
                 for t in data.get("targets", [])
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{where}: malformed ({type(exc).__name__}: {exc}); see configs/workloads/byted.yaml") from None
+            raise ConfigError(
+                f"{where}: malformed ({type(exc).__name__}: {exc}); see configs/workloads/byted.yaml"
+            ) from None
         if not segments:
             raise ConfigError(f"{where}: no segments")
         for seg in segments:
@@ -220,7 +222,9 @@ def lengths_from_file(lengths: np.ndarray, total_tokens: int, context: int, rng:
     (``read_lengths_file``), drawn until it holds exactly ``total_tokens``, each cut to ``context``."""
     gen = as_rng(rng)
     pool = np.asarray(lengths, dtype=np.int64)
-    return fill_batch(lambda n: pool[gen.integers(0, len(pool), n)], total_tokens, context, float(np.minimum(pool, context).mean()))
+    return fill_batch(
+        lambda n: pool[gen.integers(0, len(pool), n)], total_tokens, context, float(np.minimum(pool, context).mean())
+    )
 
 
 def training_batches(prefix: str, step_tokens: int, context: int, seed: int):

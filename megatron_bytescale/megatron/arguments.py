@@ -17,14 +17,15 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import BytescaleError, ConfigError
+from ..planner.balance import BALANCE_MODES
 from ..planner.specs import HARDWARE_DIR, HardwareSpec, ModelSpec, available
 from ..units import format_size, parse_size
 
-BALANCE_CHOICES = ("none", "dp", "pp")
 DATALOADER_CHOICES = ("local", "ray")
 DEFAULT_HARDWARE = "h100"
 # --hdp-hardware cpu: the shipped CPU profile carried to the model (planner/cpu_profile.py);
@@ -40,10 +41,16 @@ def cpu_ranks_per_core() -> float:
 
 
 def default_hardware() -> str:
-    """What the planner's cost model describes unless told: this machine's kind of device."""
-    import torch
-
-    return DEFAULT_HARDWARE if torch.cuda.is_available() else CPU_HARDWARE
+    """What the planner's cost model describes unless told: this machine's kind of device. In a
+    rank torch answers; the launcher's checks (``preflight``) run before torch is imported and ask
+    the NVIDIA driver's device list instead (the same answer wherever the ranks would see CUDA)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        cuda = torch.cuda.is_available()
+    else:
+        gpus = Path("/proc/driver/nvidia/gpus")
+        cuda = gpus.is_dir() and any(gpus.iterdir())
+    return DEFAULT_HARDWARE if cuda else CPU_HARDWARE
 
 # Megatron-LM (core_v0.16.1) attributes the validator, the translators below and pretrain_hooks
 # read, after Megatron's validate_args has run. tests/test_arguments_megatron.py checks each one
@@ -210,7 +217,7 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     )
     g.add_argument(
         "--hdp-balance",
-        choices=BALANCE_CHOICES,
+        choices=BALANCE_MODES,
         default=None,
         help="Balance scheduler: 'dp' (ranks run sequences of one length level at a time), 'pp' (each "
         "pipeline gets micro-batches of similar length: the one for pipeline parallelism) or 'none' "

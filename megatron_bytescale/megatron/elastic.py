@@ -111,17 +111,16 @@ def resume_line(saved: Optional[SavedWorld], args) -> str:
     )
 
 
-def elastic_load(function: Callable) -> Callable:
-    """Wrap Megatron's ``load_checkpoint``: under HDP, a checkpoint from another world size is
-    checked (``check_resize``), announced in one line and loaded without its RNG states."""
+def elastic_load(function: Callable, hdp_args: Callable) -> Callable:
+    """Wrap Megatron's ``load_checkpoint``: under HDP (``hdp_args()`` gives Megatron's args, or
+    None without HDP), a checkpoint from another world size is checked (``check_resize``),
+    announced in one line and loaded without its RNG states."""
     if getattr(function, "_hdp_elastic", False):
         return function
 
     @functools.wraps(function)
     def call(*fargs, **kwargs):
-        from .pretrain_hooks import _hdp_args
-
-        args = _hdp_args()
+        args = hdp_args()
         load_arg = kwargs.get("load_arg", fargs[3] if len(fargs) > 3 else "load")
         if args is None or load_arg != "load":
             return function(*fargs, **kwargs)
@@ -148,7 +147,7 @@ def elastic_load(function: Callable) -> Callable:
     return call
 
 
-def install_elastic_resume() -> None:
+def install_elastic_resume(hdp_args: Callable) -> None:
     """``elastic_load`` around Megatron's ``load_checkpoint`` (idempotent; training.py imports it
     by name, so both modules get the wrapper)."""
     import megatron.training.training as training
@@ -158,4 +157,4 @@ def install_elastic_resume() -> None:
     except ModuleNotFoundError:  # a stand-in training package without checkpoints
         return
     for module in (checkpointing, training):
-        module.load_checkpoint = elastic_load(module.load_checkpoint)
+        module.load_checkpoint = elastic_load(module.load_checkpoint, hdp_args)

@@ -36,7 +36,6 @@ def setup_model(
     gradients over the expert-data-parallel group when ``ep`` > 1: a MoE model, megatron-core's
     all-to-all token dispatcher). Returns (model, hdp_group); with ``vpp`` > 1 virtual pipeline
     stages, ``model`` is the list of this device's ``vpp`` model chunks (Megatron's layout)."""
-    from megatron.core import parallel_state
 
     cpu_compat.install()
     group = parallel.init_parallel(tp=tp, pp=pp, ep=ep, vpp=vpp)

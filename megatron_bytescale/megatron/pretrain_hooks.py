@@ -209,7 +209,7 @@ def install_forward_backward() -> None:
     install_checkpoint_rng()
     from .elastic import install_elastic_resume
 
-    install_elastic_resume()  # a checkpoint from another world size: checked, announced, resharded
+    install_elastic_resume(_hdp_args)  # a checkpoint from another world size: checked, announced, resharded
 
 
 def every_hdp_rank_rng(function: Callable) -> Callable:

@@ -41,6 +41,9 @@ import numpy as np
 from ..errors import ConfigError
 from .placement import RingPlacer
 
+# the balance modes: "none" (hdp-naive: equal tokens), "dp" and "pp" (hdp-balanced, this scheduler);
+# PlannerConfig.balance, `bytescale plan --balance` and --hdp-balance choose among them
+BALANCE_MODES = ("none", "dp", "pp")
 DEFAULT_BUCKETS = 8
 BULK_RUN = 2048  # runs of single-rank units at least this long are given out in rounds
 MIN_ROUND = 256  # ... while a round places at least this many
@@ -158,7 +161,8 @@ class _Loads:
             seconds, tokens = seconds[len(ranks):], tokens[len(ranks):]
             if isinstance(seconds, np.ndarray):  # the loop below works on Python numbers
                 seconds, tokens = seconds.tolist(), np.asarray(tokens).tolist()
-        heap, stamp, clocks, counts, peaks, last = self.heap, self.stamp, self.clock, self.tokens, self.peak, self.last_key
+        heap, stamp, clocks = self.heap, self.stamp, self.clock
+        counts, peaks, last = self.tokens, self.peak, self.last_key
         by_tokens, bubble, top = self.by_tokens, self.bubble, self.top
         pop, replace = heapq.heappop, heapq.heapreplace
         given = len(ranks)
@@ -196,7 +200,9 @@ class _Loads:
         DP-balanced 512M-token step the ~5 x 10^4 short sequences take ~5 rounds. Stops
         when rounds get short (the caller's loop takes the rest); returns the ranks."""
         n_ranks = len(self.clock)
-        clock, count, peak, key = (np.array(x, dtype=np.float64) for x in (self.clock, self.tokens, self.peak, self.last_key))
+        clock, count, peak, key = (
+            np.array(x, dtype=np.float64) for x in (self.clock, self.tokens, self.peak, self.last_key)
+        )
         t_all = np.asarray(seconds, dtype=np.float64)
         n_all = np.asarray(tokens, dtype=np.float64)
         rank_ids = np.arange(n_ranks)
@@ -222,7 +228,12 @@ class _Loads:
             if q < MIN_ROUND and j < t_all.size:
                 break
         ranks = np.concatenate(out).tolist()
-        self.clock[:], self.tokens[:], self.peak[:], self.last_key[:] = clock.tolist(), count.tolist(), peak.tolist(), key.tolist()
+        self.clock[:], self.tokens[:], self.peak[:], self.last_key[:] = (
+            clock.tolist(),
+            count.tolist(),
+            peak.tolist(),
+            key.tolist(),
+        )
         self.top = max(self.top, float(key.max()))
         self._dirty += ranks
         # every rank's one valid entry (the rounds changed keys without the heap)
@@ -230,8 +241,17 @@ class _Loads:
         heapq.heapify(self.heap)
         return ranks
 
-    def give_run(self, bucket: Sequence[int], i: int, water: float, seconds: Sequence[float], tokens: Sequence[int],
-                 single: Sequence[bool], runs: list[list[int]], given: list[int]) -> int:
+    def give_run(
+        self,
+        bucket: Sequence[int],
+        i: int,
+        water: float,
+        seconds: Sequence[float],
+        tokens: Sequence[int],
+        single: Sequence[bool],
+        runs: list[list[int]],
+        given: list[int],
+    ) -> int:
         """PP-balance's run: ``bucket[i]`` to the least-loaded rank, then the bucket's next
         single-rank units to the same rank while its key after each stays within the level
         (``water`` or the maximum key, taken after the first unit); returns the next ``i``.
@@ -239,7 +259,14 @@ class _Loads:
         locals (the hot path of the PP balance: ~5 x 10^4 short sequences in ~2 x 10^4 runs
         a step at 16K ranks)."""
         heap, stamp, clocks, counts, peaks, last, idle = (
-            self.heap, self.stamp, self.clock, self.tokens, self.peak, self.last_key, self.idle)
+            self.heap,
+            self.stamp,
+            self.clock,
+            self.tokens,
+            self.peak,
+            self.last_key,
+            self.idle,
+        )
         by_tokens, bubble, top = self.by_tokens, self.bubble, self.top
         pop, replace = heapq.heappop, heapq.heapreplace
         while True:  # least()
@@ -287,7 +314,14 @@ class _Loads:
         """``run`` then ``push`` for each member of a ring, with the loads in locals (the
         same operations in the same order: ~3 x 10^4 members a step at 16K ranks)."""
         idle, clocks, counts, peaks, last, stamp, heap = (
-            self.idle, self.clock, self.tokens, self.peak, self.last_key, self.stamp, self.heap)
+            self.idle,
+            self.clock,
+            self.tokens,
+            self.peak,
+            self.last_key,
+            self.stamp,
+            self.heap,
+        )
         by_tokens, bubble, top = self.by_tokens, self.bubble, self.top
         push, replace = heapq.heappush, heapq.heapreplace
         for r in ring_ranks:
@@ -374,8 +408,10 @@ def schedule(
         def give_singles() -> None:
             if len(singles) >= BULK_RUN:  # given in rounds of numpy work: pass arrays
                 if not columns:
-                    columns[:] = (np.fromiter((u.time for u in units), dtype=np.float64, count=len(units)),
-                                  np.fromiter((u.tokens for u in units), dtype=np.float64, count=len(units)))
+                    columns[:] = (
+                        np.fromiter((u.time for u in units), dtype=np.float64, count=len(units)),
+                        np.fromiter((u.tokens for u in units), dtype=np.float64, count=len(units)),
+                    )
                 at = np.array(singles, dtype=np.int64)
                 seconds, tokens = columns[0][at], columns[1][at]
             else:

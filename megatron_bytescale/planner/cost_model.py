@@ -212,7 +212,8 @@ class CostModel:
                     raise ConfigError(f"--recompute-method block needs --recompute-num-layers >= 0, got {num_layers}")
                 k = min(num_layers, l)
             else:
-                raise ConfigError(f"--recompute-granularity full needs --recompute-method uniform or block, got {method!r}")
+                raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block, got "
+                                  f"{method!r}")
             m = k
         elif granularity == "selective":
             modules = ("core_attn",) if modules is None else modules  # megatron-core's default
@@ -226,5 +227,6 @@ class CostModel:
         return (
             f"T(8K)={self.layer_time(s) * 1e3:.2f} ms/layer, Act(8K)={self.act_bytes(s) / 2**30:.2f} GiB/layer, "
             f"{self.num_layers} layers, KV {self.kv_bytes_per_token:.0f} B/token/layer, "
-            f"PCIe {self.bw_d2h / 1e9:.0f}/{self.bw_h2d / 1e9:.0f} GB/s, P2P {self.bw_intra_node / 1e9:.0f}/{self.bw_inter_node / 1e9:.0f} GB/s"
+            f"PCIe {self.bw_d2h / 1e9:.0f}/{self.bw_h2d / 1e9:.0f} GB/s, P2P "
+            f"{self.bw_intra_node / 1e9:.0f}/{self.bw_inter_node / 1e9:.0f} GB/s"
         )

@@ -7,13 +7,14 @@
   KV and dKV). A step costs ``max(attention of one step, hop)``, so the exposed part is
   ``(N - 1) * max(0, hop - step)`` for forward and for backward. After the last backward
   step the dK/dV accumulators travel home in one more hop that no compute overlaps (the
-  N-th of ``Plan.p2p_bytes_per_rank``'s N backward dKV hops): it is exposed whole. The
+  N-th of ``ring_traffic.p2p_bytes_per_rank``'s N backward dKV hops): it is exposed whole. The
   slowest link sets the pace of a synchronous ring, so a ring that crosses nodes runs at
   the inter-node bandwidth.
 * An offloaded micro-batch adds the copy time its passes do not hide (``copy_exposure``,
   the offload policy's rule; zero for every ratio the planner picks).
 * With ``pipeline_stages = p > 1`` a rank (one pipeline) takes the makespan of 1F1B over
-  its micro-batches (``one_f_one_b_time``): every stage runs each micro-batch's forward
+  its micro-batches (``one_f_one_b_time``, the longest path through the contract's
+  dependency graph): every stage runs each micro-batch's forward
   (``CostModel.forward_share`` of its time) and backward in 1F1B order, a forward after the previous
   stage's, a backward after the next stage's. ``sum + (p - 1) * max`` (``pipeline_time``,
   what the balance scheduler keeps while it places work) is exact for equal micro-batches
@@ -24,10 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .contract import MicroBatch, graph, rank_tokens
 from .cost_model import FORWARD_SHARE, CostModel
 from .offload_policy import copy_exposure
-from .plan import MicroBatch
-from .zigzag import rank_tokens
 
 
 def dkv_home_time(cost: CostModel, block_tokens: float, inter_node: bool) -> float:
@@ -132,39 +132,8 @@ def pipeline_time(mb_times: Sequence[float], pipeline_stages: int) -> float:
 
 def one_f_one_b_time(mb_times: Sequence[float], pipeline_stages: int, forward_share: float = FORWARD_SHARE) -> float:
     """Seconds a pipeline of ``pipeline_stages`` equal stages takes for micro-batches of these
-    stage times under 1F1B (``pipeline_order.one_f_one_b``), nothing else waiting."""
-    from .pipeline_order import FORWARD, one_f_one_b  # pipeline_order imports this module
-
-    p, m = pipeline_stages, len(mb_times)
-    if m == 0:
-        return 0.0
-    if p <= 1:
-        return float(sum(mb_times))
-    inf = float("inf")
-    fwd = [[inf] * m for _ in range(p)]  # end of each op, inf until it ran
-    bwd = [[inf] * m for _ in range(p)]
-    orders = [one_f_one_b(m, p, k) for k in range(p)]
-    pos, clock = [0] * p, [0.0] * p
-    moved = True
-    while moved:  # run every stage as far as its inputs allow; 1F1B always completes
-        moved = False
-        for k in range(p):
-            order = orders[k]
-            while pos[k] < len(order):
-                direction, i = order[pos[k]]
-                if direction == FORWARD:
-                    ready = fwd[k - 1][i] if k > 0 else 0.0
-                else:
-                    ready = bwd[k + 1][i] if k < p - 1 else fwd[k][i]
-                if ready == inf:
-                    break
-                share = forward_share if direction == FORWARD else 1.0 - forward_share
-                end = max(clock[k], ready) + share * mb_times[i]
-                (fwd if direction == FORWARD else bwd)[k][i] = end
-                clock[k] = end
-                pos[k] += 1
-                moved = True
-    return max(clock)
+    stage times under 1F1B, nothing else waiting (the contract's dependency graph)."""
+    return graph.one_f_one_b_time(mb_times, pipeline_stages, forward_share)
 
 
 def rank_times(plan, cost: CostModel, ranks_per_node: int, pipeline_stages: int = 1) -> list[float]:
@@ -198,7 +167,7 @@ def finish_times(plan, cost: CostModel, ranks_per_node: int) -> list[float]:
                     pos[rank] += 1
                     progress = True
                     continue
-                key = (ring, mb.distributed_seq_ids)
+                key = mb.ring_key
                 arrived = waiting.setdefault(key, [])
                 if rank not in arrived:
                     arrived.append(rank)

@@ -19,9 +19,12 @@ import numpy as np
 
 from ..errors import ConfigError, PlanError
 
+
 def check_shape(num_ranks: int, ranks_per_node: int) -> None:
     if ranks_per_node < 1:
-        raise ConfigError(f"ranks_per_node must be at least 1, got {ranks_per_node}; pass the HDP ranks per node (GPUs per node / TP)")
+        raise ConfigError(
+            f"ranks_per_node must be at least 1, got {ranks_per_node}; pass the HDP ranks per node (GPUs per node / TP)"
+        )
     if num_ranks > ranks_per_node and num_ranks % ranks_per_node:
         raise ConfigError(
             f"{num_ranks} HDP ranks do not fill whole nodes of {ranks_per_node} ranks; "
@@ -56,7 +59,9 @@ class RingPlacer:
         comparison of every rank."""
         return np.asarray(self.place_ranks(loads, ring_size, group, changed), dtype=np.int64)
 
-    def place_ranks(self, loads: np.ndarray, ring_size: int, group: int = 1, changed: list[int] | None = None) -> list[int]:
+    def place_ranks(
+        self, loads: np.ndarray, ring_size: int, group: int = 1, changed: list[int] | None = None
+    ) -> list[int]:
         """``place`` as a list of ranks (what the scheduler uses)."""
         if not 1 <= ring_size <= self.num_ranks:
             raise PlanError(f"a ring of {ring_size} ranks does not fit {self.num_ranks} ranks")

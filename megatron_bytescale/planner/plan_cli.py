@@ -16,9 +16,10 @@ import numpy as np
 from ..errors import ConfigError
 from ..lengths_file import iter_lengths_file, read_lengths_file
 from ..units import format_size, parse_size
+from .balance import BALANCE_MODES
+from .contract import MicroBatch, Plan
 from .cost_model import CostModel
-from .plan import MicroBatch, Plan
-from .planner import BALANCE_MODES, PlannerConfig, plan_step
+from .planner import PlannerConfig, plan_step
 from .specs import HardwareSpec, ModelSpec
 
 
@@ -115,7 +116,8 @@ def format_summary(plan: Plan) -> str:
             f"strategy {m.get('strategy')} (balance {m.get('balance')}), {plan.num_ranks} HDP ranks, "
             f"{len(plan.seq_lens)} sequences, {sum(plan.seq_lens)} tokens, capacity {plan.capacity}",
             f"long sequences (count x ring size): {rings}; offloaded: {m.get('offloaded_sequences', 0)}",
-            f"estimated step: max {est.max():.2f} s, mean {est.mean():.2f} s (max/mean {est.max() / max(est.mean(), 1e-12):.3f}); "
+            f"estimated step: max {est.max():.2f} s, mean {est.mean():.2f} s (max/mean "
+            f"{est.max() / max(est.mean(), 1e-12):.3f}); "
             f"compute bound {m.get('compute_bound_s', 0.0):.2f} s; planned in {m.get('plan_time_s', 0.0) * 1e3:.1f} ms",
         ]
     )
@@ -141,7 +143,10 @@ def check_vpp(vpp: int, pp: int, layers_per_stage: int) -> None:
     if isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1:
         raise ConfigError(f"--vpp {vpp!r}: give a whole number of model chunks per pipeline device >= 1 (1: no VPP)")
     if vpp > 1 and pp <= 1:
-        raise ConfigError(f"--vpp {vpp} needs pipeline stages: virtual stages interleave a pipeline's chunks; pass --pp > 1 or --vpp 1")
+        raise ConfigError(
+            f"--vpp {vpp} needs pipeline stages: virtual stages interleave a pipeline's chunks; pass --pp > 1 or "
+            "--vpp 1"
+        )
     if layers_per_stage % vpp:
         raise ConfigError(
             f"--vpp {vpp} does not divide the {layers_per_stage} layers of a pipeline stage into equal chunks; "
@@ -152,7 +157,9 @@ def check_vpp(vpp: int, pp: int, layers_per_stage: int) -> None:
 def hdp_shape(gpus: int, tp: int, pp: int, gpus_per_node: int) -> tuple[int, int]:
     """(HDP ranks, HDP ranks per node): TP shards share a node first (Megatron's rank order)."""
     if gpus <= 0 or tp <= 0 or pp <= 0 or gpus_per_node <= 0:
-        raise ConfigError(f"--gpus, --tp, --pp and --gpus-per-node must be positive, got {gpus}, {tp}, {pp}, {gpus_per_node}")
+        raise ConfigError(
+            f"--gpus, --tp, --pp and --gpus-per-node must be positive, got {gpus}, {tp}, {pp}, {gpus_per_node}"
+        )
     if gpus % (tp * pp):
         raise ConfigError(f"--gpus {gpus} does not divide by TP x PP = {tp * pp}; use a multiple of {tp * pp} GPUs")
     return gpus // (tp * pp), max(1, gpus_per_node // tp)

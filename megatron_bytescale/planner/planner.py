@@ -16,7 +16,7 @@ best-fit between that rank's ring micro-batches; they are not packed beside ring
 because a ring member that carries extra tokens holds up every other member of its ring.
 
 With ``pipeline_stages > 1`` (every mode) each ring micro-batch then takes one slot on all
-its members, so that 1F1B cannot deadlock (``pipeline_order.py``): members run some of
+its members, so that 1F1B cannot deadlock (``slot_alignment.py``): members run some of
 their local micro-batches before or after a ring instead, or split a pack, and only if they
 have none left take one from another rank. A batch with too little short work to fill the
 slots may get its rings reordered, or placed again (``meta["pipeline_order"]`` says which).
@@ -37,20 +37,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, PlanError
-from .balance import Assignment, Unit, schedule
+from . import two_level
+from .balance import BALANCE_MODES, Assignment, Unit, schedule
+from .contract import MicroBatch, Piece, Plan, encode_stage_orders, micro_batch, ring_pieces, whole_pieces
+from .contract.slots import check_expert_parallel
+from .contract.zigzag import rank_tokens, zigzag_ranges
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
-from .expert_slots import GroupPlacer, align_expert_slots, check_expert_parallel, round_rings_to_groups, slot_finish_times
+from .expert_slots import GroupPlacer, align_expert_slots, round_rings_to_groups, slot_finish_times
 from .offload_policy import host_capacity
-from .pipeline_order import Item, LocalBatch, Ordered, encode_stage_orders, order_runs, rank_estimates
 from .placement import RingPlacer, check_shape
-from .plan import MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_pieces
-from . import two_level
-from .stage_schedule import chunk_schedule, stage_schedule
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
-from .zigzag import rank_tokens, zigzag_ranges
+from .slot_alignment import Item, LocalBatch, Ordered, order_runs, rank_estimates
+from .stage_schedule import chunk_schedule, stage_schedule
 
-BALANCE_MODES = ("none", "dp", "pp")
 PIPELINE_SCHEDULES = ("1f1b", "search")
 RETARGET = (1.0, 1.1, 1.2, 0.85, 1.35, 0.7, 1.5)  # target scales tried while the step overshoots the target
 # With pipelines, target scales tried from the top down (see _pipeline_candidates)
@@ -122,7 +122,8 @@ def check_lengths(seq_lens: Sequence[int]) -> tuple[int, ...]:
     if bad.size:
         i = int(bad[0])
         raise ConfigError(
-            f"sequence {i} has length {int(arr[i])}: lengths must be positive ({bad.size} bad); drop empty samples before planning"
+            f"sequence {i} has length {int(arr[i])}: lengths must be positive ({bad.size} bad); drop empty samples "
+            "before planning"
         )
     return tuple(arr.tolist())
 
@@ -210,7 +211,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     stage_orders, one_f_one_b_est, notes, found_cap = None, float(est.max()) if est.size else 0.0, [], None
     chunks = config.virtual_stages
     if stages > 1 and chunks > 1:
-        # With virtual stages the slot alignment of pipeline_order (made for 1F1B) does not
+        # With virtual stages the slot alignment (slot_alignment.py, made for 1F1B) does not
         # keep the default interleaved order free of deadlock, so chunk orders are always
         # chosen (stage_schedule.chunk_schedule): the default and slot-aligned interleaved
         # orders (at most Megatron's p V + p - 1 chunk forwards in flight) and the list
@@ -234,7 +235,11 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
             stage_orders, est = encode_stage_orders(found.orders), np.array(found.finish)
         notes.append(
             "searched stage orders: "
-            + (f"kept ({found.makespan:.4g} s against 1F1B's {one_f_one_b_est:.4g} s)" if found else "none shorter than 1F1B")
+            + (
+                f"kept ({found.makespan:.4g} s against 1F1B's {one_f_one_b_est:.4g} s)"
+                if found
+                else "none shorter than 1F1B"
+            )
         )
 
     plan = Plan(
@@ -283,8 +288,11 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         # with pipeline_schedule="search": the 1F1B estimate the stage orders beat (if found)
         # (with virtual stages the base is the interleaved order; chunk_cap: the chunk forwards
         # a device may hold under the orders found, None for the interleaved order)
-        "stage_orders": {"found": stage_orders is not None, "one_f_one_b_est_s": one_f_one_b_est,
-                         "chunk_cap": found_cap},
+        "stage_orders": {
+            "found": stage_orders is not None,
+            "one_f_one_b_est_s": one_f_one_b_est,
+            "chunk_cap": found_cap,
+        },
         **({"notes": notes} if notes else {}),
         "plan_time_s": time.perf_counter() - t0,
     }
@@ -292,11 +300,17 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
 
 
 def _order(
-    lens, units, assignment: Assignment, config: PlannerConfig, cost: CostModel, placer: RingPlacer, fallback: bool = True
+    lens,
+    units,
+    assignment: Assignment,
+    config: PlannerConfig,
+    cost: CostModel,
+    placer: RingPlacer,
+    fallback: bool = True,
 ) -> Ordered:
     """Rings start when their last member reaches them (a member is held until the slowest
     is done). With pipelines each ring also takes one slot on all its members
-    (pipeline_order.py), else 1F1B could deadlock."""
+    (slot_alignment.py), else 1F1B could deadlock."""
     return order_runs(
         _rank_items(lens, units, assignment, config.capacity, cost),
         [u for u in assignment.order if u in assignment.members],
@@ -355,8 +369,10 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     for _, shards, target, units, assignment, scale in sorted(candidates, key=lambda c: c[0])[:PIPELINE_ORDERED]:
         ordered = _order(lens, units, assignment, config, cost, placer, fallback=False)
         ring_time = {u: units[u].time for u in assignment.members}
-        step = float("inf") if ordered.deadlock else max(
-            rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages), default=0.0
+        step = (
+            float("inf")
+            if ordered.deadlock
+            else max(rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages), default=0.0)
         )
         if best is None or step < best[0]:
             best = (step, shards, target, units, assignment, scale, ordered)
@@ -397,8 +413,17 @@ def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) 
                 t = two_level.share_time(cost, sh.seq_len, sh.ring_size, sh.heads_split, ranks_per_node)
             else:
                 t = ring_share_time(cost, sh.seq_len, sh.ring_size, sh.ring_size > ranks_per_node)
-            units.append(Unit("ring", (sid,), sh.ring_size, t, -(-sh.seq_len // sh.ring_size), sh.ratio,
-                              heads_split=sh.heads_split))
+            units.append(
+                Unit(
+                    "ring",
+                    (sid,),
+                    sh.ring_size,
+                    t,
+                    -(-sh.seq_len // sh.ring_size),
+                    sh.ratio,
+                    heads_split=sh.heads_split,
+                )
+            )
     return units
 
 
@@ -496,7 +521,9 @@ def _pack_times(lens, packs: list[tuple[int, ...]], cost: CostModel) -> list[flo
     if not packs:
         return []
     sizes = np.fromiter((len(b) for b in packs), dtype=np.int64, count=len(packs))
-    s = np.asarray(lens, dtype=np.int64)[np.fromiter((i for b in packs for i in b), dtype=np.int64, count=int(sizes.sum()))]
+    s = np.asarray(lens, dtype=np.int64)[
+        np.fromiter((i for b in packs for i in b), dtype=np.int64, count=int(sizes.sum()))
+    ]
     first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     tokens = np.add.reduceat(s, first)  # whole numbers: exact
     pairs = np.add.reduceat(s * s, first)
@@ -525,8 +552,14 @@ def _splitter(lens, cost: CostModel):
     return split
 
 
-def _build(lens, units: list[Unit], members: dict[int, tuple[int, ...]], runs: list[list[Item]],
-           ranks_per_node: int = 1, cost: CostModel | None = None) -> tuple:
+def _build(
+    lens,
+    units: list[Unit],
+    members: dict[int, tuple[int, ...]],
+    runs: list[list[Item]],
+    ranks_per_node: int = 1,
+    cost: CostModel | None = None,
+) -> tuple:
     """The plan's micro-batches from each rank's ordered items (a two-level ring keeps the
     group size its placement allows: ``two_level.realized_split``)."""
     pieces_of: dict[int, dict[int, Piece]] = {}  # rings with whole sequences beside their shares
@@ -576,6 +609,8 @@ def _build(lens, units: list[Unit], members: dict[int, tuple[int, ...]], runs: l
                 continue
             unit = units[x]
             slot = members[x].index(rank)
-            mbs.append(micro_batch((pieces_of[x][rank],) + whole_pieces(unit.fillers[slot], lens, one, ranges_of), unit.ratio))
+            mbs.append(
+                micro_batch((pieces_of[x][rank],) + whole_pieces(unit.fillers[slot], lens, one, ranges_of), unit.ratio)
+            )
         ranks.append(tuple(mbs))
     return tuple(ranks)

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, PlanError
+from . import two_level
 from .cost_model import CostModel
 from .offload_policy import OffloadDecision, decide, ratio_for_ranks
-from . import two_level
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,9 @@ class RingSizer:
         cost = self.cost
         per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
         comm_bound = cost.a1 * seq_len * cost.bw_inter_node / max(per_token, 1e-30)
-        return min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound * max(self.two_level)) + 2 * self.ranks_per_node))
+        return min(
+            self.num_ranks, seq_len, max(d_min, int(4 * comm_bound * max(self.two_level)) + 2 * self.ranks_per_node)
+        )
 
     def _two_level_curves(self, todo) -> None:
         """The curves of lengths whose rings may span nodes, all in one go: per ring size,
@@ -381,7 +383,9 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
         rs0 = table.sizes[table.first] * table.times[table.first]  # rank-seconds of the floor ring
         work += sum((counts[fixed] * rs0[fixed]).tolist())  # added one by one, in the lengths' order
         held_t = np.concatenate([short_times, best0[fixed]])
-        held_r = np.concatenate([np.ones(short_times.size), (counts[fixed] * table.sizes[table.first][fixed]).astype(np.float64)])
+        held_r = np.concatenate(
+            [np.ones(short_times.size), (counts[fixed] * table.sizes[table.first][fixed]).astype(np.float64)]
+        )
     else:
         varying = []
         held_t, held_r = short_times, np.ones(short_times.size)
@@ -566,4 +570,3 @@ def fill_ring_spare(
         if room > 0:
             insort(free, (room, b))
     return bins, left
-

@@ -99,7 +99,8 @@ class ModelSpec:
         if kv_channels is None:
             if args.hidden_size % heads:
                 raise ConfigError(
-                    f"model {name!r}: hidden size {args.hidden_size} does not divide by {heads} heads; add --kv-channels"
+                    f"model {name!r}: hidden size {args.hidden_size} does not divide by {heads} heads; add "
+                    "--kv-channels"
                 )
             kv_channels = args.hidden_size // heads
         groups = args.num_query_groups if args.group_query_attention and args.num_query_groups else heads

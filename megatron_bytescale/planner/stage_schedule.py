@@ -1,49 +1,15 @@
 """Per-stage operation orders for pipelines that share ring micro-batches, found by simulation.
 
-1F1B fixes each stage's order by micro-batch index: ``p - k - 1`` warm-up forwards, then
-strict alternation, backwards in FIFO order, whatever the other pipelines do. A member whose
-ring comes late in its list keeps the ring's other members waiting for its local work.
-``stage_schedule`` simulates all pipelines together instead and lets every stage pick what
-runs next (``_list_schedule``):
-
-* an operation (the forward or the backward of one micro-batch on one stage) is *ready* once
-  the previous stage's forward (the next stage's backward; on the last stage its own
-  forward) has ended; a ring micro-batch's operation on a stage is one operation of all its
-  members, which starts when all of them are free (a gang);
-* of the ready operations whose members are all free, backwards go first (they free
-  memory), then larger rings, then the rank's list order;
-* a ready operation of a larger ring *reserves* its members from its earliest start: an
-  operation of a smaller ring or a local micro-batch runs on a member only if it ends by
-  then (backfilling), so short work fills waits without delaying a larger ring;
-* activations cross between stages in posting order, so stage ``k + 1`` runs its forwards
-  in stage ``k``'s order and stage ``k`` its backwards in stage ``k + 1``'s
-  (``pipeline_order.crossing_order_mismatch``);
-* memory: a stage holds at most ``cap`` micro-batches between forward and backward (default
-  ``p``: what 1F1B holds on its first stage, the budget device and host memory are sized
-  for; ``offload_policy.host_capacity`` shares the host among that many). A forward leaves
-  one place free while a larger ring's forward waits for the stage.
-
-Each stage's order is the order its operations started in that simulation, so every
-operation starts after its predecessors end: the orders cannot deadlock (``Plan.validate``
-checks them again with ``find_pipeline_deadlock``). They are timed by the simulator's rule
-(``_Ops.evaluate``: a longest path through the orders) and kept only if shorter than 1F1B.
-
-What it buys depends on the plan. On small random ring structures it often shortens the
-step (a ring late in one member's list runs first on all members). On PP-balance plans of
-2M-context batches it does not beat 1F1B: those already meet every ring in one slot on all
-members, and the bubble around a ring that spans every pipeline is set by memory, not by
-order. Work that enters the pipeline after the ring's forward sits between its forward
-and backward waves until the backward passes, and a stage holds ``p`` micro-batches, so at
-most ``p - 1`` micro-batches ahead of the ring can use the stages it leaves idle.
-
-With ``chunks = V > 1`` model chunks per device the same list schedule runs over chunk
-operations (``P = p V`` virtual stages, virtual stage ``vs`` on device ``vs % p``; one
-message stream per device pair and direction; memory in chunk forwards, a micro-batch
-reserving its ``V`` places when it enters a device). ``chunk_schedule`` puts it beside the
-default and slot-aligned interleaved orders (``pipeline_order``) and keeps the shortest: on
-PP-balance plans of 2M-context batches the slot-aligned Megatron order wins (its bubble is
-Megatron's (p - 1) / V of a micro-batch; the greedy run of one long pipeline loses whole
-micro-batches to forwards that delay the backwards other devices wait for).
+``stage_schedule`` simulates all pipelines together and lets every stage pick what runs next
+(``_list_schedule``): backwards first, then larger rings, then the rank's list order; a ready
+operation of a larger ring reserves its members (smaller work only backfills); devices pass
+messages in posting order; a stage holds at most ``cap`` micro-batches between forward and
+backward (default ``p``: 1F1B's first stage). The orders are timed on the contract's
+dependency graph (``contract.graph.PipelineGraph``, the simulator's rule) and kept only if
+shorter than the base orders (1F1B, or the interleaved order with chunks). ``chunk_schedule``
+does the same over chunk operations with ``V > 1`` model chunks per device and keeps the
+shortest of it and the slot-aligned interleaved orders (``slot_alignment``). Why the orders
+cannot deadlock, and what the search buys on which batches: docs/design.md, "Stage orders".
 """
 
 from __future__ import annotations
@@ -52,7 +18,9 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-FORWARD, BACKWARD = 0, 1
+from .contract import BACKWARD, FORWARD, Op, PipelineGraph, interleaved_order, pipelined_finish_times
+from .slot_alignment import slot_interleaved_orders, slot_offsets
+
 _EPS = 1e-12
 # With chunks, Megatron's warm-up cap is tried after 1F1B's only on batches of at most this
 # many operations (each try simulates every operation; ~2 s per 10^5 on one core)
@@ -61,7 +29,7 @@ SECOND_CAP_OPS = 60_000
 
 @dataclass
 class StageSchedule:
-    orders: list[list[list[tuple[int, int]]]]  # per rank, per stage: (direction, micro-batch) in run order
+    orders: list[list[list[Op]]]  # per rank, per stage: its ops in run order
     finish: list[float]  # estimated finish per rank (its stages' last end)
     peak_in_flight: int  # most micro-batches (chunk forwards) any stage held between forward and backward
     cap: int = 0  # the memory cap the orders were scheduled under (chunk forwards with chunks)
@@ -69,122 +37,6 @@ class StageSchedule:
     @property
     def makespan(self) -> float:
         return max(self.finish, default=0.0)
-
-
-class _Ops:
-    """The operations of a batch: one unit per ring micro-batch (shared by its members) or
-    local micro-batch; ``P = stages * chunks`` virtual stages (virtual stage ``vs`` runs on
-    device ``vs % stages``, Megatron's interleaved layout); operation id
-    ``(unit * P + vs) * 2 + direction``. A chunk operation lasts ``1 / chunks`` of the
-    micro-batch's stage time in its direction."""
-
-    def __init__(self, ring_keys, times, stages: int, forward_share: float, chunks: int = 1):
-        p = self.p = stages
-        self.v = chunks
-        vp = self.vp = stages * chunks
-        self.n = len(ring_keys)
-        unit_of: dict[object, int] = {}
-        self.members: list[list[tuple[int, int]]] = []
-        self.unit_at: list[list[int]] = []  # per rank and micro-batch: its unit
-        utime: list[float] = []
-        for r, keys in enumerate(ring_keys):
-            row = []
-            for m, key in enumerate(keys):
-                u = None if key is None else unit_of.get(key)
-                if u is None:
-                    u = len(self.members)
-                    if key is not None:
-                        unit_of[key] = u
-                    self.members.append([])
-                    utime.append(0.0)
-                self.members[u].append((r, m))
-                utime[u] = max(utime[u], float(times[r][m]))
-                row.append(u)
-            self.unit_at.append(row)
-        self.units = len(self.members)
-        self.size = [len(ms) for ms in self.members]
-        self.pos = [min(m for _, m in ms) for ms in self.members]  # the schedule's order
-        self.total = self.units * vp * 2
-        self.dur = [0.0] * self.total
-        for u, t in enumerate(utime):
-            for vs in range(vp):
-                base = (u * vp + vs) * 2
-                self.dur[base] = forward_share * t / chunks
-                self.dur[base + 1] = (1.0 - forward_share) * t / chunks
-        self.res = [[r * p + vs % p for r, _ in self.members[u]] for u in range(self.units) for vs in range(vp)]
-
-    def op(self, r: int, vs: int, d: int, m: int) -> int:
-        return (self.unit_at[r][m] * self.vp + vs) * 2 + d
-
-    def next_op(self, op: int) -> int | None:
-        """The operation that waits for ``op`` in the same micro-batch."""
-        vp = self.vp
-        u, vs, d = op // (2 * vp), (op // 2) % vp, op % 2
-        if d == FORWARD:
-            return (u * vp + vs + 1) * 2 if vs < vp - 1 else op + 1
-        return (u * vp + vs - 1) * 2 + 1 if vs > 0 else None
-
-    def sequences(self, orders) -> list[list[int]]:
-        """Per resource (rank * p + device): its operation ids in run order."""
-        out = []
-        for r in range(self.n):
-            for k in range(self.p):
-                out.append([self.op(r, c * self.p + k, d, m) for d, m, c in _triples(orders[r][k])])
-        return out
-
-    def evaluate(self, seqs: Sequence[Sequence[int]]) -> list[float] | None:
-        """End of every operation when each resource runs ``seqs`` in order and an operation
-        starts once its predecessors (on every member, and in its micro-batch) ended: the
-        simulator's rule. None if the orders deadlock."""
-        indeg = [0] * self.total
-        succ: list[list[int]] = [[] for _ in range(self.total)]
-        for seq in seqs:
-            for a, b in zip(seq, seq[1:]):
-                succ[a].append(b)
-                indeg[b] += 1
-        for op in range(self.total):
-            nxt = self.next_op(op)
-            if nxt is not None:
-                succ[op].append(nxt)
-                indeg[nxt] += 1
-        from .pipeline_order import longest_paths  # pipeline_order imports this module
-
-        return longest_paths(succ, indeg, self.dur)
-
-    def finish(self, end: Sequence[float]) -> list[float]:
-        finish = [0.0] * self.n
-        for u in range(self.units):
-            e = end[(u * self.vp) * 2 + 1]  # its backward on the first virtual stage ends last
-            for r, _ in self.members[u]:
-                if e > finish[r]:
-                    finish[r] = e
-        return finish
-
-    def orders(self, seqs: Sequence[Sequence[int]]) -> list[list[list[tuple[int, ...]]]]:
-        """Per rank and device: (direction, micro-batch), with chunks (direction, micro-batch, chunk)."""
-        out = [[[] for _ in range(self.p)] for _ in range(self.n)]
-        vp = self.vp
-        for idx, seq in enumerate(seqs):
-            r, k = divmod(idx, self.p)
-            mine = {self.unit_at[r][m]: m for m in range(len(self.unit_at[r]))}
-            if self.v == 1:
-                out[r][k] = [(op % 2, mine[op // (2 * vp)]) for op in seq]
-            else:
-                out[r][k] = [(op % 2, mine[op // (2 * vp)], ((op // 2) % vp) // self.p) for op in seq]
-        return out
-
-    def peak(self, seqs: Sequence[Sequence[int]]) -> int:
-        peak = 0
-        for seq in seqs:
-            c = 0
-            for op in seq:
-                c += 1 if op % 2 == FORWARD else -1
-                peak = max(peak, c)
-        return peak
-
-
-def _triples(order) -> list[tuple[int, int, int]]:
-    return [op if len(op) == 3 else (op[0], op[1], 0) for op in order]
 
 
 def stage_schedule(
@@ -198,15 +50,13 @@ def stage_schedule(
 ) -> StageSchedule | None:
     """The list schedule's per-stage orders for these pipelines (see the module docstring),
     or None when they do not beat ``base_orders`` (default 1F1B). They are timed by
-    ``_Ops.evaluate`` (the simulator's rule), so the finish times are what the simulator
+    ``PipelineGraph.evaluate`` (the simulator's rule), so the finish times are what the simulator
     will find. ``ring_keys[r][m]``: the ring micro-batch rank ``r``'s micro-batch ``m``
     belongs to (None: local); ``times[r][m]``: its seconds on one stage, forward + backward
     (a ring operation lasts its slowest member's share). With ``chunks`` model chunks per
     device the operations are chunk operations, ``cap`` counts chunk forwards (default
     ``p * chunks``: the activations of 1F1B's ``p`` micro-batches) and the default base is
-    the interleaved order; the orders are (direction, micro-batch, chunk)."""
-    from .pipeline_order import interleaved_order  # pipeline_order imports this module
-
+    the interleaved order; the orders are ``Op`` lists per rank and device."""
     p = stages
     # With chunks: first 1F1B's memory (p x V chunk forwards); gangs of rings can stall each
     # other under it, so also Megatron's interleaved warm-up (p x V + p - 1: what the
@@ -214,7 +64,7 @@ def stage_schedule(
     caps = ([p] if chunks == 1 else [p * chunks, p * chunks + p - 1]) if cap is None else [cap]
     if min(caps) < 1:
         raise ValueError(f"cap must be >= 1 micro-batch in flight, got {cap}")
-    ops = _Ops(ring_keys, times, p, forward_share, chunks)
+    ops = PipelineGraph.of_times(ring_keys, times, p, forward_share, chunks)
     if base_orders is None:
         base_orders = [[interleaved_order(len(keys), p, k, chunks) for k in range(p)] for keys in ring_keys]
     base = ops.sequences(base_orders)
@@ -241,7 +91,7 @@ def stage_schedule(
     return StageSchedule(ops.orders(seqs), ops.finish(end), ops.peak(seqs), c)
 
 
-def _list_schedule(ops: _Ops, cap: int) -> list[list[int]] | None:
+def _list_schedule(ops: PipelineGraph, cap: int) -> list[list[int]] | None:
     """Per-resource sequences from simulating all pipelines with the rules of the module
     docstring (event by event), or None if the simulation stalls."""
     p, n, vp = ops.p, ops.n, ops.vp
@@ -402,14 +252,12 @@ def chunk_schedule(
 ) -> tuple[list | None, list[float], int, str] | None:
     """Chunk orders for pipelines of ``chunks`` model chunks per device: the shortest estimated
     of the default interleaved order (if it does not deadlock), the slot-aligned interleaved
-    orders (``pipeline_order.slot_interleaved_orders``, the greedy run's in unit and slot times
+    orders (``slot_alignment.slot_interleaved_orders``, the greedy run's in unit and slot times
     and Megatron's fixed schedule: safe whenever the rings sit at one
     slot, as ``order_runs`` places them) and, where they all deadlock or the batch is small,
     the list schedule over chunk operations (``stage_schedule``). Returns (orders, None for
     the default; finish per rank; the most chunk forwards a device may hold under them; what
     was kept), or None if every candidate deadlocks."""
-    from .pipeline_order import pipelined_finish_times, slot_interleaved_orders, slot_offsets
-
     p = stages
     megatron_cap = p * chunks + p - 1  # Megatron's interleaved warm-up, first device
     cands = []
@@ -434,7 +282,8 @@ def chunk_schedule(
         found = stage_schedule(ring_keys, times, p, forward_share, chunks=chunks,
                                base_orders=None if best is None else best[1])
         if found is not None and (best is None or found.makespan < best[0]):
-            what = f"the list schedule ({found.makespan:.4g} s" + (f" against {best[3]}'s {best[0]:.4g} s)" if best else ")")
+            against = f" against {best[3]}'s {best[0]:.4g} s)" if best else ")"
+            what = f"the list schedule ({found.makespan:.4g} s" + against
             return found.orders, found.finish, found.cap, what
     if best is None:
         return None

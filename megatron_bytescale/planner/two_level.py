@@ -43,7 +43,9 @@ def _valid(q_heads: int, kv_heads: int, u: int) -> bool:
 def valid_splits(cost: CostModel, ranks_per_node: int) -> list[int]:
     """Group sizes two-level attention may use: divisors of ranks_per_node from 2 (so a node
     holds whole groups), whole KV groups per head slice."""
-    return [u for u in range(2, ranks_per_node + 1) if ranks_per_node % u == 0 and _valid(cost.q_heads, cost.kv_heads, u)]
+    return [
+        u for u in range(2, ranks_per_node + 1) if ranks_per_node % u == 0 and _valid(cost.q_heads, cost.kv_heads, u)
+    ]
 
 
 def head_fractions(cost: CostModel, u: int) -> tuple[float, float]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
 
 import torch
 
@@ -35,7 +34,7 @@ NEG_INF = float("-inf")
 
 
 # ----------------------------------------------------------------------- shared math
-def merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], block_out: torch.Tensor, block_lse: torch.Tensor):
+def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor):
     """Fold one block's (out, lse) into the running (out, lse); fp32, ``out`` updated in place.
 
     ``out=None`` starts the fold. Rows that no block has seen keep out 0 and lse -inf.
@@ -171,7 +170,8 @@ def varlen_calls(qblock: TokenBlock, kblock: TokenBlock) -> tuple[VarlenCall, ..
                     qsel += [qr] if qr not in qsel else []
                     ksel += [kr] if kr not in ksel else []
                 elif kr[1] < qr[2]:  # overlapping but not identical: not a zigzag pair
-                    raise PlanError(f"sequence {sid}: query positions {qr[1:3]} and key positions {kr[1:3]} overlap partially")
+                    raise PlanError(f"sequence {sid}: query positions {qr[1:3]} and key positions {kr[1:3]} overlap "
+                                    "partially")
         if not qsel:
             continue
         if any(kr[2] > qr[1] for qr in qsel for kr in ksel):
@@ -185,7 +185,9 @@ def _span(runs) -> tuple[int, int]:
     """Rows covered by runs that must sit back to back."""
     for a, b in zip(runs, runs[1:]):
         if a[3] + a[2] - a[1] != b[3]:
-            raise PlanError(f"sequence {a[0]}: runs {a[1:3]} and {b[1:3]} are not adjacent rows; cannot form one varlen span")
+            raise PlanError(
+                f"sequence {a[0]}: runs {a[1:3]} and {b[1:3]} are not adjacent rows; cannot form one varlen span"
+            )
     return runs[0][3], runs[-1][3] + runs[-1][2] - runs[-1][1]
 
 
@@ -223,8 +225,15 @@ class VarlenBackend:
         for call in calls:
             qrows, krows, *meta = call_tensors(call, q.shape[0], k.shape[0], q.device)
             dqc, dkc, dvc = self.kernel.backward(
-                _take(dout, qrows), _take(q, qrows), _take(k, krows), _take(v, krows), _take(out, qrows),
-                _take(lse, qrows).t().contiguous(), *meta, scale, call.causal,
+                _take(dout, qrows),
+                _take(q, qrows),
+                _take(k, krows),
+                _take(v, krows),
+                _take(out, qrows),
+                _take(lse, qrows).t().contiguous(),
+                *meta,
+                scale,
+                call.causal,
             )
             _add_rows(dq, qrows, dqc)
             _add_rows(dk, krows, dkc)
@@ -264,24 +273,60 @@ class FlashAttnPackageKernel:
         self._bwd_params = set(inspect.signature(getattr(self._bwd, "_init_fn", self._bwd)).parameters)
 
     def _kwargs(self, names, **given):
-        common = dict(dropout_p=0.0, window_size=(-1, -1), window_size_left=-1, window_size_right=-1,
-                      softcap=0.0, alibi_slopes=None, deterministic=False, return_softmax=False, block_table=None,
-                      rng_state=None)
+        common = dict(
+            dropout_p=0.0,
+            window_size=(-1, -1),
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            return_softmax=False,
+            block_table=None,
+            rng_state=None,
+        )
         return {n: v for n, v in {**common, **given}.items() if n in names}
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
-        res = self._fwd(**self._kwargs(
-            self._fwd_params, q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale, causal=causal))
+        res = self._fwd(
+            **self._kwargs(
+                self._fwd_params,
+                q=q.contiguous(),
+                k=k.contiguous(),
+                v=v.contiguous(),
+                cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=max_q,
+                max_seqlen_k=max_k,
+                softmax_scale=scale,
+                causal=causal,
+            )
+        )
         # 2.7+: (out, lse, S_dmask, rng_state); 2.6: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
         return res[0], (res[1] if len(res) == 4 else res[5])
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        self._bwd(**self._kwargs(
-            self._bwd_params, dout=dout.contiguous(), q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
-            out=out.contiguous(), softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale, causal=causal))
+        self._bwd(
+            **self._kwargs(
+                self._bwd_params,
+                dout=dout.contiguous(),
+                q=q.contiguous(),
+                k=k.contiguous(),
+                v=v.contiguous(),
+                out=out.contiguous(),
+                softmax_lse=lse,
+                dq=dq,
+                dk=dk,
+                dv=dv,
+                cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=max_q,
+                max_seqlen_k=max_k,
+                softmax_scale=scale,
+                causal=causal,
+            )
+        )
         return dq, dk, dv
 
 
@@ -290,14 +335,29 @@ class TorchFlashKernel:
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+            q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+        )
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
         unused = torch.empty(0, dtype=torch.uint64, device=q.device)  # dropout RNG state: read only when dropout > 0
         return torch.ops.aten._flash_attention_backward(
-            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse, cu_q, cu_k,
-            max_q, max_k, 0.0, causal, unused, unused, scale=scale)
+            dout.contiguous(),
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            out.contiguous(),
+            lse,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            0.0,
+            causal,
+            unused,
+            unused,
+            scale=scale,
+        )
 
 
 class CpuFlashKernel:
@@ -324,8 +384,12 @@ class CpuFlashKernel:
         outs, lses = [], []
         for (qa, qe), (ka, ke) in self._spans(cu_q, cu_k):
             o, lse = self._fwd(
-                self._heads_first(q[qa:qe]), self._heads_first(k[ka:ke], group), self._heads_first(v[ka:ke], group),
-                0.0, causal, scale=scale,
+                self._heads_first(q[qa:qe]),
+                self._heads_first(k[ka:ke], group),
+                self._heads_first(v[ka:ke], group),
+                0.0,
+                causal,
+                scale=scale,
             )
             outs.append(o[0].transpose(0, 1))
             lses.append(lse[0])
@@ -336,9 +400,15 @@ class CpuFlashKernel:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for (qa, qe), (ka, ke) in self._spans(cu_q, cu_k):
             gq, gk, gv = self._bwd(
-                self._heads_first(dout[qa:qe]), self._heads_first(q[qa:qe]), self._heads_first(k[ka:ke], group),
-                self._heads_first(v[ka:ke], group), self._heads_first(out[qa:qe]), lse[:, qa:qe].unsqueeze(0).contiguous(),
-                0.0, causal, scale=scale,
+                self._heads_first(dout[qa:qe]),
+                self._heads_first(q[qa:qe]),
+                self._heads_first(k[ka:ke], group),
+                self._heads_first(v[ka:ke], group),
+                self._heads_first(out[qa:qe]),
+                lse[:, qa:qe].unsqueeze(0).contiguous(),
+                0.0,
+                causal,
+                scale=scale,
             )
             dq[qa:qe] = gq[0].transpose(0, 1)
             dk[ka:ke] = gk[0].transpose(0, 1).reshape(ke - ka, hkv, group, -1).sum(2)
@@ -384,6 +454,7 @@ def get_backend(name: str, q: torch.Tensor):
     if name == "flash":
         raise ConfigError(
             f"attention backend 'flash' needs CPU tensors or CUDA fp16/bf16 tensors with head dim a multiple of 8 "
-            f"up to 256 on an sm80+ GPU (got {q.dtype} on {q.device}, head dim {q.shape[-1]}); use backend='torch' or 'auto'"
+            f"up to 256 on an sm80+ GPU (got {q.dtype} on {q.device}, head dim {q.shape[-1]}); use backend='torch' or "
+            "'auto'"
         )
     return TORCH_BACKEND

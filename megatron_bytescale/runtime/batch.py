@@ -5,14 +5,14 @@ its true position inside its own sequence (RoPE, causal masking) and its next-to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
 from ..errors import PlanError
-from ..planner.plan import MicroBatch, Plan
+from ..planner.contract import MicroBatch, Plan
 
 # (seq_id, start, end) -> token ids of that sequence's tokens [start, end)
 TokenReader = Callable[[int, int, int], np.ndarray]

@@ -30,7 +30,8 @@ class GroupExchange:
     def __init__(self, group_ranks: tuple[int, ...], index: int, group=None, counter: P2PCounter | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(
-                f"two-level attention over group {group_ranks} needs torch.distributed initialised (init_process_group) first"
+                f"two-level attention over group {group_ranks} needs torch.distributed initialised "
+                "(init_process_group) first"
             )
         size = dist.get_world_size(group)
         outside = [r for r in group_ranks if not 0 <= r < size]
@@ -46,7 +47,9 @@ class GroupExchange:
         self.group, self.counter = group, counter
         self._peers = [to_global(r) for r in group_ranks]
 
-    def exchange(self, sends: list[torch.Tensor | None], recv_shapes: list[tuple], dtype, device) -> list[torch.Tensor | None]:
+    def exchange(
+        self, sends: list[torch.Tensor | None], recv_shapes: list[tuple], dtype, device
+    ) -> list[torch.Tensor | None]:
         """Send ``sends[b]`` to member b and receive a ``recv_shapes[b]`` tensor from it, for
         every b but this rank (whose entries are ignored and come back None)."""
         ops, recvs = [], [None] * self.size

@@ -19,16 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Union
 
 import torch
 
 from ..errors import PlanError
-from ..planner.plan import MicroBatch
-from ..planner.zigzag import zigzag_ranges
+from ..planner.contract import MicroBatch
+from ..planner.contract.zigzag import zigzag_ranges
 
 Run = tuple[int, int, int]  # (seq_id, start, end): positions [start, end) of one sequence
-Rows = Union[slice, torch.Tensor]  # rows of this rank's token tensors: a slice when contiguous
+Rows = slice | torch.Tensor  # rows of this rank's token tensors: a slice when contiguous
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,10 @@ class MicroBatchLayout:
                 raise PlanError(f"{where} appears twice in one micro-batch; merge its ranges into one piece")
             seen.add(p.seq_id)
             if rank not in p.ring:
-                raise PlanError(f"{where} is on ring {p.ring}, which does not contain rank {rank}; build the layout on a ring member")
+                raise PlanError(
+                    f"{where} is on ring {p.ring}, which does not contain rank {rank}; build the layout on a ring "
+                    "member"
+                )
             if p.is_distributed:
                 if len(set(p.ring)) != len(p.ring):
                     raise PlanError(f"{where}: ring {p.ring} repeats a rank")
@@ -196,9 +198,15 @@ class GroupLayout:
             if h == g:
                 order = torch.cat([torch.arange(r, r + end - start) for _, start, end, r in runs])
         return cls(
-            size=u, num_groups=m, group_index=g, place=a,
-            group=tuple(ring[g * u:(g + 1) * u]), cross_ring=tuple(ring[h * u + a] for h in range(m)),
-            blocks=tuple(merged), member_tokens=tuple(blocks[g * u + b].num_tokens for b in range(u)), order=order,
+            size=u,
+            num_groups=m,
+            group_index=g,
+            place=a,
+            group=tuple(ring[g * u : (g + 1) * u]),
+            cross_ring=tuple(ring[h * u + a] for h in range(m)),
+            blocks=tuple(merged),
+            member_tokens=tuple(blocks[g * u + b].num_tokens for b in range(u)),
+            order=order,
         )
 
 

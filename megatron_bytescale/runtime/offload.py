@@ -62,9 +62,9 @@ import logging
 import math
 import threading
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn

@@ -32,7 +32,9 @@ def padding_for(num_tokens: int, multiple: int) -> int:
     return -num_tokens % multiple
 
 
-def pad_micro_batch(data: MicroBatchData, layout: MicroBatchLayout, multiple: int) -> tuple[MicroBatchData, MicroBatchLayout]:
+def pad_micro_batch(
+    data: MicroBatchData, layout: MicroBatchLayout, multiple: int
+) -> tuple[MicroBatchData, MicroBatchLayout]:
     """``data`` and ``layout`` with padding appended up to a multiple of ``multiple`` tokens
     (themselves when none is needed). An empty micro-batch (an expert-parallel slot filler,
     ``planner.expert_slots``) gets ``multiple`` padding tokens: megatron-core's layers do not
@@ -48,10 +50,12 @@ def pad_micro_batch(data: MicroBatchData, layout: MicroBatchLayout, multiple: in
         labels=torch.cat([data.labels, zeros]),
         loss_mask=torch.cat([data.loss_mask, torch.zeros(n, dtype=data.loss_mask.dtype)]),
         positions=torch.cat([data.positions, torch.arange(n, dtype=torch.int64)]),
-        padding_mask=torch.cat([
-            data.padding_mask if data.padding_mask is not None else torch.zeros(t, dtype=torch.bool),
-            torch.ones(n, dtype=torch.bool),
-        ]),
+        padding_mask=torch.cat(
+            [
+                data.padding_mask if data.padding_mask is not None else torch.zeros(t, dtype=torch.bool),
+                torch.ones(n, dtype=torch.bool),
+            ]
+        ),
     )
     local_rows = layout.local_rows
     if isinstance(local_rows, slice):

@@ -3,18 +3,19 @@
 Under HDP every pipeline (the PP stages of one HDP rank) runs its own list of micro-batches:
 any count, zero included, and any lengths. Each stage runs them in exactly the order the plan
 gives: its own per-stage order when it has one (``Plan.stage_orders``, e.g. from
-``planner.stage_schedule``), else ``planner.pipeline_order.one_f_one_b`` (Megatron's
+``planner.stage_schedule``), else ``planner.contract.one_f_one_b`` (Megatron's
 non-interleaved 1F1B: ``p - k - 1`` warm-up forwards on stage ``k``, then one forward one
 backward, then the cool-down backwards); either is an order the planner proves free of
 deadlock when ring micro-batches join stages of different pipelines.
 
 Virtual pipeline stages (Megatron's interleaved layout): each device holds ``chunks`` model
-chunks, chunk ``c`` of device ``d`` being virtual stage ``c * p + d``. An operation is then
-(direction, micro-batch, chunk); the forward of virtual stage ``vs`` receives from ``vs - 1``
+chunks, chunk ``c`` of device ``d`` being virtual stage ``c * p + d``. An operation is an
+``Op(direction, micro_batch, chunk)`` (``planner.contract.ops``); the forward of virtual
+stage ``vs`` receives from ``vs - 1``
 (device ``d - 1`` mod ``p``: device 0's chunk ``c > 0`` follows chunk ``c - 1`` of device
 ``p - 1``) and sends to ``vs + 1``, backward the reverse; ``vs = 0`` embeds, ``vs = p * chunks
 - 1`` computes the loss. Without an order from the plan a device runs
-``pipeline_order.interleaved_order`` (1F1B for one chunk).
+``contract.interleaved_order`` (1F1B for one chunk).
 
 Why not megatron-core's ``forward_backward_pipelining_without_interleaving`` (it does handle
 ``variable_seq_lengths``): it takes one micro-batch count, shape and data iterator and
@@ -31,7 +32,7 @@ ignores tags), so activations travel on the pipeline group and gradients on a se
 over the same ranks (``gradient_group``): with chunks, activations and gradients both flow
 from device 0 to device 1, and each direction must be its own stream. Both ends of each
 stream must agree on the order of the micro-batches crossing it;
-``pipeline_order.crossing_order_mismatch`` checks it (``Plan.validate`` too). Sends are
+``contract.crossing_order_mismatch`` checks it (``Plan.validate`` too). Sends are
 posted and only waited at the end of the step, so a stage blocks only where the schedule
 needs its input; this is the dependency structure ``find_pipeline_deadlock`` models.
 """
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlanError
-from ..planner.pipeline_order import FORWARD, interleaved_order
+from ..planner.contract import FORWARD, Op, as_ops, interleaved_order
 
 MAX_DIMS = 4  # shape header: [ndim, d0, .., d3]
 SHAPE_TAG, DATA_TAG = 0, 1
@@ -80,7 +81,9 @@ class StageLink:
     (``pp_group`` None: a pipeline of one stage, which exchanges nothing). ``chunks``: model
     chunks per device; ``grad_group``: the communicator for gradients (default ``pp_group``)."""
 
-    def __init__(self, pp_group=None, header_device: torch.device = torch.device("cpu"), chunks: int = 1, grad_group=None):
+    def __init__(
+        self, pp_group=None, header_device: torch.device = torch.device("cpu"), chunks: int = 1, grad_group=None
+    ):
         self.group = pp_group
         self.grad_group = grad_group if grad_group is not None else pp_group
         self.stages = dist.get_world_size(pp_group) if pp_group is not None else 1
@@ -113,7 +116,9 @@ class StageLink:
     def _send(self, tensor: torch.Tensor, peer: int, group) -> None:
         tensor = tensor.detach().contiguous()
         if tensor.dim() > MAX_DIMS:
-            raise PlanError(f"pipeline stages exchange tensors of at most {MAX_DIMS} dimensions, got {tuple(tensor.shape)}")
+            raise PlanError(
+                f"pipeline stages exchange tensors of at most {MAX_DIMS} dimensions, got {tuple(tensor.shape)}"
+            )
         header = torch.zeros(MAX_DIMS + 1, dtype=torch.int64, device=self._device)
         header[0] = tensor.dim()
         header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
@@ -169,11 +174,11 @@ def run_one_f_one_b(
     device: torch.device,
     forward_only: bool = False,
     release: Callable[[torch.Tensor], None] | None = None,
-    order: list[tuple[int, ...]] | None = None,
+    order: list[Op] | None = None,
 ) -> None:
-    """Run ``count`` micro-batches through this device's chunks in ``order`` ((direction,
-    micro-batch[, chunk]), the plan's order for this device), or when ``order`` is None in 1F1B
-    order (``interleaved_order`` with ``link.chunks`` > 1).
+    """Run ``count`` micro-batches through this device's chunks in ``order`` (its ops, the
+    plan's order for this device), or when ``order`` is None in the default order (1F1B, or
+    ``interleaved_order`` with ``link.chunks`` > 1).
 
     ``forward(m, chunk, input)`` returns the chunk's output (the loss on the last virtual
     stage); ``backward(m, chunk, input, output, output_grad)`` returns the gradient of
@@ -183,7 +188,7 @@ def run_one_f_one_b(
     """
     if order is None:
         order = interleaved_order(count, link.stages, link.stage, link.chunks)
-    ops = [op if len(op) == 3 else (op[0], op[1], 0) for op in order]
+    ops = as_ops(order)
     if forward_only:
         ops = [op for op in ops if op[0] == FORWARD]
     saved: dict[tuple[int, int], tuple] = {}  # (micro-batch, chunk) -> (input, output)

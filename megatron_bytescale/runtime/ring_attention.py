@@ -15,19 +15,19 @@ So member i sends ``(sum T - T_{i+1})`` KV tokens forward, as many backward, and
 accumulator tokens: ``Plan.p2p_bytes_per_rank`` with kv bytes/token ``2*hkv*d*k.element_size()``
 and grad bytes/token ``2*hkv*d*4`` (``2*hkv*d*2`` with ``grad_dtype=bf16``). A ring of one sends
 nothing. A micro-batch planned two-level (``heads_split`` > 1) runs ``two_level_attention``,
-which builds on ``ring_forward``/``ring_backward`` here.
+which builds on the same ring passes (``ring_core``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
-
 import torch
 
 from ..errors import PlanError
-from .attention_ops import get_backend, merge
+from .attention_ops import get_backend
 from .layout import MicroBatchLayout, put_rows, take_rows
-from .ring_comm import GRAD_TAG, KV_TAG, P2PCounter, RingComm
+from .ring_comm import P2PCounter, RingComm
+from .ring_core import ring_backward, ring_forward
+from .two_level_attention import two_level_attention
 
 
 def ring_attention(
@@ -36,10 +36,10 @@ def ring_attention(
     v: torch.Tensor,
     layout: MicroBatchLayout,
     group=None,
-    softmax_scale: Optional[float] = None,
+    softmax_scale: float | None = None,
     backend: str = "auto",
-    counter: Optional[P2PCounter] = None,
-    grad_dtype: Optional[torch.dtype] = None,
+    counter: P2PCounter | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """q [T, hq, d], k/v [T, hkv, d] in ``layout``'s token order -> out [T, hq, d]; differentiable.
 
@@ -55,8 +55,6 @@ def ring_attention(
     check_inputs(q, k, v, layout)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if layout.heads_split > 1 and layout.blocks:
-        from .two_level_attention import two_level_attention  # noqa: PLC0415 - it builds on this module
-
         return two_level_attention(q, k, v, layout, group, scale, get_backend(backend, q), counter, grad_dtype)
     comm = RingComm(layout.ring, layout.ring_index, group, counter) if layout.ring_size > 1 else None
     return _RingAttention.apply(q, k, v, layout, comm, scale, get_backend(backend, q), grad_dtype)
@@ -94,7 +92,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Micr
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise PlanError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads (GQA)")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise PlanError(f"q, k, v must share dtype and device; got {q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}")
+        raise PlanError(
+            f"q, k, v must share dtype and device; got {q.dtype}/{k.dtype}/{v.dtype} on "
+            f"{q.device}/{k.device}/{v.device}"
+        )
 
 
 # ------------------------------------------------------------------ the computation
@@ -143,54 +144,3 @@ def attention_backward(dout, q, k, v, out, lse, layout: MicroBatchLayout, comm, 
     else:
         local()
     return dq, dk, dv
-
-
-def ring_forward(q, k, v, layout: MicroBatchLayout, comm, scale, backend, side_work: Callable | None = None):
-    """This member's block: q [Ti, hq, d], k/v [Ti, hkv, d] -> fp32 (out, lse) over all blocks."""
-    n, i, blocks = comm.size, comm.index, layout.blocks
-    kv = torch.stack((k, v))  # what travels: [2, T_j, hkv, d]
-    out = lse = None
-    for step in range(n):
-        j = (i - step) % n  # the block held at this step
-        nxt = comm.send_recv(kv, _block_shape(kv, blocks[(j - 1) % n]), KV_TAG) if step < n - 1 else None
-        if step == 0 and side_work is not None:
-            side_work()
-        res = backend.forward(q, kv[0], kv[1], blocks[i], blocks[j], scale)
-        if res is not None:
-            out, lse = merge(out, lse, *res)
-        if nxt is not None:
-            kv = nxt.wait()
-    return out, lse  # never None: every query sees itself in its own block
-
-
-def ring_backward(dout, q, k, v, out, lse, layout: MicroBatchLayout, comm, scale, backend, side_work=None, grad_dtype=None):
-    """Gradients of this member's block; dK/dV of every block come home round the ring.
-
-    ``grad_dtype`` (e.g. bf16): the dtype the dK/dV accumulators travel in; each hop adds its
-    contribution in fp32 and rounds once before sending on (None: fp32 all the way)."""
-    n, i, blocks = comm.size, comm.index, layout.blocks
-    kv = torch.stack((k, v))
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    grad_in = None  # the accumulator of the next block, on its way from the predecessor
-    for step in range(n):
-        j = (i - step) % n
-        prev_shape = _block_shape(kv, blocks[(j - 1) % n])
-        nxt = comm.send_recv(kv, prev_shape, KV_TAG) if step < n - 1 else None
-        if step == 0 and side_work is not None:
-            side_work()
-        res = backend.backward(dout, q, kv[0], kv[1], out, lse, blocks[i], blocks[j], scale)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device) if grad_in is None else grad_in.wait().float()
-        if res is not None:
-            dq += res[0]
-            dkv[0] += res[1]
-            dkv[1] += res[2]
-        send = dkv if grad_dtype is None or n == 1 else dkv.to(grad_dtype)
-        grad_in = comm.send_recv(send, prev_shape, GRAD_TAG)  # block j's accumulator moves on
-        if nxt is not None:
-            kv = nxt.wait()
-    dkv = grad_in.wait().float()  # after N hops: this member's own block, every contribution in
-    return dq, dkv[0], dkv[1]
-
-
-def _block_shape(kv: torch.Tensor, block) -> tuple[int, ...]:
-    return (2, block.num_tokens, kv.shape[2], kv.shape[3])

@@ -10,7 +10,8 @@ tokens were assigned to ranks. A rank may run any number of micro-batches, zero 
 still joins the gradient reduction.
 
 With pipeline parallelism each HDP rank is a pipeline: its stages receive the same StepBatch
-and run its micro-batches through 1F1B, or the plan's per-stage orders (``runtime.pipeline``), ring attention joining the same
+and run its micro-batches through 1F1B, or the plan's per-stage orders (``runtime.pipeline``), ring attention joining
+the same
 stage of the other pipelines (the HDP group of a stage). The loss and the token count come from
 the last stage; ``finalize_model_grads`` takes the count to every stage and sums tied
 embedding gradients between the first and last stage, as Megatron's does.
@@ -32,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, PlanError
+from ..planner.contract import BACKWARD, crossing_order_mismatch, plan_pipeline_deadlock
 from .batch import StepBatch
 from .context import active_micro_batch
-from ..planner.pipeline_order import BACKWARD, crossing_order_mismatch, plan_pipeline_deadlock
 from .grad_sync import StepGradSync, overlaps_param_gather
 from .layout import MicroBatchLayout
 from .padding import pad_micro_batch, sequence_parallel_multiple
@@ -111,7 +112,9 @@ def check_step_agreement(step: StepBatch | None, group, pp_group=None, chunks: i
     stages = dist.get_world_size(pp_group) if pp_group is not None else 1
     problem = None
     if step is None:
-        problem = "no plan was delivered to this rank for this step: the data loader must give every HDP rank its StepBatch"
+        problem = (
+            "no plan was delivered to this rank for this step: the data loader must give every HDP rank its StepBatch"
+        )
     elif step.plan.num_ranks != world:
         problem = (
             f"the plan was made for {step.plan.num_ranks} HDP ranks but the HDP group has {world}: "
@@ -134,7 +137,11 @@ def check_step_agreement(step: StepBatch | None, group, pp_group=None, chunks: i
             if stages > 1 or step.plan.stage_orders is not None or chunks > 1:
                 stuck = plan_pipeline_deadlock(step.plan, stages)
                 schedule = (
-                    "its stage orders" if step.plan.stage_orders is not None else "the interleaved order" if chunks > 1 else "1F1B"
+                    "its stage orders"
+                    if step.plan.stage_orders is not None
+                    else "the interleaved order"
+                    if chunks > 1
+                    else "1F1B"
                 )
                 if stuck:
                     raise PlanError(
@@ -142,7 +149,9 @@ def check_step_agreement(step: StepBatch | None, group, pp_group=None, chunks: i
                         "plan with pipeline_stages set to the pipeline-parallel size"
                     )
                 orders = step.plan.decoded_stage_orders()
-                mismatch = crossing_order_mismatch(orders[rank], step.plan.virtual_stages) if orders is not None else None
+                mismatch = (
+                    crossing_order_mismatch(orders[rank], step.plan.virtual_stages) if orders is not None else None
+                )
                 if mismatch:
                     raise PlanError(
                         f"the plan's stage orders for HDP rank {rank} cannot run: {mismatch}; "
@@ -179,7 +188,8 @@ def check_step_agreement(step: StepBatch | None, group, pp_group=None, chunks: i
         elif verdict is None and len(set(stage_views)) != 1:
             verdict = (
                 f"HDP rank {rank}: the stages of this pipeline hold different plans or HDP ranks "
-                f"(ok, digest, HDP rank per stage: {stage_views}); every stage of a pipeline must get the same StepBatch"
+                f"(ok, digest, HDP rank per stage: {stage_views}); every stage of a pipeline must get the same "
+                "StepBatch"
             )
     if verdict is not None:
         raise PlanError(verdict)
@@ -203,10 +213,14 @@ def _expert_parallel_problem(plan, group) -> str | None:
         )
     if ep == 1:
         return None
-    hdp = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    world = list(range(dist.get_world_size()))
+    hdp = dist.get_process_group_ranks(group) if group is not None else world
     members = dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group())
     if not set(members) <= set(hdp):
-        return "Megatron's expert-parallel group leaves this rank's HDP group: use --expert-tensor-parallel-size equal to TP"
+        return (
+            "Megatron's expert-parallel group leaves this rank's HDP group: "
+            "use --expert-tensor-parallel-size equal to TP"
+        )
     mine = sorted(hdp.index(r) for r in members)
     first = mine[0] - mine[0] % ep
     if mine != list(range(first, first + ep)):
@@ -274,14 +288,20 @@ def run_hdp_step(
     count = len(step.micro_batches)
     grads = gradient_group(pp_group, _collective_device(None)) if pp_group is not None else None
     link = StageLink(pp_group, _collective_device(group), chunks=virtual, grad_group=grads)
-    running: dict[int, list] = {}  # micro-batch -> [start, forward_end, forward_wait_s, offload handles, backward_wait_s, chunks left]
+    running: dict[
+        int, list
+    ] = {}  # micro-batch -> [start, forward_end, forward_wait_s, offload handles, backward_wait_s, chunks left]
     active: dict[tuple[int, int], tuple] = {}  # (micro-batch, chunk) -> (layout, positions), for its backward
     order = step.plan.stage_order(rank, link.stage)  # None: 1F1B (interleaved with chunks)
     last_backward = next((op[1] for op in reversed(order) if op[0] == BACKWARD), None) if order else None
     # one per model chunk (each its own DDP); with several, buckets launch after the last backward
     syncs = [
         StepGradSync(
-            chunk, [d.micro_batch for d in step.micro_batches], forward_only, last_backward, step.plan.expert_parallel,
+            chunk,
+            [d.micro_batch for d in step.micro_batches],
+            forward_only,
+            last_backward,
+            step.plan.expert_parallel,
             reduce_in_backward=virtual == 1,
         )
         for chunk in chunks
@@ -353,7 +373,9 @@ def run_hdp_step(
             if handle is not None:
                 off = handle.stats()
                 stats.offloaded_bytes += off.offloaded_bytes
-                stats.peak_resident_activation_bytes = max(stats.peak_resident_activation_bytes, off.peak_resident_bytes)
+                stats.peak_resident_activation_bytes = max(
+                    stats.peak_resident_activation_bytes, off.peak_resident_bytes
+                )
 
     def release(output_tensor):
         deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)

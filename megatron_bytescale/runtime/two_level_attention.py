@@ -29,8 +29,8 @@ import torch
 from ..errors import PlanError
 from .group_exchange import GroupExchange, SelfRing
 from .layout import MicroBatchLayout, put_rows, take_rows
-from .ring_attention import ring_backward, ring_forward
 from .ring_comm import RingComm
+from .ring_core import ring_backward, ring_forward
 
 HeadSlice = tuple[tuple[int, ...], tuple[int, ...]]  # (query heads, KV heads) of one place
 
@@ -193,6 +193,7 @@ class _LocalPart:
         if self.active:
             lq, lk, lv, lo, lse = self.parts
             ld = take_rows(dout, self.layout.local_rows)
-            grads = self.backend.backward(ld, lq, lk, lv, lo, lse, self.layout.local_block, self.layout.local_block, self.scale)
+            block = self.layout.local_block
+            grads = self.backend.backward(ld, lq, lk, lv, lo, lse, block, block, self.scale)
             for dst, g in zip((dq, dk, dv), grads):
                 put_rows(dst, self.layout.local_rows, g)

@@ -22,14 +22,9 @@ group spans nodes, NVLink otherwise).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..planner.cost_model import CostModel
-from ..planner.plan import Plan
+from ..planner.contract import Plan
 from .cluster import Cluster
-
-if TYPE_CHECKING:  # timeline imports this module
-    from .timeline import Timeline
 
 DEFAULT_BUCKETS = 8  # buckets per GPU's gradients (Megatron: 40M-parameter buckets)
 
@@ -44,10 +39,11 @@ def allreduce_time(cost: CostModel, cluster: Cluster) -> float:
 
 
 def exposed_reduction(
-    plan: Plan, timeline: Timeline, cost: CostModel, cluster: Cluster, overlap: bool, buckets: int = DEFAULT_BUCKETS,
+    plan: Plan, timeline, cost: CostModel, cluster: Cluster, overlap: bool, buckets: int = DEFAULT_BUCKETS,
     hdp_rule: bool = True,
 ) -> float:
-    """Seconds of gradient reduction after the slowest rank's compute, per stage, worst stage."""
+    """Seconds of gradient reduction after the slowest rank's compute, per stage, worst stage, of
+    ``timeline`` (the step's ``sim.timeline.Timeline``, not imported: timeline imports this module)."""
     total = allreduce_time(cost, cluster)
     if total == 0.0:
         return 0.0

@@ -11,7 +11,7 @@ then backward, one sample per micro-batch), over a CP group of that many ranks, 
 
 * one Plan micro-batch per (rank, sample); a sample on ``N`` ranks is one ring over them
   (ascending rank order, the order of Megatron's pre-built groups), zigzag split;
-* ``meta["barriers"]`` carries the barriers to the costing engine;
+* ``Plan.barriers`` carries the barriers to the costing engine;
 * no offloading; no pipelining (``forward_backward_no_pipelining`` is the only schedule that
   dispatches to it), so PP > 1 is reported as unsupported.
 
@@ -31,7 +31,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
-from ..planner.plan import MicroBatch, Plan, ring_pieces, whole_piece
+from ..planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from .cluster import Cluster
 from .static_cp import StrategyError
 
@@ -132,10 +132,10 @@ def megatron_dcp_plan(seq_lens: Sequence[int], cluster: Cluster, capacity: int, 
         num_layers=num_layers,
         seq_lens=tuple(int(s) for s in seq_lens),
         ranks=tuple(tuple(mbs) for mbs in ranks),
+        barriers=tuple(tuple(b) for b in barriers),
         meta={
             "strategy": "megatron-dcp",
             "plan_time_s": wall,
-            "barriers": barriers,
             "groups": len(sample_id_groups),
             "cp_sizes": {str(k): v for k, v in sorted(sizes.items())},
             "notes": notes,

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import ConfigError
-from ..planner.plan import MicroBatch, Piece, Plan, ring_pieces, whole_piece
+from ..planner.contract import MicroBatch, Piece, Plan, ring_pieces, whole_piece
 from .cluster import Cluster
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..planner.cost_model import CostModel
-from ..planner.plan import Plan
+from ..planner.contract import Plan
 from .cluster import Cluster
 from .megatron_dcp import megatron_dcp_plan
 from .static_cp import StrategyError, static_plan
@@ -39,7 +39,7 @@ class StrategyInput:
 
 def _with_chunks(plan: Plan, x: StrategyInput) -> Plan:
     """A baseline's plan run with ``x``'s virtual stages: Megatron's interleaved 1F1B over its
-    fixed micro-batches (``pipeline_order.interleaved_order``), so VPP is compared like for like."""
+    fixed micro-batches (``contract.interleaved_order``), so VPP is compared like for like."""
     plan.virtual_stages = x.virtual_stages
     return plan
 

@@ -36,7 +36,8 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   layout) and follows ``Plan.chunk_order`` (the plan's orders, else the interleaved order):
   an op is one chunk of one micro-batch and does ``1 / V`` of the stage's work (compute,
   ring hops, offload copies); a ring's op is one gang of its members per virtual stage, a
-  forward waits for the previous virtual stage's, a backward for the next one's. Activation transfers
+  forward waits for the previous virtual stage's, a backward for the next one's (the
+  contract's dependency graph, ``contract.graph.PipelineGraph``). Activation transfers
   between stages are not costed (the same omission for every strategy).
 * **Expert parallelism** (``plan.expert_parallel`` > 1, ``planner.expert_slots``): the
   members of an EP group run slot k together, and a ring joins the slots of its members, so
@@ -45,7 +46,7 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   forward, half in backward, over NVLink when the EP group sits in one node), and an empty
   slot is a rank waiting. A plan of a strategy without its own slots (static) is aligned
   first, as it would have to be to run with EP.
-* **Barriers.** ``plan.meta["barriers"]`` (Megatron's hybrid CP) lists, per barrier, how many
+* **Barriers.** ``plan.barriers`` (Megatron's hybrid CP) lists, per barrier, how many
   micro-batches each rank has finished when it enters; nobody continues until all arrive,
   and pipelines are flushed there.
 * **Gradient reduction** and the optimizer step are left out of the step time of every
@@ -64,11 +65,13 @@ import numpy as np
 
 from ..errors import PlanError
 from ..planner import two_level
+from ..planner.contract import BACKWARD, FORWARD, MicroBatch, PipelineGraph, Plan, longest_paths
+from ..planner.contract.rules import barrier_errors
+from ..planner.contract.slots import ep_groups, slot_errors, slot_nodes
 from ..planner.cost_model import CostModel
+from ..planner.expert_slots import align_expert_slots, all_to_all_time
 from ..planner.offload_policy import copy_exposure, host_bytes
-from ..planner.pipeline_order import BACKWARD, FORWARD, chunk_ops, interleaved_order, longest_paths, one_f_one_b  # noqa: F401 (one_f_one_b: re-exported)
-from ..planner.expert_slots import align_expert_slots, all_to_all_time, ep_groups, slot_errors, slot_nodes
-from ..planner.plan import MicroBatch, Plan
+from ..planner.ring_traffic import p2p_bytes_per_rank
 from .cluster import Cluster
 from .grad_reduction import exposed_reduction
 
@@ -115,18 +118,10 @@ class MemberLoad:
 
 
 def ring_key(mb: MicroBatch) -> tuple | None:
-    """(ring, distributed sequence ids) of a ring micro-batch; None if all its pieces are whole."""
-    rings = set()
-    seqs = []
-    for p in mb.pieces:
-        if len(p.ring) > 1:
-            rings.add(p.ring)
-            seqs.append(p.seq_id)
-    if not rings:
-        return None
-    if len(rings) > 1:
-        raise PlanError(f"a micro-batch's distributed pieces use {len(rings)} rings; one allowed")
-    return (next(iter(rings)), tuple(sorted(seqs)))
+    """``mb.ring_key``; PlanError if its distributed pieces use more than one ring."""
+    if mb.ring is None and len({p.ring for p in mb.pieces if p.is_distributed}) > 1:
+        raise PlanError(f"a micro-batch's distributed pieces use {len({p.ring for p in mb.pieces if p.is_distributed})} rings; one allowed")
+    return mb.ring_key
 
 
 def offload_exposure(load: MemberLoad, cost: CostModel, layers: int) -> tuple[float, float, float]:
@@ -316,17 +311,10 @@ class Timeline:
 
 
 def parse_barriers(plan: Plan) -> list[list[int]]:
-    barriers = plan.meta.get("barriers", [])
-    counts = [len(mbs) for mbs in plan.ranks]
-    prev = [0] * plan.num_ranks
-    for b, entry in enumerate(barriers):
-        if len(entry) != plan.num_ranks or any(not prev[r] <= entry[r] <= counts[r] for r in range(plan.num_ranks)):
-            raise PlanError(
-                f"barrier {b} must give, for each of {plan.num_ranks} ranks, a non-decreasing count of "
-                f"micro-batches finished before it (at most the rank's micro-batches); got {entry}"
-            )
-        prev = list(entry)
-    return [list(b) for b in barriers]
+    problems = barrier_errors(plan)
+    if problems:
+        raise PlanError(problems[0])
+    return [list(b) for b in plan.barriers]
 
 
 def micro_batch_work(plan: Plan, cluster: Cluster, cost: CostModel):
@@ -382,71 +370,29 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
         raise PlanError(f"the plan has {chunks} virtual stages per device but the cluster has PP {stages}; plan with virtual_stages=1")
     if chunks > 1:  # a chunk op does 1/V of the micro-batch's work on the device
         work = [[(_scaled(f, chunks), _scaled(b, chunks), key) for f, b, key in row] for row in work]
-    last_vs = stages * chunks - 1
-    durations: list[float] = []
-    preds: list[list[int]] = []
-    ring_nodes: dict[tuple, int] = {}
-    local_nodes: dict[tuple, int] = {}
 
-    def node(rank: int, vs: int, direction: int, m: int) -> int:
-        key = work[rank][m][2]
-        if slot_of is not None:  # a merged slot: one node, as long as its slowest participant
-            table, k = ring_nodes, (slot_of[(rank, m)], direction)
-        elif key is None:
-            table, k = local_nodes, (rank, vs, direction, m)
-        else:  # one gang per virtual stage across the ring's members
-            table, k = ring_nodes, (key, vs, direction)
-        nid = table.get(k)
-        if nid is None:
-            nid = len(durations)
-            table[k] = nid
-            durations.append(work[rank][m][direction].duration)
-            preds.append([])
-        elif slot_of is not None:
-            durations[nid] = max(durations[nid], work[rank][m][direction].duration)
-        return nid
+    def durations(rank: int, m: int) -> tuple[float, float]:
+        f, b, _ = work[rank][m]
+        return f.duration, b.duration
 
-    last: dict[tuple[int, int], int] = {}
-    schedule: list[list[tuple[int, int, int]]] = [[] for _ in range(stages * plan.num_ranks)]  # (node, dir, m)
-    barrier_nodes: list[int] = []
-    bounds = [[0] + [b[r] for b in barriers] + [len(plan.ranks[r])] for r in range(plan.num_ranks)]
-    for seg in range(len(barriers) + 1):
-        for rank in range(plan.num_ranks):
-            lo, hi = bounds[rank][seg], bounds[rank][seg + 1]
-            for stage in range(stages):
-                row = schedule[stage * plan.num_ranks + rank]
-                steps = interleaved_order(hi - lo, stages, stage, chunks) if orders is None else chunk_ops(orders[rank][stage])
-                for direction, i, c in steps:
-                    m = lo + i
-                    vs = c * stages + stage
-                    nid = node(rank, vs, direction, m)
-                    p = preds[nid]
-                    if (rank, stage) in last:
-                        p.append(last[(rank, stage)])
-                    if direction == FORWARD and vs > 0:
-                        p.append(node(rank, vs - 1, FORWARD, m))
-                    elif direction == BACKWARD:
-                        p.append(node(rank, vs + 1, BACKWARD, m) if vs < last_vs else node(rank, vs, FORWARD, m))
-                    last[(rank, stage)] = nid
-                    row.append((nid, direction, m))
-        if seg < len(barriers):
-            bid = len(durations)
-            durations.append(0.0)
-            preds.append(sorted(set(last.values())))
-            barrier_nodes.append(bid)
-            for rank in range(plan.num_ranks):
-                for stage in range(stages):
-                    last[(rank, stage)] = bid
-
-    end = _longest_paths(durations, preds, schedule, plan.num_ranks)
+    if slot_of is not None:  # a merged slot: one unit, as long as its slowest participant
+        units = [[slot_of[(rank, m)] for m in range(len(mbs))] for rank, mbs in enumerate(plan.ranks)]
+    else:  # a ring micro-batch: one gang per virtual stage across its members
+        units = [[key for _, _, key in row] for row in work]
+    graph = PipelineGraph(units, stages, chunks, durations)
+    seqs = graph.sequences(orders, barriers)
+    end = _longest_paths(graph, seqs, len(barriers))
     ops = []
     peak = 0
-    for idx, row in enumerate(schedule):
-        rank = idx % plan.num_ranks
+    for idx in range(stages * plan.num_ranks):
+        rank, stage = idx % plan.num_ranks, idx // plan.num_ranks
+        row = [x for x in seqs[rank * stages + stage] if x < graph.total]
         arr = np.empty((len(row), len(Timeline.COLUMNS)))
         held = 0
-        for j, (nid, direction, m) in enumerate(row):
-            w = work[rank][m][direction]
+        mine = {u: m for m, u in enumerate(graph.unit_at[rank])}  # this rank's micro-batch of each unit
+        for j, nid in enumerate(row):
+            u, _, direction = graph.split(nid)
+            w = work[rank][mine[u]][direction]
             arr[j] = (end[nid] - w.duration, end[nid], direction, w.compute, w.comm, w.offload, w.a2a, w.moe_a2a)
             held += 1 if direction == FORWARD else -1
             peak = max(peak, held)
@@ -457,7 +403,7 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
         num_ranks=plan.num_ranks,
         stages=stages,
         ops=ops,
-        barriers=[float(end[b]) for b in barrier_nodes],
+        barriers=[float(end[graph.total + b]) for b in range(len(barriers))],
         chunks=chunks,
         peak_in_flight=peak,
     )
@@ -493,29 +439,12 @@ def _expert_slots(plan: Plan, cluster: Cluster, cost: CostModel, work, barriers)
     return slot_nodes(plan)
 
 
-def _longest_paths(durations, preds, schedule, num_ranks) -> np.ndarray:
-    """End time of every node (start = latest end among its predecessors); PlanError on a cycle."""
-    n = len(durations)
-    succ: list[list[int]] = [[] for _ in range(n)]
-    indeg = [0] * n
-    for v, ps in enumerate(preds):
-        for u in set(ps):
-            if u != v:
-                succ[u].append(v)
-                indeg[v] += 1
-    end = longest_paths(succ, indeg, durations)
+def _longest_paths(graph: PipelineGraph, seqs, barriers: int) -> np.ndarray:
+    """End time of every node (start = latest end of all it waits for); PlanError on a cycle."""
+    succ, indeg = graph.edges(seqs, barriers)
+    end = longest_paths(succ, indeg, graph.dur + [0.0] * barriers)
     if end is None:
-        stuck = []
-        for idx, row in enumerate(schedule):
-            for nid, direction, m in row:
-                if indeg[nid] > 0:
-                    stuck.append(
-                        f"rank {idx % num_ranks} stage {idx // num_ranks} {'forward' if direction == FORWARD else 'backward'} "
-                        f"of micro-batch {m}"
-                    )
-                    break
-            if len(stuck) >= 5:
-                break
+        stuck = graph.stuck(seqs, indeg)[:5]
         raise PlanError(
             "the plan deadlocks: ring micro-batches wait on each other in a cycle under the 1F1B order "
             f"(e.g. {'; '.join(stuck)}); order ring micro-batches so every member reaches them at the same "
@@ -593,9 +522,8 @@ def pipeline_ring_floor(plan: Plan, cluster: Cluster, cost: CostModel) -> float:
     spans: dict[tuple, tuple[float, float]] = {}
     for mbs in plan.ranks:
         for mb in mbs:
-            ring = mb.ring
-            if ring is not None and len(ring) == plan.num_ranks and (ring, mb.distributed_seq_ids) not in spans:
-                key = (ring, mb.distributed_seq_ids)
+            key = mb.ring_key
+            if key is not None and len(key[0]) == plan.num_ranks and key not in spans:
                 spans[key] = (0.0, 0.0)
     if not spans:
         return 0.0
@@ -668,8 +596,8 @@ class StepResult:
 def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
     """Simulate ``plan`` and gather the per-strategy figures."""
     timeline = simulate(plan, cluster, cost)
-    p2p = plan.p2p_bytes_per_rank(
-        cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers,
+    p2p = p2p_bytes_per_rank(
+        plan, cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers,
         recomputed_layers=cost.recomputed_attention_layers, q_bytes_per_token=cost.q_bytes_per_token,
     )
     gpus_per_rank = cluster.tp * cluster.pp  # every TP shard of every stage sends its share
@@ -706,5 +634,5 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         microbatches=[len(mbs) for mbs in plan.ranks],
         plan_time_s=float(plan.meta.get("plan_time_s", math.nan)),
         notes=list(plan.meta.get("notes", [])),
-        two_level_rings=len({(mb.ring, mb.distributed_seq_ids) for mbs in plan.ranks for mb in mbs if mb.heads_split > 1}),
+        two_level_rings=len({mb.ring_key for mbs in plan.ranks for mb in mbs if mb.heads_split > 1}),
     )

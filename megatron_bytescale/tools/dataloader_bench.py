@@ -43,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"under {DEFAULT_CACHE})",
     )
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
-    parser.add_argument("--capacity", type=int, default=8192, help="tokens per rank per micro-batch (planner capacity C)")
+    parser.add_argument(
+        "--capacity", type=int, default=8192, help="tokens per rank per micro-batch (planner capacity C)"
+    )
     parser.add_argument("--step-tokens", type=int, help="token budget per step (default: 4 x ranks x capacity)")
     parser.add_argument("--context-length", type=int, help="longest sample (default: ranks x capacity / 2)")
     parser.add_argument("--ranks-per-node", type=int, default=8, help="HDP ranks per node (planner placement)")
@@ -77,8 +79,17 @@ def default_dataset() -> str:
         ) from None
     print(f"building the default corpus at {prefix} (once) ...", flush=True)
     args = argparse.Namespace(
-        output=str(prefix), site_packages="", repos=None, jsonl=None, text_files=None, text_lines=None,
-        packages=None, json_key="text", vocab_size=512, max_file_bytes=4 << 20, quiet=True,
+        output=str(prefix),
+        site_packages="",
+        repos=None,
+        jsonl=None,
+        text_files=None,
+        text_lines=None,
+        packages=None,
+        json_key="text",
+        vocab_size=512,
+        max_file_bytes=4 << 20,
+        quiet=True,
     )
     summary = prepare(args)
     print(f"  {summary['documents']} documents, {summary['tokens']:,} tokens", flush=True)

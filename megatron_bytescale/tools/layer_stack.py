@@ -159,7 +159,7 @@ class LayerStack(nn.Module):
             return x
         from ..megatron import parallel
         from ..megatron.rotary import true_position_emb
-        from ..planner.plan import MicroBatch, Piece
+        from ..planner.contract import MicroBatch, Piece
         from ..runtime.context import active_micro_batch
         from ..runtime.layout import MicroBatchLayout
 

@@ -12,12 +12,12 @@ import gc
 import logging
 import math
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ..local_world import available_memory
-from ..planner.plan import resident_fraction
+from ..planner.contract import resident_fraction
 from ..planner.specs import ModelSpec
 from ..runtime.offload import ActivationOffloader
 from .layer_stack import LayerStack
@@ -162,11 +162,18 @@ def run_offload_check(
         n = layers or layers_that_fit(per_token, tokens, keep_last, max_layers, device_budget, host_budget)
         while True:
             if n <= keep_last:
-                skipped.append({"tokens": tokens, "reason": f"{keep_last + 1} layers of {per_token * tokens / 2**30:.1f} "
-                                                            "GiB activations each do not fit the memory budgets"})
+                skipped.append(
+                    {
+                        "tokens": tokens,
+                        "reason": f"{keep_last + 1} layers of {per_token * tokens / 2**30:.1f} "
+                        "GiB activations each do not fit the memory budgets",
+                    }
+                )
                 break
             try:
-                rows.extend(_measure_ratios(stack, spec, tokens, ratios, n, keep_last, min_tensor_bytes, repeats, warmup))
+                rows.extend(
+                    _measure_ratios(stack, spec, tokens, ratios, n, keep_last, min_tensor_bytes, repeats, warmup)
+                )
                 break
             except torch.cuda.OutOfMemoryError:  # the estimate missed some workspace: one layer fewer
                 log.warning("%d tokens on %d layers ran out of device memory; retrying with %d", tokens, n, n - 1)
@@ -197,10 +204,15 @@ def _measure_ratios(stack, spec, tokens, ratios, n, keep_last, min_tensor_bytes,
             offloader.pool.trim()  # each ratio splits tensors differently: its buffers are not reused
             row["model_layers"] = spec.num_layers
             rows.append(row)
-            log.info("%6d tokens, r=%.2f, %d layers: %.3f s, peak %s, resident peak %.2f GiB",
-                     tokens, ratio, n, row["seconds"],
-                     f"{row['peak_memory_bytes'] / 2**30:.2f} GiB" if row["peak_memory_bytes"] else "n/a",
-                     row["peak_resident_bytes"] / 2**30)
+            log.info(
+                "%6d tokens, r=%.2f, %d layers: %.3f s, peak %s, resident peak %.2f GiB",
+                tokens,
+                ratio,
+                n,
+                row["seconds"],
+                f"{row['peak_memory_bytes'] / 2**30:.2f} GiB" if row["peak_memory_bytes"] else "n/a",
+                row["peak_resident_bytes"] / 2**30,
+            )
     finally:
         offloader.remove()
         offloader.pool.trim()

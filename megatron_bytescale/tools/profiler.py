@@ -34,9 +34,9 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -207,7 +207,9 @@ def measure_layer(stack, seq_lens: Sequence[int], repeats: int = 3, warmup: int 
                 act_bytes=round(sum(layer.held_bytes for layer in stats.layers) / layers),
                 saved_bytes=round(sum(layer.saved_bytes for layer in stats.layers) / layers),
             ))
-            log.info("layer at %s tokens: %.3f ms, %s B held", format_size(s), best / layers * 1e3, samples[-1].act_bytes)
+            log.info(
+                "layer at %s tokens: %.3f ms, %s B held", format_size(s), best / layers * 1e3, samples[-1].act_bytes
+            )
     finally:
         offloader.remove()
     return samples
@@ -332,7 +334,9 @@ def build_profile(
     spec = ModelSpec.load(model)
     hw = HardwareSpec.load(hardware)
     analytic = CostModel.analytic(spec, hw, pp=pp)  # layers per stage; the layer is measured at TP 1
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but torch sees no GPU: use --device cpu")
     dtype_name = dtype if dtype != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
@@ -348,8 +352,14 @@ def build_profile(
     values = asdict(analytic)
     source = {f.name: f"analytic ({spec.name} on {hw.name})" for f in fields(CostModel)}
     notes: dict = {
-        "model": spec.name, "hardware": hw.name, "device": str(dev), "dtype": dtype_name, "backend": backend,
-        "torch": torch.__version__, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "model": spec.name,
+        "hardware": hw.name,
+        "device": str(dev),
+        "dtype": dtype_name,
+        "backend": backend,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "layer": "one transformer layer, forward + backward, batch 1, causal attention",
         "threads": torch.get_num_threads(),
         "tensor_parallel": 1,
@@ -374,8 +384,11 @@ def build_profile(
     a1, b1, g, r2_time = fit_layer_time(lens, [x.seconds for x in samples])
     a2, b2, r2_act = fit_activation_model(lens, [x.act_bytes for x in samples])
     if r2_time < 0.9:
-        log.warning("layer timings fit T(s) poorly (R^2 = %.3f): the machine is probably busy; rerun with more "
-                    "--repeats, longer --seq-lens or on an idle machine", r2_time)
+        log.warning(
+            "layer timings fit T(s) poorly (R^2 = %.3f): the machine is probably busy; rerun with more "
+            "--repeats, longer --seq-lens or on an idle machine",
+            r2_time,
+        )
     d2h, h2d, pinned = measure_copy_bandwidth(dev, copy_bytes, repeats=repeats)
     values.update(a1=a1, b1=b1, g=g, a2=a2, b2=b2, bw_d2h=d2h, bw_h2d=h2d, forward_share=forward_share_of(samples))
     for name in ("a1", "b1", "g", "a2", "b2", "bw_d2h", "bw_h2d", "forward_share"):
@@ -399,7 +412,9 @@ def build_profile(
         saved_bytes=[x.saved_bytes for x in samples],
         fit_r2={"layer_time": r2_time, "act": r2_act},
         copy_bytes=copy_bytes,
-        copies="pinned host <-> device" if pinned else ("host memcpy" if dev.type == "cpu" else "pageable host <-> device"),
+        copies="pinned host <-> device"
+        if pinned
+        else ("host memcpy" if dev.type == "cpu" else "pageable host <-> device"),
         analytic={"a1": analytic.a1, "b1": analytic.b1, "g": analytic.g, "a2": analytic.a2, "b2": analytic.b2},
     )
     return {**values, "source": source, "notes": notes}
@@ -416,25 +431,41 @@ def write_profile(profile: dict, path: str | Path) -> CostModel:
 # ------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="model name (configs/models) or .args file (default: tiny)")
-    parser.add_argument("--hardware", default="h200",
-                        help="hardware spec for the fields not measured here (default: h200)")
+    parser.add_argument(
+        "--hardware", default="h200", help="hardware spec for the fields not measured here (default: h200)"
+    )
     parser.add_argument("--out", default="profile.json", help="profile file to write (JSON; default: profile.json)")
-    parser.add_argument("--seq-lens", default=None,
-                        help=f"comma-separated sweep, K/M suffixes allowed (default: {DEFAULT_SEQ_LENS['cpu']} on CPU, "
-                             f"{DEFAULT_SEQ_LENS['cuda']} on GPU)")
+    parser.add_argument(
+        "--seq-lens",
+        default=None,
+        help=f"comma-separated sweep, K/M suffixes allowed (default: {DEFAULT_SEQ_LENS['cpu']} on CPU, "
+        f"{DEFAULT_SEQ_LENS['cuda']} on GPU)",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="default: bf16 on GPU, fp32 on CPU")
-    parser.add_argument("--backend", default="auto", choices=["auto", "megatron", "torch"],
-                        help="layer implementation (default: megatron-core where installed)")
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "megatron", "torch"],
+        help="layer implementation (default: megatron-core where installed)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per length (best is kept)")
     parser.add_argument("--copy-bytes", default=None, help="bytes per bandwidth copy (default: 256M GPU, 64M CPU)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages: num_layers is the layers of one stage")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--host-memory-per-gpu", default=None, metavar="BYTES",
-                        help="pinned host memory per GPU for offloaded activations, e.g. 64G "
-                             "(default: --host-memory-share of this host's RAM over its GPUs)")
-    parser.add_argument("--host-memory-share", type=float, default=HOST_MEMORY_SHARE,
-                        help=f"share of host RAM offloading may pin, all GPUs together (default {HOST_MEMORY_SHARE})")
+    parser.add_argument(
+        "--host-memory-per-gpu",
+        default=None,
+        metavar="BYTES",
+        help="pinned host memory per GPU for offloaded activations, e.g. 64G "
+        "(default: --host-memory-share of this host's RAM over its GPUs)",
+    )
+    parser.add_argument(
+        "--host-memory-share",
+        type=float,
+        default=HOST_MEMORY_SHARE,
+        help=f"share of host RAM offloading may pin, all GPUs together (default {HOST_MEMORY_SHARE})",
+    )
     parser.add_argument("--pin-probe", default="1G", help="bytes pinned once on a GPU host to check pinning works (1G)")
 
 
@@ -460,25 +491,42 @@ def main(args: argparse.Namespace) -> int:
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     profile = build_profile(
-        args.model, args.hardware, seq_lens, device=device, dtype=args.dtype, backend=args.backend,
-        repeats=args.repeats, copy_bytes=copy_bytes, measure_on_this_rank=rank == 0, pp=args.pp,
+        args.model,
+        args.hardware,
+        seq_lens,
+        device=device,
+        dtype=args.dtype,
+        backend=args.backend,
+        repeats=args.repeats,
+        copy_bytes=copy_bytes,
+        measure_on_this_rank=rank == 0,
+        pp=args.pp,
         host_memory=parse_size(args.host_memory_per_gpu, "--host-memory-per-gpu") if args.host_memory_per_gpu else None,
-        host_memory_share=args.host_memory_share, pin_probe=parse_size(args.pin_probe, "--pin-probe"),
+        host_memory_share=args.host_memory_share,
+        pin_probe=parse_size(args.pin_probe, "--pin-probe"),
     )
     if rank == 0:
         cost = write_profile(profile, args.out)
         n = profile["notes"]
         print(f"wrote {args.out} ({n['model']}, {n['device']}, {n['dtype']}, {n['backend']} layer)")
         for s, t, a in zip(n["seq_lens"], n["layer_seconds"], n["act_bytes"]):
-            print(f"  s={format_size(s):>5}: T={t * 1e3:9.3f} ms (fit {cost.layer_time(s) * 1e3:9.3f}), "
-                  f"Act={a / 2**20:9.2f} MiB (fit {cost.act_bytes(s) / 2**20:9.2f})")
-        print(f"  a1={cost.a1:.3e} s/tok^2  b1={cost.b1:.3e} s/tok  g={cost.g:.3e} s  "
-              f"(R^2 {n['fit_r2']['layer_time']:.4f})")
+            print(
+                f"  s={format_size(s):>5}: T={t * 1e3:9.3f} ms (fit {cost.layer_time(s) * 1e3:9.3f}), "
+                f"Act={a / 2**20:9.2f} MiB (fit {cost.act_bytes(s) / 2**20:9.2f})"
+            )
+        print(
+            f"  a1={cost.a1:.3e} s/tok^2  b1={cost.b1:.3e} s/tok  g={cost.g:.3e} s  "
+            f"(R^2 {n['fit_r2']['layer_time']:.4f})"
+        )
         print(f"  a2={cost.a2:.1f} B/tok  b2={cost.b2:.0f} B  (analytic a2={n['analytic']['a2']:.1f})")
-        print(f"  D2H {cost.bw_d2h / 1e9:.1f} GB/s, H2D {cost.bw_h2d / 1e9:.1f} GB/s ({n['copies']}); "
-              f"forward {cost.forward_share:.2f} of a layer's time")
-        print(f"  host memory for offloaded activations: {cost.host_memory_bytes / 1e9:.1f} GB per GPU "
-              f"({profile['source']['host_memory_bytes']})")
+        print(
+            f"  D2H {cost.bw_d2h / 1e9:.1f} GB/s, H2D {cost.bw_h2d / 1e9:.1f} GB/s ({n['copies']}); "
+            f"forward {cost.forward_share:.2f} of a layer's time"
+        )
+        print(
+            f"  host memory for offloaded activations: {cost.host_memory_bytes / 1e9:.1f} GB per GPU "
+            f"({profile['source']['host_memory_bytes']})"
+        )
         if profile["source"]["bw_intra_node"] == MEASURED:
             print(f"  P2P {cost.bw_intra_node / 1e9:.2f} GB/s, latency {cost.p2p_latency_s * 1e6:.1f} us")
     if dist.is_initialized() and world > 1:

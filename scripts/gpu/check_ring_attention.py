@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from megatron_bytescale.planner.plan import MicroBatch, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, ring_pieces, whole_piece
 from megatron_bytescale.runtime.attention_ops import flash_kernel, get_backend
 from megatron_bytescale.runtime.layout import MicroBatchLayout, TokenBlock
 from megatron_bytescale.runtime.ring_attention import attention_backward, attention_forward
@@ -217,14 +217,25 @@ def cuda_with_flash(heads: int, head_dim: int):
 
 
 def print_device(device, dtype) -> None:
-    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}, {dtype}")
+    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch "
+          f"{torch.__version__}, {dtype}")
 
 
 def write_figures(path: str | None, device, dtype, args, acc: list[dict], spd: list[dict]) -> None:
     if path:
         with open(path, "w") as f:
-            json.dump({"device": str(device), "torch": torch.__version__, "dtype": str(dtype),
-                       "heads": [args.heads, args.kv_heads, args.head_dim], "accuracy": acc, "speed": spd}, f, indent=1)
+            json.dump(
+                {
+                    "device": str(device),
+                    "torch": torch.__version__,
+                    "dtype": str(dtype),
+                    "heads": [args.heads, args.kv_heads, args.head_dim],
+                    "accuracy": acc,
+                    "speed": spd,
+                },
+                f,
+                indent=1,
+            )
 
 
 def main(argv=None) -> int:
@@ -235,7 +246,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.smoke:
-        device, dtype, cases, backends, speed_backend = torch.device("cpu"), torch.float32, SMOKE_CASES, ["torch"], "torch"
+        device, dtype, cases, backends, speed_backend = (
+            torch.device("cpu"),
+            torch.float32,
+            SMOKE_CASES,
+            ["torch"],
+            "torch",
+        )
         args.tokens, args.rings, args.heads, args.kv_heads, args.head_dim, args.repeats = [96], [2, 4], 4, 2, 8, 1
         acc_heads = (4, 2, 8)
     else:
@@ -249,7 +266,9 @@ def main(argv=None) -> int:
         print(f"flash kernel: {type(flash_kernel(torch.zeros(1, 8, 128, device=device, dtype=dtype))).__name__}")
 
     acc = accuracy(cases, *acc_heads, dtype, device, backends)
-    spd = speed(args.tokens, args.rings, args.heads, args.kv_heads, args.head_dim, dtype, device, speed_backend, args.repeats)
+    spd = speed(
+        args.tokens, args.rings, args.heads, args.kv_heads, args.head_dim, dtype, device, speed_backend, args.repeats
+    )
     bad = [r for r in acc if not all(math.isfinite(v) for v in r["ring_err"].values())]
     write_figures(args.json, device, dtype, args, acc, spd)
     return 1 if bad else 0

@@ -50,7 +50,7 @@ from check_ring_attention import (
     write_figures,
 )
 
-from megatron_bytescale.planner.plan import MicroBatch, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import MicroBatch, ring_pieces, whole_piece
 from megatron_bytescale.runtime.attention_ops import get_backend
 from megatron_bytescale.runtime.group_exchange import LocalGroup, SelfRing
 from megatron_bytescale.runtime.ring_comm import LocalRing
@@ -91,7 +91,9 @@ def run_two_level(mbs: dict, prepared: dict, backend, scale: float, grad_dtype=N
         gl = layout.groups
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
         cross = rings[gl.place].member(gl.group_index) if m > 1 else SelfRing()
-        out = two_level_with(q, k, v, layout, groups[gl.group_index].member(gl.place), cross, scale, backend, grad_dtype)
+        out = two_level_with(
+            q, k, v, layout, groups[gl.group_index].member(gl.place), cross, scale, backend, grad_dtype
+        )
         out.backward(g)
         return rank, (rows, out.detach(), q.grad, k.grad, v.grad)
 
@@ -123,15 +125,26 @@ def accuracy(cases, hq, hkv, d, dtype, device, backends) -> list[dict]:
             two_bf16 = scatter(run_two_level(mbs, prepared, backend, scale, torch.bfloat16), want)
             plain = scatter(run_ring(seqs, plain_mbs, backend, scale), want)
             fused = run_fused(seqs, backend, scale)
-            rec = {"case": name, "ring": n, "u": u, "tokens": sum(lens), "backend": backend.name,
-                   "two_level_err": max_errors(two, want), "two_level_bf16_dkv_err": max_errors(two_bf16, want),
-                   "plain_ring_err": max_errors(plain, want), "one_call_err": max_errors(fused, want),
-                   "two_level_vs_plain_ring": max_errors(two, plain)}
+            rec = {
+                "case": name,
+                "ring": n,
+                "u": u,
+                "tokens": sum(lens),
+                "backend": backend.name,
+                "two_level_err": max_errors(two, want),
+                "two_level_bf16_dkv_err": max_errors(two_bf16, want),
+                "plain_ring_err": max_errors(plain, want),
+                "one_call_err": max_errors(fused, want),
+                "two_level_vs_plain_ring": max_errors(two, plain),
+            }
             records.append(rec)
             fmt = lambda e: " ".join(f"{k}={v:.2e}" for k, v in e.items())
-            print(f"{name:15s} N={n} u={u} {sum(lens):6d} tok {backend.name:5s} | max |err| vs fp32: two-level "
-                  f"{fmt(rec['two_level_err'])} | bf16 dK/dV {fmt(rec['two_level_bf16_dkv_err'])} | plain ring "
-                  f"{fmt(rec['plain_ring_err'])} | one call {fmt(rec['one_call_err'])}", flush=True)
+            print(
+                f"{name:15s} N={n} u={u} {sum(lens):6d} tok {backend.name:5s} | max |err| vs fp32: two-level "
+                f"{fmt(rec['two_level_err'])} | bf16 dK/dV {fmt(rec['two_level_bf16_dkv_err'])} | plain ring "
+                f"{fmt(rec['plain_ring_err'])} | one call {fmt(rec['one_call_err'])}",
+                flush=True,
+            )
             del prepared
         del seqs, want
         if device.type == "cuda":
@@ -154,11 +167,22 @@ def speed(token_counts, ring_size, splits, hq, hkv, d, dtype, device, backend_na
             else:
                 fn = partial(run_two_level, mbs, prepared, backend, scale)
             ms = timed(fn, repeats, device)
-            rec = {"tokens": tokens, "ring": ring_size, "u": u, "backend": backend.name, "fused_ms": fused_ms,
-                   "all_members_ms": ms, "per_rank_ms": ms / ring_size, "efficiency": fused_ms / ms}
+            rec = {
+                "tokens": tokens,
+                "ring": ring_size,
+                "u": u,
+                "backend": backend.name,
+                "fused_ms": fused_ms,
+                "all_members_ms": ms,
+                "per_rank_ms": ms / ring_size,
+                "efficiency": fused_ms / ms,
+            }
             records.append(rec)
-            print(f"{tokens:7d} tok N={ring_size} u={u}: fused {fused_ms:9.2f} ms | all members {ms:9.2f} ms, "
-                  f"per rank {ms / ring_size:8.2f} ms, efficiency {fused_ms / ms:.2f}", flush=True)
+            print(
+                f"{tokens:7d} tok N={ring_size} u={u}: fused {fused_ms:9.2f} ms | all members {ms:9.2f} ms, "
+                f"per rank {ms / ring_size:8.2f} ms, efficiency {fused_ms / ms:.2f}",
+                flush=True,
+            )
             del prepared
         del seqs
         if device.type == "cuda":
@@ -175,8 +199,22 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.smoke:
-        device, dtype, cases, backends, speed_backend = torch.device("cpu"), torch.float32, SMOKE_CASES, ["torch"], "torch"
-        args.tokens, args.ring, args.splits, args.heads, args.kv_heads, args.head_dim, args.repeats = [96], 4, [1, 2, 4], 8, 4, 8, 1
+        device, dtype, cases, backends, speed_backend = (
+            torch.device("cpu"),
+            torch.float32,
+            SMOKE_CASES,
+            ["torch"],
+            "torch",
+        )
+        args.tokens, args.ring, args.splits, args.heads, args.kv_heads, args.head_dim, args.repeats = (
+            [96],
+            4,
+            [1, 2, 4],
+            8,
+            4,
+            8,
+            1,
+        )
         acc_heads = (8, 4, 8)
     else:
         found = cuda_with_flash(args.heads, args.head_dim)
@@ -187,10 +225,23 @@ def main(argv=None) -> int:
     print_device(device, dtype)
 
     acc = accuracy(cases, *acc_heads, dtype, device, backends)
-    spd = speed(args.tokens, args.ring, args.splits, args.heads, args.kv_heads, args.head_dim, dtype, device,
-                speed_backend, args.repeats)
-    bad = [r for r in acc if not all(math.isfinite(v) for key in ("two_level_err", "two_level_bf16_dkv_err")
-                                     for v in r[key].values())]
+    spd = speed(
+        args.tokens,
+        args.ring,
+        args.splits,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        dtype,
+        device,
+        speed_backend,
+        args.repeats,
+    )
+    bad = [
+        r
+        for r in acc
+        if not all(math.isfinite(v) for key in ("two_level_err", "two_level_bf16_dkv_err") for v in r[key].values())
+    ]
     write_figures(args.json, device, dtype, args, acc, spd)
     return 1 if bad else 0
 

@@ -1,33 +1,14 @@
-"""Order each rank's micro-batches so that ring micro-batches cannot deadlock under 1F1B.
+"""Ring slots: order each rank's micro-batches so that ring micro-batches cannot deadlock
+under 1F1B (and give the interleaved orders that stay safe with model chunks).
 
-Without pipelines a rank runs its micro-batches one after another, so ring micro-batches only
-need the same relative order on every member (``Plan.validate`` rule 5). With ``p > 1``
-stages each rank runs 1F1B, which interleaves forwards of later micro-batches with backwards
-of earlier ones by *index*: on stage ``k``, forward ``i`` precedes backward ``j`` iff
-``i <= j + p - 1 - k``, whatever the rank's micro-batch count. Give every ring a *slot* and
-every rank an offset, and put each ring at index ``slot - offset`` on each member: then every
-rank's 1F1B order, shifted by its offset, is a restriction of the order of one long pipeline,
-so no cycle can form (the design's rule, "the same index on every member", is offset 0). A
-rank's micro-batches fill consecutive slots: a gap between two of its rings must be filled
-with its own local micro-batches, never an empty one (``sim.timeline`` shows what goes wrong
-otherwise: a member waits in a forward for a partner that waits in a backward).
-
-``order_runs(stages > 1)`` takes each rank's work in schedule order and gives rings slots:
-
-1. In schedule order (``_aligned``). Of the slots all members can reach by running some of
-   their local micro-batches first, a ring takes the largest whose estimated start is no
-   later than the schedule's: members fill the time they would wait for their partners, and
-   no ring starts later than planned. A rank that has not run a ring yet may start at any
-   slot. A ring whose members lack local work waits while one of the next ``LOOKAHEAD``
-   rings goes first; if none can, members split their packs in two, then take the last
-   (shortest) local micro-batch of the most loaded rank that has one to spare.
-2. Only when no rank has local work left can a ring miss its slot. Then the shortest
-   estimated step among the orders that are safe wins: the same pass keeping local work
-   for later slots instead of filling waits; either pass if 1F1B runs through it anyway
-   (``find_pipeline_deadlock``, the simulator's model); slots from the ring structure alone
-   (``_slot_search``); the rings placed again level by level (``_place_by_level``), for
-   placements that admit no safe order at all (three rings on three ranks, each pair
-   sharing a rank, nothing else to run). ``Ordered.deadlock`` is set if none is safe.
+``order_runs`` takes each rank's work in schedule order and gives every ring one *slot* on
+all its members (each rank's index plus its offset): members run some of their local
+micro-batches before or after a ring, split packs, or borrow local work, and only when no
+local work is left may a ring miss its slot, in which case the shortest safe candidate order
+wins and ``Ordered.deadlock`` says why if none is safe. ``rank_estimates`` times the result.
+``slot_offsets`` and ``slot_interleaved_orders`` give chunk orders that cannot deadlock when
+rings sit at one slot. Why one slot per ring is safe under 1F1B, and the passes in detail:
+docs/design.md, "Pipeline order".
 """
 
 from __future__ import annotations
@@ -36,15 +17,15 @@ from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from itertools import accumulate
 
 import numpy as np
 
+from .contract import BACKWARD, FORWARD, Op, find_pipeline_deadlock, pipelined_finish_times
+from .contract.ops import megatron_interleaved_orders
 from .cost_model import FORWARD_SHARE
 from .estimate import one_f_one_b_time
 
-FORWARD, BACKWARD = 0, 1
 LOOKAHEAD = 16  # rings of the schedule tried for the next slot before local work moves between ranks
 
 
@@ -153,7 +134,9 @@ def rank_estimates(
     if finish is None and chunks > 1:  # the slot-aligned interleaved orders are safe where rings share slots
         for megatron in (False, True):
             orders = slot_interleaved_orders(keys, times, stages, chunks, forward_share, megatron=megatron)
-            found = None if orders is None else pipelined_finish_times(keys, times, stages, forward_share, orders, chunks)
+            found = None
+            if orders is not None:
+                found = pipelined_finish_times(keys, times, stages, forward_share, orders, chunks)
             if found is not None and (finish is None or max(found) < max(finish)):
                 finish = found
     if finish is not None:
@@ -234,7 +217,7 @@ def _sequential(runs, ring_order, members, ring_time) -> Ordered:
             clock[r] = end
     for r in range(n):
         run, c = out[r], clock[r]
-        for x in run[pos[r]:]:
+        for x in run[pos[r] :]:
             c += x.time
         clock[r] = c
     return Ordered(out, clock)
@@ -259,7 +242,7 @@ def _aligned(runs, ring_order, members, ring_time, split, lookahead, frugal: boo
     while pending:
         # the first ring (in schedule order) that can take one slot from what its members
         # have; if none of the next few can, the first takes local work from other ranks
-        for k, u in enumerate(pending[:lookahead]):
+        for k, u in enumerate(pending[:lookahead]):  # noqa: B007 - k is read after the loop
             take = state.aligned_take(u, members[u], result, borrow=False)
             if take is not None:
                 break
@@ -487,7 +470,9 @@ class _State:
                 have = len(batches)
                 if q in members and self.offset[q] is not None:
                     have -= max(0, lo - self.cursor(q))
-                load = self.clock[q] + sum(x.time if isinstance(x, LocalBatch) else self.ring_time[x] for x in self.queues[q])
+                load = self.clock[q] + sum(
+                    x.time if isinstance(x, LocalBatch) else self.ring_time[x] for x in self.queues[q]
+                )
                 if have > 0 and load > most:
                     donor, spare, most = q, have, load
             if donor is None:
@@ -514,34 +499,7 @@ def _replace(items: list, old, new: list) -> None:
     items[i : i + 1] = new
 
 
-# ------------------------------------------------------------------------- checking
-def one_f_one_b(count: int, stages: int, stage: int) -> list[tuple[int, int]]:
-    """(direction, micro-batch index) in 1F1B order on one stage of a ``stages``-deep pipeline."""
-    warmup = min(stages - stage - 1, count)
-    order = [(FORWARD, m) for m in range(warmup)]
-    for i in range(count - warmup):
-        order.append((FORWARD, warmup + i))
-        order.append((BACKWARD, i))
-    order.extend((BACKWARD, m) for m in range(count - warmup, count))
-    return order
-
-
-def interleaved_order(count: int, stages: int, stage: int, chunks: int) -> list[tuple[int, int, int]]:
-    """(direction, micro-batch, chunk) in interleaved 1F1B order on device ``stage`` of a
-    pipeline of ``stages`` devices holding ``chunks`` model chunks each (virtual pipeline
-    stages, Megatron's interleaved layout): Megatron's own schedule for any count
-    (``megatron_interleaved_orders``). ``chunks == 1`` is ``one_f_one_b``'s order."""
-    if chunks == 1:
-        return [(d, m, 0) for d, m in one_f_one_b(count, stages, stage)]
-    return list(_megatron_orders(count, stages, chunks)[stage])
-
-
-@lru_cache(maxsize=256)
-def _megatron_orders(count: int, stages: int, chunks: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-    return tuple(tuple(o) for o in megatron_interleaved_orders(count, stages, chunks))
-
-
-def _run_one_pipeline(fwd: Sequence[float], bwd: Sequence[float], stages: int, chunks: int) -> list[list[tuple[int, int, int]]]:
+def _run_one_pipeline(fwd: Sequence[float], bwd: Sequence[float], stages: int, chunks: int) -> list[list[Op]]:
     """Every device's order from running one pipeline of ``len(fwd)`` micro-batches whose
     chunk forwards (backwards) last ``fwd[m] / chunks`` (``bwd[m] / chunks``): forwards in
     groups of ``stages`` micro-batches, each group chunk by chunk (Megatron's sequence),
@@ -561,7 +519,7 @@ def _run_one_pipeline(fwd: Sequence[float], bwd: Sequence[float], stages: int, c
     done: dict[tuple[int, int, int], float] = {}  # (direction, micro-batch, virtual stage) -> end
     nf, nb = [0] * p, [0] * p  # next forward / backward per device
     free = [0.0] * p
-    orders: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
+    orders: list[list[Op]] = [[] for _ in range(p)]
     cap = [2 * (p - 1 - d) + (v - 1) * p + 1 for d in range(p)]
     for _ in range(2 * len(forwards) * p):
         best = None
@@ -586,47 +544,13 @@ def _run_one_pipeline(fwd: Sequence[float], bwd: Sequence[float], stages: int, c
         (start, _, direction, m, c, vs), d = best
         end = start + (fwd[m] if direction == FORWARD else bwd[m]) / v
         done[direction, m, vs] = free[d] = end
-        orders[d].append((direction, m, c))
+        orders[d].append(Op(direction, m, c))
         if direction == FORWARD:
             nf[d] += 1
         else:
             nb[d] += 1
     if any(len(o) != 2 * len(forwards) for o in orders):  # cannot happen: the caps admit every warm-up
         raise AssertionError(f"interleaved order for {count} micro-batches over {p} x {v} stages did not complete")
-    return orders
-
-
-def megatron_interleaved_orders(count: int, stages: int, chunks: int) -> list[list[tuple[int, int, int]]]:
-    """Every device's (direction, micro-batch, chunk) order under Megatron's interleaved 1F1B
-    for ``count`` micro-batches: forwards in groups of ``stages`` micro-batches, each group
-    chunk by chunk, backwards in the same order with the chunks reversed; device ``d`` runs
-    ``2 (stages - 1 - d) + (chunks - 1) stages`` warm-up forwards, then strictly one forward,
-    one backward, then the cool-down backwards. It holds at most one chunk forward more than
-    its warm-up (Megatron's memory) and, unlike the run of ``_run_one_pipeline`` (which
-    starts whatever is ready first), never lets a forward delay the backward the devices
-    before it wait for: its bubble is ``(stages - 1) / chunks`` of a micro-batch's time,
-    Megatron's, where the greedy run loses one to three micro-batches. Fixed warm-ups deadlock
-    when ``count`` is not a multiple of ``stages``, so the schedule is made for ``count``
-    rounded up to one and the phantom micro-batches are dropped: what remains runs in the time
-    order of a run that completed, so it cannot deadlock either."""
-    p, v = stages, chunks
-    padded = -(-count // p) * p
-    total = padded * v
-
-    def chunk_op(k: int, direction: int) -> tuple[int, int, int]:
-        m = (k // (p * v)) * p + k % p
-        c = (k % (p * v)) // p
-        return (direction, m, c if direction == FORWARD else v - 1 - c)
-
-    orders = []
-    for d in range(p):
-        warmup = min(2 * (p - 1 - d) + (v - 1) * p, total)
-        order = [chunk_op(k, FORWARD) for k in range(warmup)]
-        for i in range(total - warmup):
-            order.append(chunk_op(warmup + i, FORWARD))
-            order.append(chunk_op(i, BACKWARD))
-        order.extend(chunk_op(k, BACKWARD) for k in range(total - warmup, total))
-        orders.append([op for op in order if op[1] < count])
     return orders
 
 
@@ -667,9 +591,15 @@ def slot_offsets(ring_keys: Sequence[Sequence[object | None]]) -> list[int] | No
 
 
 def slot_interleaved_orders(
-    ring_keys: Sequence[Sequence[object | None]], times: Sequence[Sequence[float]], stages: int, chunks: int,
-    forward_share: float = FORWARD_SHARE, slot_times: bool = False, megatron: bool = False, shift: int = 0,
-) -> list[list[list[tuple[int, int, int]]]] | None:
+    ring_keys: Sequence[Sequence[object | None]],
+    times: Sequence[Sequence[float]],
+    stages: int,
+    chunks: int,
+    forward_share: float = FORWARD_SHARE,
+    slot_times: bool = False,
+    megatron: bool = False,
+    shift: int = 0,
+) -> list[list[list[Op]]] | None:
     """Interleaved orders that cannot deadlock when rings sit at one slot on all members: the
     order of one long pipeline over all slots (``_run_one_pipeline``; unit times, or with
     ``slot_times`` each slot's longest micro-batch; with ``megatron`` Megatron's fixed
@@ -685,7 +615,7 @@ def slot_interleaved_orders(
     if megatron:
         full = megatron_interleaved_orders(slots + shift, stages, chunks)
         return [
-            [[(d, m - o, c) for d, m, c in full[dev] if o <= m < o + len(keys)] for dev in range(stages)]
+            [[Op(d, m - o, c) for d, m, c in full[dev] if o <= m < o + len(keys)] for dev in range(stages)]
             for o, keys in zip((o + shift for o in off), ring_keys)
         ]
     if slot_times:
@@ -698,226 +628,6 @@ def slot_interleaved_orders(
         fwd, bwd = [1.0] * slots, [2.0] * slots
     full = _run_one_pipeline(fwd, bwd, stages, chunks)
     return [
-        [[(d, m - o, c) for d, m, c in full[dev] if o <= m < o + len(keys)] for dev in range(stages)]
+        [[Op(d, m - o, c) for d, m, c in full[dev] if o <= m < o + len(keys)] for dev in range(stages)]
         for o, keys in zip(off, ring_keys)
     ]
-
-
-def chunk_ops(order) -> list[tuple[int, int, int]]:
-    """An order's entries as (direction, micro-batch, chunk); (direction, micro-batch) pairs are chunk 0."""
-    return [op if len(op) == 3 else (op[0], op[1], 0) for op in order]
-
-
-def _one_f_one_b_graph(ring_keys: Sequence[Sequence[object | None]], stages: int, orders=None, chunks: int = 1):
-    """The operations of every rank's 1F1B (or ``orders[r][stage]``: (direction,
-    micro-batch[, chunk]) per device, e.g. ``Plan.stage_orders``) over ``stages`` devices of
-    ``chunks`` model chunks each, and what each waits for: the previous operation of its
-    device, the previous virtual stage's forward (the next one's backward) of the same
-    micro-batch. Virtual stage ``chunk * stages + device`` runs the ``chunk``-th block of layers
-    held by ``device`` (Megatron's interleaved layout; ``chunks == 1``: plain stages). A ring
-    micro-batch's operation on a virtual stage is one node shared by its members. Returns
-    (succ, indeg, chains, owners): ``chains`` per (rank, device) lists (node, direction,
-    micro-batch); ``owners[node]``: its (rank, micro-batch, direction) for every member."""
-    node_of: dict[tuple, int] = {}
-    succ: list[list[int]] = []
-    indeg: list[int] = []
-    owners: list[list[tuple[int, int, int]]] = []
-    last = stages * chunks - 1  # the last virtual stage
-
-    def node(key) -> int:
-        v = node_of.get(key)
-        if v is None:
-            v = node_of[key] = len(succ)
-            succ.append([])
-            indeg.append(0)
-            owners.append([])
-        return v
-
-    def edge(a: int, b: int) -> None:
-        succ[a].append(b)
-        indeg[b] += 1
-
-    chains = []  # per rank and device: (node, direction, micro-batch) in run order
-    for r, keys in enumerate(ring_keys):
-
-        def op(vs: int, direction: int, m: int) -> int:
-            k = keys[m]
-            return node(("local", r, m, vs, direction) if k is None else ("ring", k, vs, direction))
-
-        for stage in range(stages):
-            prev = None
-            chain = []
-            if orders is None:
-                steps = interleaved_order(len(keys), stages, stage, chunks)
-            else:
-                steps = chunk_ops(orders[r][stage])
-            for direction, m, c in steps:
-                vs = c * stages + stage
-                v = op(vs, direction, m)
-                owners[v].append((r, m, direction))
-                if prev is not None:
-                    edge(prev, v)
-                if direction == FORWARD and vs > 0:
-                    edge(op(vs - 1, FORWARD, m), v)
-                elif direction == BACKWARD:
-                    edge(op(vs + 1, BACKWARD, m) if vs < last else op(vs, FORWARD, m), v)
-                prev = v
-                chain.append((v, direction, m))
-            chains.append((r, stage, chain))
-    return succ, indeg, chains, owners
-
-
-def longest_paths(succ: Sequence[Sequence[int]], indeg: list[int], duration: Sequence[float]) -> list[float] | None:
-    """End time of every node of a DAG (a node starts at the latest end of its predecessors),
-    walked in Kahn's order; ``indeg`` is consumed. None if a cycle leaves nodes unvisited:
-    those keep ``indeg > 0`` (callers name them)."""
-    start = [0.0] * len(succ)
-    end = [0.0] * len(succ)
-    ready = [v for v, d in enumerate(indeg) if d == 0]
-    done = 0
-    while ready:
-        v = ready.pop()
-        done += 1
-        e = end[v] = start[v] + duration[v]
-        for w in succ[v]:
-            if e > start[w]:
-                start[w] = e
-            indeg[w] -= 1
-            if indeg[w] == 0:
-                ready.append(w)
-    return end if done == len(succ) else None
-
-
-def find_pipeline_deadlock(
-    ring_keys: Sequence[Sequence[object | None]], stages: int, orders=None, chunks: int = 1
-) -> str | None:
-    """None if ranks running 1F1B (or ``orders``: per rank and device, (direction,
-    micro-batch[, chunk]) in run order) over ``stages`` devices of ``chunks`` model chunks
-    always make progress, else a description of where they get stuck. ``ring_keys[r][m]``:
-    the ring micro-batch that rank ``r``'s micro-batch ``m`` belongs to (shared by its
-    members), or None for local work."""
-    succ, indeg, chains, _ = _one_f_one_b_graph(ring_keys, stages, orders, chunks)
-    if longest_paths(succ, indeg, [0.0] * len(succ)) is not None:
-        return None
-    stuck = []
-    for r, stage, chain in chains:
-        first = next(((d, m) for v, d, m in chain if indeg[v] > 0), None)
-        if first is not None:
-            stuck.append(f"rank {r} stage {stage} {'forward' if first[0] == FORWARD else 'backward'} of micro-batch {first[1]}")
-    waiting = sum(d > 0 for d in indeg)
-    return f"{waiting} pipeline operations wait in a cycle, e.g. {'; '.join(stuck[:3])}"
-
-
-def pipelined_finish_times(
-    ring_keys: Sequence[Sequence[object | None]],
-    times: Sequence[Sequence[float]],
-    stages: int,
-    forward_share: float = FORWARD_SHARE,
-    orders=None,
-    chunks: int = 1,
-) -> list[float] | None:
-    """Estimated finish per rank when every rank runs 1F1B (or ``orders``) over ``stages``
-    equal stages (of ``chunks`` equal model chunks each) and a ring micro-batch's operation on
-    a stage starts once all its members are ready for it (then lasts its slowest member's
-    time): the longest path through the graph, each forward ``forward_share``
-    (``CostModel.forward_share``) of the micro-batch's ``times[r][m]`` / ``chunks``. None if it
-    deadlocks."""
-    # the same graph on integer operation ids (stage_schedule._Ops): no per-node dictionaries,
-    # a few times faster on 10^5 chunk operations
-    from .stage_schedule import _Ops
-
-    ops = _Ops(ring_keys, times, stages, forward_share, chunks)
-    if orders is None:
-        orders = [[interleaved_order(len(keys), stages, d, chunks) for d in range(stages)] for keys in ring_keys]
-    end = ops.evaluate(ops.sequences(orders))
-    return None if end is None else ops.finish(end)
-
-
-def plan_ring_keys(plan) -> list[list[tuple | None]]:
-    """Per rank and micro-batch of ``plan``: the ring micro-batch it belongs to, named the same
-    on every member ((ring, distributed sequence ids)), or None for local work."""
-    return [[(mb.ring, mb.distributed_seq_ids) if mb.ring is not None else None for mb in mbs] for mbs in plan.ranks]
-
-
-def plan_pipeline_deadlock(plan, stages: int) -> str | None:
-    """None if every pipeline running ``plan``'s micro-batches over ``stages`` stages, in
-    1F1B order or in the plan's own per-stage orders (``Plan.stage_orders``), always makes
-    progress; else where they get stuck (``find_pipeline_deadlock``)."""
-    orders = plan.decoded_stage_orders()
-    if orders is not None and plan.stage_count != stages:
-        return f"the plan orders {plan.stage_count} pipeline stages but the pipeline has {stages}"
-    if stages <= 1 and plan.virtual_stages <= 1:
-        return None
-    return find_pipeline_deadlock(plan_ring_keys(plan), stages, orders, plan.virtual_stages)
-
-
-def crossing_order_mismatch(stage_orders: Sequence[Sequence[tuple]], chunks: int = 1) -> str | None:
-    """None if the devices of one pipeline agree on the order of the messages between them,
-    else where they differ. Activations go to the next virtual stage and their gradients back
-    in posting order (NCCL matches point-to-point messages between two ranks of one
-    communicator in order; the runtime sends activations and gradients on two, so each
-    direction is its own stream), so for every ordered pair of devices and direction, the
-    sender's sends and the receiver's receives must list the same (micro-batch, virtual stage)
-    in the same order.
-    Without chunks this is: stage ``k + 1`` runs its forwards in stage ``k``'s order of
-    forwards, stage ``k`` its backwards in stage ``k + 1``'s order. ``stage_orders``: per
-    device, (direction, micro-batch[, chunk]) in run order."""
-    p = len(stage_orders)
-    last = p * chunks - 1
-    sent: dict[tuple[int, int], list] = defaultdict(list)
-    received: dict[tuple[int, int], list] = defaultdict(list)
-    for d, order in enumerate(stage_orders):
-        for direction, m, c in chunk_ops(order):
-            vs = c * p + d
-            step = 1 if direction == FORWARD else -1
-            if 0 <= vs + step <= last:  # sends to the next virtual stage (the previous one, backward)
-                sent[d, (vs + step) % p, direction].append((direction, m, vs + step))
-            if 0 <= vs - step <= last:  # received from the previous virtual stage (the next one)
-                received[(vs - step) % p, d, direction].append((direction, m, vs))
-    for pair in sorted(set(sent) | set(received)):
-        a, b = sent.get(pair, []), received.get(pair, [])
-        if a != b:
-            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-            def name(msgs):
-                if i >= len(msgs):
-                    return "nothing"
-                d, m, vs = msgs[i]
-                kind = "forward" if d == FORWARD else "backward"
-                return f"the {kind} of micro-batch {m}" + (f" at virtual stage {vs}" if chunks > 1 else "")
-
-            if chunks == 1:
-                k = min(pair[:2])
-                kind = "forwards" if pair[2] == FORWARD else "backwards"
-                ma = [m for _, m, _ in a]
-                mb = [m for _, m, _ in b]
-                return f"stages {k} and {k + 1} run their {kind} in different orders ({ma} vs {mb})"
-            return (
-                f"device {pair[0]} sends {name(a)} as its {i}-th message of that direction to device "
-                f"{pair[1]}, which expects {name(b)}"
-            )
-    return None
-
-
-def encode_stage_orders(orders, chunks: int = 1) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """``Plan.stage_orders`` from (direction, micro-batch[, chunk]) lists per rank and device:
-    ``m * chunks + c`` for the forward of micro-batch ``m``'s chunk ``c``, ``-1 - (m * chunks + c)``
-    for its backward (``chunks == 1``: ``m`` and ``-1 - m``)."""
-    return tuple(
-        tuple(tuple(m * chunks + c if d == FORWARD else -1 - (m * chunks + c) for d, m, c in chunk_ops(stage)) for stage in rank)
-        for rank in orders
-    )
-
-
-def decode_stage_order(codes: Sequence[int]) -> list[tuple[int, int]]:
-    """(direction, micro-batch) from one device's codes of a plan without chunks."""
-    return [(FORWARD, c) if c >= 0 else (BACKWARD, -1 - c) for c in codes]
-
-
-def decode_chunk_order(codes: Sequence[int], chunks: int) -> list[tuple[int, int, int]]:
-    """(direction, micro-batch, chunk) from one device's codes (``encode_stage_orders``)."""
-    out = []
-    for code in codes:
-        direction, x = (FORWARD, code) if code >= 0 else (BACKWARD, -1 - code)
-        out.append((direction, *divmod(x, chunks)))
-    return out
