@@ -52,15 +52,28 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     batches = [sample_lengths(args.dataset, tokens, context, rng) for _ in range(args.steps)]
     out = {"config": {**vars(args), "lost_nodes": lost, "gpus_per_node": hw.gpus_per_node}, "setups": []}
-    table = ["| model | GPUs (TP x PP) | lost nodes | HDP GPUs | HDP tokens/s | HDP vs healthy | static GPUs (CP) "
-             "| static tokens/s | static vs healthy | HDP / static |", "|---" * 10 + "|"]
+    table = [
+        "| model | GPUs (TP x PP) | lost nodes | HDP GPUs | HDP tokens/s | HDP vs healthy | static GPUs (CP) "
+        "| static tokens/s | static vs healthy | HDP / static |",
+        "|---" * 10 + "|",
+    ]
     for model, gpus, tp, pp in SETUPS:
         if args.only and args.only != model:
             continue
         cost = CostModel.analytic(ModelSpec.load(model), hw, tp=tp, pp=pp)
         t0 = time.perf_counter()
-        rows = compare(batches, gpus=gpus, tp=tp, pp=pp, gpus_per_node=hw.gpus_per_node, cost=cost, capacity=capacity,
-                       context=context, lost=lost, progress=lambda what: print(f"  {model}: {what}", file=sys.stderr, flush=True))
+        rows = compare(
+            batches,
+            gpus=gpus,
+            tp=tp,
+            pp=pp,
+            gpus_per_node=hw.gpus_per_node,
+            cost=cost,
+            capacity=capacity,
+            context=context,
+            lost=lost,
+            progress=lambda what: print(f"  {model}: {what}", file=sys.stderr, flush=True),
+        )
         healthy = rows[0]
         for row in rows:
             hdp, static = row["hdp"], row["static"]
@@ -72,10 +85,20 @@ def main(argv=None) -> int:
             )
             if static.error:
                 print(f"  {model}, {row['lost_nodes']} lost: static: {static.error}", file=sys.stderr)
-        out["setups"].append({"model": model, "gpus": gpus, "tp": tp, "pp": pp, "wall_s": time.perf_counter() - t0,
-                              "rows": [{**r, "hdp": r["hdp"].to_json(), "static": r["static"].to_json()} for r in rows]})
-    print(f"{args.dataset}-like batches, {args.context} context, {args.capacity} capacity, {args.global_batch_tokens} "
-          f"tokens/batch, {args.steps} batches (seed {args.seed}); throughput = total tokens / total simulated time")
+        out["setups"].append(
+            {
+                "model": model,
+                "gpus": gpus,
+                "tp": tp,
+                "pp": pp,
+                "wall_s": time.perf_counter() - t0,
+                "rows": [{**r, "hdp": r["hdp"].to_json(), "static": r["static"].to_json()} for r in rows],
+            }
+        )
+    print(
+        f"{args.dataset}-like batches, {args.context} context, {args.capacity} capacity, {args.global_batch_tokens} "
+        f"tokens/batch, {args.steps} batches (seed {args.seed}); throughput = total tokens / total simulated time"
+    )
     print("\n".join(table))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -150,8 +150,17 @@ def run(args) -> dict:
     context = parse_size(args.context, "context")
     total = parse_size(args.tokens, "tokens")
     lengths, source = batch_lengths(args.workload, total, context, args.seed)
-    out = {"model": args.model, "hardware": args.hardware, "gpus": args.gpus, "pp": args.pp, "capacity": capacity,
-           "context": context, "workload": source, "batch": describe_batch(lengths), "results": {}}
+    out = {
+        "model": args.model,
+        "hardware": args.hardware,
+        "gpus": args.gpus,
+        "pp": args.pp,
+        "capacity": capacity,
+        "context": context,
+        "workload": source,
+        "batch": describe_batch(lengths),
+        "results": {},
+    }
     sizer = RingSizer(capacity, cost, True, ranks, 8, args.pp, host_capacity(cost, args.pp))
     critical = max(sizer.fastest(s) for s in set(lengths) if s > capacity)
     print(f"batch ({source}): {out['batch']}")
@@ -207,8 +216,12 @@ def main(argv=None) -> int:
     p.add_argument("--balance", nargs="+", default=["dp", "pp", "none"], choices=["dp", "pp", "none"])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workload", choices=["auto", "builtin"], default="auto",
-                   help="auto: data/workloads.py's Byted generator if installed, else the builtin mix")
+    p.add_argument(
+        "--workload",
+        choices=["auto", "builtin"],
+        default="auto",
+        help="auto: data/workloads.py's Byted generator if installed, else the builtin mix",
+    )
     p.add_argument("--validate", action="store_true", help="also run Plan.validate() on the last plan")
     p.add_argument("--json", help="write the figures to this JSON file")
     args = p.parse_args(argv)

@@ -62,12 +62,30 @@ from megatron_bytescale.sim.throughput import totals  # noqa: E402
 from megatron_bytescale.units import format_size  # noqa: E402
 
 # the headline setup; flags given on the command line come later and win
-HEADLINE = ["--model", "llama-7b", "--hardware", "h100", "--gpus", "1024", "--context", "2M", "--capacity", "8K",
-            "--global-batch-tokens", "32M"]
+HEADLINE = [
+    "--model",
+    "llama-7b",
+    "--hardware",
+    "h100",
+    "--gpus",
+    "1024",
+    "--context",
+    "2M",
+    "--capacity",
+    "8K",
+    "--global-batch-tokens",
+    "32M",
+]
 
 GOALS = (
-    ("hdp-balanced >= 3x faster than static", lambda r: r["static"]["step_time_s"] / r["hdp-balanced"]["step_time_s"] >= 3.0),
-    ("hdp-balanced ahead of megatron-dcp", lambda r: r["hdp-balanced"]["step_time_s"] < r["megatron-dcp"]["step_time_s"]),
+    (
+        "hdp-balanced >= 3x faster than static",
+        lambda r: r["static"]["step_time_s"] / r["hdp-balanced"]["step_time_s"] >= 3.0,
+    ),
+    (
+        "hdp-balanced ahead of megatron-dcp",
+        lambda r: r["hdp-balanced"]["step_time_s"] < r["megatron-dcp"]["step_time_s"],
+    ),
     ("hdp-balanced within 1.15x of the lower bound", lambda r: r["hdp-balanced"]["x_lower_bound"] <= 1.15),
 )
 
@@ -77,8 +95,13 @@ def goal_verdicts(steps: list[dict[str, dict]]) -> dict[str, dict]:
     batches differ from step to step)."""
     out = {}
     names = list(steps[0]) if steps else []
-    run_total = {n: {"step_time_s": totals([s[n] for s in steps])["total_step_time_s"],
-                     "x_lower_bound": totals([s[n] for s in steps])["x_lower_bound"]} for n in names}
+    run_total = {
+        n: {
+            "step_time_s": totals([s[n] for s in steps])["total_step_time_s"],
+            "x_lower_bound": totals([s[n] for s in steps])["x_lower_bound"],
+        }
+        for n in names
+    }
     for text, check in GOALS:
         try:
             met = [bool(check(step)) for step in steps]
@@ -96,8 +119,13 @@ PIPELINE_FLAGS = ["--gpus", "8192", "--tp", "8", "--strategies", "static,hdp-nai
 
 
 # the expert-parallel rows: (model, TP, EP) on 1,024 GPUs, PP 1
-EP_GRID = (("mistral-8x7b", 2, 1), ("mistral-8x7b", 2, 4), ("mistral-8x22b", 4, 1), ("mistral-8x22b", 4, 2),
-           ("mistral-8x22b", 4, 8))
+EP_GRID = (
+    ("mistral-8x7b", 2, 1),
+    ("mistral-8x7b", 2, 4),
+    ("mistral-8x22b", 4, 1),
+    ("mistral-8x22b", 4, 2),
+    ("mistral-8x22b", 4, 8),
+)
 EP_FLAGS = ["--strategies", "static,hdp-balanced"]
 
 
@@ -122,8 +150,11 @@ def grid_row(report, others: dict[str, str]) -> dict:
     for label, name in others.items():
         row[label] = totals(report.steps[name])["mean_step_time_s"]
     row["per_batch"] = [
-        {"lower_bound_s": b["lower_bound_s"], "critical_path_s": b["critical_path_s"],
-         **{f"{name}_step_s": report.steps[name][i]["step_time_s"] for name in ("hdp-balanced", *others.values())}}
+        {
+            "lower_bound_s": b["lower_bound_s"],
+            "critical_path_s": b["critical_path_s"],
+            **{f"{name}_step_s": report.steps[name][i]["step_time_s"] for name in ("hdp-balanced", *others.values())},
+        }
         for i, b in enumerate(bal)
     ]
     return row
@@ -139,8 +170,17 @@ def pipeline_grid(argv: list[str]) -> int:
         args = ap.parse_args(HEADLINE + PIPELINE_FLAGS + argv + ["--model", model, "--pp", str(pp)])
         cfg = config_from_args(args)
         report = run(cfg)
-        rows.append({"model": model, "pp": pp, "dataset": cfg.dataset, "gpus": cfg.gpus, "tp": cfg.tp, "seed": cfg.seed,
-                     **grid_row(report, {"static_s": "static", "naive_s": "hdp-naive"})})
+        rows.append(
+            {
+                "model": model,
+                "pp": pp,
+                "dataset": cfg.dataset,
+                "gpus": cfg.gpus,
+                "tp": cfg.tp,
+                "seed": cfg.seed,
+                **grid_row(report, {"static_s": "static", "naive_s": "hdp-naive"}),
+            }
+        )
         r = rows[-1]
         print(
             f"{model:<14} PP {pp}  static {r['static_s']:7.2f}  naive {r['naive_s']:7.2f}  balanced {r['balanced_s']:7.2f}"
@@ -153,8 +193,10 @@ def pipeline_grid(argv: list[str]) -> int:
     return _write_rows(args.json, rows)
 
 
-GRID_LEGEND = (f"steps: means over the batches; vs static, x LB, x bound: ratios of totals over the batches "
-               "(in brackets: median of the per-batch ratios); estimate/sim: total estimate / total simulated step")
+GRID_LEGEND = (
+    "steps: means over the batches; vs static, x LB, x bound: ratios of totals over the batches "
+    "(in brackets: median of the per-batch ratios); estimate/sim: total estimate / total simulated step"
+)
 
 # the virtual-stage rows: LLaMA-70B, TP 8, PP 4, V chunks per device
 VPP_GRID = (1, 2, 4, 5)  # V divides the 20 layers a device holds
@@ -173,14 +215,21 @@ def vpp_grid(argv: list[str]) -> int:
         cfg = config_from_args(args)
         report = run(cfg)
         bal = report.steps["hdp-balanced"]
-        rows.append({
-            "model": cfg.model, "pp": cfg.pp, "vpp": v, "dataset": cfg.dataset, "gpus": cfg.gpus, "seed": cfg.seed,
-            **grid_row(report, {"static_s": "static"}),
-            "lower_bound_s": sum(b["lower_bound_s"] for b in bal) / len(bal),
-            "ring_floor_s": sum(b["pipeline_ring_floor_s"] for b in bal) / len(bal),
-            "chunks_in_flight_max": max(b["chunks_in_flight_max"] for b in bal),
-            "host_gb_max_gpu": max(b["host_bytes_max_gpu"] for b in bal) / 1e9,
-        })
+        rows.append(
+            {
+                "model": cfg.model,
+                "pp": cfg.pp,
+                "vpp": v,
+                "dataset": cfg.dataset,
+                "gpus": cfg.gpus,
+                "seed": cfg.seed,
+                **grid_row(report, {"static_s": "static"}),
+                "lower_bound_s": sum(b["lower_bound_s"] for b in bal) / len(bal),
+                "ring_floor_s": sum(b["pipeline_ring_floor_s"] for b in bal) / len(bal),
+                "chunks_in_flight_max": max(b["chunks_in_flight_max"] for b in bal),
+                "host_gb_max_gpu": max(b["host_bytes_max_gpu"] for b in bal) / 1e9,
+            }
+        )
         r = rows[-1]
         print(
             f"{cfg.model} PP {cfg.pp} VPP {v}  static {r['static_s']:7.2f}  balanced {r['balanced_s']:7.2f}"
@@ -213,12 +262,19 @@ def ep_grid(argv: list[str]) -> int:
         cfg = config_from_args(args)
         report = run(cfg)
         bal = report.steps["hdp-balanced"]
-        rows.append({
-            "model": model, "tp": tp, "ep": ep, "dataset": cfg.dataset, "gpus": cfg.gpus, "seed": cfg.seed,
-            **grid_row(report, {"static_s": "static"}),
-            "balanced_moe_a2a_s": sum(b["exposed_moe_a2a_s"] for b in bal) / len(bal),
-            "balanced_idle_s": sum(b["idle_mean_s"] for b in bal) / len(bal),
-        })
+        rows.append(
+            {
+                "model": model,
+                "tp": tp,
+                "ep": ep,
+                "dataset": cfg.dataset,
+                "gpus": cfg.gpus,
+                "seed": cfg.seed,
+                **grid_row(report, {"static_s": "static"}),
+                "balanced_moe_a2a_s": sum(b["exposed_moe_a2a_s"] for b in bal) / len(bal),
+                "balanced_idle_s": sum(b["idle_mean_s"] for b in bal) / len(bal),
+            }
+        )
         r = rows[-1]
         print(
             f"{model:<14} TP {tp} EP {ep}  static {r['static_s']:7.2f}  balanced {r['balanced_s']:7.2f}"
@@ -250,23 +306,31 @@ def main() -> int:
     print(format_table(report))
     print()
     names = [n for n in cfg.strategies if n in report.steps]
-    steps = [{n: report.steps[n][i] for n in names} for i in range(cfg.steps) if all(len(report.steps[n]) > i for n in names)]
+    steps = [
+        {n: report.steps[n][i] for n in names} for i in range(cfg.steps) if all(len(report.steps[n]) > i for n in names)
+    ]
     print("per step (seconds; LB = lower bound, CP = critical path of the longest sequence):")
-    print(f"{'step':>5}{'seqs':>6}{'longest':>9}{'LB':>8}{'CP':>8}" + "".join(f"{n:>14}" for n in names) + f"{'bal/LB':>8}")
+    print(
+        f"{'step':>5}{'seqs':>6}{'longest':>9}{'LB':>8}{'CP':>8}"
+        + "".join(f"{n:>14}" for n in names)
+        + f"{'bal/LB':>8}"
+    )
     for i, step in enumerate(steps):
         any_m = next(iter(step.values()))
         bal = step.get("hdp-balanced", {}).get("x_lower_bound")
         print(
             f"{i:>5}{report.batch_stats[i][0]:>6}{format_size(report.batch_stats[i][1]):>9}{any_m['lower_bound_s']:>8.2f}"
-            f"{any_m['critical_path_s']:>8.2f}" + "".join(f"{step[n]['step_time_s']:>14.2f}" for n in names)
+            f"{any_m['critical_path_s']:>8.2f}"
+            + "".join(f"{step[n]['step_time_s']:>14.2f}" for n in names)
             + (f"{bal:>8.3f}" if bal else "")
         )
     if steps:
         any_name = names[0]
         tot = {n: totals([s[n] for s in steps]) for n in names}
         print(
-            f"{'total':>5}{sum(b[0] for b in report.batch_stats[:len(steps)]):>6}{'':>9}"
-            f"{tot[any_name]['total_lower_bound_s']:>8.2f}{'':>8}" + "".join(f"{tot[n]['total_step_time_s']:>14.2f}" for n in names)
+            f"{'total':>5}{sum(b[0] for b in report.batch_stats[: len(steps)]):>6}{'':>9}"
+            f"{tot[any_name]['total_lower_bound_s']:>8.2f}{'':>8}"
+            + "".join(f"{tot[n]['total_step_time_s']:>14.2f}" for n in names)
             + (f"{tot['hdp-balanced']['x_lower_bound']:>8.3f}" if "hdp-balanced" in tot else "")
         )
     print()
@@ -275,8 +339,10 @@ def main() -> int:
         if v["met_steps"] is None:
             print(f"n/a   {text}")
         else:
-            print(f"{'MET ' if v['met_on_totals'] else 'MISS'}  {text} on the totals; met in {v['met_steps']} of "
-                  f"{v['steps']} steps alone")
+            print(
+                f"{'MET ' if v['met_on_totals'] else 'MISS'}  {text} on the totals; met in {v['met_steps']} of "
+                f"{v['steps']} steps alone"
+            )
     if args.json:
         data = report.to_json()
         data["goals"] = goals
@@ -285,8 +351,12 @@ def main() -> int:
     if args.plot and report.timelines:
         from megatron_bytescale.sim.plot import plot_timelines
 
-        plot_timelines(report.timelines, args.plot, lower_bound=report.lower_bound_first,
-                       title=f"{cfg.model}, {report.cluster.describe()}, {args.context} context, first step")
+        plot_timelines(
+            report.timelines,
+            args.plot,
+            lower_bound=report.lower_bound_first,
+            title=f"{cfg.model}, {report.cluster.describe()}, {args.context} context, first step",
+        )
         print(f"wrote {args.plot}")
     return 0
 

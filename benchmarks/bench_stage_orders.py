@@ -38,15 +38,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_bytescale.data.workloads import sample_lengths  # noqa: E402
 from megatron_bytescale.errors import PlanError  # noqa: E402
-from megatron_bytescale.planner.estimate import crosses_nodes, micro_batch_time  # noqa: E402
 from megatron_bytescale.planner.contract import BACKWARD, FORWARD, PipelineGraph, encode_stage_orders  # noqa: E402
+from megatron_bytescale.planner.estimate import crosses_nodes, micro_batch_time  # noqa: E402
 from megatron_bytescale.planner.stage_schedule import _list_schedule, stage_schedule  # noqa: E402
 from megatron_bytescale.sim.simulate import add_arguments, check_config, config_from_args  # noqa: E402
 from megatron_bytescale.sim.strategies import StrategyInput, make_plan  # noqa: E402
 from megatron_bytescale.sim.timeline import lower_bound, pipeline_ring_floor, simulate  # noqa: E402
 
-DEFAULTS = ["--model", "llama-70b", "--gpus", "8192", "--tp", "8", "--pp", "4", "--context", "2M", "--capacity", "8K",
-            "--global-batch-tokens", "32M", "--steps", "2"]
+DEFAULTS = [
+    "--model",
+    "llama-70b",
+    "--gpus",
+    "8192",
+    "--tp",
+    "8",
+    "--pp",
+    "4",
+    "--context",
+    "2M",
+    "--capacity",
+    "8K",
+    "--global-batch-tokens",
+    "32M",
+    "--steps",
+    "2",
+]
 
 
 def deep_warm_up(count: int, stages: int, stage: int) -> list[tuple[int, int]]:
@@ -62,9 +78,14 @@ def planned_batch(cfg, cluster, cost, rng, virtual_stages: int = 1):
     """One batch's lengths, its hdp-balanced plan, and per rank its micro-batches' ring keys and
     stage times (what the stage-order searches take)."""
     lens = sample_lengths(cfg.dataset, cfg.global_batch_tokens, cfg.context, rng)
-    plan = make_plan("hdp-balanced", StrategyInput(lens, cluster, cost, cfg.capacity, cfg.context, virtual_stages=virtual_stages))
+    plan = make_plan(
+        "hdp-balanced", StrategyInput(lens, cluster, cost, cfg.capacity, cfg.context, virtual_stages=virtual_stages)
+    )
     rpn = plan.meta["ranks_per_node"]
-    times = [[micro_batch_time(cost, mb, mb.ring is not None and crosses_nodes(mb.ring, rpn)) for mb in mbs] for mbs in plan.ranks]
+    times = [
+        [micro_batch_time(cost, mb, mb.ring is not None and crosses_nodes(mb.ring, rpn)) for mb in mbs]
+        for mbs in plan.ranks
+    ]
     return lens, plan, plan.ring_keys(), times
 
 
@@ -85,7 +106,9 @@ def main() -> int:
         def simulated(orders) -> float:
             if orders is None:
                 return simulate(plan, cluster, cost).step_time
-            return simulate(dataclasses.replace(plan, stage_orders=encode_stage_orders(orders)), cluster, cost).step_time
+            return simulate(
+                dataclasses.replace(plan, stage_orders=encode_stage_orders(orders)), cluster, cost
+            ).step_time
 
         row = {"step": step, "1f1b_s": simulated(None)}
         for name, cap in (("search_s", p), ("search_2p_s", 2 * p)):
@@ -106,7 +129,9 @@ def main() -> int:
             flush=True,
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"dataset": cfg.dataset, "model": cfg.model, "pp": p, "rows": rows}, indent=2) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"dataset": cfg.dataset, "model": cfg.model, "pp": p, "rows": rows}, indent=2) + "\n"
+        )
         print(f"wrote {args.json}")
     return 0
 
@@ -122,7 +147,11 @@ def chunk_rows(cfg, cluster, cost, rng, out) -> int:
         for name, cap in (("list_pv_s", p * v), ("list_megatron_s", p * v + p - 1), ("list_unlimited_s", ops.total)):
             seqs = _list_schedule(ops, cap)
             orders = None if seqs is None else encode_stage_orders(ops.orders(seqs), v)
-            row[name] = float("nan") if orders is None else simulate(dataclasses.replace(plan, stage_orders=orders), cluster, cost).step_time
+            row[name] = (
+                float("nan")
+                if orders is None
+                else simulate(dataclasses.replace(plan, stage_orders=orders), cluster, cost).step_time
+            )
         row["lower_bound_s"] = lower_bound(lens, cluster, cost)
         row["ring_floor_s"] = pipeline_ring_floor(plan, cluster, cost)
         rows.append(row)
@@ -133,7 +162,9 @@ def chunk_rows(cfg, cluster, cost, rng, out) -> int:
             flush=True,
         )
     if out:
-        Path(out).write_text(json.dumps({"dataset": cfg.dataset, "model": cfg.model, "pp": p, "vpp": v, "rows": rows}, indent=2) + "\n")
+        Path(out).write_text(
+            json.dumps({"dataset": cfg.dataset, "model": cfg.model, "pp": p, "vpp": v, "rows": rows}, indent=2) + "\n"
+        )
         print(f"wrote {out}")
     return 0
 

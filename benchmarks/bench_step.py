@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from megatron_bytescale.units import format_size, parse_size  # noqa: E402
 from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank  # noqa: E402
+from megatron_bytescale.units import format_size, parse_size  # noqa: E402
 
 
 def corpus_reader(prefix: str, lengths: list[int], seed: int):
@@ -90,39 +90,55 @@ def main() -> int:
     lengths = sample_lengths("byted", tokens, context, rng=args.seed)
     cost = CostModel.from_profile(CPU_PROFILE)
     plans = {
-        "hdp": plan_step(lengths, PlannerConfig(num_ranks=args.ranks, capacity=capacity, ranks_per_node=args.ranks), cost),
-        "static": static_plan(lengths, Cluster(args.ranks, gpus_per_node=args.ranks), capacity, context, cost.num_layers),
+        "hdp": plan_step(
+            lengths, PlannerConfig(num_ranks=args.ranks, capacity=capacity, ranks_per_node=args.ranks), cost
+        ),
+        "static": static_plan(
+            lengths, Cluster(args.ranks, gpus_per_node=args.ranks), capacity, context, cost.num_layers
+        ),
     }
     preload(["megatron.core.models.gpt.gpt_model", "megatron_bytescale.megatron.local_run"])
     results = {}
     for name, plan in plans.items():
         plan.validate()
-        outs = run_local_world(_rank, args.ranks, plan.to_json(), prefix, lengths, args.seed, args.repeats, timeout_s=1800)
+        outs = run_local_world(
+            _rank, args.ranks, plan.to_json(), prefix, lengths, args.seed, args.repeats, timeout_s=1800
+        )
         step_times = [max(ts) for ts in zip(*(o["times"] for o in outs))]
         results[name] = {
             "step_time_s_median": statistics.median(step_times),
             "step_time_s_total": sum(step_times),  # throughput: the speedup is static's total over HDP's
             "step_times_s": step_times,
             "p2p_bytes": sum(o["p2p_bytes"] for o in outs),
-            "p2p_bytes_predicted": int(sum(p2p_bytes_per_rank(plan, cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers))),
+            "p2p_bytes_predicted": int(
+                sum(p2p_bytes_per_rank(plan, cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers))
+            ),
             "p2p_wait_s_max": max(o["p2p_wait_s"] for o in outs),
             "loss": outs[0]["loss"],
             "ranks_per_sequence": sorted(plan.ring_sizes().values(), reverse=True),
             "micro_batches": [len(m) for m in plan.ranks],
         }
     h, s = results["hdp"], results["static"]
-    print(f"batch: {len(lengths)} sequences, {format_size(sum(lengths))} tokens (Byted-like, context {format_size(context)}), "
-          f"{args.ranks} gloo ranks, capacity {format_size(capacity)}; static CP = {plans['static'].meta['cp']}")
+    print(
+        f"batch: {len(lengths)} sequences, {format_size(sum(lengths))} tokens (Byted-like, context {format_size(context)}), "
+        f"{args.ranks} gloo ranks, capacity {format_size(capacity)}; static CP = {plans['static'].meta['cp']}"
+    )
     print(f"{'':8}{'step (median)':>15}{'P2P bytes':>14}{'P2P wait':>10}{'loss':>10}  ranks per long sequence")
     for name, r in results.items():
         rings = [n for n in r["ranks_per_sequence"] if n > 1]
-        print(f"{name:8}{r['step_time_s_median']:>13.3f} s{format_size(r['p2p_bytes']) + 'B':>14}{r['p2p_wait_s_max']:>8.3f} s"
-              f"{r['loss']:>10.5f}  {rings}")
-    print(f"HDP vs static: {s['step_time_s_total'] / h['step_time_s_total']:.2f}x faster (total time of the "
-          f"{len(h['step_times_s'])} timed repeats), "
-          f"{s['p2p_bytes'] / max(h['p2p_bytes'], 1):.1f}x less P2P traffic")
+        print(
+            f"{name:8}{r['step_time_s_median']:>13.3f} s{format_size(r['p2p_bytes']) + 'B':>14}{r['p2p_wait_s_max']:>8.3f} s"
+            f"{r['loss']:>10.5f}  {rings}"
+        )
+    print(
+        f"HDP vs static: {s['step_time_s_total'] / h['step_time_s_total']:.2f}x faster (total time of the "
+        f"{len(h['step_times_s'])} timed repeats), "
+        f"{s['p2p_bytes'] / max(h['p2p_bytes'], 1):.1f}x less P2P traffic"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": vars(args), "lengths": lengths, "results": results}, indent=2) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"config": vars(args), "lengths": lengths, "results": results}, indent=2) + "\n"
+        )
     return 0
 
 

@@ -71,11 +71,11 @@ def load(path: str | Path) -> Any:
     if not header.startswith(MAGIC + b" "):
         raise CheckpointError("no checkpoint header (not written by bytescale, or overwritten)")
     try:
-        fields = dict(item.split("=", 1) for item in header[len(MAGIC) + 1:].decode("ascii").split())
+        fields = dict(item.split("=", 1) for item in header[len(MAGIC) + 1 :].decode("ascii").split())
         digest, size = fields["sha256"], int(fields["bytes"])
     except (ValueError, KeyError, UnicodeDecodeError):
         raise CheckpointError("malformed checkpoint header") from None
-    body = data[end + 1:]
+    body = data[end + 1 :]
     if len(body) != size:
         raise CheckpointError(f"truncated: {len(body)} of {size} bytes")
     if hashlib.sha256(body).hexdigest() != digest:

@@ -15,9 +15,12 @@ from .errors import BytescaleError, WorkerError
 
 # megatron-core announces at import that GPU-only extras are missing; on CPU that is expected.
 # PYTHONWARNINGS carries the filter into the processes the commands spawn.
-QUIET = ("Transformer Engine and Apex are not installed", "Apex is not installed",
-         # bf16 runs: megatron-core keeps norm weights in fp32; torch then skips its fused CPU kernel
-         "Mismatch dtype between input and weight")
+QUIET = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    # bf16 runs: megatron-core keeps norm weights in fp32; torch then skips its fused CPU kernel
+    "Mismatch dtype between input and weight",
+)
 
 
 def quiet_optional_backend_warnings() -> None:
@@ -48,7 +51,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "time planning and delivery of the local or Ray data loader",
     ),
     "profile": ("megatron_bytescale.tools.profiler", "measure the cost model's coefficients on this machine"),
-    "patches": ("megatron_bytescale.megatron.patch_series", "show (or apply) the pretrain_gpt.py patch series for a Megatron-LM checkout"),
+    "patches": (
+        "megatron_bytescale.megatron.patch_series",
+        "show (or apply) the pretrain_gpt.py patch series for a Megatron-LM checkout",
+    ),
 }
 
 

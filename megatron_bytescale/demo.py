@@ -336,8 +336,13 @@ def comparison_table(summaries: dict[str, dict]) -> str:
         h, st = summaries["hdp"], summaries["static"]
         # bytes moved are exact; step times on a shared CPU are not a speed claim either way
         ratio = h["p2p_bytes_per_step_median"] / max(st["p2p_bytes_per_step_median"], 1)
-        rows.append(("HDP vs static", f"{ratio:.2f}x the static mesh's P2P bytes",
-                     f"total step time {h['step_s_total'] / st['step_s_total']:.2f}x static's (CPU timing: noisy)"))
+        rows.append(
+            (
+                "HDP vs static",
+                f"{ratio:.2f}x the static mesh's P2P bytes",
+                f"total step time {h['step_s_total'] / st['step_s_total']:.2f}x static's (CPU timing: noisy)",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
@@ -411,9 +416,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DemoConfig()
     parser.add_argument("--ranks", type=int, default=d.ranks, help=f"gloo processes (default {d.ranks})")
     parser.add_argument("--steps", type=int, default=d.steps, help=f"training steps per strategy (default {d.steps})")
-    parser.add_argument("--capacity", default=str(d.capacity), help=f"tokens per micro-batch per rank (default {d.capacity})")
-    parser.add_argument("--context", default=str(d.context), help=f"longest sequence; longer documents are cut (default {d.context})")
-    parser.add_argument("--step-tokens", default=str(d.step_tokens), help=f"tokens per global batch (default {d.step_tokens})")
+    parser.add_argument(
+        "--capacity", default=str(d.capacity), help=f"tokens per micro-batch per rank (default {d.capacity})"
+    )
+    parser.add_argument(
+        "--context", default=str(d.context), help=f"longest sequence; longer documents are cut (default {d.context})"
+    )
+    parser.add_argument(
+        "--step-tokens", default=str(d.step_tokens), help=f"tokens per global batch (default {d.step_tokens})"
+    )
     parser.add_argument("--seed", type=seed, default=d.seed)
     parser.add_argument("--lr", type=float, default=d.lr)
     parser.add_argument(
@@ -424,11 +435,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default=d.out, help=f"output folder (default {d.out})")
     parser.add_argument("--strategies", default=",".join(d.strategies), help="hdp, static or both (default hdp,static)")
-    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints (0: none)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue each strategy from its newest valid checkpoint (the same settings; --steps may grow)")
-    parser.add_argument("--megatron-lm", metavar="DIR", help="instead: run DIR/pretrain_gpt.py (Megatron-LM core_v0.16.1 or core_v0.19.x, "
-                        "Megatron's own training loop) under HDP on CPU/gloo on the demo corpus")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints (0: none)"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue each strategy from its newest valid checkpoint (the same settings; --steps may grow)",
+    )
+    parser.add_argument(
+        "--megatron-lm",
+        metavar="DIR",
+        help="instead: run DIR/pretrain_gpt.py (Megatron-LM core_v0.16.1 or core_v0.19.x, "
+        "Megatron's own training loop) under HDP on CPU/gloo on the demo corpus",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:

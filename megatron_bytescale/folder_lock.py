@@ -136,7 +136,11 @@ class HeartbeatLock:
 
         from .process_lifetime import _alive
 
-        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
+        if (
+            holder.get("host") == socket.gethostname()
+            and isinstance(holder.get("pid"), int)
+            and not _alive(holder["pid"])
+        ):
             return "its process is gone"
         # an elastic restart (torchrun's agents restarted every rank after a node died): the
         # holder was this job's previous round, whose rank 0 may have been on the lost node,
@@ -188,7 +192,9 @@ class HeartbeatLock:
             self._thread = threading.Thread(target=self._beat, name="save-lock-heartbeat", daemon=True)
             self._thread.start()
             return self
-        raise ConfigError(f"{self.flag} {self.folder}: could not take {self.path} (other runs kept taking it); try again")
+        raise ConfigError(
+            f"{self.flag} {self.folder}: could not take {self.path} (other runs kept taking it); try again"
+        )
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

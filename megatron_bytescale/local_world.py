@@ -110,8 +110,12 @@ def _child(payload, rank, world_size, port, timeout_s, threads, env, results, he
     # read it (Ray fixes its authentication mode at import).
     os.environ.update(env)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     import torch
     import torch.distributed as dist
@@ -120,7 +124,10 @@ def _child(payload, rank, world_size, port, timeout_s, threads, env, results, he
     try:
         fn, args, kwargs = pickle.loads(payload)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
         out = fn(rank, world_size, *args, **kwargs)
@@ -156,7 +163,7 @@ def remove_stale_result_dirs(parent: str) -> list[str]:
     except OSError:
         return removed
     for entry in entries:
-        pid, sep, _ = entry.name[len(RESULT_DIR_PREFIX):].partition("-")
+        pid, sep, _ = entry.name[len(RESULT_DIR_PREFIX) :].partition("-")
         if not entry.name.startswith(RESULT_DIR_PREFIX) or not sep or not pid.isdigit():
             continue
         try:

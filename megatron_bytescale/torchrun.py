@@ -53,8 +53,11 @@ def _quiet_agent_failure_logs() -> None:
     """torchrun's agent logs each failed rank and a closing summary at ERROR: the one line says it."""
     import logging
 
-    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
-                 "torch.distributed.elastic.multiprocessing.errors"):
+    for name in (
+        "torch.distributed.elastic.multiprocessing.api",
+        "torch.distributed.elastic.agent.server.api",
+        "torch.distributed.elastic.multiprocessing.errors",
+    ):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
@@ -89,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {lines[0][1]}", file=sys.stderr, flush=True)
                 return 2
             rank, failure = min(exc.failures.items())
-            print(f"error: rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}; its output is above "
-                  f"({len(exc.failures)} rank(s) failed)", file=sys.stderr, flush=True)
+            print(
+                f"error: rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}; its output is above "
+                f"({len(exc.failures)} rank(s) failed)",
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)

@@ -27,13 +27,17 @@ def small_cost(bw_offload: float = 1e12, num_layers: int = 6, **changes) -> Cost
     return CostModel(**base)
 
 
-def draw_lengths(draw, capacity: int, num_ranks: int, max_short: int, max_long: int, min_long: int = 0,
-                 shuffle: bool = False) -> list[int]:
+def draw_lengths(
+    draw, capacity: int, num_ranks: int, max_short: int, max_long: int, min_long: int = 0, shuffle: bool = False
+) -> list[int]:
     """A batch for a property test: short sequences (one rank holds each) and, when there is
     more than one rank, long ones that need a ring; ``[capacity]`` if both come out empty."""
     short = draw(st.lists(st.integers(1, capacity), max_size=max_short))
-    long = (draw(st.lists(st.integers(capacity + 1, capacity * num_ranks), min_size=min_long, max_size=max_long))
-            if num_ranks > 1 else [])
+    long = (
+        draw(st.lists(st.integers(capacity + 1, capacity * num_ranks), min_size=min_long, max_size=max_long))
+        if num_ranks > 1
+        else []
+    )
     lens = draw(st.permutations(short + long)) if shuffle else short + long
     return lens or [capacity]
 
@@ -79,8 +83,15 @@ def peak_in_flight(orders) -> int:
 
 
 @st.composite
-def ring_pipelines(draw, ranks: tuple[int, int], max_rings: int, before: int, after: int, giant: bool = False,
-                   chunks: list[int] | None = None):
+def ring_pipelines(
+    draw,
+    ranks: tuple[int, int],
+    max_rings: int,
+    before: int,
+    after: int,
+    giant: bool = False,
+    chunks: list[int] | None = None,
+):
     """Pipelines' ring keys and stage times: rings over random member sets in one global
     order (with ``giant``, at times one on every rank first), up to ``before`` local
     micro-batches of random length ahead of each, up to ``after`` at the end (at least one on

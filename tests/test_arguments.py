@@ -182,9 +182,19 @@ def test_explicit_values_parse():
     args = parse(
         HDP
         + [
-            "--hdp-balance", "none", "--hdp-balance-slack", "0.1", "--hdp-selective-offload",
-            "--hdp-hardware", "h200", "--hdp-plan-ahead", "0", "--hdp-ranks-per-node", "4",
-            "--hdp-step-tokens", "1M",
+            "--hdp-balance",
+            "none",
+            "--hdp-balance-slack",
+            "0.1",
+            "--hdp-selective-offload",
+            "--hdp-hardware",
+            "h200",
+            "--hdp-plan-ahead",
+            "0",
+            "--hdp-ranks-per-node",
+            "4",
+            "--hdp-step-tokens",
+            "1M",
         ]
     )
     validate_hdp_args(args)
@@ -314,7 +324,11 @@ CONFLICTS = {
     "profile and hardware": (HDP + ["--hdp-profile", __file__, "--hdp-hardware", "h200"], {}, "keep one"),
     "missing profile": (HDP + ["--hdp-profile", "/nonexistent/profile.yaml"], {}, "no such file"),
     "sequence too long": (HDP, dict(seq_length=128 * 1024), r"128K.*8 HDP ranks.*64K tokens.*--hdp-selective-offload"),
-    "flag without hdp": (["--hdp-token-capacity", "8K", "--hdp-balance", "pp"], {}, "--hdp-token-capacity, --hdp-balance only apply"),
+    "flag without hdp": (
+        ["--hdp-token-capacity", "8K", "--hdp-balance", "pp"],
+        {},
+        "--hdp-token-capacity, --hdp-balance only apply",
+    ),
     # flags of core_v0.17-0.19 (absent on core_v0.16, where getattr's defaults apply)
     "eval micro batch (0.19)": (HDP, dict(eval_micro_batch_size=4), "--eval-micro-batch-size 4"),
     "eval global batch (0.19)": (HDP, dict(eval_global_batch_size=64), "--hdp-step-tokens"),
@@ -347,15 +361,23 @@ def test_sequence_too_long_is_allowed_with_offload():
 def test_sequence_that_does_not_fit_even_with_full_offload_is_refused_in_one_line():
     # 128K needs 12 ranks of 8K even at offload ratio 1 (the planner's memory floor); a world of
     # 8 (say, after an elastic restart on fewer nodes) stops at launch, not at the first step
-    with pytest.raises(ConfigError, match=r"^--seq-length 128K does not fit even with full offload: .*needs 12 ranks.*only 8 ranks") as exc:
+    with pytest.raises(
+        ConfigError, match=r"^--seq-length 128K does not fit even with full offload: .*needs 12 ranks.*only 8 ranks"
+    ) as exc:
         validate_hdp_args(parse(HDP + ["--hdp-selective-offload"], seq_length=128 * 1024))
     assert "\n" not in str(exc.value)
 
 
 def test_global_batch_that_the_hdp_ranks_do_not_divide_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match=r"^--global-batch-size 8 does not divide by the 3 HDP ranks.*every world") as exc:
-        check_global_batch(validate_hdp_args(parse(HDP, world_size=3, data_parallel_size=3, seq_length=8192, global_batch_size=8)))
-    check_global_batch(validate_hdp_args(parse(HDP, world_size=3, data_parallel_size=3, seq_length=8192, global_batch_size=12)))
+    with pytest.raises(
+        ConfigError, match=r"^--global-batch-size 8 does not divide by the 3 HDP ranks.*every world"
+    ) as exc:
+        check_global_batch(
+            validate_hdp_args(parse(HDP, world_size=3, data_parallel_size=3, seq_length=8192, global_batch_size=8))
+        )
+    check_global_batch(
+        validate_hdp_args(parse(HDP, world_size=3, data_parallel_size=3, seq_length=8192, global_batch_size=12))
+    )
     assert "\n" not in str(exc.value)
 
 
@@ -521,5 +543,6 @@ def test_the_cost_model_follows_the_device(monkeypatch):
     assert gpu_args.hdp_hardware == "h100"
     assert cost_model_from_args(gpu_args).b1 < cpu.b1 / 1000
     # asked for explicitly, on any machine
-    assert dataclasses.astuple(cost_model_from_args(validate_hdp_args(parse(HDP + tiny + ["--hdp-hardware", "cpu"])))) \
-        == dataclasses.astuple(cpu)
+    assert dataclasses.astuple(
+        cost_model_from_args(validate_hdp_args(parse(HDP + tiny + ["--hdp-hardware", "cpu"])))
+    ) == dataclasses.astuple(cpu)

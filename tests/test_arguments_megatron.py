@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from megatron_lm import MEGATRON_LM_DIR, needs_tree
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,9 +216,9 @@ if known_masking:
 print(json.dumps({{"refusals": result, "masking_accepted": known_masking}}))
 """
     )
-    from megatron_lm import era
-
     from megatron_bytescale.megatron_era import Era
+
+    from megatron_lm import era
 
     tree_era = era()
     for flag, (_, message) in NEWER_FLAGS.items():

@@ -29,9 +29,12 @@ def test_loading_the_contract_loads_no_scheduler_and_no_third_party_package():
     names = eval(loaded)  # a printed list of module names
     # the package's own __init__ installs triton_stand_ins (standard library only) before anything
     # can import megatron-core
-    assert all(n == "megatron_bytescale" or n.startswith("megatron_bytescale.planner.contract") or n in (
-        "megatron_bytescale.errors", "megatron_bytescale.planner", "megatron_bytescale.triton_stand_ins")
-        for n in names), names
+    assert all(
+        n == "megatron_bytescale"
+        or n.startswith("megatron_bytescale.planner.contract")
+        or n in ("megatron_bytescale.errors", "megatron_bytescale.planner", "megatron_bytescale.triton_stand_ins")
+        for n in names
+    ), names
 
 
 @pytest.mark.parametrize("chunks", [1, 3])
@@ -61,6 +64,7 @@ def test_a_ring_is_one_gang_and_a_crossed_order_deadlocks():
 def test_a_barrier_holds_every_device_until_all_arrive():
     # rank 0 runs a long micro-batch, rank 1 a short one, each then a second one after the barrier
     times = {(0, 0): 9.0, (0, 1): 1.0, (1, 0): 1.0, (1, 1): 1.0}
+
     def durations(r, m):
         return times[r, m] / 3, 2 * times[r, m] / 3
 

@@ -14,7 +14,14 @@ def test_command_is_torchrun_of_the_launcher_with_tiny_and_hdp_flags(tmp_path):
     (tmp_path / "pretrain_gpt.py").write_text("")
     argv = pretrain_gpt_command(tmp_path, "data/corpus", **SIZES)
     assert argv[1:3] == ["-m", "megatron_bytescale.torchrun"]
-    assert argv[3:9] == ["--standalone", "--nproc-per-node", "4", "-m", "megatron_bytescale.launch", str(tmp_path / "pretrain_gpt.py")]
+    assert argv[3:9] == [
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "megatron_bytescale.launch",
+        str(tmp_path / "pretrain_gpt.py"),
+    ]
     flags = argv[9:]
     assert flags[: len(read_args_file(MODEL_DIR / "tiny.args"))] == read_args_file(MODEL_DIR / "tiny.args")
 

@@ -7,12 +7,13 @@ import time
 
 import pytest
 
-from data_support import SlowOnCall, build_corpus
 from megatron_bytescale.data.local_loader import LocalDataLoader
 from megatron_bytescale.data.planning import SamplesDigest, default_plan_fn
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.planner.planner import PlannerConfig
 from megatron_bytescale.runtime.step import plan_digest
+
+from data_support import SlowOnCall, build_corpus
 
 RANKS, CAPACITY = 4, 2048
 SETTINGS = dict(step_tokens=3 * RANKS * CAPACITY, context_length=RANKS * CAPACITY, seed=11)
@@ -46,8 +47,10 @@ def _digest(batches):
 def test_plans_ahead_are_the_plans_in_process_on_every_rank(corpus):
     steps = 3
     inline = [_steps(LocalDataLoader(corpus, CONFIG, rank=r, **SETTINGS), steps, r) for r in (0, 3)]
-    ahead = [_steps(LocalDataLoader(corpus, CONFIG, rank=r, plan_ahead=2, **SETTINGS), steps, r, train_s=0.05)
-             for r in (0, 3)]
+    ahead = [
+        _steps(LocalDataLoader(corpus, CONFIG, rank=r, plan_ahead=2, **SETTINGS), steps, r, train_s=0.05)
+        for r in (0, 3)
+    ]
     for a, b in zip(inline, ahead):
         assert [x.step for x in b] == list(range(steps))
         assert [plan_digest(x.plan) for x in a] == [plan_digest(x.plan) for x in b]

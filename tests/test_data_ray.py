@@ -125,8 +125,25 @@ def test_bench_digest_is_equal_across_modes(ray_session, corpus, tmp_path):
     results = {}
     for mode in ("local", "ray"):
         out = tmp_path / f"{mode}.json"
-        argv = ["dataloader-bench", "--mode", mode, "--ranks", "4", "--steps", "3", "--capacity", "1024",
-                "--servers", "1", "--seed", "9", "--data", corpus, "--json", str(out)]
+        argv = [
+            "dataloader-bench",
+            "--mode",
+            mode,
+            "--ranks",
+            "4",
+            "--steps",
+            "3",
+            "--capacity",
+            "1024",
+            "--servers",
+            "1",
+            "--seed",
+            "9",
+            "--data",
+            corpus,
+            "--json",
+            str(out),
+        ]
         assert cli.main(argv) == 0
         results[mode] = json.loads(out.read_text())
     assert results["local"]["samples_digest"] == results["ray"]["samples_digest"]
@@ -180,14 +197,33 @@ def test_a_head_that_refuses_our_token_is_named_as_such_in_seconds(tmp_path):
     temp = tempfile.mkdtemp(prefix="/tmp/rt")  # Ray's socket paths must stay short
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
     head = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(port), "--num-cpus", "1",
-         "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    probe = ("import time; t = time.monotonic()\n"
-             "from megatron_bytescale.data.ray_loader import init_ray\n"
-             "from megatron_bytescale.errors import ConfigError\n"
-             "try:\n    init_ray(ADDRESS)\nexcept ConfigError as exc:\n    print('refused:', exc)\n"
-             "print(f'{time.monotonic() - t:.1f} s')\n").replace("ADDRESS", repr(f"127.0.0.1:{port}"))
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--port",
+            str(port),
+            "--num-cpus",
+            "1",
+            "--include-dashboard",
+            "false",
+            "--disable-usage-stats",
+            "--temp-dir",
+            temp,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    probe = (
+        "import time; t = time.monotonic()\n"
+        "from megatron_bytescale.data.ray_loader import init_ray\n"
+        "from megatron_bytescale.errors import ConfigError\n"
+        "try:\n    init_ray(ADDRESS)\nexcept ConfigError as exc:\n    print('refused:', exc)\n"
+        "print(f'{time.monotonic() - t:.1f} s')\n"
+    ).replace("ADDRESS", repr(f"127.0.0.1:{port}"))
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -197,17 +233,31 @@ def test_a_head_that_refuses_our_token_is_named_as_such_in_seconds(tmp_path):
             except OSError:
                 time.sleep(0.5)
         time.sleep(3)  # the GCS listens before it serves
-        for name, variables in (("wrong token", dict(RAY_AUTH_TOKEN="f" * 32, RAY_AUTH_MODE="token")), ("no token", {})):
+        for name, variables in (
+            ("wrong token", dict(RAY_AUTH_TOKEN="f" * 32, RAY_AUTH_MODE="token")),
+            ("no token", {}),
+        ):
             clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-            proc = subprocess.run([sys.executable, "-c", probe], env=dict(clean, **variables), capture_output=True,
-                                  text=True, timeout=120)
+            proc = subprocess.run(
+                [sys.executable, "-c", probe], env=dict(clean, **variables), capture_output=True, text=True, timeout=120
+            )
             print(name, proc.stdout.strip().splitlines()[-1])
-            assert proc.stdout.startswith(f"refused: --address 127.0.0.1:{port}: the Ray head refuses this process's "
-                                          "authentication token"), (name, proc.stdout, proc.stderr[-2000:])
+            assert proc.stdout.startswith(
+                f"refused: --address 127.0.0.1:{port}: the Ray head refuses this process's authentication token"
+            ), (name, proc.stdout, proc.stderr[-2000:])
             assert "InvalidAuthToken" not in proc.stderr and "GCS port" not in proc.stdout
-        right = subprocess.run([sys.executable, "-c", f"from megatron_bytescale.data.ray_loader import check_token; "
-                                f"check_token('127.0.0.1:{port}'); print('passed')"],
-                               env=env, capture_output=True, text=True, timeout=120)
+        right = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"from megatron_bytescale.data.ray_loader import check_token; "
+                f"check_token('127.0.0.1:{port}'); print('passed')",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert right.stdout.strip() == "passed", right.stderr[-2000:]
     finally:
         os.killpg(head.pid, 15)

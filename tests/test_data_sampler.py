@@ -1,6 +1,5 @@
 """Global batches: token budget, context cuts, epochs, determinism, exact resume positions."""
 
-
 import numpy as np
 import pytest
 from hypothesis import given, settings

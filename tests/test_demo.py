@@ -28,8 +28,17 @@ def corpus(tmp_path_factory):
 
 
 def config(tmp_path, corpus, **kw) -> DemoConfig:
-    base = dict(ranks=2, steps=4, capacity=1024, context=2048, step_tokens=4096, data=corpus, out=str(tmp_path),
-                checkpoint_every=2, timeout_s=300)
+    base = dict(
+        ranks=2,
+        steps=4,
+        capacity=1024,
+        context=2048,
+        step_tokens=4096,
+        data=corpus,
+        out=str(tmp_path),
+        checkpoint_every=2,
+        timeout_s=300,
+    )
     return DemoConfig(**{**base, **kw})
 
 

@@ -23,7 +23,7 @@ def test_resume_takes_the_newest_valid_checkpoint_and_continues_exactly(tmp_path
     shutil.copytree(tmp_path / "whole" / "checkpoints" / "hdp", ckpts)
     (ckpts / "step_4.pt").write_bytes(b"")  # a kill mid-write by a non-atomic writer
     data = bytearray((ckpts / "step_3.pt").read_bytes())
-    data[len(data) // 2: len(data) // 2 + 4096] = bytes(4096)  # 4 KB zeroed inside
+    data[len(data) // 2 : len(data) // 2 + 4096] = bytes(4096)  # 4 KB zeroed inside
     (ckpts / "step_3.pt").write_bytes(bytes(data))
     (ckpts / "step_99.pt").write_text("not a checkpoint")
     shutil.copy(ckpts / "step_2.pt", ckpts / "step_4 (copy).pt")

@@ -44,8 +44,22 @@ def work(tmp_path_factory):
 def data(work):
     prefix = work / "train"
     files = sorted((ROOT / "megatron_bytescale").rglob("*.py"))
-    subprocess.run([sys.executable, "-m", "megatron_bytescale.cli", "prepare-data", "--output", str(prefix), "--quiet",
-                    "--text-files", *map(str, files)], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_bytescale.cli",
+            "prepare-data",
+            "--output",
+            str(prefix),
+            "--quiet",
+            "--text-files",
+            *map(str, files),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return str(prefix)
 
 
@@ -68,12 +82,21 @@ def runs(data, work):
     with ThreadPoolExecutor(2) as pool:
         four = pool.submit(_run, data, 4, SAVE_DIR=work / "ckpt4", SAVE_INTERVAL=2)
         # the same 5-iteration schedule (the LR decays over --train-iters), stopped at 2
-        two = pool.submit(lambda: train(Path(MEGATRON_LM_DIR), *FLAGS, "--exit-interval", "2", **dict(
-            COMMON, DATA_PATH=data, NPROC=2, SAVE_DIR=work / "ckpt2", SAVE_INTERVAL=2)).check())
+        two = pool.submit(
+            lambda: train(
+                Path(MEGATRON_LM_DIR),
+                *FLAGS,
+                "--exit-interval",
+                "2",
+                **dict(COMMON, DATA_PATH=data, NPROC=2, SAVE_DIR=work / "ckpt2", SAVE_INTERVAL=2),
+            ).check()
+        )
         four, two = four.result(), two.result()
         cases = {"4->3": (work / "ckpt4", 3), "4->2": (work / "ckpt4", 2), "2->4": (work / "ckpt2", 4)}
-        futures = {name: pool.submit(_run, data, nproc, LOAD_DIR=_at(ckpt, 2, work, name.replace("->", "to")))
-                   for name, (ckpt, nproc) in cases.items()}
+        futures = {
+            name: pool.submit(_run, data, nproc, LOAD_DIR=_at(ckpt, 2, work, name.replace("->", "to")))
+            for name, (ckpt, nproc) in cases.items()
+        }
         resumed = {name: f.result() for name, f in futures.items()}
     return four, two, resumed
 
@@ -97,7 +120,11 @@ def test_resume_on_another_world_size_continues_the_uninterrupted_run(case, runs
     for i, loss in want.items():
         assert abs(float(run.losses[i]) - loss) < TOLERANCE, (case, i, run.losses, four.losses)
     for i in (3, 5):  # the same parameters: gradient norms agree to Megatron's printed digits
-        assert abs(float(run.grad_norms[i]) - float(four.grad_norms[i])) <= 1e-3, (case, run.grad_norms, four.grad_norms)
+        assert abs(float(run.grad_norms[i]) - float(four.grad_norms[i])) <= 1e-3, (
+            case,
+            run.grad_norms,
+            four.grad_norms,
+        )
 
 
 # ------------------------------------------------------------------ (b) an agent dies mid-run
@@ -150,12 +177,33 @@ def test_two_agents_lose_one_and_the_survivor_finishes_on_two_ranks(runs, data, 
         port = s.getsockname()[1]
 
     def agent(host: bool):
-        variables = dict(COMMON, DATA_PATH=data, NPROC=2, NNODES="1:2", RDZV_ENDPOINT=f"127.0.0.1:{port}",
-                         RDZV_ID="elastic-test", MAX_RESTARTS=1, SAVE_DIR=save, SAVE_INTERVAL=2,
-                         RDZV_CONF=f"is_host={int(host)},last_call_timeout=2")
-        return subprocess.Popen(["bash", str(ROOT / "scripts/train_local.sh"), "--no-bias-swiglu-fusion",
-                                 "--no-bias-dropout-fusion", *FLAGS], env=_environment(Path(MEGATRON_LM_DIR), **variables),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
+        variables = dict(
+            COMMON,
+            DATA_PATH=data,
+            NPROC=2,
+            NNODES="1:2",
+            RDZV_ENDPOINT=f"127.0.0.1:{port}",
+            RDZV_ID="elastic-test",
+            MAX_RESTARTS=1,
+            SAVE_DIR=save,
+            SAVE_INTERVAL=2,
+            RDZV_CONF=f"is_host={int(host)},last_call_timeout=2",
+        )
+        return subprocess.Popen(
+            [
+                "bash",
+                str(ROOT / "scripts/train_local.sh"),
+                "--no-bias-swiglu-fusion",
+                "--no-bias-dropout-fusion",
+                *FLAGS,
+            ],
+            env=_environment(Path(MEGATRON_LM_DIR), **variables),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            start_new_session=True,
+        )
 
     # the victim first: as a store client it waits for the host's store, so both agents join the
     # first round together (an agent alone would start a 2-rank world after last_call_timeout)
@@ -186,7 +234,7 @@ def test_two_agents_lose_one_and_the_survivor_finishes_on_two_ranks(runs, data, 
     lines = RESTART_LINE.findall(log)
     assert len(lines) == 1 and lines[0][:2] == ("4", "2"), log[-5000:]
     start = int(lines[0][2])
-    after_restart = log[log.index("elastic restart 1:"):]
+    after_restart = log[log.index("elastic restart 1:") :]
     losses = {int(i): float(loss) for i, loss, _ in ITERATION.findall(after_restart)}
     print("restart line:", re.search(r"^elastic restart 1: .*$", log, re.M).group(0))
     print(f"after the restart (2 ranks) {losses}; uninterrupted 4 ranks {four.losses}")
@@ -211,23 +259,41 @@ def test_a_world_too_small_for_the_model_stops_with_one_line(data):
 
     def flags(**variables):
         env = _environment(Path(MEGATRON_LM_DIR), DRY_RUN=1, DATA_PATH=data, **variables)
-        proc = subprocess.run(["bash", str(ROOT / "scripts/train_local.sh")], env=env, capture_output=True, text=True,
-                              timeout=60, cwd=ROOT, check=True)
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts/train_local.sh")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            check=True,
+        )
         argv = shlex.split(proc.stdout.strip().splitlines()[-1])
-        return argv[argv.index("megatron_bytescale.launch") + 2:]
+        return argv[argv.index("megatron_bytescale.launch") + 2 :]
 
     cases = {  # written for 4 ranks, started on the 2 or 1 left
-        "TP 2 x PP 2 on 2 ranks": (flags(NPROC=4, TP=2, PP=2, GLOBAL_BATCH_SIZE=4), 2,
-                                   "world size 2 is smaller than one model replica: --tensor-model-parallel-size 2 x "
-                                   "--pipeline-model-parallel-size 2 = 4 ranks"),
-        "4K tokens on 1 rank with offload": (flags(NPROC=4, SEQ_LENGTH=4096, HDP_SELECTIVE_OFFLOAD=1, GLOBAL_BATCH_SIZE=4), 1,
-                                             "--seq-length 4K does not fit even with full offload"),
+        "TP 2 x PP 2 on 2 ranks": (
+            flags(NPROC=4, TP=2, PP=2, GLOBAL_BATCH_SIZE=4),
+            2,
+            "world size 2 is smaller than one model replica: --tensor-model-parallel-size 2 x "
+            "--pipeline-model-parallel-size 2 = 4 ranks",
+        ),
+        "4K tokens on 1 rank with offload": (
+            flags(NPROC=4, SEQ_LENGTH=4096, HDP_SELECTIVE_OFFLOAD=1, GLOBAL_BATCH_SIZE=4),
+            1,
+            "--seq-length 4K does not fit even with full offload",
+        ),
         # not too small, but Megatron's micro-batch calculator would assert: one line instead
-        "global batch 8 on 3 ranks": (flags(NPROC=4, GLOBAL_BATCH_SIZE=8), 3,
-                                      "--global-batch-size 8 does not divide by the 3 HDP ranks"),
+        "global batch 8 on 3 ranks": (
+            flags(NPROC=4, GLOBAL_BATCH_SIZE=8),
+            3,
+            "--global-batch-size 8 does not divide by the 3 HDP ranks",
+        ),
     }
     with ThreadPoolExecutor(3) as pool:
-        results = dict(zip(cases, pool.map(lambda c: _direct(c[0], WORLD_SIZE=c[1], RANK=0, LOCAL_RANK=0), cases.values())))
+        results = dict(
+            zip(cases, pool.map(lambda c: _direct(c[0], WORLD_SIZE=c[1], RANK=0, LOCAL_RANK=0), cases.values()))
+        )
     for case, proc in results.items():
         assert proc.returncode == 2, (case, proc.returncode, proc.stderr[-3000:])
         assert "Traceback" not in proc.stderr, (case, proc.stderr[-3000:])

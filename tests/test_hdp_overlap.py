@@ -53,11 +53,13 @@ def _overlapped(rank, world, plan_json, steps=2):
         ddp.zero_grad_buffer()
         step = StepBatch(plan, rank, [build_micro_batch_data(mb, read_tokens) for mb in plan.micro_batches(rank)])
         result = local_run.run_step(step, ddp, group)
-        out["steps"].append({
-            "loss": result.loss,
-            "in_backward": ddp._hdp_in_order_launch.launched_in_backward,
-            "grads": {n: p.main_grad.detach().clone() for n, p in model.named_parameters()},
-        })
+        out["steps"].append(
+            {
+                "loss": result.loss,
+                "in_backward": ddp._hdp_in_order_launch.launched_in_backward,
+                "grads": {n: p.main_grad.detach().clone() for n, p in model.named_parameters()},
+            }
+        )
     local_run.teardown()
     return out
 

@@ -39,6 +39,7 @@ def _tied_model(folder) -> str:
 
 def _plan(num_ranks: int) -> Plan:
     """Every sequence whole; with 2 ranks each pipeline runs two micro-batches."""
+
     def on(rank):
         return tuple(MicroBatch((whole_piece(i, s, rank),)) for i, s in enumerate(LENS) if i % num_ranks == rank)
 
@@ -74,7 +75,7 @@ def _global_name(model, name: str) -> str:
     if name == "output_layer.weight":
         return EMBEDDING
     if name.startswith("decoder.layers."):
-        local, rest = name[len("decoder.layers."):].split(".", 1)
+        local, rest = name[len("decoder.layers.") :].split(".", 1)
         return f"decoder.layers.{model.decoder.layers[int(local)].layer_number - 1}.{rest}"
     return name
 
@@ -116,11 +117,12 @@ def test_tied_embeddings_under_pp2_by_hdp2_equal_one_rank(runs):
         assert o["loss"] == pytest.approx(ref["loss"], abs=TOL)
         for name, grad in o["grads"].items():
             worst = max(worst, float((grad - ref["grads"][o["names"][name]]).abs().max()))
-    print(f"tied embeddings, PP=2 x HDP=2: loss {outs[0]['loss']:.8f} vs one rank {ref['loss']:.8f}; "
-          f"max gradient difference {worst:.2e}")
+    print(
+        f"tied embeddings, PP=2 x HDP=2: loss {outs[0]['loss']:.8f} vs one rank {ref['loss']:.8f}; "
+        f"max gradient difference {worst:.2e}"
+    )
     assert worst < TOL, worst
     # both ends hold the tied weight, whose gradient is not small next to the tolerance
     held = {o["stage"]: [n for n in o["names"] if o["names"][n] == EMBEDDING] for o in outs}
     assert held == {0: [EMBEDDING], 1: ["output_layer.weight"]}
     assert float(ref["grads"][EMBEDDING].abs().max()) > 100 * TOL
-

@@ -32,15 +32,31 @@ def launch(tmp_path):
     probe_dir = tmp_path / "probe"
     probe_dir.mkdir()
     (probe_dir / "sitecustomize.py").write_text(PROBE)
-    env = dict(os.environ, MEGATRON_LM_DIR=str(mlm), DATA_PATH=str(tmp_path / "corpus"), MODEL="tiny", NPROC="4",
-               SEQ_LENGTH="256", HDP_TOKEN_CAPACITY="256", TRAIN_ITERS="10", LR_WARMUP_ITERS="1", PYTHON=sys.executable,
-               IMPORT_PROBE=str(tmp_path / "torch_imported"), PYTHONPATH=os.pathsep.join([str(probe_dir), str(ROOT)]))
+    env = dict(
+        os.environ,
+        MEGATRON_LM_DIR=str(mlm),
+        DATA_PATH=str(tmp_path / "corpus"),
+        MODEL="tiny",
+        NPROC="4",
+        SEQ_LENGTH="256",
+        HDP_TOKEN_CAPACITY="256",
+        TRAIN_ITERS="10",
+        LR_WARMUP_ITERS="1",
+        PYTHON=sys.executable,
+        IMPORT_PROBE=str(tmp_path / "torch_imported"),
+        PYTHONPATH=os.pathsep.join([str(probe_dir), str(ROOT)]),
+    )
 
     def run(*flags, command=None, **variables):
         t0 = time.monotonic()
-        proc = subprocess.run(command or ["bash", str(ROOT / "scripts/train_local.sh"), *flags],
-                              env=dict(env, **{k: str(v) for k, v in variables.items()}), capture_output=True, text=True,
-                              timeout=120, cwd=tmp_path)
+        proc = subprocess.run(
+            command or ["bash", str(ROOT / "scripts/train_local.sh"), *flags],
+            env=dict(env, **{k: str(v) for k, v in variables.items()}),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
         seconds = time.monotonic() - t0
         probe = tmp_path / "torch_imported"
         imported = probe.read_text() if probe.exists() else "not run"
@@ -51,22 +67,42 @@ def launch(tmp_path):
 
 
 CASES = {
-    "--context-parallel-size 2": ((("--context-parallel-size", "2"), {}),
-                                  "error: --context-parallel-size 2 is a static CP mesh; HDP replaces it"),
-    "--micro-batch-size 2": ((("--micro-batch-size", "2"), {}), "error: --hybrid-data-parallel packs each rank's micro-batch "
-                             "by tokens (--hdp-token-capacity), not by samples: use --micro-batch-size 1 (got 2)"),
-    "sequence longer than ranks x capacity": ((("--seq-length", "2048", "--max-position-embeddings", "2048"), {}),
-                                              "error: --seq-length 2K does not fit on 4 HDP ranks x --hdp-token-capacity 256 = 1K tokens"),
-    "--attention-dropout 0.1": ((("--attention-dropout", "0.1"), {}), "error: --attention-dropout 0.1: HDP ring attention"),
+    "--context-parallel-size 2": (
+        (("--context-parallel-size", "2"), {}),
+        "error: --context-parallel-size 2 is a static CP mesh; HDP replaces it",
+    ),
+    "--micro-batch-size 2": (
+        (("--micro-batch-size", "2"), {}),
+        "error: --hybrid-data-parallel packs each rank's micro-batch "
+        "by tokens (--hdp-token-capacity), not by samples: use --micro-batch-size 1 (got 2)",
+    ),
+    "sequence longer than ranks x capacity": (
+        (("--seq-length", "2048", "--max-position-embeddings", "2048"), {}),
+        "error: --seq-length 2K does not fit on 4 HDP ranks x --hdp-token-capacity 256 = 1K tokens",
+    ),
+    "--attention-dropout 0.1": (
+        (("--attention-dropout", "0.1"), {}),
+        "error: --attention-dropout 0.1: HDP ring attention",
+    ),
     "HDP_TOKEN_CAPACITY=0": (((), {"HDP_TOKEN_CAPACITY": "0"}), "error: HDP_TOKEN_CAPACITY=0: write tokens per rank"),
-    "HDP_PLAN_AHEAD=-1": (((), {"HDP_PLAN_AHEAD": "-1"}), "error: HDP_PLAN_AHEAD=-1: give how many steps to plan ahead"),
-    "TRAIN_ITERS <= LR_WARMUP_ITERS": (((), {"TRAIN_ITERS": "5", "LR_WARMUP_ITERS": "5"}),
-                                       "error: LR_WARMUP_ITERS=5 is not below TRAIN_ITERS=5"),
+    "HDP_PLAN_AHEAD=-1": (
+        ((), {"HDP_PLAN_AHEAD": "-1"}),
+        "error: HDP_PLAN_AHEAD=-1: give how many steps to plan ahead",
+    ),
+    "TRAIN_ITERS <= LR_WARMUP_ITERS": (
+        ((), {"TRAIN_ITERS": "5", "LR_WARMUP_ITERS": "5"}),
+        "error: LR_WARMUP_ITERS=5 is not below TRAIN_ITERS=5",
+    ),
     # the same refusals when the flags come after the script's own (the launcher checks them)
     "--hdp-token-capacity 0": ((("--hdp-token-capacity", "0"), {}), "error: argument --hdp-token-capacity: "),
-    "--hdp-plan-ahead -1": ((("--hdp-plan-ahead", "-1"), {}), "error: argument --hdp-plan-ahead: must not be negative, got -1"),
-    "--lr-warmup-iters 10": ((("--lr-warmup-iters", "10"), {}),
-                             "error: --lr-warmup-iters 10 is not below --train-iters 10: the learning rate would never decay"),
+    "--hdp-plan-ahead -1": (
+        (("--hdp-plan-ahead", "-1"), {}),
+        "error: argument --hdp-plan-ahead: must not be negative, got -1",
+    ),
+    "--lr-warmup-iters 10": (
+        (("--lr-warmup-iters", "10"), {}),
+        "error: --lr-warmup-iters 10 is not below --train-iters 10: the learning rate would never decay",
+    ),
 }
 
 
@@ -84,16 +120,40 @@ def test_each_wrong_launch_is_one_line_from_the_launcher_without_torch(launch, c
 
 def test_no_per_token_loss_through_the_launcher_module(launch):
     run, mlm, tmp_path = launch
-    flags = ["--num-layers", "2", "--seq-length", "256", "--micro-batch-size", "1", "--attention-dropout", "0.0",
-             "--data-path", str(tmp_path / "corpus"), "--hybrid-data-parallel", "--hdp-token-capacity", "256"]
-    command = [sys.executable, "-m", "megatron_bytescale.torchrun", "--standalone", "--nproc-per-node", "4",
-               "-m", "megatron_bytescale.launch", str(mlm / "pretrain_gpt.py"), *flags]
+    flags = [
+        "--num-layers",
+        "2",
+        "--seq-length",
+        "256",
+        "--micro-batch-size",
+        "1",
+        "--attention-dropout",
+        "0.0",
+        "--data-path",
+        str(tmp_path / "corpus"),
+        "--hybrid-data-parallel",
+        "--hdp-token-capacity",
+        "256",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_bytescale.torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "megatron_bytescale.launch",
+        str(mlm / "pretrain_gpt.py"),
+        *flags,
+    ]
     proc, seconds, imported = run(command=command)
     print(f"no --calculate-per-token-loss: {seconds:.2f} s: {proc.stderr.strip()}")
     assert proc.returncode == 2 and imported == "False"
     assert proc.stderr.strip().splitlines() == [
         "error: --hybrid-data-parallel normalises the loss by the step's global token count (ranks hold different "
-        "numbers of tokens and micro-batches): add --calculate-per-token-loss"]
+        "numbers of tokens and micro-batches): add --calculate-per-token-loss"
+    ]
 
 
 def test_the_save_folder_of_a_live_run_is_refused_before_the_ranks(launch):
@@ -105,24 +165,39 @@ def test_the_save_folder_of_a_live_run_is_refused_before_the_ranks(launch):
     run, _, tmp_path = launch
     save = tmp_path / "ckpt"
     save.mkdir()
-    (save / SAVE_LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": "", "started": 0}))
+    (save / SAVE_LOCK).write_text(
+        json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": "", "started": 0})
+    )
     proc, _, imported = run(SAVE_DIR=save)
     assert proc.returncode == 2 and imported == "False"
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and re.fullmatch(
         rf"error: --save {re.escape(str(save))} is in use by another training run \(pid {os.getpid()} on "
         rf"{re.escape(socket.gethostname())}, heartbeat \d+ s ago\); stop it, wait for it to finish, or choose another "
-        r"--save \(a lock without heartbeat for 60 s is taken over\)", lines[0]), lines
+        r"--save \(a lock without heartbeat for 60 s is taken over\)",
+        lines[0],
+    ), lines
 
 
 def test_the_launcher_finds_the_training_flags_and_the_world_size():
     from megatron_bytescale import torchrun
 
-    argv = ["--nnodes", "1:2", "--nproc-per-node=4", "-m", "megatron_bytescale.launch", "/m/pretrain_gpt.py", "--seed", "3"]
+    argv = [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node=4",
+        "-m",
+        "megatron_bytescale.launch",
+        "/m/pretrain_gpt.py",
+        "--seed",
+        "3",
+    ]
     own, flags = torchrun.split(argv)
     assert flags == ["--seed", "3"] and own == argv[:6] and torchrun.world_size(own) == 8
     assert torchrun.split(["--standalone", "/m/pretrain_gpt.py", "--x"])[1] == ["--x"]
     assert torchrun.world_size(["--nproc-per-node", "gpu"]) is None  # known to the ranks only: they check it
-    args = preflight.parse(["--tensor-model-parallel-size", "2", "--unknown-megatron-flag", "7", "--hybrid-data-parallel"])
+    args = preflight.parse(
+        ["--tensor-model-parallel-size", "2", "--unknown-megatron-flag", "7", "--hybrid-data-parallel"]
+    )
     args = preflight.derive(args, 8)
     assert args.data_parallel_size == 4 and args.hybrid_data_parallel and args.attention_dropout == 0.1

@@ -16,9 +16,16 @@ from megatron_bytescale.megatron_era import Era, era_of, parse_version
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("version, expected", [
-    ("0.16.1", Era.V016), ("0.16.4", Era.V016), ("0.19.0", Era.V019), ("0.19.2", Era.V019), ("0.19.1+5be9626", Era.V019),
-])
+@pytest.mark.parametrize(
+    "version, expected",
+    [
+        ("0.16.1", Era.V016),
+        ("0.16.4", Era.V016),
+        ("0.19.0", Era.V019),
+        ("0.19.2", Era.V019),
+        ("0.19.1+5be9626", Era.V019),
+    ],
+)
 def test_supported_versions_map_to_their_era(version, expected):
     assert era_of(parse_version(version)) is expected
 
@@ -43,7 +50,9 @@ def _fake_megatron(root: Path, minor: int) -> Path:
     """A megatron-core of another minor version, first on PYTHONPATH (only its version file)."""
     core = root / "megatron" / "core"
     core.mkdir(parents=True)
-    (core / "__init__.py").write_text("raise ImportError('the version check must come before importing megatron.core')\n")
+    (core / "__init__.py").write_text(
+        "raise ImportError('the version check must come before importing megatron.core')\n"
+    )
     (core / "package_info.py").write_text(f"MAJOR = 0\nMINOR = {minor}\nPATCH = 1\nPRE_RELEASE = ''\n")
     (root / "pretrain_gpt.py").write_text("raise SystemExit('pretrain_gpt.py must not run')\n")
     return root
@@ -52,8 +61,13 @@ def _fake_megatron(root: Path, minor: int) -> Path:
 def test_an_unsupported_megatron_core_stops_the_launcher_at_start_with_one_line(tmp_path):
     tree = _fake_megatron(tmp_path, 17)
     env = {"PYTHONPATH": f"{tree}:{ROOT}", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "megatron_bytescale.launch", str(tree / "pretrain_gpt.py")],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_bytescale.launch", str(tree / "pretrain_gpt.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "megatron-core 0.17.1 is not supported" in lines[0] and "Traceback" not in proc.stderr
@@ -69,12 +83,21 @@ def test_stand_ins_answer_only_without_triton(monkeypatch):
     assert finder.find_spec("megatron.core.transformer.moe.moe_layer") is None
 
 
-@pytest.mark.parametrize("name, calls, message", [
-    ("megatron.core.transformer.custom_layers.batch_invariant_kernels", ("enable_batch_invariant_mode",),
-     "--batch-invariant-mode needs triton"),
-    ("megatron.core.transformer.moe.ops.paged_stash", ("paged_stash_copy_kernel", "paged_stash_pop_kernel"),
-     "MoE paged stashing"),
-])
+@pytest.mark.parametrize(
+    "name, calls, message",
+    [
+        (
+            "megatron.core.transformer.custom_layers.batch_invariant_kernels",
+            ("enable_batch_invariant_mode",),
+            "--batch-invariant-mode needs triton",
+        ),
+        (
+            "megatron.core.transformer.moe.ops.paged_stash",
+            ("paged_stash_copy_kernel", "paged_stash_pop_kernel"),
+            "MoE paged stashing",
+        ),
+    ],
+)
 def test_a_stand_in_kernel_refuses_in_one_line(monkeypatch, name, calls, message):
     monkeypatch.setattr(triton_stand_ins, "_triton", False)
     spec = triton_stand_ins._StandInFinder().find_spec(name)

@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
+from test_pretrain_gpt_cpu import _environment as pretrain_environment
 
 from megatron_bytescale import checkpoint_manifest as manifest
 from megatron_bytescale.megatron import checkpoint_guard
 from megatron_bytescale.process_lifetime import _alive
 
 from lifetime_support import wait_for
-from test_pretrain_gpt_cpu import _environment as pretrain_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
@@ -37,15 +37,32 @@ ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 
 def _environment(**variables) -> dict:
     """test_pretrain_gpt_cpu's settings (tiny model, fp32, local implementation) on 2 ranks."""
-    return pretrain_environment(Path(MEGATRON_LM_DIR), NPROC=2, GLOBAL_BATCH_SIZE=4, PYTHON=sys.executable,
-                                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **variables)
+    return pretrain_environment(
+        Path(MEGATRON_LM_DIR),
+        NPROC=2,
+        GLOBAL_BATCH_SIZE=4,
+        PYTHON=sys.executable,
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        **variables,
+    )
 
 
 def _start(*flags, **variables) -> subprocess.Popen:
     return subprocess.Popen(
-        ["bash", str(ROOT / "scripts/train_local.sh"), "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
-         "--ckpt-format", "torch_dist", *flags],
-        env=_environment(**variables), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        [
+            "bash",
+            str(ROOT / "scripts/train_local.sh"),
+            "--no-bias-swiglu-fusion",
+            "--no-bias-dropout-fusion",
+            "--ckpt-format",
+            "torch_dist",
+            *flags,
+        ],
+        env=_environment(**variables),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
     )
 
 
@@ -64,8 +81,22 @@ def _newest_files_mtime(folder: Path) -> float:
 def data(tmp_path_factory):
     prefix = tmp_path_factory.mktemp("data") / "train"
     files = sorted((ROOT / "megatron_bytescale").rglob("*.py"))
-    subprocess.run([sys.executable, "-m", "megatron_bytescale.cli", "prepare-data", "--output", str(prefix), "--quiet",
-                    "--text-files", *map(str, files)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_bytescale.cli",
+            "prepare-data",
+            "--output",
+            str(prefix),
+            "--quiet",
+            "--text-files",
+            *map(str, files),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return str(prefix)
 
 
@@ -76,16 +107,33 @@ def killed_run(data, tmp_path_factory):
     save = tmp_path_factory.mktemp("ckpt")
     run = _start(DATA_PATH=data, TRAIN_ITERS=10000, SAVE_DIR=save, SAVE_INTERVAL=1)
     try:
-        wait_for(lambda: len([i for i in checkpoint_guard.saved_iterations(save)
-                               if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()]) >= 2
-                  or run.poll() is not None, 600, "two checkpoints with manifests")
+        wait_for(
+            lambda: (
+                len(
+                    [
+                        i
+                        for i in checkpoint_guard.saved_iterations(save)
+                        if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()
+                    ]
+                )
+                >= 2
+                or run.poll() is not None
+            ),
+            600,
+            "two checkpoints with manifests",
+        )
         assert run.poll() is None, run.stdout.read()[-3000:]
         ranks = _children(run.pid)
         assert len(ranks) == 2, ranks
         t0 = time.monotonic()
         second = subprocess.run(
-            ["bash", str(ROOT / "scripts/train_local.sh")], env=_environment(DATA_PATH=data, TRAIN_ITERS=5, SAVE_DIR=save),
-            capture_output=True, text=True, timeout=120, cwd=ROOT)
+            ["bash", str(ROOT / "scripts/train_local.sh")],
+            env=_environment(DATA_PATH=data, TRAIN_ITERS=5, SAVE_DIR=save),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
         second_s = time.monotonic() - t0
         run.send_signal(signal.SIGKILL)
         killed_at = time.time()
@@ -94,8 +142,15 @@ def killed_run(data, tmp_path_factory):
         wait_for(lambda: not any(_alive(p) for p in ranks), 15, f"ranks {ranks} to end after the launcher's SIGKILL")
         ranks_gone_s = time.monotonic() - t0
         time.sleep(3)  # a rank still saving would write within this
-        return dict(save=save, killed_at=killed_at, second=second, second_s=second_s, ranks=ranks,
-                    ranks_gone_s=ranks_gone_s, log=run.stdout.read())
+        return dict(
+            save=save,
+            killed_at=killed_at,
+            second=second,
+            second_s=second_s,
+            ranks=ranks,
+            ranks_gone_s=ranks_gone_s,
+            log=run.stdout.read(),
+        )
     finally:
         if run.poll() is None:
             run.kill()
@@ -105,7 +160,9 @@ def test_sigkill_of_the_launcher_ends_every_rank_and_no_checkpoint_follows(kille
     print(f"ranks {killed_run['ranks']} gone {killed_run['ranks_gone_s']:.2f} s after the launcher's SIGKILL")
     assert killed_run["ranks_gone_s"] < 10
     newest = _newest_files_mtime(killed_run["save"])
-    assert newest <= killed_run["killed_at"] + 0.5, f"a file was written {newest - killed_run['killed_at']:.1f} s after the kill"
+    assert newest <= killed_run["killed_at"] + 0.5, (
+        f"a file was written {newest - killed_run['killed_at']:.1f} s after the kill"
+    )
 
 
 def test_a_second_run_on_the_same_save_folder_is_refused_naming_the_first(killed_run):
@@ -113,16 +170,22 @@ def test_a_second_run_on_the_same_save_folder_is_refused_naming_the_first(killed
     lines = second.stderr.strip().splitlines()
     print(f"second run refused in {killed_run['second_s']:.2f} s: {lines}")
     assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
-    assert re.match(rf"error: --save {re.escape(str(killed_run['save']))} is in use by another training run "
-                    r"\(job [^,]+, pid \d+ on \S+, heartbeat \d+ s ago\)", lines[0]), lines
+    assert re.match(
+        rf"error: --save {re.escape(str(killed_run['save']))} is in use by another training run "
+        r"\(job [^,]+, pid \d+ on \S+, heartbeat \d+ s ago\)",
+        lines[0],
+    ), lines
 
 
 def test_truncated_and_bit_flipped_shards_fail_verification(killed_run, tmp_path):
     import shutil
 
     save = killed_run["save"]
-    newest = next(i for i in checkpoint_guard.saved_iterations(save)
-                  if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists())
+    newest = next(
+        i
+        for i in checkpoint_guard.saved_iterations(save)
+        if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()
+    )
     source = checkpoint_guard.iteration_dir(save, newest)
     assert manifest.verify(source) is None
     for damage in ("truncate", "flip"):
@@ -132,18 +195,24 @@ def test_truncated_and_bit_flipped_shards_fail_verification(killed_run, tmp_path
         data = bytearray(shard.read_bytes())
         if damage == "truncate":
             shard.write_bytes(data[: len(data) // 2])
-            assert manifest.verify(copy) == (f"{shard.name} is truncated or overwritten: {len(data) // 2} of "
-                                             f"{len(data)} bytes")
+            assert manifest.verify(copy) == (
+                f"{shard.name} is truncated or overwritten: {len(data) // 2} of {len(data)} bytes"
+            )
         else:
-            data[len(data) // 2: len(data) // 2 + 4096] = bytes(b ^ 0xFF for b in data[len(data) // 2: len(data) // 2 + 4096])
+            data[len(data) // 2 : len(data) // 2 + 4096] = bytes(
+                b ^ 0xFF for b in data[len(data) // 2 : len(data) // 2 + 4096]
+            )
             shard.write_bytes(bytes(data))
             assert manifest.verify(copy) == f"{shard.name} does not match its checksum (corrupted)"
 
 
 def test_resume_takes_over_the_dead_runs_lock_and_skips_a_corrupted_iteration(killed_run, data):
     save = killed_run["save"]
-    verified = [i for i in checkpoint_guard.saved_iterations(save)
-                if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()]
+    verified = [
+        i
+        for i in checkpoint_guard.saved_iterations(save)
+        if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()
+    ]
     newest, previous = verified[0], verified[1]
     (save / checkpoint_guard.TRACKER).write_text(str(newest))  # as if the kill came after this save's tracker
     for later in checkpoint_guard.saved_iterations(save):
@@ -155,14 +224,26 @@ def test_resume_takes_over_the_dead_runs_lock_and_skips_a_corrupted_iteration(ki
     shard.write_bytes(bytes(raw))
     t0 = time.monotonic()
     # the same schedule as the killed run (Megatron checks it on load), one iteration, then exit
-    resumed = _start("--exit-interval", str(previous + 1), DATA_PATH=data, TRAIN_ITERS=10000, SAVE_DIR=save, LOAD_DIR=save,
-                     SAVE_INTERVAL=1000)
+    resumed = _start(
+        "--exit-interval",
+        str(previous + 1),
+        DATA_PATH=data,
+        TRAIN_ITERS=10000,
+        SAVE_DIR=save,
+        LOAD_DIR=save,
+        SAVE_INTERVAL=1000,
+    )
     log, _ = resumed.communicate(timeout=900)
     print(f"resumed in {time.monotonic() - t0:.1f} s")
     assert resumed.returncode == 0, log[-4000:]
-    assert re.search(r"bytescale: took over the lock of --save .* from a dead run \(job [^,]+, pid \d+ on \S+: its process is gone\)", log), log[-4000:]
-    assert (f"bytescale: skipped checkpoint iter_{newest:07d} in {save}: {shard.name} does not match its checksum "
-            "(corrupted)") in log, log[-4000:]
+    assert re.search(
+        r"bytescale: took over the lock of --save .* from a dead run \(job [^,]+, pid \d+ on \S+: its process is gone\)",
+        log,
+    ), log[-4000:]
+    assert (
+        f"bytescale: skipped checkpoint iter_{newest:07d} in {save}: {shard.name} does not match its checksum "
+        "(corrupted)"
+    ) in log, log[-4000:]
     assert f"bytescale: checkpoint iter_{previous:07d} in {save} verified against its manifest" in log
     assert [int(i) for i in ITERATION.findall(log)] == [previous + 1], log[-3000:]
 
@@ -171,20 +252,43 @@ def test_a_refusal_only_the_ranks_can_make_is_one_line_from_the_launcher(data):
     """With --nproc-per-node auto the launcher does not know the world size, so the ranks validate:
     their refusal still ends in one line from the launcher (not one per rank plus torchrun's report)."""
     script = Path(MEGATRON_LM_DIR) / "pretrain_gpt.py"
-    dry = subprocess.run(["bash", str(ROOT / "scripts/train_local.sh"), "--micro-batch-size", "2"],
-                         env=_environment(DATA_PATH=data, TRAIN_ITERS=5, DRY_RUN=1), capture_output=True, text=True, cwd=ROOT)
+    dry = subprocess.run(
+        ["bash", str(ROOT / "scripts/train_local.sh"), "--micro-batch-size", "2"],
+        env=_environment(DATA_PATH=data, TRAIN_ITERS=5, DRY_RUN=1),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     import shlex
 
     argv = shlex.split(dry.stdout.strip().splitlines()[-1])
-    flags = argv[argv.index(str(script)) + 1:]
+    flags = argv[argv.index(str(script)) + 1 :]
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "megatron_bytescale.torchrun", "--standalone", "--nproc-per-node", "auto",
-                           "-m", "megatron_bytescale.launch", str(script), *flags],
-                          env=_environment(DATA_PATH=data), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_bytescale.torchrun",
+            "--standalone",
+            "--nproc-per-node",
+            "auto",
+            "-m",
+            "megatron_bytescale.launch",
+            str(script),
+            *flags,
+        ],
+        env=_environment(DATA_PATH=data),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     print(f"refused by the ranks in {time.monotonic() - t0:.1f} s")
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if re.match(r"error|Error|\S*Error", line)]
-    assert errors == ["error: --hybrid-data-parallel packs each rank's micro-batch by tokens (--hdp-token-capacity), not by "
-                      "samples: use --micro-batch-size 1 (got 2)"], errors
+    assert errors == [
+        "error: --hybrid-data-parallel packs each rank's micro-batch by tokens (--hdp-token-capacity), not by "
+        "samples: use --micro-batch-size 1 (got 2)"
+    ], errors
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
     assert "error_injection_rate" not in proc.stdout  # Megatron's argument dump is held back on a refusal

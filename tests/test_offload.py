@@ -341,8 +341,9 @@ def test_cuda_copy_protocol_orders_streams_and_events(stack, reference, monkeypa
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: log.append(("record_stream", s.name)),
-                        raising=False)
+    monkeypatch.setattr(
+        torch.Tensor, "record_stream", lambda self, s: log.append(("record_stream", s.name)), raising=False
+    )
     off = ActivationOffloader(stack.layers, min_tensor_bytes=0)
     off._engines[torch.device("cpu")] = offload_mod._CudaCopies(torch.device("cpu"))
     try:
@@ -359,13 +360,13 @@ def test_cuda_copy_protocol_orders_streams_and_events(stack, reference, monkeypa
     d2h_events = {log[i][2] for i in d2h}
     waited = {}
     for i in h2d:  # each reload: after its D2H and the compute stream
-        before = log[i - 3:i]
+        before = log[i - 3 : i]
         assert ("wait_stream", "h2d", "compute") in before
         event = next(e[2] for e in before if e[:2] == ("wait_event", "h2d"))
         assert event in d2h_events
         waited[log[i][2]] = i
     for ev, i in waited.items():  # the compute stream waits for each reload, later
-        assert any(e == ("wait_event", "compute", ev) for e in log[i + 1:])
+        assert any(e == ("wait_event", "compute", ev) for e in log[i + 1 :])
 
 
 # ------------------------------------------------------------------ several gloo ranks

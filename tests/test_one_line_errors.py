@@ -32,8 +32,14 @@ needs_unwritable = pytest.mark.skipif(_can_create(UNWRITABLE), reason=f"{UNWRITA
 
 
 def bytescale(*argv, cwd=ROOT, **env):
-    proc = subprocess.run([sys.executable, "-m", "megatron_bytescale.cli", *argv], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_bytescale.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
+    )
     return proc
 
 
@@ -47,9 +53,14 @@ def _one_error_line(proc, prefix):
 @needs_unwritable
 def test_demo_out_that_cannot_be_written(tmp_path):
     line = _one_error_line(bytescale("demo", "--out", UNWRITABLE, "--steps", "1"), "bytescale demo: error: ")
-    assert line.startswith(f"bytescale demo: error: --out {UNWRITABLE}: cannot write there (") and "choose a writable --out" in line
+    assert (
+        line.startswith(f"bytescale demo: error: --out {UNWRITABLE}: cannot write there (")
+        and "choose a writable --out" in line
+    )
     # the default --out under a working directory that cannot be written
-    line = _one_error_line(bytescale("demo", "--steps", "1", cwd="/sys"), "bytescale demo: error: --out runs/demo: cannot write there")
+    line = _one_error_line(
+        bytescale("demo", "--steps", "1", cwd="/sys"), "bytescale demo: error: --out runs/demo: cannot write there"
+    )
 
 
 @needs_unwritable
@@ -64,7 +75,8 @@ def test_a_negative_seed_is_refused_by_the_parser(command):
     proc = bytescale(command, "--seed", "-1")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"bytescale {command}: error: argument --seed: a seed is a whole number from 0 to 4294967295, got -1")
+        f"bytescale {command}: error: argument --seed: a seed is a whole number from 0 to 4294967295, got -1"
+    )
 
 
 @pytest.mark.parametrize("failure", [errno.ENOSPC, errno.EROFS])
@@ -80,7 +92,9 @@ def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_previous(tmp_path, 
     with pytest.raises(ConfigError) as exc:
         checkpoint_io.save(path, {"step": 4})
     monkeypatch.setattr(os, "fsync", real_fsync)
-    assert str(exc.value) == (f"cannot write checkpoint {path} ({os.strerror(failure)}); the previous checkpoint is intact: "
-                              "free space or make the folder writable, then run again to resume")
+    assert str(exc.value) == (
+        f"cannot write checkpoint {path} ({os.strerror(failure)}); the previous checkpoint is intact: "
+        "free space or make the folder writable, then run again to resume"
+    )
     assert checkpoint_io.load(path) == {"step": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["step_2.pt"]  # no temporary file left

@@ -71,8 +71,19 @@ def test_fewer_activation_layers_change_the_validators_capacity():
 
 def _cost(**kw):
     base = dict(
-        a1=0.0, b1=1 * MS, g=0.0, a2=1.0, b2=0.0, num_layers=1, kv_bytes_per_token=1.0, grad_bytes_per_token=2.0,
-        bw_d2h=10.0, bw_h2d=10.0, bw_intra_node=1000.0, bw_inter_node=100.0, p2p_latency_s=0.0,
+        a1=0.0,
+        b1=1 * MS,
+        g=0.0,
+        a2=1.0,
+        b2=0.0,
+        num_layers=1,
+        kv_bytes_per_token=1.0,
+        grad_bytes_per_token=2.0,
+        bw_d2h=10.0,
+        bw_h2d=10.0,
+        bw_intra_node=1000.0,
+        bw_inter_node=100.0,
+        p2p_latency_s=0.0,
     )
     base.update(kw)
     return CostModel(**base)
@@ -80,8 +91,13 @@ def _cost(**kw):
 
 def test_simulator_puts_the_recomputed_forward_and_its_hops_in_backward():
     r0, r1 = ring_pieces(0, 8, (0, 1))
-    plan = Plan(num_ranks=2, capacity=100, num_layers=1, seq_lens=(8, 6),
-                ranks=((MicroBatch((whole_piece(1, 6, 0),)), MicroBatch((r0,))), (MicroBatch((r1,)),))).validate()
+    plan = Plan(
+        num_ranks=2,
+        capacity=100,
+        num_layers=1,
+        seq_lens=(8, 6),
+        ranks=((MicroBatch((whole_piece(1, 6, 0),)), MicroBatch((r0,))), (MicroBatch((r1,)),)),
+    ).validate()
     cost = _cost()
     plain = simulate(plan, Cluster(2), cost)
     full = simulate(plan, Cluster(2), cost.with_recompute("full", "uniform", 1))
@@ -101,9 +117,16 @@ def test_exposed_gradient_reduction_with_and_without_overlap():
 
     # rank 0: local 6 tokens then the ring; rank 1: the ring then local 10 tokens (last: local)
     r0, r1 = ring_pieces(0, 8, (0, 1))
-    plan = Plan(num_ranks=2, capacity=100, num_layers=1, seq_lens=(8, 6, 10),
-                ranks=((MicroBatch((whole_piece(1, 6, 0),)), MicroBatch((r0,))),
-                       (MicroBatch((r1,)), MicroBatch((whole_piece(2, 10, 1),))))).validate()
+    plan = Plan(
+        num_ranks=2,
+        capacity=100,
+        num_layers=1,
+        seq_lens=(8, 6, 10),
+        ranks=(
+            (MicroBatch((whole_piece(1, 6, 0),)), MicroBatch((r0,))),
+            (MicroBatch((r1,)), MicroBatch((whole_piece(2, 10, 1),))),
+        ),
+    ).validate()
     cost = _cost(grad_bytes_per_gpu=10.0)  # NVLink 1000 B/s: all-reduce over 2 ranks 2*1/2*10/1000 = 10 ms
     cluster = Cluster(2)
     t = simulate(plan, cluster, cost)

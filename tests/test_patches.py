@@ -30,10 +30,24 @@ SERIES = {era: series(era) for era in Era}
 PATCHES = [path for paths in SERIES.values() for path in paths]
 # the hooks each era's series wires (the launcher installs the same at runtime)
 WIRED = {
-    Era.V016: {"install_cpu_backend", "install_argument_validation", "install_forward_backward", "extra_args_provider",
-               "model_provider", "datasets_provider", "forward_step"},
-    Era.V019: {"install_cpu_backend", "install_argument_validation", "install_forward_backward", "extra_args_provider",
-               "model_config", "datasets_provider", "forward_step"},
+    Era.V016: {
+        "install_cpu_backend",
+        "install_argument_validation",
+        "install_forward_backward",
+        "extra_args_provider",
+        "model_provider",
+        "datasets_provider",
+        "forward_step",
+    },
+    Era.V019: {
+        "install_cpu_backend",
+        "install_argument_validation",
+        "install_forward_backward",
+        "extra_args_provider",
+        "model_config",
+        "datasets_provider",
+        "forward_step",
+    },
 }
 # patch number -> the Megatron-LM files it may touch (the training loop is hooked at runtime
 # by pretrain_hooks.install_*; megatron/core is never patched)
@@ -132,7 +146,9 @@ def test_series_applies_in_order_with_git_apply_check(patched_tree):
     assert "from megatron_bytescale.megatron import pretrain_hooks as hdp" in text
     # and it reverses cleanly (nothing applied twice or fuzzily)
     for path in reversed(patch_series()):
-        proc = subprocess.run(["git", "apply", "-R", "--check", str(path)], cwd=patched_tree, capture_output=True, text=True)
+        proc = subprocess.run(
+            ["git", "apply", "-R", "--check", str(path)], cwd=patched_tree, capture_output=True, text=True
+        )
         assert proc.returncode == 0, proc.stderr
         subprocess.run(["git", "apply", "-R", str(path)], cwd=patched_tree, check=True)
     assert (patched_tree / "pretrain_gpt.py").read_bytes() == (Path(MEGATRON_LM_DIR) / "pretrain_gpt.py").read_bytes()
@@ -156,8 +172,14 @@ def test_patched_pretrain_gpt_defines_every_name_the_patch_uses(patched_tree):
             defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
         elif isinstance(node, ast.Assign):
             defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and isinstance(n.func.value, ast.Name) and n.func.value.id == "hdp"]
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "hdp"
+    ]
     assert {c.func.attr for c in calls} == _hook_names(patch_series())
     for call in calls:
         for arg in ast.walk(call):

@@ -59,9 +59,11 @@ def test_validation_runs_right_after_megatron_s_and_wraps_once(tmp_path, capsys)
     wrapped(args, {})
     assert calls == ["megatron"] and args.hdp_size == 8
     # a wrong launch stops with one line, before any worker trains
-    for bad, message in ((dict(calculate_per_token_loss=False), "--calculate-per-token-loss"),
-                         (dict(train_data_path=[str(tmp_path / "missing")]), "missing.bin not found"),
-                         (dict(world_size=6, tensor_model_parallel_size=4), "world size 6 does not divide")):
+    for bad, message in (
+        (dict(calculate_per_token_loss=False), "--calculate-per-token-loss"),
+        (dict(train_data_path=[str(tmp_path / "missing")]), "missing.bin not found"),
+        (dict(world_size=6, tensor_model_parallel_size=4), "world size 6 does not divide"),
+    ):
         with pytest.raises(SystemExit) as stop:
             wrapped(parse(HDP, **{**paths, **bad}), {})
         err = capsys.readouterr().err.strip().splitlines()
@@ -141,10 +143,18 @@ def corpus(tmp_path_factory):
 
 
 def data_args(corpus, **megatron):
-    settings = dict(train_data_path=[corpus], valid_data_path=None, eval_iters=0, seq_length=8192,
-                    data_parallel_size=2, world_size=2, seed=5)
-    return hdp_args("--hdp-step-tokens", "24K", "--hdp-token-capacity", "4K", "--hdp-plan-ahead", "0",
-                    **{**settings, **megatron})
+    settings = dict(
+        train_data_path=[corpus],
+        valid_data_path=None,
+        eval_iters=0,
+        seq_length=8192,
+        data_parallel_size=2,
+        world_size=2,
+        seed=5,
+    )
+    return hdp_args(
+        "--hdp-step-tokens", "24K", "--hdp-token-capacity", "4K", "--hdp-plan-ahead", "0", **{**settings, **megatron}
+    )
 
 
 def placement(plan):
@@ -402,11 +412,16 @@ def _moe_spec(rank, world):
     block = hooks.hdp_layer_spec(args, config)  # Megatron's MoE decoder block spec, attention swapped
     out = {
         "kind": type(block).__name__,
-        "core_attention": [layer.submodules.self_attention.submodules.core_attention is HDPCoreAttention
-                           for layer in block.layer_specs],
+        "core_attention": [
+            layer.submodules.self_attention.submodules.core_attention is HDPCoreAttention for layer in block.layer_specs
+        ],
         # a ModuleSpec (core_v0.16) or a functools.partial of the module's class (core_v0.19)
-        "mlp": sorted({getattr(mlp, "module", getattr(mlp, "func", None)).__name__
-                       for mlp in (layer.submodules.mlp for layer in block.layer_specs)}),
+        "mlp": sorted(
+            {
+                getattr(mlp, "module", getattr(mlp, "func", None)).__name__
+                for mlp in (layer.submodules.mlp for layer in block.layer_specs)
+            }
+        ),
     }
     parallel.destroy_parallel()
     return out

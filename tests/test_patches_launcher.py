@@ -131,8 +131,11 @@ def stand_in(tmp_path):
     pkg = tmp_path / "site" / "megatron" / "training"
     pkg.mkdir(parents=True)
     for name, text in {
-        "__init__": TRAINING_INIT, "global_vars": GLOBAL_VARS, "arguments": ARGUMENTS,
-        "initialize": INITIALIZE, "training": TRAINING,
+        "__init__": TRAINING_INIT,
+        "global_vars": GLOBAL_VARS,
+        "arguments": ARGUMENTS,
+        "initialize": INITIALIZE,
+        "training": TRAINING,
     }.items():
         (pkg / f"{name}.py").write_text(textwrap.dedent(text))
     script = tmp_path / "mlm" / "pretrain_gpt.py"
@@ -159,7 +162,11 @@ def launch(stand_in, *flags, script=None, defaults=None):
     env.pop("LOCAL_WORLD_SIZE", None)
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_bytescale.launch", str(script or default_script), *flags],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return proc, (json.loads(report.read_text()) if report.exists() else None)
 

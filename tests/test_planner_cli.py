@@ -65,7 +65,10 @@ def test_malformed_lengths_file_names_file_and_line(tmp_path, capsys, content, m
         (["--lengths", "1K,3M"], r"sequence 1 has 3145728 tokens, longer than the 2M context .*pass --cut"),
         (["--lengths", "1K,abc"], r"cannot read sequence length 'abc'"),
         (["--lengths", "1K", "--tp", "3"], r"--gpus 16 does not divide by TP x PP = 3"),
-        (["--lengths", "4M", "--context", "4M"], r"capacity too small: sequence of 4194304 tokens needs .*; raise --capacity "),
+        (
+            ["--lengths", "4M", "--context", "4M"],
+            r"capacity too small: sequence of 4194304 tokens needs .*; raise --capacity ",
+        ),
         (["--lengths", "4K,,4K"], r"--lengths 4K,,4K: item 2 of 3 is empty \(two commas in a row, or one at an end\)"),
         (["--lengths", "4K,"], r"--lengths 4K,: item 2 of 2 is empty"),
         (["--lengths-file", "/nonexistent/lens.txt"], r"lengths file /nonexistent/lens.txt: no such file"),
@@ -130,11 +133,18 @@ def test_global_batch_tokens_plans_a_lengths_file_step_by_step(tmp_path, capsys)
     lengths = [4096, 1000, 3000, 8192, 500, 600, 20000, 7]
     f.write_text("".join(f"{n}\n" for n in lengths))
     out = tmp_path / "plans.jsonl"
-    assert main(BASE + ["--lengths-file", str(f), "--global-batch-tokens", "20000", "--context", "20000",
-                        "--json", str(out)]) == 0
+    assert (
+        main(
+            BASE
+            + ["--lengths-file", str(f), "--global-batch-tokens", "20000", "--context", "20000", "--json", str(out)]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     expected = [[4096, 1000, 3000, 8192, 500, 600], [20000], [7]]  # 17,388 tokens, then 20,000 would exceed
-    assert [int(n) for n in re.findall(r"^step \d+: .*?HDP ranks, (\d+) sequences", text, re.M)] == [len(s) for s in expected]
+    assert [int(n) for n in re.findall(r"^step \d+: .*?HDP ranks, (\d+) sequences", text, re.M)] == [
+        len(s) for s in expected
+    ]
     assert text.rstrip().endswith("3 steps planned; plans written to " + str(out) + ", one JSON object per line")
     plans = [Plan.from_json(line) for line in out.read_text().splitlines()]
     assert [list(p.seq_lens) for p in plans] == expected

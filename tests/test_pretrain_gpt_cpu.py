@@ -61,9 +61,18 @@ class Run:
 def _environment(tree: Path, **variables) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env.update(
-        MEGATRON_LM_DIR=str(tree), MODEL="tiny", PRECISION="fp32", TRANSFORMER_IMPL="local", SEQ_LENGTH="256",
-        HDP_TOKEN_CAPACITY="256", HDP_PLAN_AHEAD="0", LR_WARMUP_ITERS="0", LOG_INTERVAL="1", LR="1e-3",
-        PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
+        MEGATRON_LM_DIR=str(tree),
+        MODEL="tiny",
+        PRECISION="fp32",
+        TRANSFORMER_IMPL="local",
+        SEQ_LENGTH="256",
+        HDP_TOKEN_CAPACITY="256",
+        HDP_PLAN_AHEAD="0",
+        LR_WARMUP_ITERS="0",
+        LOG_INTERVAL="1",
+        LR="1e-3",
+        PYTHONDONTWRITEBYTECODE="1",
+        OMP_NUM_THREADS="1",
     )
     env.update({k: str(v) for k, v in variables.items()})
     return env
@@ -74,7 +83,11 @@ def train(tree: Path, *flags: str, **variables) -> Run:
     torch.compile'd on CPU: seconds of compiling for a model this small)."""
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts/train_local.sh"), "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", *flags],
-        env=_environment(tree, **variables), capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT,
+        env=_environment(tree, **variables),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=ROOT,
     )
     return Run(proc)
 
@@ -88,11 +101,27 @@ def work(tmp_path_factory):
 def data(work):
     """Train and validation sets in Megatron's indexed format, by `bytescale prepare-data`."""
     prefixes = {}
-    for name, files in (("train", sorted((ROOT / "megatron_bytescale").rglob("*.py"))),
-                        ("valid", sorted((ROOT / "tests").glob("test_*.py")))):
+    for name, files in (
+        ("train", sorted((ROOT / "megatron_bytescale").rglob("*.py"))),
+        ("valid", sorted((ROOT / "tests").glob("test_*.py"))),
+    ):
         prefix = work / name
-        subprocess.run([sys.executable, "-m", "megatron_bytescale.cli", "prepare-data", "--output", str(prefix),
-                        "--quiet", "--text-files", *map(str, files)], check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megatron_bytescale.cli",
+                "prepare-data",
+                "--output",
+                str(prefix),
+                "--quiet",
+                "--text-files",
+                *map(str, files),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         prefixes[name] = str(prefix)
     return prefixes
 
@@ -109,22 +138,45 @@ def patched_tree(work):
 
 
 def _hdp4(data, **variables):
-    return dict(dict(NPROC=4, GLOBAL_BATCH_SIZE=8, TRAIN_ITERS=5, DATA_PATH=data["train"],
-                     VALID_DATA_PATH=data["valid"], EVAL_ITERS=1, EVAL_INTERVAL=2, SAVE_INTERVAL=2), **variables)
+    return dict(
+        dict(
+            NPROC=4,
+            GLOBAL_BATCH_SIZE=8,
+            TRAIN_ITERS=5,
+            DATA_PATH=data["train"],
+            VALID_DATA_PATH=data["valid"],
+            EVAL_ITERS=1,
+            EVAL_INTERVAL=2,
+            SAVE_INTERVAL=2,
+        ),
+        **variables,
+    )
 
 
 @pytest.fixture(scope="module")
 def patched_run(patched_tree, data, work):
     """4 HDP ranks, patched pretrain_gpt.py, hidden dropout on; saves torch_dist at 2 and 4."""
-    return train(patched_tree, "--hidden-dropout", "0.1", "--ckpt-format", "torch_dist",
-                 **_hdp4(data, SAVE_DIR=work / "ckpt_dist")).check()
+    return train(
+        patched_tree,
+        "--hidden-dropout",
+        "0.1",
+        "--ckpt-format",
+        "torch_dist",
+        **_hdp4(data, SAVE_DIR=work / "ckpt_dist"),
+    ).check()
 
 
 @pytest.fixture(scope="module")
 def launcher_run(data, work):
     """The same through the launcher on the unpatched checkout; saves in torch format."""
-    return train(Path(MEGATRON_LM_DIR), "--hidden-dropout", "0.1", "--ckpt-format", "torch",
-                 **_hdp4(data, SAVE_DIR=work / "ckpt_torch")).check()
+    return train(
+        Path(MEGATRON_LM_DIR),
+        "--hidden-dropout",
+        "0.1",
+        "--ckpt-format",
+        "torch",
+        **_hdp4(data, SAVE_DIR=work / "ckpt_torch"),
+    ).check()
 
 
 def _resume_from(checkpoint: Path, iteration: int, work: Path) -> Path:
@@ -153,8 +205,11 @@ def test_launcher_on_the_unpatched_tree_gives_the_same_losses(patched_run, launc
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
 def test_stop_and_resume_continues_the_uninterrupted_run_exactly(fmt, request, data, work):
     if fmt == "torch_dist":  # the patched run's checkpoint, resumed by the patched script
-        uninterrupted, tree, checkpoint = (request.getfixturevalue("patched_run"),
-                                           request.getfixturevalue("patched_tree"), work / "ckpt_dist")
+        uninterrupted, tree, checkpoint = (
+            request.getfixturevalue("patched_run"),
+            request.getfixturevalue("patched_tree"),
+            work / "ckpt_dist",
+        )
     else:  # the launcher run's, resumed by the launcher
         uninterrupted = request.getfixturevalue("launcher_run")
         tree, checkpoint = Path(MEGATRON_LM_DIR), work / "ckpt_torch"
@@ -240,8 +295,16 @@ def test_expert_parallel_with_recompute_equals_fewer_hdp_ranks(data, work):
     Megatron initialises the experts identically; the iteration-1 loss and gradient norm must
     agree: HDP placement and recompute change nothing but the summation order."""
     common = dict(MODEL="tiny-moe", GLOBAL_BATCH_SIZE=8, TRAIN_ITERS=1, DATA_PATH=data["train"])
-    flags = ("--hidden-dropout", "0", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
-             "--moe-router-load-balancing-type", "none")
+    flags = (
+        "--hidden-dropout",
+        "0",
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+        "--moe-router-load-balancing-type",
+        "none",
+    )
     recompute = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
 
     def run(args):
@@ -251,7 +314,9 @@ def test_expert_parallel_with_recompute_equals_fewer_hdp_ranks(data, work):
     with ThreadPoolExecutor(2) as pool:  # mostly start-up: overlap them
         four, two = pool.map(run, ((4, recompute), (2, ())))
     assert "expert model parallel" in four.log.lower() or re.search(r"expert_model_parallel_size \.+ 2", four.log)
-    assert re.search(r"recompute_granularity \.+ full", four.log) and re.search(r"recompute_granularity \.+ None", two.log)
+    assert re.search(r"recompute_granularity \.+ full", four.log) and re.search(
+        r"recompute_granularity \.+ None", two.log
+    )
     print(f"EP=2: HDP=4 with recompute {four.losses} / {four.grad_norms}; HDP=2 {two.losses} / {two.grad_norms}")
     assert abs(float(four.losses[1]) - float(two.losses[1])) < 5e-6, (four.losses, two.losses)
     assert abs(float(four.grad_norms[1]) - float(two.grad_norms[1])) <= 1e-3, (four.grad_norms, two.grad_norms)

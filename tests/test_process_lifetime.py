@@ -31,8 +31,11 @@ HERE = Path(__file__).resolve().parent
 def _launch_sleepers(tmp_path):
     """A launcher of two sleeping ranks, its temporary files under tmp_path/tmp."""
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "TMPDIR": str(tmp_path / "tmp")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
     proc = subprocess.Popen([sys.executable, str(HERE / "lifetime_support.py"), str(tmp_path)], env=env)
 
     def pids():

@@ -35,7 +35,9 @@ def one_thread():
 # ------------------------------------------------------------------------------- fits
 @settings(max_examples=30, deadline=None)
 @given(
-    a1=st.floats(1e-12, 1e-6), b1=st.floats(1e-9, 1e-3), g=st.floats(0.0, 1e-2),
+    a1=st.floats(1e-12, 1e-6),
+    b1=st.floats(1e-9, 1e-3),
+    g=st.floats(0.0, 1e-2),
 )
 def test_layer_time_fit_recovers_coefficients(a1, b1, g):
     s = [256, 512, 1024, 4096, 16384]
@@ -106,15 +108,24 @@ def test_act_needs_a_layer_that_kept_everything():
 
 # -------------------------------------------------------------------- the profile file
 def test_profile_round_trips_through_cost_model(tmp_path):
-    prof = profiler.build_profile("tiny", "h800", [32, 64, 128, 256], backend="torch", repeats=1, copy_bytes=1 << 20,
-                                  pp=2)
+    prof = profiler.build_profile(
+        "tiny", "h800", [32, 64, 128, 256], backend="torch", repeats=1, copy_bytes=1 << 20, pp=2
+    )
     cost = profiler.write_profile(prof, tmp_path / "p.json")
     assert asdict(cost) == {k: v for k, v in prof.items() if k not in ("source", "notes")}
     assert cost.a2 > 0 and cost.bw_d2h > 0 and cost.bw_h2d > 0  # (timings on a shared CPU: no claim)
     assert len(prof["notes"]["layer_seconds"]) == 4 and min(prof["notes"]["layer_seconds"]) > 0
     src = prof["source"]
     assert {k for k, v in src.items() if v == "measured"} == {
-        "a1", "b1", "g", "a2", "b2", "bw_d2h", "bw_h2d", "forward_share"}
+        "a1",
+        "b1",
+        "g",
+        "a2",
+        "b2",
+        "bw_d2h",
+        "bw_h2d",
+        "forward_share",
+    }
     assert 0 < cost.forward_share < 1
     # the host RAM share: half of this host's RAM over the H800 spec's 8 GPUs (no GPU here)
     assert src["host_memory_bytes"].startswith("measured: 0.5 of host RAM over 8 GPUs")

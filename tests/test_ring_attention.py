@@ -61,8 +61,13 @@ def predicted_bytes(plan):
 
 
 def make_plan(seq_lens, ranks):
-    return Plan(num_ranks=len(ranks), capacity=64, num_layers=1, seq_lens=tuple(seq_lens),
-                ranks=tuple(tuple(MicroBatch(tuple(p)) for p in mbs) for mbs in ranks)).validate()
+    return Plan(
+        num_ranks=len(ranks),
+        capacity=64,
+        num_layers=1,
+        seq_lens=tuple(seq_lens),
+        ranks=tuple(tuple(MicroBatch(tuple(p)) for p in mbs) for mbs in ranks),
+    ).validate()
 
 
 # --------------------------------------------------------------- gloo rank function
@@ -97,12 +102,15 @@ def mixed_plan():
     s4, s6, s7 = ring_pieces(4, 41, c), ring_pieces(6, 19, c), ring_pieces(7, 9, c)
     cshare = lambda r: [s4[c.index(r)], s6[c.index(r)], s7[c.index(r)]]  # noqa: E731
     lens = [29, 7, 3, 22, 41, 5, 19, 9, 11]
-    return make_plan(lens, [
-        [[s0[0], whole_piece(1, 7, 0)], cshare(0)],
-        [[whole_piece(2, 3, 1), s0[1]], [s3[1]], cshare(1)[::-1]],
-        [[s0[2]], cshare(2)],
-        [[s3[0], whole_piece(5, 5, 3)], cshare(3), [whole_piece(8, 11, 3)]],
-    ])
+    return make_plan(
+        lens,
+        [
+            [[s0[0], whole_piece(1, 7, 0)], cshare(0)],
+            [[whole_piece(2, 3, 1), s0[1]], [s3[1]], cshare(1)[::-1]],
+            [[s0[2]], cshare(2)],
+            [[s3[0], whole_piece(5, 5, 3)], cshare(3), [whole_piece(8, 11, 3)]],
+        ],
+    )
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])  # CPU flash kernels, and the dense math

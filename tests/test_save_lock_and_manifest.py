@@ -26,8 +26,10 @@ def test_a_second_holder_is_refused_with_one_line_naming_the_first(tmp_path, mon
             HeartbeatLock(tmp_path, what="training run").acquire()
         message = str(refused.value)
         assert "\n" not in message
-        assert message.startswith(f"--save {tmp_path} is in use by another training run (job 4242, pid {os.getpid()} "
-                                  f"on {socket.gethostname()}, heartbeat 0 s ago)")
+        assert message.startswith(
+            f"--save {tmp_path} is in use by another training run (job 4242, pid {os.getpid()} "
+            f"on {socket.gethostname()}, heartbeat 0 s ago)"
+        )
         with pytest.raises(ConfigError, match="is in use by another"):
             HeartbeatLock(tmp_path).check_free()
     assert not (tmp_path / SAVE_LOCK).exists()  # released on exit
@@ -116,20 +118,29 @@ def _checkpoint(folder, seed=0):
 def test_a_manifest_lists_every_file_and_verifies(tmp_path):
     folder = _checkpoint(tmp_path / "iter_0000002")
     entries = manifest.read(folder)
-    assert sorted(entries) == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "mp_rank_00/model_optim_rng.pt"]
+    assert sorted(entries) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "common.pt",
+        "mp_rank_00/model_optim_rng.pt",
+    ]
     assert entries["__1_0.distcp"]["bytes"] == 7000 and len(entries["__1_0.distcp"]["sha256"]) == 64
     assert manifest.verify(folder) is None
     assert not list(folder.glob(".bytescale-manifest.json.tmp-*"))
 
 
-@pytest.mark.parametrize("damage, reason", [
-    ("truncate", "__1_0.distcp is truncated or overwritten: 3500 of 7000 bytes"),
-    ("flip", "__1_0.distcp does not match its checksum (corrupted)"),
-    ("missing", "__1_0.distcp is missing"),
-    ("extra", "__2_0.distcp is not in the manifest (written by another run?)"),
-    ("no manifest", "no manifest (the save did not finish)"),
-    ("bad manifest", "manifest malformed"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("truncate", "__1_0.distcp is truncated or overwritten: 3500 of 7000 bytes"),
+        ("flip", "__1_0.distcp does not match its checksum (corrupted)"),
+        ("missing", "__1_0.distcp is missing"),
+        ("extra", "__2_0.distcp is not in the manifest (written by another run?)"),
+        ("no manifest", "no manifest (the save did not finish)"),
+        ("bad manifest", "manifest malformed"),
+    ],
+)
 def test_damage_is_named(tmp_path, damage, reason):
     folder = _checkpoint(tmp_path / "iter_0000002")
     shard = folder / "__1_0.distcp"
@@ -172,7 +183,11 @@ def test_a_tracker_naming_a_missing_folder_is_skipped_saying_so(tmp_path):
     _checkpoint(tmp_path / "iter_0000002")
     (tmp_path / checkpoint_guard.TRACKER).write_text("4")
     iteration, lines = checkpoint_guard.choose_iteration(tmp_path)
-    assert iteration == 2 and lines[0] == f"bytescale: skipped checkpoint iter_0000004 in {tmp_path}: no manifest (the save did not finish)"
+    assert (
+        iteration == 2
+        and lines[0]
+        == f"bytescale: skipped checkpoint iter_0000004 in {tmp_path}: no manifest (the save did not finish)"
+    )
 
 
 def test_no_verifying_iteration_is_one_line(tmp_path):
@@ -188,6 +203,8 @@ def test_folders_without_manifests_or_tracker_are_left_to_megatron(tmp_path):
     (tmp_path / "iter_0000003").mkdir()
     (tmp_path / checkpoint_guard.TRACKER).write_text("3")
     iteration, lines = checkpoint_guard.choose_iteration(tmp_path)
-    assert iteration is None and "no checkpoint manifests" in lines[0] and "iteration 3 is loaded unverified" in lines[0]
+    assert (
+        iteration is None and "no checkpoint manifests" in lines[0] and "iteration 3 is loaded unverified" in lines[0]
+    )
     (tmp_path / checkpoint_guard.TRACKER).write_text("release")
     assert checkpoint_guard.choose_iteration(tmp_path) == (None, [])

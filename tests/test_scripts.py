@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from megatron_lm import MEGATRON_LM_DIR, needs_tree
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,8 +29,12 @@ SCRIPTS = sorted(
 def test_the_scripts_are_there():
     names = {p.relative_to(ROOT).as_posix() for p in SCRIPTS}
     assert {
-        "scripts/hdp_env.sh", "scripts/train_local.sh", "scripts/slurm/srun_rank_env.sh",
-        "scripts/slurm/train_srun.sbatch", "scripts/slurm/train_torchrun.sbatch", "scripts/gpu/smoke_pretrain_gpt.sh",
+        "scripts/hdp_env.sh",
+        "scripts/train_local.sh",
+        "scripts/slurm/srun_rank_env.sh",
+        "scripts/slurm/train_srun.sbatch",
+        "scripts/slurm/train_torchrun.sbatch",
+        "scripts/gpu/smoke_pretrain_gpt.sh",
     } <= names
 
 
@@ -47,7 +52,9 @@ def test_shellcheck_clean():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("path", [p for p in SCRIPTS if p.name not in ("hdp_env.sh", "elastic_env.sh")], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", [p for p in SCRIPTS if p.name not in ("hdp_env.sh", "elastic_env.sh")], ids=lambda p: p.name
+)
 def test_runnable_scripts_are_executable(path):
     assert path.stat().st_mode & stat.S_IXUSR
 
@@ -88,11 +95,15 @@ def env(tmp_path):
     _tool(bin_dir, "torchrun", f"exec {sys.executable} -c '{record}' torchrun \"$@\"\n")
     # python: `-m megatron_bytescale.torchrun ...` is recorded as torchrun (what it runs in-process);
     # the launch check (`-m megatron_bytescale.megatron.preflight`) leaves its argv in preflight.json
-    _tool(bin_dir, "python", f'if [[ $1 == -m && $2 == megatron_bytescale.torchrun ]]; then shift 2; '
-          f"exec {sys.executable} -c '{record}' torchrun \"$@\"; fi\n"
-          f'if [[ $1 == -m && $2 == megatron_bytescale.megatron.preflight ]]; then shift 2; '
-          f"exec {sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\" >{tmp_path}/preflight.json; fi\n"
-          f"exec {sys.executable} -c '{record}' python \"$@\"\n")
+    _tool(
+        bin_dir,
+        "python",
+        f"if [[ $1 == -m && $2 == megatron_bytescale.torchrun ]]; then shift 2; "
+        f"exec {sys.executable} -c '{record}' torchrun \"$@\"; fi\n"
+        f"if [[ $1 == -m && $2 == megatron_bytescale.megatron.preflight ]]; then shift 2; "
+        f"exec {sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\" >{tmp_path}/preflight.json; fi\n"
+        f"exec {sys.executable} -c '{record}' python \"$@\"\n",
+    )
     variables = dict(
         os.environ,
         PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
@@ -350,7 +361,11 @@ def test_smoke_dry_run_prints_the_patched_and_the_launcher_run(env):
     lines = run_script("scripts/gpu/smoke_pretrain_gpt.sh", dict(variables, DRY_RUN="1")).stdout.strip().splitlines()
     patched, launcher = (shlex.split(line) for line in lines)
     assert patched[:6] == ["python", "-m", "megatron_bytescale.torchrun", "--standalone", "--nproc-per-node", "1"]
-    assert patched[6] == str(mlm / "pretrain_gpt.py") and launcher[6:9] == ["-m", "megatron_bytescale.launch", str(mlm / "pretrain_gpt.py")]
+    assert patched[6] == str(mlm / "pretrain_gpt.py") and launcher[6:9] == [
+        "-m",
+        "megatron_bytescale.launch",
+        str(mlm / "pretrain_gpt.py"),
+    ]
     assert after(patched, "--train-iters")[0] == "4" and after(launcher, "--train-iters")[0] == "6"
     assert "--load" not in patched and after(launcher, "--load")[0] == after(patched, "--save")[0]
     assert after(patched, "--transformer-impl")[0] == "local"

@@ -9,8 +9,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
-INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME", "USER",
-                "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL"}
+INSTRUCTIONS = {
+    "FROM",
+    "RUN",
+    "CMD",
+    "LABEL",
+    "EXPOSE",
+    "ENV",
+    "ADD",
+    "COPY",
+    "ENTRYPOINT",
+    "VOLUME",
+    "USER",
+    "WORKDIR",
+    "ARG",
+    "ONBUILD",
+    "STOPSIGNAL",
+    "HEALTHCHECK",
+    "SHELL",
+}
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -67,9 +84,12 @@ def test_the_patch_series_is_applied_in_order_and_checked():
     text = runs()
     copy = [rest for kw, rest in instructions() if kw == "COPY"]
     assert copy == [". ${BYTESCALE_DIR}"]  # patches/ travel with the source
-    assert re.search(r'cd "\$\{MEGATRON_LM_DIR\}" && for p in "\$\{BYTESCALE_DIR\}"/patches/"\$\{MEGATRON_LM_TAG%\.\*\}"/\*\.patch; do '
-                     r'git apply --check "\$p" && git apply "\$p" \|\| exit 1; done', text)
-    assert "import pretrain_hooks\" pretrain_gpt.py" in text  # and the result is verified
+    assert re.search(
+        r'cd "\$\{MEGATRON_LM_DIR\}" && for p in "\$\{BYTESCALE_DIR\}"/patches/"\$\{MEGATRON_LM_TAG%\.\*\}"/\*\.patch; do '
+        r'git apply --check "\$p" && git apply "\$p" \|\| exit 1; done',
+        text,
+    )
+    assert 'import pretrain_hooks" pretrain_gpt.py' in text  # and the result is verified
 
 
 def test_the_plugin_and_megatron_training_are_importable():

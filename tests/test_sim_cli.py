@@ -4,8 +4,19 @@ import pytest
 
 from megatron_bytescale.cli import main
 
-SMALL = ["simulate", "--gpus", "16", "--gpus-per-node", "4", "--context", "64K", "--capacity", "8K",
-         "--global-batch-tokens", "512K"]
+SMALL = [
+    "simulate",
+    "--gpus",
+    "16",
+    "--gpus-per-node",
+    "4",
+    "--context",
+    "64K",
+    "--capacity",
+    "8K",
+    "--global-batch-tokens",
+    "512K",
+]
 
 
 def test_simulate_prints_a_table_and_writes_json_and_plot(tmp_path, capsys):
@@ -17,8 +28,17 @@ def test_simulate_prints_a_table_and_writes_json_and_plot(tmp_path, capsys):
         assert name in text
     data = json.loads(out.read_text())
     assert data["config"]["gpus"] == 16 and data["config"]["capacity"] == 8192 and data["config"]["d_hdp"] == 16
-    keys = {"step_time_s", "lower_bound_s", "busy_max_s", "busy_mean_s", "exposed_comm_s", "p2p_bytes",
-            "offload_bytes", "microbatches_max", "plan_time_s"}
+    keys = {
+        "step_time_s",
+        "lower_bound_s",
+        "busy_max_s",
+        "busy_mean_s",
+        "exposed_comm_s",
+        "p2p_bytes",
+        "offload_bytes",
+        "microbatches_max",
+        "plan_time_s",
+    }
     static = data["results"]["static"]["per_batch"]
     for name, res in data["results"].items():
         assert keys <= set(res), name
@@ -93,8 +113,23 @@ def test_simulate_on_a_megatron_dataset_draws_the_training_batches(tmp_path, cap
     prefix = str(tmp_path / "docs")
     write_indexed_dataset(prefix, _documents([100_000, 3_000, 20_000, 500, 70_000, 9_000] * 4), source="test")
     out, png = tmp_path / "shadow.json", tmp_path / "shadow.png"
-    rc = main(SMALL + ["--steps", "2", "--seed", "5", "--data-path", prefix, "--json", str(out), "--plot", str(png),
-                       "--strategies", "static,megatron-dcp,hdp-balanced"])
+    rc = main(
+        SMALL
+        + [
+            "--steps",
+            "2",
+            "--seed",
+            "5",
+            "--data-path",
+            prefix,
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+            "--strategies",
+            "static,megatron-dcp,hdp-balanced",
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0
     assert f"shadow run on {prefix}: 24 documents" in text

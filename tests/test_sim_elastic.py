@@ -29,7 +29,9 @@ def test_compare_costs_the_same_batches_on_every_restart():
     cost = CostModel.analytic(ModelSpec.load("llama-7b"), hw)
     rng = np.random.default_rng(0)
     batches = [sample_lengths("byted", 1 << 20, 128 << 10, rng) for _ in range(2)]
-    rows = compare(batches, gpus=64, tp=1, pp=1, gpus_per_node=8, cost=cost, capacity=8 << 10, context=128 << 10, lost=[1, 7])
+    rows = compare(
+        batches, gpus=64, tp=1, pp=1, gpus_per_node=8, cost=cost, capacity=8 << 10, context=128 << 10, lost=[1, 7]
+    )
     assert [r["lost_nodes"] for r in rows] == [0, 1, 7]
     assert [r["hdp"].gpus for r in rows] == [64, 56, 8] and [r["static"].gpus for r in rows] == [64, 48, 0]
     assert rows[0]["cp"] == 16

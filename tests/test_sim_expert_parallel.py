@@ -18,8 +18,13 @@ from megatron_bytescale.sim.timeline import simulate
 def test_a_slot_waits_for_the_slowest_member_and_adds_the_all_to_alls():
     mb = lambda *p: MicroBatch(tuple(p))  # noqa: E731
     # EP group {0, 1}: rank 0 runs 3 then 5 tokens, rank 1 runs 6 then nothing
-    plain = Plan(num_ranks=2, capacity=100, num_layers=1, seq_lens=(3, 5, 6),
-                 ranks=((mb(whole_piece(0, 3, 0)), mb(whole_piece(1, 5, 0))), (mb(whole_piece(2, 6, 1)),))).validate()
+    plain = Plan(
+        num_ranks=2,
+        capacity=100,
+        num_layers=1,
+        seq_lens=(3, 5, 6),
+        ranks=((mb(whole_piece(0, 3, 0)), mb(whole_piece(1, 5, 0))), (mb(whole_piece(2, 6, 1)),)),
+    ).validate()
     no_moe = cost_model()
     assert simulate(plain, Cluster(2), no_moe).step_time == pytest.approx(8 * MS)
     aligned = align_expert_slots(plain, 2).validate()

@@ -17,9 +17,19 @@ def cost_model(a1=0.0, b1=1 * MS, layers=1, **kw):
     """Round numbers: 1 ms per token per layer, KV 1 byte/token, dKV 2 bytes/token,
     NVLink 1000 B/s, network 100 B/s, no latency, PCIe 10 B/s."""
     base = dict(
-        a1=a1, b1=b1, g=0.0, a2=1.0, b2=0.0, num_layers=layers,
-        kv_bytes_per_token=1.0, grad_bytes_per_token=2.0,
-        bw_d2h=10.0, bw_h2d=10.0, bw_intra_node=1000.0, bw_inter_node=100.0, p2p_latency_s=0.0,
+        a1=a1,
+        b1=b1,
+        g=0.0,
+        a2=1.0,
+        b2=0.0,
+        num_layers=layers,
+        kv_bytes_per_token=1.0,
+        grad_bytes_per_token=2.0,
+        bw_d2h=10.0,
+        bw_h2d=10.0,
+        bw_intra_node=1000.0,
+        bw_inter_node=100.0,
+        p2p_latency_s=0.0,
     )
     base.update(kw)
     return CostModel(**base)
@@ -27,14 +37,23 @@ def cost_model(a1=0.0, b1=1 * MS, layers=1, **kw):
 
 def plan_of(seq_lens, ranks, layers=1, capacity=1000, barriers=None):
     return Plan(
-        num_ranks=len(ranks), capacity=capacity, num_layers=layers, seq_lens=tuple(seq_lens),
-        ranks=tuple(tuple(mbs) for mbs in ranks), barriers=tuple(tuple(b) for b in barriers or ()),
+        num_ranks=len(ranks),
+        capacity=capacity,
+        num_layers=layers,
+        seq_lens=tuple(seq_lens),
+        ranks=tuple(tuple(mbs) for mbs in ranks),
+        barriers=tuple(tuple(b) for b in barriers or ()),
     ).validate()
 
 
 def test_local_micro_batches_run_back_to_back():
-    plan = plan_of([3, 5, 4], [[MicroBatch((whole_piece(0, 3, 0),)), MicroBatch((whole_piece(1, 5, 0),))],
-                               [MicroBatch((whole_piece(2, 4, 1),))]])
+    plan = plan_of(
+        [3, 5, 4],
+        [
+            [MicroBatch((whole_piece(0, 3, 0),)), MicroBatch((whole_piece(1, 5, 0),))],
+            [MicroBatch((whole_piece(2, 4, 1),))],
+        ],
+    )
     t = simulate(plan, Cluster(2), cost_model())
     assert t.step_time == pytest.approx(8 * MS)
     assert list(t.busy) == pytest.approx([8 * MS, 4 * MS])
@@ -132,8 +151,10 @@ def test_ring_micro_batches_that_meet_out_of_1f1b_step_deadlock():
     # On stage 0 rank 0 does F(R2) before B(R1), rank 1 does B(R1) before F(R2): a cycle.
     r1 = ring_pieces(0, 4, (0, 1))
     r2 = ring_pieces(1, 4, (0, 1))
-    ranks = [[MicroBatch((r1[0],)), MicroBatch((r2[0],))],
-             [MicroBatch((r1[1],)), MicroBatch((whole_piece(2, 2, 1),)), MicroBatch((r2[1],))]]
+    ranks = [
+        [MicroBatch((r1[0],)), MicroBatch((r2[0],))],
+        [MicroBatch((r1[1],)), MicroBatch((whole_piece(2, 2, 1),)), MicroBatch((r2[1],))],
+    ]
     plan = plan_of([4, 4, 2], ranks)  # valid: both ranks meet R1 before R2
     simulate(plan, Cluster(2, pp=1), cost_model())  # fine without pipelining
     with pytest.raises(PlanError, match="deadlocks"):

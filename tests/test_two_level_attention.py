@@ -30,8 +30,10 @@ TIMEOUT_S = 90
 
 def sequences(seq_lens, seed):
     gen = torch.Generator().manual_seed(seed)
-    return {sid: [torch.randn(s, h, D, generator=gen, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ)]
-            for sid, s in enumerate(seq_lens)}
+    return {
+        sid: [torch.randn(s, h, D, generator=gen, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ)]
+        for sid, s in enumerate(seq_lens)
+    }
 
 
 def reference(full):
@@ -41,8 +43,11 @@ def reference(full):
         q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
         rep = HQ // HKV
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1), v.repeat_interleave(rep, 1).transpose(0, 1),
-            is_causal=True).transpose(0, 1)
+            q.transpose(0, 1),
+            k.repeat_interleave(rep, 1).transpose(0, 1),
+            v.repeat_interleave(rep, 1).transpose(0, 1),
+            is_causal=True,
+        ).transpose(0, 1)
         (out * g).sum().backward()
         result[sid] = [out.detach(), q.grad, k.grad, v.grad]
     return result
@@ -53,8 +58,13 @@ def gather(by_seq, layout, i):
 
 
 def make_plan(seq_lens, ranks):
-    return Plan(num_ranks=len(ranks), capacity=64, num_layers=1, seq_lens=tuple(seq_lens),
-                ranks=tuple(tuple(MicroBatch(tuple(p)) for p in mbs) for mbs in ranks)).validate()
+    return Plan(
+        num_ranks=len(ranks),
+        capacity=64,
+        num_layers=1,
+        seq_lens=tuple(seq_lens),
+        ranks=tuple(tuple(MicroBatch(tuple(p)) for p in mbs) for mbs in ranks),
+    ).validate()
 
 
 def four_rank_plan():
@@ -70,12 +80,15 @@ def four_rank_plan():
     f = ring_pieces(6, 19, (3, 0))
     lens = [37, 5, 23, 13, 31, 26, 19, 9]
     at = lambda pieces, ring, r: pieces[ring.index(r)]
-    return make_plan(lens, [
-        [[at(a, r1, 0), whole_piece(1, 5, 0)], [at(b, r2, 0), at(c, r2, 0)], [at(d, r2, 0)], [at(f, (3, 0), 0)]],
-        [[at(a, r1, 1)], [at(c, r2, 1), at(b, r2, 1)], [at(d, r2, 1)], [at(e, r4, 1)]],
-        [[at(a, r1, 2)], [at(b, r2, 2), at(c, r2, 2), whole_piece(7, 9, 2)], [at(d, r2, 2)], [at(e, r4, 2)]],
-        [[at(a, r1, 3)], [at(b, r2, 3), at(c, r2, 3)], [at(d, r2, 3)], [at(e, r4, 3)], [at(f, (3, 0), 3)]],
-    ])
+    return make_plan(
+        lens,
+        [
+            [[at(a, r1, 0), whole_piece(1, 5, 0)], [at(b, r2, 0), at(c, r2, 0)], [at(d, r2, 0)], [at(f, (3, 0), 0)]],
+            [[at(a, r1, 1)], [at(c, r2, 1), at(b, r2, 1)], [at(d, r2, 1)], [at(e, r4, 1)]],
+            [[at(a, r1, 2)], [at(b, r2, 2), at(c, r2, 2), whole_piece(7, 9, 2)], [at(d, r2, 2)], [at(e, r4, 2)]],
+            [[at(a, r1, 3)], [at(b, r2, 3), at(c, r2, 3)], [at(d, r2, 3)], [at(e, r4, 3)], [at(f, (3, 0), 3)]],
+        ],
+    )
 
 
 def six_rank_plan():
@@ -105,8 +118,10 @@ def run_plan_on_rank(rank, world_size, plan_json, seed):
                 (out * g).sum().backward()
                 got = [out, q.grad, k.grad, v.grad]
                 want = [gather(ref, layout, i) for i in range(4)]
-                errors.append([(x.double() - w).abs().max().item() for x, w in zip(got, want)]
-                              + [w.abs().max().item() for w in want[2:]])  # and the size of dK, dV
+                errors.append(
+                    [(x.double() - w).abs().max().item() for x, w in zip(got, want)]
+                    + [w.abs().max().item() for w in want[2:]]
+                )  # and the size of dK, dV
             result[(backend, grad_dtype is not None)] = (errors, counter.bytes_sent)
     return result
 
@@ -122,8 +137,13 @@ def _check(plan, results, divisible_mbs):
             assert max(max(e[:2]) for e in bf16) < ATOL  # out and dQ never travel as bf16
             assert 0 < bf16_dkv_error([{("auto", True): res[(backend, True)]}]) < BF16_DKV_RTOL, (rank, backend, bf16)
         if divisible_mbs:  # the bytes the plan predicts for the micro-batches whose heads split evenly
-            sub = Plan(plan.num_ranks, plan.capacity, 1, plan.seq_lens,
-                       tuple(tuple(mbs[m] for m in divisible_mbs if m < len(mbs)) for mbs in plan.ranks))
+            sub = Plan(
+                plan.num_ranks,
+                plan.capacity,
+                1,
+                plan.seq_lens,
+                tuple(tuple(mbs[m] for m in divisible_mbs if m < len(mbs)) for mbs in plan.ranks),
+            )
             expected = p2p_bytes_per_rank(sub, kv_bytes, kv_bytes, 1, q_bytes_per_token=q_bytes)[rank]
             assert expected > 0
             assert res[("auto", False)][1] >= expected  # the others add on top

@@ -63,7 +63,7 @@ def test_the_planner_chooses_two_level_per_sequence_on_whole_node_groups():
     u, ring = splits[0]
     assert u > 1 and len(ring) % u == 0 and len(ring) > 8
     for g in range(0, len(ring), u):  # every group inside one node
-        assert len({r // 8 for r in ring[g:g + u]}) == 1
+        assert len({r // 8 for r in ring[g : g + u]}) == 1
     for u, ring in splits.values():  # rings inside a node stay plain
         if len({r // 8 for r in ring}) == 1:
             assert u == 1
@@ -91,8 +91,9 @@ def test_realized_split_follows_the_nodes_a_ring_landed_on():
 def ring_plan(u, s=300_000, nodes=8, rpn=8):
     ring = tuple(range(nodes * rpn))
     pieces = ring_pieces(0, s, ring, heads_split=u)
-    return Plan(num_ranks=len(ring), capacity=s, num_layers=32, seq_lens=(s,),
-                ranks=tuple((MicroBatch((p,)),) for p in pieces)).validate()
+    return Plan(
+        num_ranks=len(ring), capacity=s, num_layers=32, seq_lens=(s,), ranks=tuple((MicroBatch((p,)),) for p in pieces)
+    ).validate()
 
 
 def test_the_timeline_costs_the_all_to_all_and_a_shorter_ring():

@@ -17,8 +17,10 @@ def two_level_plan() -> Plan:
     b = ring_pieces(2, 33, (0, 1, 2, 3), heads_split=4)  # one group: all-to-all only
     at = {r: i for i, r in enumerate((2, 3, 0, 1))}
     ranks = tuple(
-        (MicroBatch((a[at[r]],) + ((whole_piece(1, 5, 1),) if r == 1 else ())),
-         MicroBatch((b[r],) + ((whole_piece(3, 7, 3),) if r == 3 else ())))
+        (
+            MicroBatch((a[at[r]],) + ((whole_piece(1, 5, 1),) if r == 1 else ())),
+            MicroBatch((b[r],) + ((whole_piece(3, 7, 3),) if r == 3 else ())),
+        )
         for r in range(4)
     )
     return Plan(num_ranks=4, capacity=24, num_layers=4, seq_lens=lens, ranks=ranks).validate()

@@ -13,8 +13,21 @@ def test_verify_two_level_is_exact_and_sends_what_the_plan_predicts(tmp_path, ca
     out = tmp_path / "verify.json"
     # two ranks, one group: the head all-to-all alone (the ring across groups is covered on 4 and
     # 6 ranks by tests/test_two_level_attention.py and test_two_level_step.py)
-    rc = cli.main(["verify", "--world-size", "2", "--lengths", "21,5,3", "--capacity", "12", "--two-level", "0:2",
-                   "--json", str(out)])
+    rc = cli.main(
+        [
+            "verify",
+            "--world-size",
+            "2",
+            "--lengths",
+            "21,5,3",
+            "--capacity",
+            "12",
+            "--two-level",
+            "0:2",
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     report = json.loads(out.read_text())

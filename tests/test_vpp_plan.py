@@ -35,15 +35,28 @@ MS = 1e-3
 
 def unit_cost(layers: int = 4) -> CostModel:
     """1 ms per token per layer, nothing else."""
-    return CostModel(a1=0.0, b1=1 * MS, g=0.0, a2=1.0, b2=0.0, num_layers=layers, kv_bytes_per_token=1.0,
-                     grad_bytes_per_token=2.0, bw_d2h=10.0, bw_h2d=10.0, bw_intra_node=1000.0,
-                     bw_inter_node=100.0, p2p_latency_s=0.0)
+    return CostModel(
+        a1=0.0,
+        b1=1 * MS,
+        g=0.0,
+        a2=1.0,
+        b2=0.0,
+        num_layers=layers,
+        kv_bytes_per_token=1.0,
+        grad_bytes_per_token=2.0,
+        bw_d2h=10.0,
+        bw_h2d=10.0,
+        bw_intra_node=1000.0,
+        bw_inter_node=100.0,
+        p2p_latency_s=0.0,
+    )
 
 
 def local_plan(m: int, tokens: int, chunks: int, layers: int = 4) -> Plan:
     mbs = tuple(MicroBatch((whole_piece(i, tokens, 0),)) for i in range(m))
-    return Plan(num_ranks=1, capacity=1000, num_layers=layers, seq_lens=(tokens,) * m, ranks=(mbs,),
-                virtual_stages=chunks).validate()
+    return Plan(
+        num_ranks=1, capacity=1000, num_layers=layers, seq_lens=(tokens,) * m, ranks=(mbs,), virtual_stages=chunks
+    ).validate()
 
 
 @pytest.mark.parametrize("p,v", [(2, 2), (4, 2), (4, 4), (3, 2)])

@@ -73,7 +73,9 @@ class LocalDataLoader(StepLoader):
             t0 = time.perf_counter()
             if self.plan_ahead:
                 if self._ahead is None:
-                    self._ahead = PlanAhead(self.sampler, self.planner.plan_fn, self.step, self.position, self.plan_ahead)
+                    self._ahead = PlanAhead(
+                        self.sampler, self.planner.plan_fn, self.step, self.position, self.plan_ahead
+                    )
                 samples, plan, end, plan_s = self._ahead.get(self.step, self.position)
                 self._current = self.planner.checked(self.step, samples, plan, self.position, end, plan_s)
             else:
@@ -90,10 +92,16 @@ class LocalDataLoader(StepLoader):
         before = self.dataset.bytes_read
         mbs = deliver(sp, rank, self.dataset.read)
         return StepBatch(
-            step=sp.step, rank=rank, plan=sp.plan, samples=sp.samples, micro_batches=mbs,
-            bytes_read=self.dataset.bytes_read - before, plan_s=sp.plan_s if fresh else 0.0,
+            step=sp.step,
+            rank=rank,
+            plan=sp.plan,
+            samples=sp.samples,
+            micro_batches=mbs,
+            bytes_read=self.dataset.bytes_read - before,
+            plan_s=sp.plan_s if fresh else 0.0,
             plan_wait_s=self._wait_s if fresh else 0.0,
-            delivery_s=time.perf_counter() - t0, next_position=sp.end,
+            delivery_s=time.perf_counter() - t0,
+            next_position=sp.end,
         )
 
     def advance(self) -> None:

@@ -51,11 +51,16 @@ class PlanAhead:
             ) from None
         ours, theirs = socket.socketpair()
         # the child finds this package (and a planning function's module) where the parent does
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+            PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+        )
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "megatron_bytescale.data.plan_ahead", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+            pass_fds=(theirs.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
         )
         theirs.close()
         self._conn = Connection(ours.detach())
@@ -73,7 +78,9 @@ class PlanAhead:
             raise PlanError(f"plan ahead: asked for step {step}, the planning process plans step {self._next} next")
         while not self._conn.poll(1.0):
             if self._proc.poll() is not None:
-                raise PlanError(f"the planning process exited with status {self._proc.returncode} before step {step}'s plan")
+                raise PlanError(
+                    f"the planning process exited with status {self._proc.returncode} before step {step}'s plan"
+                )
         try:
             message = self._conn.recv()
         except EOFError:

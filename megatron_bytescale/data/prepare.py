@@ -120,6 +120,8 @@ def main(args) -> int:
         print(f"skipped {summary['skipped_empty_documents']:,} documents without text")
     # the vocabulary the dataset was written for (the loader refuses a smaller --vocab-size), and
     # the prefix quoted so the line can be pasted into a shell
-    print(f"train with Megatron: pretrain_gpt.py --data-path {shlex.quote(str(summary['prefix']))} "
-          f"--tokenizer-type NullTokenizer --vocab-size {args.vocab_size}")
+    print(
+        f"train with Megatron: pretrain_gpt.py --data-path {shlex.quote(str(summary['prefix']))} "
+        f"--tokenizer-type NullTokenizer --vocab-size {args.vocab_size}"
+    )
     return 0

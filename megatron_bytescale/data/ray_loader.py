@@ -114,9 +114,11 @@ def check_reachable(
 
 
 def token_refused(address: str) -> str:
-    return (f"--address {address}: the Ray head refuses this process's authentication token (the cluster runs with "
-            "RAY_AUTH_MODE=token): set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the "
-            "head's token, the one `ray start --head` was given")
+    return (
+        f"--address {address}: the Ray head refuses this process's authentication token (the cluster runs with "
+        "RAY_AUTH_MODE=token): set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the "
+        "head's token, the one `ray start --head` was given"
+    )
 
 
 @contextlib.contextmanager

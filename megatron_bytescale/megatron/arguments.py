@@ -18,8 +18,8 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from ..errors import BytescaleError, ConfigError
 from ..planner.balance import BALANCE_MODES
@@ -51,6 +51,7 @@ def default_hardware() -> str:
         gpus = Path("/proc/driver/nvidia/gpus")
         cuda = gpus.is_dir() and any(gpus.iterdir())
     return DEFAULT_HARDWARE if cuda else CPU_HARDWARE
+
 
 # Megatron-LM (core_v0.16.1) attributes the validator, the translators below and pretrain_hooks
 # read, after Megatron's validate_args has run. tests/test_arguments_megatron.py checks each one
@@ -282,8 +283,7 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         type=_positive_int,
         default=_HDP_DEFAULTS["hdp_ray_servers"],
         metavar="N",
-        help="Ray document-server actors for --hdp-dataloader ray (each reads a shard of the documents). "
-        "Default 2.",
+        help="Ray document-server actors for --hdp-dataloader ray (each reads a shard of the documents). Default 2.",
     )
     g.add_argument(
         "--hdp-plan-ahead",
@@ -306,7 +306,7 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def chain_extra_args_providers(
-    *providers: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]],
+    *providers: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None,
 ) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
     """One ``extra_args_provider`` that applies several (None entries are skipped), e.g.
     ``chain_extra_args_providers(add_modelopt_args, add_hdp_arguments)``."""
@@ -536,8 +536,12 @@ def _check_data(args) -> None:
             f"--dataloader-type {args.dataloader_type}: the HDP loader replaces Megatron's samplers (it sets "
             "'external' itself): drop --dataloader-type"
         )
-    if args.hdp_dataloader != "ray" and (args.hdp_ray_address is not None or args.hdp_ray_servers != _HDP_DEFAULTS["hdp_ray_servers"]):
-        raise ConfigError("--hdp-ray-address / --hdp-ray-servers only apply with --hdp-dataloader ray: add that, or drop them")
+    if args.hdp_dataloader != "ray" and (
+        args.hdp_ray_address is not None or args.hdp_ray_servers != _HDP_DEFAULTS["hdp_ray_servers"]
+    ):
+        raise ConfigError(
+            "--hdp-ray-address / --hdp-ray-servers only apply with --hdp-dataloader ray: add that, or drop them"
+        )
     if args.hdp_dataloader == "ray":
         try:
             import ray  # noqa: F401
@@ -605,9 +609,7 @@ def _resolve(args) -> None:
         args.hdp_balance = "pp" if args.pipeline_model_parallel_size > 1 else "dp"
     if args.hdp_profile is not None:
         if args.hdp_hardware is not None:
-            raise ConfigError(
-                "--hdp-hardware only builds the analytic cost model; --hdp-profile replaces it: keep one"
-            )
+            raise ConfigError("--hdp-hardware only builds the analytic cost model; --hdp-profile replaces it: keep one")
         if not Path(args.hdp_profile).is_file():
             raise ConfigError(f"--hdp-profile {args.hdp_profile}: no such file (write one with `bytescale profile`)")
     else:
@@ -620,8 +622,11 @@ def _resolve(args) -> None:
     if args.hdp_ranks_per_node is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
         if not local:
-            local = (HardwareSpec.load(args.hdp_hardware).gpus_per_node
-                     if args.hdp_hardware and args.hdp_hardware != CPU_HARDWARE else 8)
+            local = (
+                HardwareSpec.load(args.hdp_hardware).gpus_per_node
+                if args.hdp_hardware and args.hdp_hardware != CPU_HARDWARE
+                else 8
+            )
         args.hdp_ranks_per_node = max(1, min(args.hdp_size, local // args.tensor_model_parallel_size))
     args.dataloader_type = "external"
 
@@ -647,10 +652,18 @@ def _check_capacity(args) -> None:
 
         cost = cost_model_from_args(argparse.Namespace(**{"padded_vocab_size": None, **vars(args)}))
         try:
-            memory_floor(args.seq_length, args.hdp_token_capacity, cost, True, args.hdp_size,
-                         host_capacity(cost, args.pipeline_model_parallel_size))
+            memory_floor(
+                args.seq_length,
+                args.hdp_token_capacity,
+                cost,
+                True,
+                args.hdp_size,
+                host_capacity(cost, args.pipeline_model_parallel_size),
+            )
         except ConfigError as exc:
-            raise ConfigError(f"--seq-length {format_size(args.seq_length)} does not fit even with full offload: {exc}") from None
+            raise ConfigError(
+                f"--seq-length {format_size(args.seq_length)} does not fit even with full offload: {exc}"
+            ) from None
 
 
 def check_launch(args) -> None:
@@ -730,8 +743,12 @@ def cost_model_from_args(args):
     elif (args.hdp_hardware or default_hardware()) == CPU_HARDWARE:
         from ..planner.cpu_profile import cpu_cost_model
 
-        cost = cpu_cost_model(model_spec_from_args(args), tp=args.tensor_model_parallel_size,
-                              pp=args.pipeline_model_parallel_size, ranks_per_core=cpu_ranks_per_core())
+        cost = cpu_cost_model(
+            model_spec_from_args(args),
+            tp=args.tensor_model_parallel_size,
+            pp=args.pipeline_model_parallel_size,
+            ranks_per_core=cpu_ranks_per_core(),
+        )
     else:
         cost = CostModel.analytic(
             model_spec_from_args(args),

@@ -129,9 +129,14 @@ def manifested_save(save_checkpoint: Callable, megatron_args: Callable) -> Calla
     def save(iteration, *rest, **kwargs):
         result = save_checkpoint(iteration, *rest, **kwargs)
         args = megatron_args()
-        if (args is not None and args.save and not getattr(args, "async_save", False)
-                and not kwargs.get("non_persistent_ckpt") and not kwargs.get("release")
-                and getattr(args, "ckpt_format", "torch_dist") != "torch_dcp"):
+        if (
+            args is not None
+            and args.save
+            and not getattr(args, "async_save", False)
+            and not kwargs.get("non_persistent_ckpt")
+            and not kwargs.get("release")
+            and getattr(args, "ckpt_format", "torch_dist") != "torch_dcp"
+        ):
             write_manifest(iteration_dir(args.save, iteration))
         return result
 
@@ -148,8 +153,10 @@ def choose_iteration(folder: str | Path) -> tuple[int | None, list[str]]:
     # the tracker's iteration first, also when its folder is gone (then: "no manifest")
     candidates = sorted({newest, *(i for i in saved_iterations(folder) if i <= newest)}, reverse=True)
     if not any((iteration_dir(folder, i) / manifest.MANIFEST).exists() for i in saved_iterations(folder)):
-        return None, [f"bytescale: {folder} has no checkpoint manifests (saved without them): iteration {newest} "
-                      "is loaded unverified"]
+        return None, [
+            f"bytescale: {folder} has no checkpoint manifests (saved without them): iteration {newest} "
+            "is loaded unverified"
+        ]
     lines, skipped = [], []
     for i in candidates:
         reason = verify_iteration(iteration_dir(folder, i))

@@ -97,7 +97,12 @@ class HDPCoreAttention(MegatronModule):
         active = current_micro_batch()
         group = active.group if active.group is not None else parallel.hdp_group()
         out = ring_attention(
-            query[:, 0], key[:, 0], value[:, 0], active.layout, group=group,
-            softmax_scale=self.softmax_scale, counter=active.counter,
+            query[:, 0],
+            key[:, 0],
+            value[:, 0],
+            active.layout,
+            group=group,
+            softmax_scale=self.softmax_scale,
+            counter=active.counter,
         )  # [T, heads, head_dim]
         return out.reshape(out.shape[0], 1, -1)

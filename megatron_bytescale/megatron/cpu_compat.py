@@ -219,6 +219,8 @@ def _tied_embeddings_stay_on_cpu(setup):
 
     on_cpu._cpu_wrapped = True
     return on_cpu
+
+
 class _DispatcherStream:
     """The all-to-all dispatcher's side stream on CPU: its copies already ran in program order."""
 
@@ -368,15 +370,18 @@ class _TrainingCuda:
     max_memory_reserved = staticmethod(_zero)
     memory_stats = staticmethod(lambda *a, **k: {})
     # get_device_arch_version (read by validate_args when TP > 1): no GPU arch
-    get_device_properties = staticmethod(lambda *a, **k: types.SimpleNamespace(
-        major=0, minor=0, name="cpu", total_memory=0, multi_processor_count=1))
+    get_device_properties = staticmethod(
+        lambda *a, **k: types.SimpleNamespace(major=0, minor=0, name="cpu", total_memory=0, multi_processor_count=1)
+    )
     get_device_capability = staticmethod(lambda *a, **k: (0, 0))
     Stream = _NoStream
     Event = _NoEvent
     current_stream = staticmethod(lambda *a, **k: _NoStream())
     default_stream = staticmethod(lambda *a, **k: _NoStream())
     stream = staticmethod(lambda *a, **k: contextlib.nullcontext())
-    nvtx = types.SimpleNamespace(range_push=_nothing, range_pop=_nothing, range=lambda *a, **k: contextlib.nullcontext())
+    nvtx = types.SimpleNamespace(
+        range_push=_nothing, range_pop=_nothing, range=lambda *a, **k: contextlib.nullcontext()
+    )
     # checkpointing.py get_rng_state / _load_base_checkpoint's RNG restore: the CPU generator
     # stands in for the CUDA one (the CPU generator is what dropout draws from here)
     get_rng_state = staticmethod(lambda *a, **k: torch.get_rng_state())
@@ -388,8 +393,22 @@ class _TrainingCuda:
 
 
 _TENSOR_FACTORIES = (
-    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
-    "zeros_like", "ones_like", "empty_like", "full_like", "empty_strided", "linspace",
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "empty_strided",
+    "linspace",
 )
 
 
@@ -411,42 +430,42 @@ for _name in _TENSOR_FACTORIES:
 # module one era lacks is skipped by install_training).
 TRAINING_MODULES = {
     "megatron.training.initialize": "initialize_megatron (MoE loss scale), _initialize_distributed (device_count "
-                                    "0 would skip mpu.initialize_model_parallel; set_device), _set_random_seed",
+    "0 would skip mpu.initialize_model_parallel; set_device), _set_random_seed",
     "megatron.training.training": "pretrain (start timestamps), get_model (DDP side stream), train_step and "
-                                  "evaluate (loss dicts), training_log (memory_stats), checkpoint_and_decide_exit "
-                                  "(exit flags), build_train_valid_test_data_loaders (do_train flags, eval_iters)",
+    "evaluate (loss dicts), training_log (memory_stats), checkpoint_and_decide_exit "
+    "(exit flags), build_train_valid_test_data_loaders (do_train flags, eval_iters)",
     "megatron.training.utils": "(core_v0.16) calc_params_l2_norm, reduce_max_stat_across_model_parallel_group, "
-                               "logical_and_across_model_parallel_group, report_memory, get_device_arch_version",
+    "logical_and_across_model_parallel_group, report_memory, get_device_arch_version",
     # core_v0.19: training/utils.py became a package; the same functions live in these modules
     "megatron.training.utils.common_utils": "(core_v0.19) calc_params_l2_norm, report_memory, get_device_arch_version",
     "megatron.training.utils.utils": "(core_v0.19) the model-parallel reductions of the loss and grad statistics",
     "megatron.training.models.dist_utils": "(core_v0.19) prepare_existing_model_chunks_for_distributed_training "
-                                           "(chunks moved to current_device, DDP side stream)",
+    "(chunks moved to current_device, DDP side stream)",
     "megatron.training.checkpointing": "read_metadata (iteration tensor), get_rng_state, load_checkpoint "
-                                       "(set_rng_state, empty_cache)",
+    "(set_rng_state, empty_cache)",
     "megatron.training.inprocess_restart": "inprocess_restart (device_count), maybe_force_nccl_backend_init",
     "megatron.core.timers": "Timer.start / Timer.stop (synchronize), _get_elapsed_time_all_ranks (all-gather buffer)",
     "megatron.core.optimizer.optimizer": "MixedPrecisionOptimizer.__init__ (found-inf), get_loss_scale, offload_to_cpu",
     "megatron.core.optimizer.distrib_optimizer": "get_parameter_state_dp_zero, load_state_dict (state buffers)",
     "megatron.core.optimizer.clip_grads": "get_grad_norm_fp32, count_zeros_fp32 (norm tensors)",
     "megatron.core.distributed.distributed_data_parallel": "_allocate_buffers_for_parameters (current_device), "
-                                                           "offload_grad_buffers / restore_grad_buffers",
+    "offload_grad_buffers / restore_grad_buffers",
     "megatron.core.tensor_parallel.random": "_get_cuda_rng_state, CudaRNGStatesTracker.add, "
-                                            "model_parallel_cuda_manual_seed's get/set_rng_state",
+    "model_parallel_cuda_manual_seed's get/set_rng_state",
     "megatron.core.tensor_parallel.layers": "the parallel layers' __init__ (weights on current_device without "
-                                            "use_cpu_initialization)",
+    "use_cpu_initialization)",
     "megatron.core.rerun_state_machine": "validate_result, _reduce_any (result tensors), _save_state / "
-                                         "_restore_state (RNG state)",
+    "_restore_state (RNG state)",
     "megatron.core.utils": "GlobalMemoryBuffer.get_tensor, local_multi_tensor_l2_norm, StragglerDetector "
-                           "(Events, current_device)",
+    "(Events, current_device)",
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "preload_tensors (synchronize)",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "verify_global_md_reuse, "
-                                                                    "save_state_dict_async_finalize (flags on 'cuda')",
+    "save_state_dict_async_finalize (flags on 'cuda')",
     "megatron.core.dist_checkpointing.strategies.fully_parallel": "FullyParallelLoadStrategyWrapper.load (synchronize)",
     "megatron.core.dist_checkpointing.strategies.async_utils": "schedule_async_call, maybe_finalize_async_calls, "
-                                                               "sync_all_async_calls, async_loop",
+    "sync_all_async_calls, async_loop",
     "megatron.core.dist_checkpointing.exchange_utils": "_get_empty_tensor_for_exchange, "
-                                                       "exchange_loaded_tensors_gather_rounds (buffers on 'cuda')",
+    "exchange_loaded_tensors_gather_rounds (buffers on 'cuda')",
     "megatron.core.dist_checkpointing.tensor_aware_state_dict": "_insert_sharded_data (synchronize)",
     "megatron.core.transformer.moe.moe_utils": "track_moe_metrics (tensors on device='cuda')",
 }
@@ -562,7 +581,11 @@ def _cuda_type_name(self, dtype=None, non_blocking=False, **kwargs):
     with an argument it converts, as torch does."""
     if dtype is None and not kwargs:
         name = _real_tensor_type(self)
-        return name.replace("torch.", "torch.cuda.", 1) if not self.is_cuda and not name.startswith("torch.cuda.") else name
+        return (
+            name.replace("torch.", "torch.cuda.", 1)
+            if not self.is_cuda and not name.startswith("torch.cuda.")
+            else name
+        )
     return _real_tensor_type(self, dtype, non_blocking, **kwargs)
 
 
@@ -674,8 +697,11 @@ def load_dataset_helpers() -> None:
 
     from ..errors import ConfigError
 
-    files = [f for f in (metadata.distribution("megatron-core").files or ()) if f.name.startswith("helpers_cpp")
-             and f.suffix in (".so", ".pyd")]
+    files = [
+        f
+        for f in (metadata.distribution("megatron-core").files or ())
+        if f.name.startswith("helpers_cpp") and f.suffix in (".so", ".pyd")
+    ]
     if not files:
         raise ConfigError(
             "Megatron's C++ dataset helpers are neither built in the checkout nor shipped in the installed "

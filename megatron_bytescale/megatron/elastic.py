@@ -38,8 +38,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from ..errors import ConfigError
 
@@ -58,7 +58,7 @@ class SavedWorld:
     hdp: bool  # written under --hybrid-data-parallel
 
 
-def saved_world(args, load_dir: Optional[str]) -> Optional[SavedWorld]:
+def saved_world(args, load_dir: str | None) -> SavedWorld | None:
     """The newest checkpoint's world in ``load_dir`` (Megatron's tracker file picks it), or None
     when there is none. Reads only the common state (rank 0's part)."""
     if not load_dir or not os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
@@ -96,15 +96,18 @@ def check_resize(saved: SavedWorld, args) -> None:
         )
 
 
-def resume_line(saved: Optional[SavedWorld], args) -> str:
+def resume_line(saved: SavedWorld | None, args) -> str:
     """The one line a resize or an elastic restart prints (old world, new world, iteration)."""
     restart = int(os.environ.get(RESTART_COUNT, "0") or 0)
     head = f"elastic restart {restart}" if restart else "elastic resume"
     world, hdp = args.world_size, args.data_parallel_size
     if saved is None:
         return f"{head}: world {world} ({hdp} HDP ranks), no checkpoint in --load {args.load}: training starts at iteration 0"
-    rng = ("RNG states restored per HDP rank" if saved.hdp_size == hdp else
-           "RNG states not restored (the plan moves tokens between ranks: dropout masks differ from the old world's)")
+    rng = (
+        "RNG states restored per HDP rank"
+        if saved.hdp_size == hdp
+        else "RNG states not restored (the plan moves tokens between ranks: dropout masks differ from the old world's)"
+    )
     return (
         f"{head}: world {saved.world_size} -> {world} (HDP ranks {saved.hdp_size} -> {hdp}, TP {args.tensor_model_parallel_size}, "
         f"PP {args.pipeline_model_parallel_size}), resuming from checkpoint iteration {saved.iteration} in {args.load}; {rng}"

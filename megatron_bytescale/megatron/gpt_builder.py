@@ -16,7 +16,9 @@ from .rotary import use_true_positions
 
 class HDPGPTModelBuilder(GPTModelBuilder):
     def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
-        model = super().build_model(pg_collection, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        model = super().build_model(
+            pg_collection, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
+        )
         if self._model_config.position_embedding_type == "rope":  # learned positions read position_ids directly
             use_true_positions(model)
         return model

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from ..errors import ConfigError
 from ..megatron_era import is_v019
@@ -53,14 +53,27 @@ def hdp_pretrain(pretrain: Callable) -> Callable:
         def wrapped(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func, *args, **kwargs):
             if getattr(cfg_container, "model", None) is not None:
                 hooks.model_config(cfg_container.model)
-            return pretrain(cfg_container, hooks.datasets_provider(train_valid_test_dataset_provider), model_type,
-                            forward_step(forward_step_func), *args, **kwargs)
+            return pretrain(
+                cfg_container,
+                hooks.datasets_provider(train_valid_test_dataset_provider),
+                model_type,
+                forward_step(forward_step_func),
+                *args,
+                **kwargs,
+            )
 
     else:
 
         @functools.wraps(pretrain)
-        def wrapped(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, *args,
-                    extra_args_provider: Optional[Callable] = None, **kwargs):
+        def wrapped(
+            train_valid_test_dataset_provider,
+            model_provider,
+            model_type,
+            forward_step_func,
+            *args,
+            extra_args_provider: Callable | None = None,
+            **kwargs,
+        ):
             return pretrain(
                 hooks.datasets_provider(train_valid_test_dataset_provider),
                 hooks.model_provider(model_provider),
@@ -142,7 +155,7 @@ def run_as_main(path: Path) -> None:
         sys.modules["__main__"] = previous
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-import torch
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ..errors import ConfigError
@@ -60,11 +60,20 @@ class SequenceParallelTorchNorm:
     weights marked ``sequence_parallel`` so that ``finalize_model_grads`` sums their gradients
     over the TP ranks (each saw only its share of the tokens), as for Apex's norms."""
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+    def __new__(
+        cls,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ):
         kind = config.normalization
         if kind not in ("LayerNorm", "RMSNorm") or config.layernorm_zero_centered_gamma:
-            raise ConfigError(f"sequence parallelism on the local spec takes LayerNorm or RMSNorm without zero-centred gamma, got {kind}")
+            raise ConfigError(
+                f"sequence parallelism on the local spec takes LayerNorm or RMSNorm without zero-centred gamma, got {kind}"
+            )
         norm = (torch.nn.RMSNorm if kind == "RMSNorm" else torch.nn.LayerNorm)(hidden_size, eps=eps)
         for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel

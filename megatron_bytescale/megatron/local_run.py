@@ -40,7 +40,11 @@ def setup_model(
     cpu_compat.install()
     group = parallel.init_parallel(tp=tp, pp=pp, ep=ep, vpp=vpp)
     if ep > 1:
-        config_overrides = {"expert_model_parallel_size": ep, "moe_token_dispatcher_type": "alltoall", **config_overrides}
+        config_overrides = {
+            "expert_model_parallel_size": ep,
+            "moe_token_dispatcher_type": "alltoall",
+            **config_overrides,
+        }
     chunks = build_gpt_chunks(model, seed=seed, **config_overrides)
     gpt = chunks[0]
     for chunk in chunks:
@@ -48,7 +52,10 @@ def setup_model(
     pipeline = parallel_state.get_pipeline_model_parallel_group() if pp > 1 else None
     embedding = parallel_state.get_embedding_group() if pp > 1 and parallel_state.is_rank_in_embedding_group() else None
     finalize = make_finalize_grads(
-        group, tp_group=parallel_state.get_tensor_model_parallel_group(), pp_group=pipeline, embedding_group=embedding,
+        group,
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        pp_group=pipeline,
+        embedding_group=embedding,
         expert_group=parallel_state.get_expert_data_parallel_group() if ep > 1 else None,
     )
     for chunk in chunks:

@@ -171,7 +171,9 @@ def build_gpt_model(
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if vpp is not None:
         if vp_stage is None or not 0 <= vp_stage < vpp:
-            raise ConfigError(f"the parallel state has {vpp} virtual pipeline stages: build chunk vp_stage in 0..{vpp - 1}")
+            raise ConfigError(
+                f"the parallel state has {vpp} virtual pipeline stages: build chunk vp_stage in 0..{vpp - 1}"
+            )
         config_overrides = {"virtual_pipeline_model_parallel_size": vpp, **config_overrides}
     config = transformer_config(spec, arch, dtype=dtype, hidden_dropout=hidden_dropout, **config_overrides)
     tp = config.tensor_model_parallel_size
@@ -181,8 +183,10 @@ def build_gpt_model(
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=hdp_gpt_layer_spec(
-            num_experts=spec.num_experts or None, normalization=arch.normalization,
-            sequence_parallel=config.sequence_parallel, num_layers=get_num_layers_to_build(config, vp_stage=vp_stage),
+            num_experts=spec.num_experts or None,
+            normalization=arch.normalization,
+            sequence_parallel=config.sequence_parallel,
+            num_layers=get_num_layers_to_build(config, vp_stage=vp_stage),
         ),
         vocab_size=padded_vocab_size(spec.vocab_size, arch.make_vocab_size_divisible_by, tp),
         max_sequence_length=max_sequence_length,

@@ -34,7 +34,9 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, vpp: int = 1) -> dist.P
             "torch.distributed.init_process_group first (local_world.run_local_world does)"
         )
     if tp < 1 or pp < 1 or ep < 1:
-        raise ConfigError(f"tensor, pipeline and expert parallel sizes must be at least 1, got tp={tp}, pp={pp}, ep={ep}")
+        raise ConfigError(
+            f"tensor, pipeline and expert parallel sizes must be at least 1, got tp={tp}, pp={pp}, ep={ep}"
+        )
     if vpp < 1 or (vpp > 1 and pp < 2):
         raise ConfigError(f"vpp={vpp} virtual pipeline stages need pp >= 2 (got pp={pp}); use vpp=1 or more stages")
     world = dist.get_world_size()

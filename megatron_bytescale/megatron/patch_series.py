@@ -25,7 +25,9 @@ PATCHES = Path(__file__).resolve().parents[2] / "patches"
 def tree_era(tree: str | Path) -> Era:
     info = Path(tree) / "megatron" / "core" / "package_info.py"
     if not (Path(tree) / "pretrain_gpt.py").is_file() or not info.is_file():
-        raise ConfigError(f"{tree}: not a Megatron-LM checkout (pretrain_gpt.py and megatron/core/package_info.py expected)")
+        raise ConfigError(
+            f"{tree}: not a Megatron-LM checkout (pretrain_gpt.py and megatron/core/package_info.py expected)"
+        )
     return era_of(_read_version(info))
 
 
@@ -37,8 +39,12 @@ def series(era: Era, root: Path = PATCHES) -> list[Path]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("megatron_lm", metavar="MEGATRON_LM_DIR", help="a Megatron-LM checkout (core_v0.16.1 or core_v0.19.x)")
-    parser.add_argument("--apply", action="store_true", help="apply the series with git apply (after checking all of it)")
+    parser.add_argument(
+        "megatron_lm", metavar="MEGATRON_LM_DIR", help="a Megatron-LM checkout (core_v0.16.1 or core_v0.19.x)"
+    )
+    parser.add_argument(
+        "--apply", action="store_true", help="apply the series with git apply (after checking all of it)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -61,7 +67,9 @@ def main(args: argparse.Namespace) -> int:
             for path in paths:
                 proc = subprocess.run(["git", "apply", str(path)], cwd=where, capture_output=True, text=True)
                 if proc.returncode:
-                    raise ConfigError(f"{path.name} does not apply to {tree / 'pretrain_gpt.py'}: "
-                                      f"{proc.stderr.strip().splitlines()[-1]}")
+                    raise ConfigError(
+                        f"{path.name} does not apply to {tree / 'pretrain_gpt.py'}: "
+                        f"{proc.stderr.strip().splitlines()[-1]}"
+                    )
     print(f"applied {len(paths)} patches to {tree / 'pretrain_gpt.py'}")
     return 0

@@ -149,9 +149,9 @@ def training_flags(argv: list[str]) -> list[str] | None:
     ``-m megatron_bytescale.launch SCRIPT`` or ``SCRIPT.py``; None if neither is there."""
     for i, word in enumerate(argv):
         if word == "megatron_bytescale.launch" and i and argv[i - 1] in ("-m", "--module"):
-            return argv[i + 2:]
+            return argv[i + 2 :]
         if word.endswith(".py") and not word.startswith("-"):
-            return argv[i + 1:]
+            return argv[i + 1 :]
     return None
 
 
@@ -160,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     (the srun batch script runs it before srun starts the ranks)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[0] != "--world-size" or not argv[1].isdigit():
-        print("usage: python -m megatron_bytescale.megatron.preflight --world-size N PRETRAIN_GPT_COMMAND...", file=sys.stderr)
+        print(
+            "usage: python -m megatron_bytescale.megatron.preflight --world-size N PRETRAIN_GPT_COMMAND...",
+            file=sys.stderr,
+        )
         return 2
     flags = training_flags(argv[2:])
     try:

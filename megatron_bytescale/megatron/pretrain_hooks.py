@@ -31,12 +31,14 @@ import functools
 import io
 import os
 import sys
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from ..errors import ConfigError
 from ..megatron_era import is_v019
+from . import checkpoint_guard, rank_guard
 from .arguments import (
     add_hdp_arguments,
     chain_extra_args_providers,
@@ -48,7 +50,6 @@ from .arguments import (
     planner_config_from_args,
     validate_hdp_args,
 )
-from . import checkpoint_guard, rank_guard
 from .step_timing import StepTimer
 
 # Megatron's ``--spec MODULE NAME`` reads ``vars(MODULE)[NAME]``: the HDP model provider puts
@@ -85,7 +86,7 @@ def _device() -> torch.device:
 
 
 # ------------------------------------------------------------------ arguments
-def extra_args_provider(base: Optional[Callable] = None) -> Callable:
+def extra_args_provider(base: Callable | None = None) -> Callable:
     """``pretrain(..., extra_args_provider=extra_args_provider(base))``: base's flags, then ours."""
     return chain_extra_args_providers(base, add_hdp_arguments)
 
@@ -297,8 +298,11 @@ def hdp_layer_spec(args, config=None, vp_stage=None):
             config = core_transformer_config_from_args(args)
         return with_hdp_core_attention(
             get_gpt_decoder_block_spec(
-                config, use_transformer_engine=use_te, normalization=args.normalization,
-                qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage,
+                config,
+                use_transformer_engine=use_te,
+                normalization=args.normalization,
+                qk_l2_norm=args.qk_l2_norm,
+                vp_stage=vp_stage,
             )
         )
     if use_te:
@@ -306,10 +310,13 @@ def hdp_layer_spec(args, config=None, vp_stage=None):
 
         return with_hdp_core_attention(
             get_gpt_layer_with_transformer_engine_spec(
-                qk_layernorm=args.qk_layernorm, qk_l2_norm=args.qk_l2_norm,
+                qk_layernorm=args.qk_layernorm,
+                qk_l2_norm=args.qk_l2_norm,
             )
         )
-    return hdp_gpt_layer_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm)
+    return hdp_gpt_layer_spec(
+        qk_layernorm=args.qk_layernorm, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm
+    )
 
 
 def model_provider(base: Callable) -> Callable:
@@ -390,7 +397,7 @@ def _is_moe(model) -> bool:
     return bool(getattr(get_model_config(model), "num_moe_experts", None))
 
 
-def forward_step(base: Callable, loss_func: Optional[Callable] = None) -> Callable:
+def forward_step(base: Callable, loss_func: Callable | None = None) -> Callable:
     """Wrap pretrain_gpt's ``forward_step``: HDP micro-batches go through ``hdp_forward_step``
     with pretrain_gpt's own ``loss_func`` (per-token sums plus its NaN/spike checks)."""
 
@@ -399,7 +406,9 @@ def forward_step(base: Callable, loss_func: Optional[Callable] = None) -> Callab
         if _hdp_args() is None:
             return base(data_iterator, model, *args, **kwargs)
         if kwargs.get("return_schedule_plan"):
-            raise ConfigError("HDP micro-batches do not support MoE schedule plans (--overlap-moe-expert-parallel-comm)")
+            raise ConfigError(
+                "HDP micro-batches do not support MoE schedule plans (--overlap-moe-expert-parallel-comm)"
+            )
         # a third positional argument (checkpoint_activations_microbatch) only comes from
         # Megatron's pipeline schedules, which HDP replaces
         return hdp_forward_step(data_iterator, model, loss_func or per_token_loss)
@@ -441,8 +450,13 @@ def build_loader(args, prefix: str, rank: int, *, name: str = "train"):
 
         job = os.environ.get("SLURM_JOB_ID") or os.environ.get("MASTER_PORT", "0")
         return RayDataLoader(
-            prefix, config, **common, num_servers=args.hdp_ray_servers, lookahead=max(1, args.hdp_plan_ahead),
-            name=f"bytescale-{job}-{name}", address=args.hdp_ray_address,
+            prefix,
+            config,
+            **common,
+            num_servers=args.hdp_ray_servers,
+            lookahead=max(1, args.hdp_plan_ahead),
+            name=f"bytescale-{job}-{name}",
+            address=args.hdp_ray_address,
         )
     from ..data.local_loader import LocalDataLoader
 
@@ -460,7 +474,10 @@ def fast_forward(loader, args, prefix: str, steps: int) -> None:
     from ..data.sampler import GlobalBatchSampler, Position, loader_state
 
     sampler = GlobalBatchSampler(
-        DocumentDataset(prefix).lengths, step_tokens=args.hdp_step_tokens, context_length=args.seq_length, seed=args.seed
+        DocumentDataset(prefix).lengths,
+        step_tokens=args.hdp_step_tokens,
+        context_length=args.seq_length,
+        seed=args.seed,
     )
     position = Position()
     for _ in range(steps):
@@ -478,7 +495,7 @@ def evaluations_before(iteration: int, args) -> int:
     return done
 
 
-def hdp_data_iterators(args, rank: Optional[int] = None):
+def hdp_data_iterators(args, rank: int | None = None):
     """(train, valid, test) iterators of ``StepBatch`` for this HDP rank: training from
     --data-path (or --train-data-path), resumed at args.iteration; validation from
     --valid-data-path when given; no test set."""

@@ -83,7 +83,9 @@ class TruePositionRotaryEmbedding(nn.Module):
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
         active = current_micro_batch()
         if offset:
-            raise BytescaleError("true-position RoPE takes positions from the micro-batch; a RoPE offset is not supported")
+            raise BytescaleError(
+                "true-position RoPE takes positions from the micro-batch; a RoPE offset is not supported"
+            )
         if cp_group is not None and cp_group.size() > 1:
             raise ConfigError("HDP replaces Megatron's context parallelism: use --context-parallel-size 1")
         if max_seq_len != active.num_tokens:

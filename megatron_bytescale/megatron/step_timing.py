@@ -14,7 +14,8 @@ shorter than a step), beside the seconds planning took.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class _Remember:
@@ -69,7 +70,8 @@ class StepTimer:
         wait = getattr(step_batch, "plan_wait_s", None)
         planning = (
             f"; planning exposed {wait:.3f} s (planning took {getattr(step_batch, 'plan_s', 0.0):.3f} s)"
-            if wait is not None else ""
+            if wait is not None
+            else ""
         )
         return (
             f"hdp step {getattr(step_batch, 'step', '?')}: planner predicted {predicted:.3f} s (busiest rank{mine}), "

@@ -158,7 +158,7 @@ class _Loads:
         ranks: list[int] = []
         if len(seconds) >= BULK_RUN:
             ranks = self._give_in_rounds(seconds, tokens)
-            seconds, tokens = seconds[len(ranks):], tokens[len(ranks):]
+            seconds, tokens = seconds[len(ranks) :], tokens[len(ranks) :]
             if isinstance(seconds, np.ndarray):  # the loop below works on Python numbers
                 seconds, tokens = seconds.tolist(), np.asarray(tokens).tolist()
         heap, stamp, clocks = self.heap, self.stamp, self.clock

@@ -73,6 +73,7 @@ class CostModel:
     def recompute_attention_share(self) -> float:
         """m / l: the share of layers whose ring forward runs again in backward."""
         return self.recomputed_attention_layers / self.num_layers if self.num_layers else 0.0
+
     # two-level attention (planner/two_level.py): the heads of one TP shard, and what the head
     # all-to-all moves per token and layer for the queries (bf16); 0 heads: two-level off
     q_heads: int = 0
@@ -111,7 +112,12 @@ class CostModel:
     # ---------------------------------------------------------- construction
     @classmethod
     def analytic(
-        cls, model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1, sequence_parallel: bool = True,
+        cls,
+        model: ModelSpec,
+        hw: HardwareSpec,
+        tp: int = 1,
+        pp: int = 1,
+        sequence_parallel: bool = True,
         dkv_bf16: bool = False,
     ) -> CostModel:
         """Coefficients from FLOP and byte counts (bf16 weights and activations, flash-style
@@ -193,7 +199,10 @@ class CostModel:
         return replace(self, **changes)
 
     def with_recompute(
-        self, granularity: str | None, method: str | None = None, num_layers: int | None = None,
+        self,
+        granularity: str | None,
+        method: str | None = None,
+        num_layers: int | None = None,
         modules: tuple[str, ...] | list[str] | None = None,
     ) -> CostModel:
         """This model under Megatron's activation recompute flags (``--recompute-granularity``,
@@ -212,8 +221,9 @@ class CostModel:
                     raise ConfigError(f"--recompute-method block needs --recompute-num-layers >= 0, got {num_layers}")
                 k = min(num_layers, l)
             else:
-                raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block, got "
-                                  f"{method!r}")
+                raise ConfigError(
+                    f"--recompute-granularity full needs --recompute-method uniform or block, got {method!r}"
+                )
             m = k
         elif granularity == "selective":
             modules = ("core_attn",) if modules is None else modules  # megatron-core's default

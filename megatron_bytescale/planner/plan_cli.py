@@ -1,7 +1,7 @@
 """``bytescale plan``: plan one step for a batch of sequence lengths and show it per rank.
 
-    bytescale plan --model llama-7b --gpus 64 --capacity 8K --lengths 1K,300K,4K,9K
-    bytescale plan --model llama-7b --gpus 1024 --capacity 8K --lengths-file lens.txt --json plan.json
+bytescale plan --model llama-7b --gpus 64 --capacity 8K --lengths 1K,300K,4K,9K
+bytescale plan --model llama-7b --gpus 1024 --capacity 8K --lengths-file lens.txt --json plan.json
 """
 
 from __future__ import annotations
@@ -30,8 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size [1]")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size [1]")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE): aligned slots per EP group [1]")
-    p.add_argument("--vpp", type=int, default=1, metavar="V",
-                   help="model chunks per pipeline device (virtual pipeline stages); needs --pp > 1 [1]")
+    p.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        metavar="V",
+        help="model chunks per pipeline device (virtual pipeline stages); needs --pp > 1 [1]",
+    )
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job; HDP ranks = gpus / (tp * pp)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node [the hardware spec's]")
     p.add_argument("--capacity", required=True, help="tokens per micro-batch per rank without offloading, e.g. 8K")
@@ -43,14 +48,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance", default="dp", choices=BALANCE_MODES, help="balance scheduler mode [dp]")
     p.add_argument("--slack", type=float, default=0.05, help="balance slack, a fraction of the max time [0.05]")
     p.add_argument("--no-offload", action="store_true", help="never offload activations")
-    p.add_argument("--host-memory-per-gpu", default=None, metavar="BYTES",
-                   help="pinned host memory per GPU for offloaded activations, e.g. 64G "
-                        "[the profile's or the hardware spec's host_memory_bytes]")
-    p.add_argument("--global-batch-tokens", default=None, metavar="TOKENS",
-                   help="plan the lengths, in order, as consecutive steps of at most TOKENS tokens (e.g. 32M), "
-                        "printing each step's summary as it is planned (no per-rank table; --json writes one plan "
-                        "per line); a lengths file is then read as it goes, one step in memory at a time. "
-                        "Default: all lengths are one step")
+    p.add_argument(
+        "--host-memory-per-gpu",
+        default=None,
+        metavar="BYTES",
+        help="pinned host memory per GPU for offloaded activations, e.g. 64G "
+        "[the profile's or the hardware spec's host_memory_bytes]",
+    )
+    p.add_argument(
+        "--global-batch-tokens",
+        default=None,
+        metavar="TOKENS",
+        help="plan the lengths, in order, as consecutive steps of at most TOKENS tokens (e.g. 32M), "
+        "printing each step's summary as it is planned (no per-rank table; --json writes one plan "
+        "per line); a lengths file is then read as it goes, one step in memory at a time. "
+        "Default: all lengths are one step",
+    )
     p.add_argument("--json", help="write the plan JSON here")
     p.add_argument("--max-rows", type=int, default=64, help="ranks shown in the table [64]; 0 shows all")
 
@@ -191,8 +204,11 @@ def main(args) -> int:
     else:
         lengths = read_with_progress(args.lengths_file)
         if len(lengths) > LARGE_STEP:
-            print(f"planning {len(lengths):,} sequences as one step (--global-batch-tokens plans them step by step)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"planning {len(lengths):,} sequences as one step (--global-batch-tokens plans them step by step)",
+                file=sys.stderr,
+                flush=True,
+            )
     lengths = apply_context(lengths, context, args.cut)
     plan = plan_step(lengths, config, cost).validate()
     print(format_table(plan, args.max_rows))
@@ -210,8 +226,16 @@ def _progress_bar(path):
     """A tqdm bar over the file's bytes on stderr (shown for files that take a while to read)."""
     from tqdm import tqdm
 
-    return tqdm(total=Path(path).stat().st_size, unit="B", unit_scale=True, desc=f"reading {path}",
-                file=sys.stderr, mininterval=1.0, delay=2.0, leave=False)
+    return tqdm(
+        total=Path(path).stat().st_size,
+        unit="B",
+        unit_scale=True,
+        desc=f"reading {path}",
+        file=sys.stderr,
+        mininterval=1.0,
+        delay=2.0,
+        leave=False,
+    )
 
 
 def read_with_progress(path) -> list[int]:

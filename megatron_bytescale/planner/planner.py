@@ -82,7 +82,12 @@ class PlannerConfig:
                 raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}{fix}")
 
         whole("num_ranks", self.num_ranks, 1, "; pass the HDP ranks (GPUs / (TP x PP))")
-        whole("token capacity", self.capacity, 1, f"; set {self.capacity_flag} to the tokens one rank holds per micro-batch (e.g. 8K)")
+        whole(
+            "token capacity",
+            self.capacity,
+            1,
+            f"; set {self.capacity_flag} to the tokens one rank holds per micro-batch (e.g. 8K)",
+        )
         whole("ranks_per_node", self.ranks_per_node, 1, "; pass the HDP ranks per node (GPUs per node / TP)")
         whole("pipeline_stages", self.pipeline_stages, 1)
         whole("expert_parallel", self.expert_parallel, 1, "; pass --expert-model-parallel-size")
@@ -181,8 +186,16 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         factors = sorted({1, stages}) if balanced else [1]
         best = None
         for factor in factors:
-            sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, factor, host,
-                               config.capacity_flag)
+            sizer = RingSizer(
+                config.capacity,
+                cost,
+                config.offload,
+                config.num_ranks,
+                config.ranks_per_node,
+                factor,
+                host,
+                config.capacity_flag,
+            )
             base = balanced_target(np.asarray(lens), sizer) if balanced else None
             for scale in RETARGET if balanced else (1.0,):
                 target = None if base is None else base * scale
@@ -349,8 +362,16 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     shortest deadlock-free estimate wins; targets that change no ring are skipped."""
     stages = config.pipeline_stages
     host = host_capacity(cost, stages)
-    sizer = RingSizer(config.capacity, cost, config.offload, config.num_ranks, config.ranks_per_node, stages, host,
-                      config.capacity_flag)
+    sizer = RingSizer(
+        config.capacity,
+        cost,
+        config.offload,
+        config.num_ranks,
+        config.ranks_per_node,
+        stages,
+        host,
+        config.capacity_flag,
+    )
     base = balanced_target(np.asarray(lens), sizer)
     candidates, previous = [], None
     for scale in PIPELINE_RETARGET:

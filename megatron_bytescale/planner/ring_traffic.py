@@ -7,7 +7,11 @@ from .contract import Plan, rank_tokens
 
 
 def p2p_bytes_per_rank(
-    plan: Plan, kv_bytes_per_token: float, grad_bytes_per_token: float, num_layers: int, backward: bool = True,
+    plan: Plan,
+    kv_bytes_per_token: float,
+    grad_bytes_per_token: float,
+    num_layers: int,
+    backward: bool = True,
     recomputed_layers: int = 0,
     q_bytes_per_token: float = 0.0,
 ) -> list[float]:
@@ -55,7 +59,7 @@ def p2p_bytes_per_rank(
                 recomputed = kv
             else:
                 m, g = n // u, i // u
-                sup = [sum(block[h * u:(h + 1) * u]) for h in range(m)]
+                sup = [sum(block[h * u : (h + 1) * u]) for h in range(m)]
                 own, q, kv_, gr = block[i], q_bytes_per_token / u, kv_bytes_per_token / u, grad_bytes_per_token / u
                 ring_kv = (sum(sup) - sup[(g + 1) % m]) * kv_
                 fwd = own * (u - 1) * (q + kv_) + ring_kv + (sup[g] - own) * q
@@ -64,4 +68,3 @@ def p2p_bytes_per_rank(
                 recomputed = fwd
             sent[rank] += per_layer * num_layers + (recomputed * recomputed_layers if backward else 0.0)
     return sent
-

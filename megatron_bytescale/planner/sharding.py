@@ -41,7 +41,12 @@ class Shard:
 
 
 def memory_floor(
-    seq_len: int, capacity: int, cost: CostModel, offload: bool, num_ranks: int, host: int | None = None,
+    seq_len: int,
+    capacity: int,
+    cost: CostModel,
+    offload: bool,
+    num_ranks: int,
+    host: int | None = None,
     capacity_flag: str = "--hdp-token-capacity",
 ) -> OffloadDecision:
     """D_mem(s) and its ratio (``host``: the host budget in token-equivalents, None: none);

@@ -247,7 +247,10 @@ def _list_schedule(ops: PipelineGraph, cap: int) -> list[list[int]] | None:
 
 
 def chunk_schedule(
-    ring_keys: Sequence[Sequence[object | None]], times: Sequence[Sequence[float]], stages: int, forward_share: float,
+    ring_keys: Sequence[Sequence[object | None]],
+    times: Sequence[Sequence[float]],
+    stages: int,
+    forward_share: float,
     chunks: int,
 ) -> tuple[list | None, list[float], int, str] | None:
     """Chunk orders for pipelines of ``chunks`` model chunks per device: the shortest estimated
@@ -273,14 +276,20 @@ def chunk_schedule(
         orders = slot_interleaved_orders(ring_keys, times, p, chunks, forward_share, slot_times, megatron, shift)
         finish = None if orders is None else pipelined_finish_times(ring_keys, times, p, forward_share, orders, chunks)
         if finish is not None:
-            name = ("the slot-aligned " + ("Megatron " if megatron else "") + "interleaved order"
-                    + (" (slot times)" if slot_times else "") + (f" (shifted {shift})" if shift else ""))
+            name = (
+                "the slot-aligned "
+                + ("Megatron " if megatron else "")
+                + "interleaved order"
+                + (" (slot times)" if slot_times else "")
+                + (f" (shifted {shift})" if shift else "")
+            )
             cands.append((max(finish, default=0.0), orders, finish, name))
     best = min(cands, key=lambda c: c[0]) if cands else None
     ops = 2 * p * chunks * sum(len(k) for k in ring_keys)
     if best is None or ops <= SECOND_CAP_OPS:
-        found = stage_schedule(ring_keys, times, p, forward_share, chunks=chunks,
-                               base_orders=None if best is None else best[1])
+        found = stage_schedule(
+            ring_keys, times, p, forward_share, chunks=chunks, base_orders=None if best is None else best[1]
+        )
         if found is not None and (best is None or found.makespan < best[0]):
             against = f" against {best[3]}'s {best[0]:.4g} s)" if best else ")"
             what = f"the list schedule ({found.makespan:.4g} s" + against

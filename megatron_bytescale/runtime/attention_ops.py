@@ -134,8 +134,12 @@ def call_tensors(call: VarlenCall, tq: int, tk: int, device: torch.device):
         return torch.tensor([0] + [b - a for a, b in spans], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
 
     return (
-        rows(call.q_spans, tq), rows(call.k_spans, tk), cu(call.q_spans), cu(call.k_spans),
-        max(b - a for a, b in call.q_spans), max(b - a for a, b in call.k_spans),
+        rows(call.q_spans, tq),
+        rows(call.k_spans, tk),
+        cu(call.q_spans),
+        cu(call.k_spans),
+        max(b - a for a, b in call.q_spans),
+        max(b - a for a, b in call.k_spans),
     )
 
 
@@ -170,8 +174,9 @@ def varlen_calls(qblock: TokenBlock, kblock: TokenBlock) -> tuple[VarlenCall, ..
                     qsel += [qr] if qr not in qsel else []
                     ksel += [kr] if kr not in ksel else []
                 elif kr[1] < qr[2]:  # overlapping but not identical: not a zigzag pair
-                    raise PlanError(f"sequence {sid}: query positions {qr[1:3]} and key positions {kr[1:3]} overlap "
-                                    "partially")
+                    raise PlanError(
+                        f"sequence {sid}: query positions {qr[1:3]} and key positions {kr[1:3]} overlap partially"
+                    )
         if not qsel:
             continue
         if any(kr[2] > qr[1] for qr in qsel for kr in ksel):

@@ -39,9 +39,7 @@ class MicroBatchData:
         for name in ("tokens", "labels", "loss_mask", "positions"):
             t = getattr(self, name)
             if t.dim() != 1 or t.numel() != expected:
-                raise PlanError(
-                    f"micro-batch {name} has shape {tuple(t.shape)}, but its pieces hold {expected} tokens"
-                )
+                raise PlanError(f"micro-batch {name} has shape {tuple(t.shape)}, but its pieces hold {expected} tokens")
 
 
 @dataclass

@@ -53,8 +53,10 @@ def make_finalize_grads(group=None, *, tp_group=None, pp_group=None, embedding_g
             dist.all_reduce(total, group=group)
             num_tokens.copy_(total)
         experts = expert_group is not None
-        for over, grads in ((group, [p.grad for p in params if not experts or getattr(p, "allreduce", True)]),
-                            (expert_group, [p.grad for p in params if experts and not getattr(p, "allreduce", True)])):
+        for over, grads in (
+            (group, [p.grad for p in params if not experts or getattr(p, "allreduce", True)]),
+            (expert_group, [p.grad for p in params if experts and not getattr(p, "allreduce", True)]),
+        ):
             if not grads:
                 continue
             flat = _flatten_dense_tensors(grads)

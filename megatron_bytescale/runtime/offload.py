@@ -139,8 +139,14 @@ class _HostCopies:
         dst.copy_(src)
         return None
 
-    def reload(self, dst: torch.Tensor, host: torch.Tensor | None, after: object,
-               tail_dst: torch.Tensor | None, tail_src: torch.Tensor | None) -> object:
+    def reload(
+        self,
+        dst: torch.Tensor,
+        host: torch.Tensor | None,
+        after: object,
+        tail_dst: torch.Tensor | None,
+        tail_src: torch.Tensor | None,
+    ) -> object:
         if host is not None:
             dst.copy_(host)
         if tail_dst is not None:
@@ -170,8 +176,14 @@ class _CudaCopies:
         src.record_stream(self.d2h)  # the allocator must not reuse src before the copy ran
         return done
 
-    def reload(self, dst: torch.Tensor, host: torch.Tensor | None, after: object,
-               tail_dst: torch.Tensor | None, tail_src: torch.Tensor | None) -> object:
+    def reload(
+        self,
+        dst: torch.Tensor,
+        host: torch.Tensor | None,
+        after: object,
+        tail_dst: torch.Tensor | None,
+        tail_src: torch.Tensor | None,
+    ) -> object:
         # dst was just allocated on the compute stream; the tail was written there in forward
         self.h2d.wait_stream(torch.cuda.current_stream(self.device))
         if after is not None:
@@ -225,8 +237,21 @@ class _Saved:
     """What autograd stores instead of a saved tensor while it may be off the device."""
 
     __slots__ = (
-        "state", "layer", "shape", "stride", "dtype", "device", "numel", "moved", "tensor", "tail",
-        "block", "d2h_event", "h2d_event", "held", "__weakref__",
+        "state",
+        "layer",
+        "shape",
+        "stride",
+        "dtype",
+        "device",
+        "numel",
+        "moved",
+        "tensor",
+        "tail",
+        "block",
+        "d2h_event",
+        "h2d_event",
+        "held",
+        "__weakref__",
     )
 
     def __init__(self, state: _MicroBatchState, layer: int | None, t: torch.Tensor):
@@ -344,8 +369,9 @@ class _MicroBatchState:
                     self._offload(rec, t, counters, kind, dense_stride)
         return rec
 
-    def _offload(self, rec: _Saved, t: torch.Tensor, counters: _LayerCounters, kind: str,
-                 dense_stride: tuple[int, ...]) -> None:
+    def _offload(
+        self, rec: _Saved, t: torch.Tensor, counters: _LayerCounters, kind: str, dense_stride: tuple[int, ...]
+    ) -> None:
         size = t.element_size()
         numel = t.numel()
         with self.lock:
@@ -397,9 +423,7 @@ class _MicroBatchState:
         k = rec.moved
         host = rec.block.view(rec.dtype, k)
         tail = rec.tail
-        rec.h2d_event = engine.reload(
-            flat[:k], host, rec.d2h_event, flat[k:] if tail is not None else None, tail
-        )
+        rec.h2d_event = engine.reload(flat[:k], host, rec.d2h_event, flat[k:] if tail is not None else None, tail)
         self.off.pool.release(rec.block, pending=rec.h2d_event)
         rec.block = None
         tail_keys, rec.held = rec.held, []
@@ -444,17 +468,27 @@ class _MicroBatchState:
         with self.lock:
             layers = tuple(
                 LayerOffloadStats(
-                    index=i, kept_on_device=not self.off._offloadable(i), tensors=c.tensors,
-                    saved_bytes=c.saved, held_bytes=c.held, eligible_bytes=c.eligible,
-                    offloaded_bytes=c.offloaded, reloaded_bytes=c.reloaded,
+                    index=i,
+                    kept_on_device=not self.off._offloadable(i),
+                    tensors=c.tensors,
+                    saved_bytes=c.saved,
+                    held_bytes=c.held,
+                    eligible_bytes=c.eligible,
+                    offloaded_bytes=c.offloaded,
+                    reloaded_bytes=c.reloaded,
                 )
                 for i, c in enumerate(self.layers)
             )
             return OffloadStats(
-                ratio=self.ratio, offloaded_bytes=self.offloaded, reloaded_bytes=self.reloaded,
-                peak_resident_bytes=self.peak, resident_bytes=self.resident,
+                ratio=self.ratio,
+                offloaded_bytes=self.offloaded,
+                reloaded_bytes=self.reloaded,
+                peak_resident_bytes=self.peak,
+                resident_bytes=self.resident,
                 saved_bytes=sum(c.saved for c in self.layers) + self.outside.saved,
-                outside_bytes=self.outside.saved, layers=layers, pinned=self.off.pool.pinned,
+                outside_bytes=self.outside.saved,
+                layers=layers,
+                pinned=self.off.pool.pinned,
                 late_reloads=self.late,
             )
 

@@ -56,8 +56,14 @@ class P2PCounter:
 class Pending:
     """A posted exchange; ``wait()`` returns the received tensor."""
 
-    def __init__(self, works, recv: torch.Tensor, counter: P2PCounter | None = None, timeout_s: float | None = None,
-                 peers: str = ""):
+    def __init__(
+        self,
+        works,
+        recv: torch.Tensor,
+        counter: P2PCounter | None = None,
+        timeout_s: float | None = None,
+        peers: str = "",
+    ):
         self._works, self._recv, self._counter = works, recv, counter
         self._timeout, self._peers = timeout_s, peers
 
@@ -103,8 +109,10 @@ class RingComm:
         self._next = to_global(ring[(index + 1) % self.size])
         self._prev = to_global(ring[(index - 1) % self.size])
         self._timeout = RING_TIMEOUT_S if dist.get_backend(group) == "gloo" else None
-        self._peers = (f"ring {self.ring}: this rank (global {dist.get_rank()}) sends to global rank {self._next} and "
-                       f"receives from global rank {self._prev}; one of them is stopped, dead or stuck")
+        self._peers = (
+            f"ring {self.ring}: this rank (global {dist.get_rank()}) sends to global rank {self._next} and "
+            f"receives from global rank {self._prev}; one of them is stopped, dead or stuck"
+        )
 
     def send_recv(self, send: torch.Tensor, recv_shape, tag: int = KV_TAG) -> Pending:
         """Post: send ``send`` to the successor, receive a ``recv_shape`` tensor from the predecessor."""

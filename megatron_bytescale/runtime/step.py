@@ -282,7 +282,9 @@ def run_hdp_step(
     stats = StepStats()
     counter = P2PCounter()
     forward_data_store: list = []
-    total_tokens = torch.zeros([], dtype=torch.int, device=_collective_device(group))  # finalize_model_grads all-reduces it
+    total_tokens = torch.zeros(
+        [], dtype=torch.int, device=_collective_device(group)
+    )  # finalize_model_grads all-reduces it
     # megatron-core 0.16 passes the model type to backward_step; 0.19 dropped the argument
     model_type = (get_model_type(chunks[0]),) if backward_step_takes_model_type() else ()
     count = len(step.micro_batches)

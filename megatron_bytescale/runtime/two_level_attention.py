@@ -116,7 +116,7 @@ class _TwoLevel(torch.autograd.Function):
         nq, nkv = len(qh[gl.place]), len(kvh[gl.place])
         rq, rk, rv = (take_rows(x, layout.ring_rows) for x in (q, k, v))
         blk = to_group_block(exchange, gl, [(rq, qh), (rk, kvh), (rv, kvh)])
-        sq, sk, sv = blk[:, :nq], blk[:, nq:nq + nkv], blk[:, nq + nkv:]
+        sq, sk, sv = blk[:, :nq], blk[:, nq : nq + nkv], blk[:, nq + nkv :]
 
         out = torch.zeros_like(q)
         local = _LocalPart(q, k, v, layout, scale, backend)
@@ -144,8 +144,20 @@ class _TwoLevel(torch.autograd.Function):
         dv = torch.zeros(kshape, dtype=sq.dtype, device=sq.device)
         sdo = to_group_block(exchange, gl, [(take_rows(dout, layout.ring_rows), qh)])
         local = _LocalPart.restore(local_saved, layout, scale, backend)
-        gq, gk, gv = ring_backward(sdo, sq, sk, sv, so, slse, gl, ring, scale, backend,
-                                   side_work=lambda: local.backward(dout, dq, dk, dv), grad_dtype=grad_dtype)
+        gq, gk, gv = ring_backward(
+            sdo,
+            sq,
+            sk,
+            sv,
+            so,
+            slse,
+            gl,
+            ring,
+            scale,
+            backend,
+            side_work=lambda: local.backward(dout, dq, dk, dv),
+            grad_dtype=grad_dtype,
+        )
         msg = torch.cat((gq, gk, gv), dim=1).to(sq.dtype)
         back = from_group_block(exchange, gl, msg, [len(qh[b]) + 2 * len(kvh[b]) for b in range(gl.size)])
         t = gl.member_tokens[gl.place]
@@ -155,8 +167,8 @@ class _TwoLevel(torch.autograd.Function):
         for b, part in enumerate(back):
             nq, nkv = len(qh[b]), len(kvh[b])
             _scatter_heads(rq, qh[b], part[:, :nq])
-            _scatter_heads(rk, kvh[b], part[:, nq:nq + nkv])  # copies of a KV head add up here
-            _scatter_heads(rv, kvh[b], part[:, nq + nkv:])
+            _scatter_heads(rk, kvh[b], part[:, nq : nq + nkv])  # copies of a KV head add up here
+            _scatter_heads(rv, kvh[b], part[:, nq + nkv :])
         for dst, g in ((dq, rq), (dk, rk), (dv, rv)):
             put_rows(dst, layout.ring_rows, g)
         return dq, dk, dv, None, None, None, None, None, None, None

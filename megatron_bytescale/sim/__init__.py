@@ -5,4 +5,14 @@ from .cluster import Cluster
 from .strategies import STRATEGIES, StrategyError, StrategyInput, make_plan
 from .timeline import Timeline, evaluate, lower_bound, simulate
 
-__all__ = ["STRATEGIES", "Cluster", "StrategyError", "StrategyInput", "Timeline", "evaluate", "lower_bound", "make_plan", "simulate"]
+__all__ = [
+    "STRATEGIES",
+    "Cluster",
+    "StrategyError",
+    "StrategyInput",
+    "Timeline",
+    "evaluate",
+    "lower_bound",
+    "make_plan",
+    "simulate",
+]

@@ -68,12 +68,28 @@ class Restart:
         return sum(self.tokens) / sum(self.step_times) if self.step_times and not self.error else 0.0
 
     def to_json(self) -> dict:
-        return {"strategy": self.strategy, "gpus": self.gpus, "step_times_s": self.step_times, "tokens": self.tokens,
-                "throughput_tokens_per_s": self.throughput, "error": self.error}
+        return {
+            "strategy": self.strategy,
+            "gpus": self.gpus,
+            "step_times_s": self.step_times,
+            "tokens": self.tokens,
+            "throughput_tokens_per_s": self.throughput,
+            "error": self.error,
+        }
 
 
-def run_batches(strategy: str, gpus: int, batches: Sequence[Sequence[int]], *, tp: int, pp: int, gpus_per_node: int,
-                cost: CostModel, capacity: int, context: int) -> Restart:
+def run_batches(
+    strategy: str,
+    gpus: int,
+    batches: Sequence[Sequence[int]],
+    *,
+    tp: int,
+    pp: int,
+    gpus_per_node: int,
+    cost: CostModel,
+    capacity: int,
+    context: int,
+) -> Restart:
     """``strategy`` on ``gpus`` GPUs over ``batches`` (one simulated step each)."""
     out = Restart(strategy, gpus)
     if gpus <= 0:
@@ -91,8 +107,19 @@ def run_batches(strategy: str, gpus: int, batches: Sequence[Sequence[int]], *, t
     return out
 
 
-def compare(batches: Sequence[Sequence[int]], *, gpus: int, tp: int, pp: int, gpus_per_node: int, cost: CostModel,
-            capacity: int, context: int, lost: Sequence[int], progress=None) -> list[dict]:
+def compare(
+    batches: Sequence[Sequence[int]],
+    *,
+    gpus: int,
+    tp: int,
+    pp: int,
+    gpus_per_node: int,
+    cost: CostModel,
+    capacity: int,
+    context: int,
+    lost: Sequence[int],
+    progress=None,
+) -> list[dict]:
     """Per number of lost nodes (0 first: the healthy cluster): HDP (hdp-balanced) on every
     survivor it can use against static DP x CP on the largest mesh it can restart on, the same
     batches for both. Runs of the same strategy on the same GPU count are shared."""
@@ -103,8 +130,17 @@ def compare(batches: Sequence[Sequence[int]], *, gpus: int, tp: int, pp: int, gp
         if (strategy, n) not in cache:
             if progress:
                 progress(f"{strategy} on {n} GPUs")
-            cache[strategy, n] = run_batches(strategy, n, batches, tp=tp, pp=pp, gpus_per_node=gpus_per_node,
-                                             cost=cost, capacity=capacity, context=context)
+            cache[strategy, n] = run_batches(
+                strategy,
+                n,
+                batches,
+                tp=tp,
+                pp=pp,
+                gpus_per_node=gpus_per_node,
+                cost=cost,
+                capacity=capacity,
+                context=context,
+            )
         return cache[strategy, n]
 
     rows = []
@@ -112,8 +148,15 @@ def compare(batches: Sequence[Sequence[int]], *, gpus: int, tp: int, pp: int, gp
         survivors = gpus - k * gpus_per_node
         hdp = cached("hdp-balanced", hdp_restart_gpus(gpus, tp, pp, gpus_per_node, k))
         static_gpus = static_restart_gpus(gpus, tp, pp, gpus_per_node, k, cp)
-        static = cached("static", static_gpus) if static_gpus else Restart(
-            "static", 0, error=f"CP {cp} x TP {tp} x PP {pp} = {cp * tp * pp} GPUs per DP group; {survivors} survivors hold none")
+        static = (
+            cached("static", static_gpus)
+            if static_gpus
+            else Restart(
+                "static",
+                0,
+                error=f"CP {cp} x TP {tp} x PP {pp} = {cp * tp * pp} GPUs per DP group; {survivors} survivors hold none",
+            )
+        )
         rows.append({"lost_nodes": k, "survivors": survivors, "cp": cp, "hdp": hdp, "static": static})
     return rows
 

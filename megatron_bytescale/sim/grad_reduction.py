@@ -22,8 +22,8 @@ group spans nodes, NVLink otherwise).
 
 from __future__ import annotations
 
-from ..planner.cost_model import CostModel
 from ..planner.contract import Plan
+from ..planner.cost_model import CostModel
 from .cluster import Cluster
 
 DEFAULT_BUCKETS = 8  # buckets per GPU's gradients (Megatron: 40M-parameter buckets)
@@ -39,7 +39,12 @@ def allreduce_time(cost: CostModel, cluster: Cluster) -> float:
 
 
 def exposed_reduction(
-    plan: Plan, timeline, cost: CostModel, cluster: Cluster, overlap: bool, buckets: int = DEFAULT_BUCKETS,
+    plan: Plan,
+    timeline,
+    cost: CostModel,
+    cluster: Cluster,
+    overlap: bool,
+    buckets: int = DEFAULT_BUCKETS,
     hdp_rule: bool = True,
 ) -> float:
     """Seconds of gradient reduction after the slowest rank's compute, per stage, worst stage, of

@@ -100,7 +100,12 @@ def plot_timelines(
     if shared:
         axes[-1, 0].set_xlim(0, horizon * 1.02)
     axes[-1, 0].set_xlabel("seconds into the step" + ("" if shared else " (each panel on its own time axis)"))
-    handles = [Patch(color=c, label={"a2a": "exposed all-to-all"}.get(k, k if k not in ("comm", "offload") else f"exposed {k}")) for k, c in COLORS.items()]
+    handles = [
+        Patch(
+            color=c, label={"a2a": "exposed all-to-all"}.get(k, k if k not in ("comm", "offload") else f"exposed {k}")
+        )
+        for k, c in COLORS.items()
+    ]
     handles.append(Patch(facecolor="white", edgecolor="grey", label="idle"))
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
     note = "dashed: lower bound; dotted: barriers" if lower_bound else "dotted: barriers"

@@ -121,10 +121,16 @@ NO_EXPERT_SLOTS = "megatron-dcp"  # its plans carry barriers, which EP slot alig
 def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
     model = ModelSpec.load(cfg.model)
     hw = HardwareSpec.load(cfg.hardware)
-    cluster = Cluster(cfg.gpus, cfg.tp, cfg.pp, hw.gpus_per_node if cfg.gpus_per_node is None else cfg.gpus_per_node, cfg.ep)
+    cluster = Cluster(
+        cfg.gpus, cfg.tp, cfg.pp, hw.gpus_per_node if cfg.gpus_per_node is None else cfg.gpus_per_node, cfg.ep
+    )
     if cfg.ep > 1 and not model.num_experts:
-        raise ConfigError(f"--ep {cfg.ep}: model {model.name!r} has no experts; expert parallelism needs a MoE model (e.g. mistral-8x7b)")
-    cost = with_host_memory(CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp, dkv_bf16=cfg.dkv_bf16), cfg.host_memory_per_gpu)
+        raise ConfigError(
+            f"--ep {cfg.ep}: model {model.name!r} has no experts; expert parallelism needs a MoE model (e.g. mistral-8x7b)"
+        )
+    cost = with_host_memory(
+        CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp, dkv_bf16=cfg.dkv_bf16), cfg.host_memory_per_gpu
+    )
     if cfg.capacity <= 0 or cfg.context <= 0 or cfg.global_batch_tokens <= 0:
         raise ConfigError("capacity, context and global batch tokens must be positive")
     if cfg.context < cfg.capacity:
@@ -169,7 +175,9 @@ def run(cfg: SimConfig, progress: bool = True) -> SimReport:
     batches = None
     if cfg.data_path:
         batches, report.dataset = training_batches(cfg.data_path, cfg.global_batch_tokens, cfg.context, cfg.seed)
-    bar = tqdm(total=cfg.steps * len(cfg.strategies), disable=not progress or cfg.steps == 1, file=sys.stderr, unit="plan")
+    bar = tqdm(
+        total=cfg.steps * len(cfg.strategies), disable=not progress or cfg.steps == 1, file=sys.stderr, unit="plan"
+    )
     for step in range(cfg.steps):
         if batches is not None:
             lengths = next(batches)
@@ -214,8 +222,10 @@ def format_table(report: SimReport) -> str:
     med = report.results()
     many = report.config.steps > 1
     head = (
-        f"{'strategy':<14}{'step s':>9}{'speedup':>9}" + (f"{'(batch)':>9}" if many else "")
-        + f"{'x LB':>7}" + (f"{'(batch)':>8}" if many else "")
+        f"{'strategy':<14}{'step s':>9}{'speedup':>9}"
+        + (f"{'(batch)':>9}" if many else "")
+        + f"{'x LB':>7}"
+        + (f"{'(batch)':>8}" if many else "")
         + f"{'x bound':>8}{'busy max':>9}{'busy avg':>9}"
         f"{'exp.comm':>9}{'P2P TB':>8}{'offl TB':>8}{'host GB':>8}{'mb max':>7}{'plan s':>8}"
     )
@@ -227,8 +237,10 @@ def format_table(report: SimReport) -> str:
         speedup = f"{m['speedup_vs_static']:.2f}x" if "speedup_vs_static" in m else "-"
         per_batch = f"{m['speedup_vs_static_per_batch_median']:.2f}x" if "speedup_vs_static" in m else "-"
         lines.append(
-            f"{name:<14}{m['mean_step_time_s']:>9.2f}{speedup:>9}" + (f"{per_batch:>9}" if many else "")
-            + f"{m['x_lower_bound']:>7.2f}" + (f"{m['x_lower_bound_per_batch_median']:>8.2f}" if many else "")
+            f"{name:<14}{m['mean_step_time_s']:>9.2f}{speedup:>9}"
+            + (f"{per_batch:>9}" if many else "")
+            + f"{m['x_lower_bound']:>7.2f}"
+            + (f"{m['x_lower_bound_per_batch_median']:>8.2f}" if many else "")
             + f"{m['x_bound']:>8.2f}"
             f"{m['busy_max_s']:>9.2f}{m['busy_mean_s']:>9.2f}{m['exposed_comm_s']:>9.2f}"
             f"{m['p2p_bytes'] / 1e12:>8.1f}{m['offload_bytes'] / 1e12:>8.1f}{m['host_bytes_max_gpu'] / 1e9:>8.1f}"
@@ -268,10 +280,15 @@ def format_table(report: SimReport) -> str:
             f"chunk forwards a device holds at most (1F1B's memory: {p * v}; Megatron's interleaved warm-up: "
             f"{p * v + p - 1}): " + "; ".join(held)
         )
-    reduce = [f"{n} {m['exposed_grad_reduce_s']:.2f} -> {m['exposed_grad_reduce_overlap_s']:.2f}"
-              for n, m in med.items() if "exposed_grad_reduce_s" in m]
+    reduce = [
+        f"{n} {m['exposed_grad_reduce_s']:.2f} -> {m['exposed_grad_reduce_overlap_s']:.2f}"
+        for n, m in med.items()
+        if "exposed_grad_reduce_s" in m
+    ]
     if reduce:
-        lines.append("exposed gradient reduction after the step, s (without -> with --overlap-grad-reduce): " + "; ".join(reduce))
+        lines.append(
+            "exposed gradient reduction after the step, s (without -> with --overlap-grad-reduce): " + "; ".join(reduce)
+        )
     for name, notes in report.notes.items():
         for note in notes:
             lines.append(f"note [{name}]: {note}")
@@ -289,11 +306,16 @@ def shadow_verdict(report: SimReport) -> str:
         other = report.steps.get(name, [])
         if len(other) == len(hdp) and name not in report.errors:
             t = totals(hdp, other)
-            parts.append(f"{t['speedup']:.2f}x faster than {label} ({t['total_baseline_step_time_s'] / len(hdp):.2f} s)")
+            parts.append(
+                f"{t['speedup']:.2f}x faster than {label} ({t['total_baseline_step_time_s'] / len(hdp):.2f} s)"
+            )
     if not parts:
         return ""
-    return (f"HDP (hdp-balanced) {totals(hdp)['mean_step_time_s']:.2f} s per step: " + "; ".join(parts)
-            + f" (ratios of the total time over the {len(hdp)} step(s); seconds: mean per step)")
+    return (
+        f"HDP (hdp-balanced) {totals(hdp)['mean_step_time_s']:.2f} s per step: "
+        + "; ".join(parts)
+        + f" (ratios of the total time over the {len(hdp)} step(s); seconds: mean per step)"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -309,27 +331,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch-tokens", required=True, help="tokens per step, e.g. 32M")
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--dataset", default="byted", help="byted | github | a workload YAML (default byted)")
-    src.add_argument("--lengths-file", default=None, help="one token length per line, resampled until the batch is full")
-    src.add_argument("--data-path", default=None, metavar="PREFIX",
-                     help="a Megatron indexed dataset (PREFIX.bin/.idx): simulate the global batches training on it "
-                          "would see (documents cut at --context, --global-batch-tokens per step, the same --seed)")
-    parser.add_argument("--host-memory-per-gpu", default=None, metavar="BYTES",
-                        help="pinned host memory per GPU for offloaded activations, e.g. 64G (default: the hardware spec's)")
-    parser.add_argument("--strategies", default=None,
-                        help=f"comma-separated from {', '.join(STRATEGIES)} (default: all; with --ep > 1 all but "
-                             f"{NO_EXPERT_SLOTS}, whose barriers the simulator does not align for expert all-to-alls)")
+    src.add_argument(
+        "--lengths-file", default=None, help="one token length per line, resampled until the batch is full"
+    )
+    src.add_argument(
+        "--data-path",
+        default=None,
+        metavar="PREFIX",
+        help="a Megatron indexed dataset (PREFIX.bin/.idx): simulate the global batches training on it "
+        "would see (documents cut at --context, --global-batch-tokens per step, the same --seed)",
+    )
+    parser.add_argument(
+        "--host-memory-per-gpu",
+        default=None,
+        metavar="BYTES",
+        help="pinned host memory per GPU for offloaded activations, e.g. 64G (default: the hardware spec's)",
+    )
+    parser.add_argument(
+        "--strategies",
+        default=None,
+        help=f"comma-separated from {', '.join(STRATEGIES)} (default: all; with --ep > 1 all but "
+        f"{NO_EXPERT_SLOTS}, whose barriers the simulator does not align for expert all-to-alls)",
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=seed, default=0)
-    parser.add_argument("--validate", default="first", choices=["first", "all", "none"], help="which steps' plans to validate")
-    parser.add_argument("--dkv-bf16", action="store_true",
-                        help="cost ring attention with the backward's dK/dV accumulators sent in bf16 (fp32 by default)")
-    parser.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "search"],
-                        help="with --pp > 1, the HDP plans' stage orders: 1F1B, or per-stage orders searched by "
-                             "simulating all pipelines together, kept when shorter (planner/stage_schedule.py)")
-    parser.add_argument("--vpp", type=int, default=1, metavar="V",
-                        help="model chunks per pipeline device (virtual pipeline stages, interleaved 1F1B); every "
-                             "strategy runs with them, the static baseline Megatron's interleaved order [1]")
-    parser.add_argument("--json", default=None, metavar="OUT", help="write the config, every step's figures per strategy and the totals as JSON")
+    parser.add_argument(
+        "--validate", default="first", choices=["first", "all", "none"], help="which steps' plans to validate"
+    )
+    parser.add_argument(
+        "--dkv-bf16",
+        action="store_true",
+        help="cost ring attention with the backward's dK/dV accumulators sent in bf16 (fp32 by default)",
+    )
+    parser.add_argument(
+        "--pipeline-schedule",
+        default="1f1b",
+        choices=["1f1b", "search"],
+        help="with --pp > 1, the HDP plans' stage orders: 1F1B, or per-stage orders searched by "
+        "simulating all pipelines together, kept when shorter (planner/stage_schedule.py)",
+    )
+    parser.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        metavar="V",
+        help="model chunks per pipeline device (virtual pipeline stages, interleaved 1F1B); every "
+        "strategy runs with them, the static baseline Megatron's interleaved order [1]",
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="OUT",
+        help="write the config, every step's figures per strategy and the totals as JSON",
+    )
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart of the first step")
 
 
@@ -380,8 +434,12 @@ def main(args: argparse.Namespace) -> int:
         f"{cfg.model} on {report.cluster.describe()}; context {format_size(cfg.context)}, capacity "
         f"{format_size(cfg.capacity)}, {format_size(cfg.global_batch_tokens)} tokens/step of {source}; "
         f"{cfg.steps} step(s), ratios of totals"
-        + (f"; VPP {cfg.vpp}: {cfg.vpp} model chunks per pipeline device for every strategy (static and "
-           "megatron-dcp run Megatron's interleaved 1F1B over their micro-batches)" if cfg.vpp > 1 else "")
+        + (
+            f"; VPP {cfg.vpp}: {cfg.vpp} model chunks per pipeline device for every strategy (static and "
+            "megatron-dcp run Megatron's interleaved 1F1B over their micro-batches)"
+            if cfg.vpp > 1
+            else ""
+        )
     )
     print(format_table(report))
     verdict = shadow_verdict(report)

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..planner.cost_model import CostModel
 from ..planner.contract import Plan
+from ..planner.cost_model import CostModel
 from .cluster import Cluster
 from .megatron_dcp import megatron_dcp_plan
 from .static_cp import StrategyError, static_plan
@@ -57,7 +57,9 @@ def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True
         try:
             from ..planner.planner import PlannerConfig, plan_step
         except ImportError as exc:
-            raise StrategyError(f"{name}: the HDP planner (megatron_bytescale.planner.planner) is not available: {exc}") from None
+            raise StrategyError(
+                f"{name}: the HDP planner (megatron_bytescale.planner.planner) is not available: {exc}"
+            ) from None
         config = PlannerConfig(
             num_ranks=x.cluster.d_hdp,
             capacity=x.capacity,

@@ -54,4 +54,6 @@ def totals(rows: list[dict], baseline: list[dict] | None = None) -> dict:
 def means(rows: list[dict]) -> dict:
     """Every numeric metric the batches share, averaged (a peak: its maximum)."""
     keys = [k for k in rows[0] if all(k in r for r in rows) and isinstance(rows[0][k], (int, float))]
-    return {k: float(max(r[k] for r in rows)) if k in PEAKS else float(sum(r[k] for r in rows) / len(rows)) for k in keys}
+    return {
+        k: float(max(r[k] for r in rows)) if k in PEAKS else float(sum(r[k] for r in rows) / len(rows)) for k in keys
+    }

@@ -120,7 +120,9 @@ class MemberLoad:
 def ring_key(mb: MicroBatch) -> tuple | None:
     """``mb.ring_key``; PlanError if its distributed pieces use more than one ring."""
     if mb.ring is None and len({p.ring for p in mb.pieces if p.is_distributed}) > 1:
-        raise PlanError(f"a micro-batch's distributed pieces use {len({p.ring for p in mb.pieces if p.is_distributed})} rings; one allowed")
+        raise PlanError(
+            f"a micro-batch's distributed pieces use {len({p.ring for p in mb.pieces if p.is_distributed})} rings; one allowed"
+        )
     return mb.ring_key
 
 
@@ -159,7 +161,10 @@ def ring_work(
     attn = np.array([cost.a1 * ld.dist_pairs for ld in loads])
     local = np.array([cost.a1 * ld.local_pairs for ld in loads])
     exposure = [offload_exposure(ld, cost, layers) for ld in loads]
-    off_by_dir = {FORWARD: np.array([e[0] / layers for e in exposure]), BACKWARD: np.array([e[1] / layers for e in exposure])}
+    off_by_dir = {
+        FORWARD: np.array([e[0] / layers for e in exposure]),
+        BACKWARD: np.array([e[1] / layers for e in exposure]),
+    }
     # hop k (0 <= k < n-1): member i passes the block that started at member (i - k)
     sender_block = block[(np.arange(n)[:, None] - np.arange(n - 1)[None, :]) % n]  # [member, hop]
     lat = cost.p2p_latency_s
@@ -250,8 +255,13 @@ def two_level_ring_work(
             exposed += np.maximum(0.0, hops[0] - first) + np.maximum(0.0, hops[None, 1:] - a[:, None]).sum(axis=1)
         compute = share * (lin + attn + local)
         for i in range(n):
-            w = Work(duration=layers * layer_time, compute=layers * compute[i], comm=layers * exposed[i],
-                     offload=layers * share * off[i], a2a=layers * a2a)
+            w = Work(
+                duration=layers * layer_time,
+                compute=layers * compute[i],
+                comm=layers * exposed[i],
+                offload=layers * share * off[i],
+                a2a=layers * a2a,
+            )
             if direction == FORWARD:
                 results.append([w])
             else:
@@ -335,10 +345,16 @@ def micro_batch_work(plan: Plan, cluster: Cluster, cost: CostModel):
     for key, where in rings.items():
         ring = key[0]
         if set(where) != set(ring):
-            raise PlanError(f"ring micro-batch of sequences {list(key[1])} on ring {ring} is scheduled only on ranks {sorted(where)}")
+            raise PlanError(
+                f"ring micro-batch of sequences {list(key[1])} on ring {ring} is scheduled only on ranks {sorted(where)}"
+            )
         loads = [MemberLoad.of(plan.ranks[r][where[r]]) for r in ring]
         u = plan.ranks[ring[0]][where[ring[0]]].heads_split
-        costed = two_level_ring_work(ring, u, loads, cluster, cost, layers) if u > 1 else ring_work(ring, loads, cluster, cost, layers)
+        costed = (
+            two_level_ring_work(ring, u, loads, cluster, cost, layers)
+            if u > 1
+            else ring_work(ring, loads, cluster, cost, layers)
+        )
         for r, (f, b) in zip(ring, costed):
             work[r][where[r]] = (f, b, key)
     return work
@@ -367,7 +383,9 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
 
     chunks = plan.virtual_stages
     if chunks > 1 and stages <= 1:
-        raise PlanError(f"the plan has {chunks} virtual stages per device but the cluster has PP {stages}; plan with virtual_stages=1")
+        raise PlanError(
+            f"the plan has {chunks} virtual stages per device but the cluster has PP {stages}; plan with virtual_stages=1"
+        )
     if chunks > 1:  # a chunk op does 1/V of the micro-batch's work on the device
         work = [[(_scaled(f, chunks), _scaled(b, chunks), key) for f, b, key in row] for row in work]
 
@@ -411,7 +429,9 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
 
 def _scaled(w: Work, share: float) -> Work:
     """``w`` divided among ``share`` model chunks: each chunk op does 1/share of it."""
-    return Work(w.duration / share, w.compute / share, w.comm / share, w.offload / share, w.a2a / share, w.moe_a2a / share)
+    return Work(
+        w.duration / share, w.compute / share, w.comm / share, w.offload / share, w.a2a / share, w.moe_a2a / share
+    )
 
 
 def _expert_slots(plan: Plan, cluster: Cluster, cost: CostModel, work, barriers) -> dict | None:
@@ -434,7 +454,9 @@ def _expert_slots(plan: Plan, cluster: Cluster, cost: CostModel, work, barriers)
             half = 0.5 * all_to_all_time(cost, max(mb.tokens, 1), e, inter[rank // e])
             f, b, key = work[rank][m]
             work[rank][m] = (
-                replace(f, duration=f.duration + half, moe_a2a=half), replace(b, duration=b.duration + half, moe_a2a=half), key,
+                replace(f, duration=f.duration + half, moe_a2a=half),
+                replace(b, duration=b.duration + half, moe_a2a=half),
+                key,
             )
     return slot_nodes(plan)
 
@@ -597,8 +619,12 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
     """Simulate ``plan`` and gather the per-strategy figures."""
     timeline = simulate(plan, cluster, cost)
     p2p = p2p_bytes_per_rank(
-        plan, cost.kv_bytes_per_token, cost.grad_bytes_per_token, cost.num_layers,
-        recomputed_layers=cost.recomputed_attention_layers, q_bytes_per_token=cost.q_bytes_per_token,
+        plan,
+        cost.kv_bytes_per_token,
+        cost.grad_bytes_per_token,
+        cost.num_layers,
+        recomputed_layers=cost.recomputed_attention_layers,
+        q_bytes_per_token=cost.q_bytes_per_token,
     )
     gpus_per_rank = cluster.tp * cluster.pp  # every TP shard of every stage sends its share
     offload = 0.0

@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument(
-        "--data", help="indexed dataset prefix (default: a corpus of this interpreter's site-packages, built once "
+        "--data",
+        help="indexed dataset prefix (default: a corpus of this interpreter's site-packages, built once "
         f"under {DEFAULT_CACHE})",
     )
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")

@@ -47,8 +47,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """Causal GQA attention: q [s, b, hq, d], k/v [s, b, hkv, d] -> [s, b, hq*d]."""
     s, b, hq, d = q.shape
     out = F.scaled_dot_product_attention(
-        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
-        is_causal=True, scale=scale, enable_gqa=k.shape[2] != hq,
+        q.permute(1, 2, 0, 3),
+        k.permute(1, 2, 0, 3),
+        v.permute(1, 2, 0, 3),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=k.shape[2] != hq,
     )
     return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
 
@@ -116,7 +120,9 @@ def build_megatron_layers(model: str | ModelSpec, num_layers: int, dtype: torch.
     layer_spec = hdp_gpt_layer_spec(normalization=arch.normalization)
     layers = [build_module(layer_spec, config=config, layer_number=i + 1) for i in range(num_layers)]
     rotary = RotaryEmbedding(
-        kv_channels=spec.kv_channels, rotary_percent=arch.rotary_percent, rotary_base=arch.rotary_base,
+        kv_channels=spec.kv_channels,
+        rotary_percent=arch.rotary_percent,
+        rotary_base=arch.rotary_base,
         use_cpu_initialization=True,
     )
     return layers, rotary
@@ -126,8 +132,15 @@ class LayerStack(nn.Module):
     """``num_layers`` transformer layers of ``model`` run in sequence on ``[s, 1, h]`` hidden
     states (one whole causal sequence)."""
 
-    def __init__(self, model: str | ModelSpec, num_layers: int, backend: str = "torch",
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0):
+    def __init__(
+        self,
+        model: str | ModelSpec,
+        num_layers: int,
+        backend: str = "torch",
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+    ):
         super().__init__()
         spec = model if isinstance(model, ModelSpec) else ModelSpec.load(model)
         if backend not in BACKENDS:

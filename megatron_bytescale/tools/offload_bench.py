@@ -30,8 +30,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_offload(stack: LayerStack, offloader: ActivationOffloader, tokens: int, ratio: float,
-                    num_layers: int | None = None, repeats: int = 2, warmup: int = 1) -> dict:
+def measure_offload(
+    stack: LayerStack,
+    offloader: ActivationOffloader,
+    tokens: int,
+    ratio: float,
+    num_layers: int | None = None,
+    repeats: int = 2,
+    warmup: int = 1,
+) -> dict:
     """Forward+backward of ``tokens`` tokens through the first ``num_layers`` layers of
     ``stack`` with ``offloader`` at ``ratio``: best time, peak memory, offload statistics."""
     param = next(stack.parameters())
@@ -92,8 +99,9 @@ def compare_to_baseline(rows: Sequence[dict]) -> list[dict]:
                 act, act0 = (r["peak_memory_bytes"] - r["baseline_memory_bytes"] for r in (row, b))
                 row["activation_memory_saved"] = 1.0 - act / act0 if act0 > 0 else 0.0
         # what the same ratio keeps on a full pipeline stage (design 2.4's D(s) formula)
-        row["full_model_resident_fraction"] = resident_fraction(row["achieved_ratio"], row["model_layers"]) \
-            if "model_layers" in row else None
+        row["full_model_resident_fraction"] = (
+            resident_fraction(row["achieved_ratio"], row["model_layers"]) if "model_layers" in row else None
+        )
         out.append(row)
     return out
 
@@ -113,8 +121,9 @@ def act_bytes_per_token(stack: LayerStack, tokens: int = 1024) -> float:
     return held / tokens
 
 
-def layers_that_fit(act_per_token: float, tokens: int, keep_last: int, max_layers: int,
-                    device_budget: float, host_budget: float) -> int:
+def layers_that_fit(
+    act_per_token: float, tokens: int, keep_last: int, max_layers: int, device_budget: float, host_budget: float
+) -> int:
     """The most layers (at least ``keep_last + 1``) whose activations fit the device at ratio
     0 and whose offloadable part fits host memory at ratio 1; 0 when not even that fits."""
     per_layer = act_per_token * tokens

@@ -150,7 +150,8 @@ def check_act_coefficients(cost: CostModel, samples: Sequence[tuple[int, Offload
             lines.append(f"Act({tokens}) = {predicted:.0f} B predicted, {measured:.0f} B measured ({err:+.0%})")
     if lines:
         raise BytescaleError(
-            "the cost model's activation bytes do not match this model: " + "; ".join(lines)
+            "the cost model's activation bytes do not match this model: "
+            + "; ".join(lines)
             + ". Run `bytescale profile` for this model and dtype and plan with its profile "
             "(a2, b2 measured), or set a2/b2 from act_coefficients()."
         )
@@ -202,11 +203,15 @@ def measure_layer(stack, seq_lens: Sequence[int], repeats: int = 3, warmup: int 
                     best_fwd = min(best_fwd, mid - start)
                 del out
             layers = len(stack.layers)
-            samples.append(LayerSample(
-                seq_len=int(s), seconds=best / layers, forward_seconds=best_fwd / layers,
-                act_bytes=round(sum(layer.held_bytes for layer in stats.layers) / layers),
-                saved_bytes=round(sum(layer.saved_bytes for layer in stats.layers) / layers),
-            ))
+            samples.append(
+                LayerSample(
+                    seq_len=int(s),
+                    seconds=best / layers,
+                    forward_seconds=best_fwd / layers,
+                    act_bytes=round(sum(layer.held_bytes for layer in stats.layers) / layers),
+                    saved_bytes=round(sum(layer.saved_bytes for layer in stats.layers) / layers),
+                )
+            )
             log.info(
                 "layer at %s tokens: %.3f ms, %s B held", format_size(s), best / layers * 1e3, samples[-1].act_bytes
             )

@@ -56,8 +56,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("check_offload: no GPU visible to torch; this check needs one (or pass --device cpu to try it)",
-              file=sys.stderr)
+        print(
+            "check_offload: no GPU visible to torch; this check needs one (or pass --device cpu to try it)",
+            file=sys.stderr,
+        )
         return 2
     report = run_offload_check(
         model=args.model,
@@ -80,9 +82,12 @@ def main(argv=None) -> int:
         if row["ratio"] > 0:
             mem = row.get("memory_saved")
             act = row.get("activation_memory_saved", row["resident_saved"])
-            print(f"{row['tokens']:>7} tokens r={row['ratio']:.2f} ({row['layers']} layers): memory saved "
-                  f"{'n/a' if mem is None else f'{mem:.1%}'}, activations saved {act:.1%}, "
-                  f"throughput {row['throughput_change']:+.1%}, late reloads {row['late_reloads']}", file=sys.stderr)
+            print(
+                f"{row['tokens']:>7} tokens r={row['ratio']:.2f} ({row['layers']} layers): memory saved "
+                f"{'n/a' if mem is None else f'{mem:.1%}'}, activations saved {act:.1%}, "
+                f"throughput {row['throughput_change']:+.1%}, late reloads {row['late_reloads']}",
+                file=sys.stderr,
+            )
     return 0
 
 

@@ -117,12 +117,12 @@ def oracle(seqs: Sequences, scale: float):
     group = seqs.q.shape[1] // seqs.k.shape[1]
     results = [[], [], [], []]
     for off, s in zip(seqs.offsets, seqs.lens):
-        q, k, v = (x[off:off + s].float().requires_grad_() for x in (seqs.q, seqs.k, seqs.v))
+        q, k, v = (x[off : off + s].float().requires_grad_() for x in (seqs.q, seqs.k, seqs.v))
         kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
         causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
         out = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), vv)
-        (out * seqs.g[off:off + s].float()).sum().backward()
+        (out * seqs.g[off : off + s].float()).sum().backward()
         for acc, t in zip(results, (out.detach(), q.grad, k.grad, v.grad)):
             acc.append(t)
         del scores, out
@@ -149,13 +149,23 @@ def accuracy(cases, hq, hkv, d, dtype, device, backends) -> list[dict]:
                 for dst, t in zip(got, tensors):
                     dst[rows] = t.float()
             fused = run_fused(seqs, backend, scale)
-            rec = {"case": name, "ring": n, "tokens": sum(lens), "backend": backend.name,
-                   "ring_err": max_errors(got, want), "one_call_err": max_errors(fused, want),
-                   "ring_vs_one_call": max_errors(got, [f.float() for f in fused])}
+            rec = {
+                "case": name,
+                "ring": n,
+                "tokens": sum(lens),
+                "backend": backend.name,
+                "ring_err": max_errors(got, want),
+                "one_call_err": max_errors(fused, want),
+                "ring_vs_one_call": max_errors(got, [f.float() for f in fused]),
+            }
             records.append(rec)
-            print(f"{name:13s} N={n} {sum(lens):6d} tok {backend.name:5s} | max |err| vs fp32: ring "
-                  + " ".join(f"{k}={v:.2e}" for k, v in rec["ring_err"].items())
-                  + " | one call " + " ".join(f"{k}={v:.2e}" for k, v in rec["one_call_err"].items()), flush=True)
+            print(
+                f"{name:13s} N={n} {sum(lens):6d} tok {backend.name:5s} | max |err| vs fp32: ring "
+                + " ".join(f"{k}={v:.2e}" for k, v in rec["ring_err"].items())
+                + " | one call "
+                + " ".join(f"{k}={v:.2e}" for k, v in rec["one_call_err"].items()),
+                flush=True,
+            )
     return records
 
 
@@ -181,11 +191,21 @@ def speed(token_counts, ring_sizes, hq, hkv, d, dtype, device, backend_name, rep
             _, mbs = ring_micro_batches(n, [tokens], [])
             prepared = prepare(seqs, mbs)
             ring_ms = timed(lambda: run_ring(seqs, mbs, backend, scale, prepared), repeats, device)
-            rec = {"tokens": tokens, "ring": n, "backend": backend.name, "fused_ms": fused_ms,
-                   "all_members_ms": ring_ms, "per_rank_ms": ring_ms / n, "efficiency": fused_ms / ring_ms}
+            rec = {
+                "tokens": tokens,
+                "ring": n,
+                "backend": backend.name,
+                "fused_ms": fused_ms,
+                "all_members_ms": ring_ms,
+                "per_rank_ms": ring_ms / n,
+                "efficiency": fused_ms / ring_ms,
+            }
             records.append(rec)
-            print(f"{tokens:7d} tok N={n}: fused {fused_ms:9.2f} ms | ring all members {ring_ms:9.2f} ms, "
-                  f"per rank {ring_ms / n:8.2f} ms, efficiency {fused_ms / ring_ms:.2f}", flush=True)
+            print(
+                f"{tokens:7d} tok N={n}: fused {fused_ms:9.2f} ms | ring all members {ring_ms:9.2f} ms, "
+                f"per rank {ring_ms / n:8.2f} ms, efficiency {fused_ms / ring_ms:.2f}",
+                flush=True,
+            )
             del prepared
         del seqs
         if device.type == "cuda":
@@ -217,8 +237,10 @@ def cuda_with_flash(heads: int, head_dim: int):
 
 
 def print_device(device, dtype) -> None:
-    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch "
-          f"{torch.__version__}, {dtype}")
+    print(
+        f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch "
+        f"{torch.__version__}, {dtype}"
+    )
 
 
 def write_figures(path: str | None, device, dtype, args, acc: list[dict], spd: list[dict]) -> None:

@@ -258,7 +258,11 @@ def find_pipeline_deadlock(unit_keys, stages: int, orders: Orders | None = None,
 
 
 def pipelined_finish_times(
-    unit_keys, times: Sequence[Sequence[float]], stages: int, forward_share: float, orders: Orders | None = None,
+    unit_keys,
+    times: Sequence[Sequence[float]],
+    stages: int,
+    forward_share: float,
+    orders: Orders | None = None,
     chunks: int = 1,
 ) -> list[float] | None:
     """Finish per rank when every rank runs its default orders (or ``orders``) over ``stages``

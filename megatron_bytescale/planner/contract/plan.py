@@ -237,8 +237,12 @@ class Plan:
                     {
                         "offload_ratio": mb.offload_ratio,
                         "pieces": [
-                            {"seq": p.seq_id, "ranges": [list(r) for r in p.ranges], "ring": list(p.ring),
-                             **({"heads_split": p.heads_split} if p.heads_split != 1 else {})}
+                            {
+                                "seq": p.seq_id,
+                                "ranges": [list(r) for r in p.ranges],
+                                "ring": list(p.ring),
+                                **({"heads_split": p.heads_split} if p.heads_split != 1 else {}),
+                            }
                             for p in mb.pieces
                         ],
                     }
@@ -252,8 +256,9 @@ class Plan:
     def from_dict(cls, data: dict) -> Plan:
         try:
             if data.get("version") != PLAN_FORMAT_VERSION:
-                raise PlanError(f"plan format version {data.get('version')!r}; this tool reads version "
-                                f"{PLAN_FORMAT_VERSION}")
+                raise PlanError(
+                    f"plan format version {data.get('version')!r}; this tool reads version {PLAN_FORMAT_VERSION}"
+                )
             seq_lens = tuple(int(s) for s in data["seq_lens"])
             ranks = tuple(
                 tuple(

@@ -13,8 +13,16 @@ from .slots import slot_errors
 from .zigzag import zigzag_ranges
 
 __all__ = [
-    "barrier_errors", "crossing_order_mismatch", "micro_batch_errors", "plan_pipeline_deadlock", "resident_fraction",
-    "ring_order_errors", "sequence_errors", "shape_errors", "slot_errors", "stage_order_errors",
+    "barrier_errors",
+    "crossing_order_mismatch",
+    "micro_batch_errors",
+    "plan_pipeline_deadlock",
+    "resident_fraction",
+    "ring_order_errors",
+    "sequence_errors",
+    "shape_errors",
+    "slot_errors",
+    "stage_order_errors",
 ]
 
 
