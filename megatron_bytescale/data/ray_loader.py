@@ -171,7 +171,10 @@ def init_ray(address: str | None = None, num_cpus: int = 2, object_store_memory:
             raise ConfigError(f"--address {address}: {exc}; is it the Ray head's GCS port (default 6379)?") from None
         return
     path = os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    # "local": a new instance even where /tmp/ray/ray_current_cluster names another cluster
+    # (left by an earlier `ray start` on this machine), which Ray would otherwise try to join
     ray.init(
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
         object_store_memory=object_store_memory,
