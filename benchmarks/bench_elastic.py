@@ -80,7 +80,8 @@ def main(argv=None) -> int:
             ratio = f"{hdp.throughput / static.throughput:.2f}x" if static.throughput else "static cannot restart"
             table.append(
                 f"| {model} | {gpus} ({tp} x {pp}) | {row['lost_nodes']} | {hdp.gpus} | {hdp.throughput:,.0f} "
-                f"| {hdp.throughput / healthy['hdp'].throughput:.1%} | {static.gpus} ({row['cp']}) | {static.throughput:,.0f} "
+                f"| {hdp.throughput / healthy['hdp'].throughput:.1%} | {static.gpus} ({row['cp']}) "
+                f"| {static.throughput:,.0f} "
                 f"| {static.throughput / healthy['static'].throughput:.1%} | {ratio} |"
             )
             if static.error:

@@ -196,7 +196,8 @@ def run(args) -> dict:
         out["results"][balance] = res
         print(
             f"{m['strategy']:>13} balance={balance:<4}: plan {res['plan_time_median_s'] * 1e3:7.1f} ms wall, "
-            f"{res['plan_cpu_time_median_s'] * 1e3:.1f} ms CPU (median of {args.repeat}); est max {res['est_max_s']:.2f} s, mean {res['est_mean_s']:.2f} s, max/mean "
+            f"{res['plan_cpu_time_median_s'] * 1e3:.1f} ms CPU (median of {args.repeat}); "
+            f"est max {res['est_max_s']:.2f} s, mean {res['est_mean_s']:.2f} s, max/mean "
             f"{res['max_over_mean']:.3f}; compute bound {bound:.2f} s (max/bound {res['max_over_compute_bound']:.3f}); "
             f"fastest longest ring {critical:.2f} s (max/best-possible {res['max_over_best_possible']:.3f}); "
             f"rings {m['ring_sizes']}"

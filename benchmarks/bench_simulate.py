@@ -37,7 +37,8 @@ totals to static, to the lower bound and to max(lower bound, critical path), the
 total estimate against the total simulated step, the mean floor of rings spanning every
 pipeline, and the most chunk forwards a device holds.
 
-    PYTHONPATH=. python benchmarks/bench_simulate.py --vpp-grid [--vpp-values 1,5] [--dataset github] [--steps 2] [--json OUT]
+    PYTHONPATH=. python benchmarks/bench_simulate.py --vpp-grid [--vpp-values 1,5] [--dataset github]
+        [--steps 2] [--json OUT]
 
 Expert parallelism (``--ep-grid``): the MoE models on 1,024 GPUs without pipelines (EP needs
 PP 1 under HDP), Mistral-8x7B at TP 2 with EP 1 and 4 (an EP group in one node) and
@@ -183,9 +184,11 @@ def pipeline_grid(argv: list[str]) -> int:
         )
         r = rows[-1]
         print(
-            f"{model:<14} PP {pp}  static {r['static_s']:7.2f}  naive {r['naive_s']:7.2f}  balanced {r['balanced_s']:7.2f}"
+            f"{model:<14} PP {pp}  static {r['static_s']:7.2f}  naive {r['naive_s']:7.2f}"
+            f"  balanced {r['balanced_s']:7.2f}"
             f"  vs static {r['balanced_vs_static']:5.2f}x ({r['balanced_vs_static_per_batch_median']:5.2f}x)"
-            f"  x LB {r['balanced_x_lb']:5.2f} ({r['balanced_x_lb_per_batch_median']:5.2f})  x bound {r['balanced_x_bound']:5.2f}"
+            f"  x LB {r['balanced_x_lb']:5.2f} ({r['balanced_x_lb_per_batch_median']:5.2f})"
+            f"  x bound {r['balanced_x_bound']:5.2f}"
             f"  estimate/sim {r['estimate_vs_sim']:5.3f}  plan {r['plan_s']:5.2f} s",
             flush=True,
         )
@@ -234,7 +237,8 @@ def vpp_grid(argv: list[str]) -> int:
         print(
             f"{cfg.model} PP {cfg.pp} VPP {v}  static {r['static_s']:7.2f}  balanced {r['balanced_s']:7.2f}"
             f"  vs static {r['balanced_vs_static']:5.2f}x ({r['balanced_vs_static_per_batch_median']:5.2f}x)"
-            f"  x LB {r['balanced_x_lb']:5.2f} ({r['balanced_x_lb_per_batch_median']:5.2f})  x bound {r['balanced_x_bound']:5.2f}"
+            f"  x LB {r['balanced_x_lb']:5.2f} ({r['balanced_x_lb_per_batch_median']:5.2f})"
+            f"  x bound {r['balanced_x_bound']:5.2f}"
             f"  LB {r['lower_bound_s']:6.2f}  ring floor {r['ring_floor_s']:6.2f}"
             f"  estimate/sim {r['estimate_vs_sim']:5.3f}  chunks in flight {r['chunks_in_flight_max']}"
             f"  host {r['host_gb_max_gpu']:5.1f} GB  plan {r['plan_s']:5.2f} s",
@@ -280,7 +284,8 @@ def ep_grid(argv: list[str]) -> int:
             f"{model:<14} TP {tp} EP {ep}  static {r['static_s']:7.2f}  balanced {r['balanced_s']:7.2f}"
             f"  MoE a2a {r['balanced_moe_a2a_s']:5.2f}  idle {r['balanced_idle_s']:5.2f}"
             f"  vs static {r['balanced_vs_static']:5.2f}x ({r['balanced_vs_static_per_batch_median']:5.2f}x)"
-            f"  x LB {r['balanced_x_lb']:5.3f} ({r['balanced_x_lb_per_batch_median']:5.3f})  estimate/sim {r['estimate_vs_sim']:5.3f}",
+            f"  x LB {r['balanced_x_lb']:5.3f} ({r['balanced_x_lb_per_batch_median']:5.3f})"
+            f"  estimate/sim {r['estimate_vs_sim']:5.3f}",
             flush=True,
         )
     print(GRID_LEGEND + "; MoE a2a, idle: means over the batches")

@@ -122,7 +122,8 @@ def main() -> int:
         row["ring_floor_s"] = pipeline_ring_floor(plan, cluster, cost)
         rows.append(row)
         print(
-            f"step {step + 1}: 1F1B {row['1f1b_s']:.2f} s, search {row['search_s']:.2f} s, search 2p {row['search_2p_s']:.2f} s, "
+            f"step {step + 1}: 1F1B {row['1f1b_s']:.2f} s, search {row['search_s']:.2f} s, "
+            f"search 2p {row['search_2p_s']:.2f} s, "
             f"deep warm-up {row['deep_warm_up_s']:.2f} s; lower bound {row['lower_bound_s']:.2f} s, "
             f"floor of the rings on every pipeline {row['ring_floor_s']:.2f} s "
             f"({row['ring_floor_s'] / row['lower_bound_s']:.2f}x the lower bound)",
@@ -156,7 +157,8 @@ def chunk_rows(cfg, cluster, cost, rng, out) -> int:
         row["ring_floor_s"] = pipeline_ring_floor(plan, cluster, cost)
         rows.append(row)
         print(
-            f"step {step + 1}, VPP {v}: planned {row['planned_s']:.2f} s; list schedule at p V {row['list_pv_s']:.2f} s, "
+            f"step {step + 1}, VPP {v}: planned {row['planned_s']:.2f} s; "
+            f"list schedule at p V {row['list_pv_s']:.2f} s, "
             f"at p V + p - 1 {row['list_megatron_s']:.2f} s, unlimited {row['list_unlimited_s']:.2f} s; lower bound "
             f"{row['lower_bound_s']:.2f} s, floor of the rings on every pipeline {row['ring_floor_s']:.2f} s",
             flush=True,

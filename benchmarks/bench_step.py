@@ -1,6 +1,6 @@
 """HDP step vs the static DP x CP mesh on CPU gloo processes: one mixed global batch, both
-strategies run for real with the same attention code; step time (median of repeats; the speedup is the ratio of total times) and P2P
-bytes, from one run.
+strategies run for real with the same attention code; step time (median of repeats; the
+speedup is the ratio of total times) and P2P bytes, from one run.
 
 The batch: Byted-like lengths (``data/workloads.py``, scaled down to a CPU-sized context),
 tokens read from the real corpus of the demo (megatron-core's source files). Each strategy
@@ -120,14 +120,16 @@ def main() -> int:
         }
     h, s = results["hdp"], results["static"]
     print(
-        f"batch: {len(lengths)} sequences, {format_size(sum(lengths))} tokens (Byted-like, context {format_size(context)}), "
+        f"batch: {len(lengths)} sequences, {format_size(sum(lengths))} tokens "
+        f"(Byted-like, context {format_size(context)}), "
         f"{args.ranks} gloo ranks, capacity {format_size(capacity)}; static CP = {plans['static'].meta['cp']}"
     )
     print(f"{'':8}{'step (median)':>15}{'P2P bytes':>14}{'P2P wait':>10}{'loss':>10}  ranks per long sequence")
     for name, r in results.items():
         rings = [n for n in r["ranks_per_sequence"] if n > 1]
         print(
-            f"{name:8}{r['step_time_s_median']:>13.3f} s{format_size(r['p2p_bytes']) + 'B':>14}{r['p2p_wait_s_max']:>8.3f} s"
+            f"{name:8}{r['step_time_s_median']:>13.3f} s"
+            f"{format_size(r['p2p_bytes']) + 'B':>14}{r['p2p_wait_s_max']:>8.3f} s"
             f"{r['loss']:>10.5f}  {rings}"
         )
     print(

@@ -154,7 +154,8 @@ class HeartbeatLock:
 
     def _refuse(self, holder: dict, age: float) -> ConfigError:
         return ConfigError(
-            f"{self.flag} {self.folder} is in use by another {self.what} ({describe(holder)}, heartbeat {age:.0f} s ago); "
+            f"{self.flag} {self.folder} is in use by another {self.what} "
+            f"({describe(holder)}, heartbeat {age:.0f} s ago); "
             f"stop it, wait for it to finish, or choose another {self.flag} (a lock without heartbeat for "
             f"{STALE_AFTER_S:.0f} s is taken over)"
         )

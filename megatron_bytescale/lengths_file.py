@@ -18,15 +18,22 @@ MAX_LENGTH = 1 << 40
 _MAX_DIGITS = len(str(MAX_LENGTH))
 
 
-def iter_lengths_file(path: str | Path, progress: Callable[[int], None] | None = None) -> Iterator[int]:
-    """The lengths of ``path`` one at a time, read line by line (a file of millions of lengths is
-    never held whole); ``progress(n)`` is told the bytes of each line read."""
+def _open_lengths_file(path: str | Path):
+    """``path`` opened for reading in binary mode, a failure to open it as a one-line error. The
+    open file is handed back to the caller, which closes it (``with``); only the open itself is
+    guarded here, not the reading."""
     try:
-        f = open(path, "rb")
+        return open(path, "rb")
     except FileNotFoundError:
         raise ConfigError(f"lengths file {path}: no such file") from None
     except OSError as exc:
         raise ConfigError(f"lengths file {path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def iter_lengths_file(path: str | Path, progress: Callable[[int], None] | None = None) -> Iterator[int]:
+    """The lengths of ``path`` one at a time, read line by line (a file of millions of lengths is
+    never held whole); ``progress(n)`` is told the bytes of each line read."""
+    f = _open_lengths_file(path)
     offset, found = 0, False
     with f:
         for number, raw in enumerate(f, start=1):
@@ -36,7 +43,8 @@ def iter_lengths_file(path: str | Path, progress: Callable[[int], None] | None =
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise ConfigError(
-                    f"lengths file {path}: not UTF-8 text (byte {offset + exc.start}); write one positive token length per line"
+                    f"lengths file {path}: not UTF-8 text (byte {offset + exc.start}); "
+                    "write one positive token length per line"
                 ) from None
             offset += len(raw)
             body = line.split("#", 1)[0].strip()

@@ -22,7 +22,10 @@ import tempfile
 from .errors import ConfigError
 from .megatron import preflight, rank_guard
 
-USAGE = "usage: python -m megatron_bytescale.torchrun [torchrun options] -m megatron_bytescale.launch PRETRAIN_GPT_PY [flags]"
+USAGE = (
+    "usage: python -m megatron_bytescale.torchrun [torchrun options] "
+    "-m megatron_bytescale.launch PRETRAIN_GPT_PY [flags]"
+)
 
 
 def _option(argv: list[str], *names: str) -> str | None:

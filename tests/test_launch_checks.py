@@ -19,7 +19,10 @@ from megatron_bytescale.megatron import preflight
 ROOT = Path(__file__).resolve().parent.parent
 
 # sitecustomize for the launcher process: at exit, note whether torch was ever imported
-PROBE = "import atexit, os, sys\natexit.register(lambda: open(os.environ['IMPORT_PROBE'], 'w').write(str('torch' in sys.modules)))\n"
+PROBE = (
+    "import atexit, os, sys\n"
+    "atexit.register(lambda: open(os.environ['IMPORT_PROBE'], 'w').write(str('torch' in sys.modules)))\n"
+)
 
 
 @pytest.fixture

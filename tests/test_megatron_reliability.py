@@ -237,7 +237,8 @@ def test_resume_takes_over_the_dead_runs_lock_and_skips_a_corrupted_iteration(ki
     print(f"resumed in {time.monotonic() - t0:.1f} s")
     assert resumed.returncode == 0, log[-4000:]
     assert re.search(
-        r"bytescale: took over the lock of --save .* from a dead run \(job [^,]+, pid \d+ on \S+: its process is gone\)",
+        r"bytescale: took over the lock of --save .* from a dead run "
+        r"\(job [^,]+, pid \d+ on \S+: its process is gone\)",
         log,
     ), log[-4000:]
     assert (

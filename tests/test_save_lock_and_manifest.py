@@ -174,7 +174,8 @@ def test_load_falls_back_to_the_newest_iteration_that_verifies(tmp_path):
     assert iteration == 2
     assert lines == [
         f"bytescale: skipped checkpoint iter_0000006 in {tmp_path}: no manifest (the save did not finish)",
-        f"bytescale: skipped checkpoint iter_0000004 in {tmp_path}: __0_0.distcp is truncated or overwritten: 10 of 5000 bytes",
+        f"bytescale: skipped checkpoint iter_0000004 in {tmp_path}: "
+        "__0_0.distcp is truncated or overwritten: 10 of 5000 bytes",
         f"bytescale: checkpoint iter_0000002 in {tmp_path} verified against its manifest",
     ]
 

@@ -101,7 +101,8 @@ def env(tmp_path):
         f"if [[ $1 == -m && $2 == megatron_bytescale.torchrun ]]; then shift 2; "
         f"exec {sys.executable} -c '{record}' torchrun \"$@\"; fi\n"
         f"if [[ $1 == -m && $2 == megatron_bytescale.megatron.preflight ]]; then shift 2; "
-        f"exec {sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\" >{tmp_path}/preflight.json; fi\n"
+        f"exec {sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "
+        f'"$@" >{tmp_path}/preflight.json; fi\n'
         f"exec {sys.executable} -c '{record}' python \"$@\"\n",
     )
     variables = dict(

@@ -85,7 +85,8 @@ def test_the_patch_series_is_applied_in_order_and_checked():
     copy = [rest for kw, rest in instructions() if kw == "COPY"]
     assert copy == [". ${BYTESCALE_DIR}"]  # patches/ travel with the source
     assert re.search(
-        r'cd "\$\{MEGATRON_LM_DIR\}" && for p in "\$\{BYTESCALE_DIR\}"/patches/"\$\{MEGATRON_LM_TAG%\.\*\}"/\*\.patch; do '
+        r'cd "\$\{MEGATRON_LM_DIR\}" && for p in "\$\{BYTESCALE_DIR\}"/patches/'
+        r'"\$\{MEGATRON_LM_TAG%\.\*\}"/\*\.patch; do '
         r'git apply --check "\$p" && git apply "\$p" \|\| exit 1; done',
         text,
     )

@@ -419,7 +419,8 @@ def _check_parallelism(args) -> None:
         if dispatcher != "alltoall":
             raise ConfigError(
                 f"--moe-token-dispatcher-type {dispatcher} with --expert-model-parallel-size {ep}: HDP aligns "
-                "expert-parallel micro-batch slots for the all-to-all dispatcher: use --moe-token-dispatcher-type alltoall"
+                "expert-parallel micro-batch slots for the all-to-all dispatcher: "
+                "use --moe-token-dispatcher-type alltoall"
             )
         if pp > 1:
             raise ConfigError(

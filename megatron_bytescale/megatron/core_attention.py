@@ -91,7 +91,8 @@ class HDPCoreAttention(MegatronModule):
             raise BytescaleError(f"HDP core attention is causal, got attn_mask_type={attn_mask_type}")
         if query.dim() != 4 or query.shape[1] != 1:
             raise BytescaleError(
-                f"HDP core attention takes one packed row [tokens, 1, heads, head_dim], got query {tuple(query.shape)}: "
+                "HDP core attention takes one packed row [tokens, 1, heads, head_dim], "
+                f"got query {tuple(query.shape)}: "
                 "use micro-batch size 1"
             )
         active = current_micro_batch()

@@ -610,8 +610,8 @@ def _with_cuda_type_names(function):
 def _answer_cuda_type_names() -> None:
     """Megatron's optimizers sort parameters by ``param.type()`` against CUDA type names and
     raise on anything else: DistributedOptimizer._build_model_and_main_param_groups and
-    __init__, Float16OptimizerWithFloat16Params.__init__, clip_grad_by_total_norm_fp32. During those calls only, a CPU tensor's
-    ``type()`` gives the CUDA name of its dtype."""
+    __init__, Float16OptimizerWithFloat16Params.__init__, clip_grad_by_total_norm_fp32. During
+    those calls only, a CPU tensor's ``type()`` gives the CUDA name of its dtype."""
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
     dist_opt = distrib_optimizer.DistributedOptimizer

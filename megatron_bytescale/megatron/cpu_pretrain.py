@@ -1,6 +1,10 @@
 """Megatron-LM's own ``pretrain_gpt.py`` under HDP on this CPU machine (``bytescale demo --megatron-lm DIR``).
 
-It starts ``python -m megatron_bytescale.torchrun --standalone --nproc-per-node N -m megatron_bytescale.launch DIR/pretrain_gpt.py``
+It starts
+
+    python -m megatron_bytescale.torchrun --standalone --nproc-per-node N \\
+        -m megatron_bytescale.launch DIR/pretrain_gpt.py
+
 with the tiny model's flags (``configs/models/tiny.args``), the HDP flags and what a CPU run needs
 (gloo comes from ``cpu_compat.install_training``; fp32, the local transformer implementation and
 no TE/Apex fusions from the flags below): the same command line ``scripts/train_local.sh`` builds
@@ -46,7 +50,8 @@ def pretrain_gpt_command(
     script = Path(megatron_lm) / "pretrain_gpt.py"
     if not script.is_file():
         raise ConfigError(
-            f"--megatron-lm {megatron_lm}: {script} not found; give a Megatron-LM checkout (core_v0.16.1 or core_v0.19.x)"
+            f"--megatron-lm {megatron_lm}: {script} not found; "
+            "give a Megatron-LM checkout (core_v0.16.1 or core_v0.19.x)"
         )
     if step_tokens % context:
         raise ConfigError(

@@ -102,15 +102,19 @@ def resume_line(saved: SavedWorld | None, args) -> str:
     head = f"elastic restart {restart}" if restart else "elastic resume"
     world, hdp = args.world_size, args.data_parallel_size
     if saved is None:
-        return f"{head}: world {world} ({hdp} HDP ranks), no checkpoint in --load {args.load}: training starts at iteration 0"
+        return (
+            f"{head}: world {world} ({hdp} HDP ranks), no checkpoint in --load {args.load}: "
+            "training starts at iteration 0"
+        )
     rng = (
         "RNG states restored per HDP rank"
         if saved.hdp_size == hdp
         else "RNG states not restored (the plan moves tokens between ranks: dropout masks differ from the old world's)"
     )
     return (
-        f"{head}: world {saved.world_size} -> {world} (HDP ranks {saved.hdp_size} -> {hdp}, TP {args.tensor_model_parallel_size}, "
-        f"PP {args.pipeline_model_parallel_size}), resuming from checkpoint iteration {saved.iteration} in {args.load}; {rng}"
+        f"{head}: world {saved.world_size} -> {world} (HDP ranks {saved.hdp_size} -> {hdp}, "
+        f"TP {args.tensor_model_parallel_size}, PP {args.pipeline_model_parallel_size}), "
+        f"resuming from checkpoint iteration {saved.iteration} in {args.load}; {rng}"
     )
 
 

@@ -13,8 +13,8 @@ step with pretrain_gpt's own ``loss_func``), and runs the script as ``__main__``
 What it relies on (true for core_v0.16.1 and core_v0.19; the patch series does not):
 pretrain_gpt.py takes ``pretrain`` from ``megatron.training`` when it is imported, its
 ``forward_step`` sees a module-level ``loss_func``, and (core_v0.19) its
-``parse_and_validate_args`` parses through ``megatron.training.arguments.parse_args``. A script that is already patched is run as is (its own calls
-install the same hooks).
+``parse_and_validate_args`` parses through ``megatron.training.arguments.parse_args``. A script
+that is already patched is run as is (its own calls install the same hooks).
 """
 
 from __future__ import annotations

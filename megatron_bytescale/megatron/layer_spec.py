@@ -72,7 +72,8 @@ class SequenceParallelTorchNorm:
         kind = config.normalization
         if kind not in ("LayerNorm", "RMSNorm") or config.layernorm_zero_centered_gamma:
             raise ConfigError(
-                f"sequence parallelism on the local spec takes LayerNorm or RMSNorm without zero-centred gamma, got {kind}"
+                "sequence parallelism on the local spec takes LayerNorm or RMSNorm without zero-centred gamma, "
+                f"got {kind}"
             )
         norm = (torch.nn.RMSNorm if kind == "RMSNorm" else torch.nn.LayerNorm)(hidden_size, eps=eps)
         for p in norm.parameters():

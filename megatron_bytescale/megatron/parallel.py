@@ -54,8 +54,9 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, vpp: int = 1) -> dist.P
         )
         if current != (tp, pp, ep, vpp):
             raise ConfigError(
-                f"Megatron parallel state is already initialised with tp={current[0]}, pp={current[1]}, ep={current[2]}, "
-                f"vpp={current[3]}; call destroy_parallel() before init_parallel(tp={tp}, pp={pp}, ep={ep}, vpp={vpp})"
+                f"Megatron parallel state is already initialised with tp={current[0]}, pp={current[1]}, "
+                f"ep={current[2]}, vpp={current[3]}; "
+                f"call destroy_parallel() before init_parallel(tp={tp}, pp={pp}, ep={ep}, vpp={vpp})"
             )
         return hdp_group()
     parallel_state.initialize_model_parallel(

@@ -6,7 +6,8 @@ should predict CPU seconds, not an H100's: for the profiled model the profile is
 is; for another model its measured rates carry over in proportion to the analytic counts
 (seconds per attention pair per FLOP of a pair, seconds per token per FLOP of the linear
 layers, activation and KV bytes per token), the per-layer overhead, copy and P2P bandwidths
-as measured (two-level attention stays off, as in the profile: one CPU "node"). A run that wants better passes its own profile (``--hdp-profile``).
+as measured (two-level attention stays off, as in the profile: one CPU "node"). A run that
+wants better passes its own profile (``--hdp-profile``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ bytescale plan --model llama-7b --gpus 1024 --capacity 8K --lengths-file lens.tx
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -250,7 +251,7 @@ def step_lengths(lengths: Iterator[int], budget: int, context: int, cut: bool) -
     refused at ``context`` first)."""
     step: list[int] = []
     tokens = 0
-    for index, length in enumerate(lengths):
+    for _index, length in enumerate(lengths):
         if length > context:
             if not cut:
                 apply_context([length], context, cut)  # the one-line refusal
@@ -268,30 +269,28 @@ def plan_steps(args, config: PlannerConfig, cost: CostModel, context: int, budge
     """Plan and print step after step; only the current step's plan is kept."""
     if budget < context and not args.cut:
         raise ConfigError(
-            f"--global-batch-tokens {format_size(budget)} is smaller than --context {format_size(context)}: a context-long "
-            "sequence could never be in a step; raise --global-batch-tokens or lower --context"
+            f"--global-batch-tokens {format_size(budget)} is smaller than --context {format_size(context)}: "
+            "a context-long sequence could never be in a step; raise --global-batch-tokens or lower --context"
         )
     context = min(context, budget)
     source = iter(parse_lengths(args.lengths)) if args.lengths is not None else None
     bar = None if source is not None else _progress_bar(args.lengths_file)
     if source is None:
         source = iter_lengths_file(args.lengths_file, bar.update)
-    out = open(args.json, "w") if args.json else None
-    try:
-        steps = 0
-        for steps, lengths in enumerate(step_lengths(source, budget, context, args.cut), start=1):
-            plan = plan_step(lengths, config, cost).validate()
-            if out is not None:
-                out.write(plan.to_json() + "\n")
-            summary = format_summary(plan).replace("\n", "\n  ")
+    with open(args.json, "w") if args.json else contextlib.nullcontext() as out:
+        try:
+            steps = 0
+            for steps, lengths in enumerate(step_lengths(source, budget, context, args.cut), start=1):
+                plan = plan_step(lengths, config, cost).validate()
+                if out is not None:
+                    out.write(plan.to_json() + "\n")
+                summary = format_summary(plan).replace("\n", "\n  ")
+                if bar is not None:
+                    bar.write(f"step {steps}: {summary}", file=sys.stdout)
+                else:
+                    print(f"step {steps}: {summary}", flush=True)
+        finally:
             if bar is not None:
-                bar.write(f"step {steps}: {summary}", file=sys.stdout)
-            else:
-                print(f"step {steps}: {summary}", flush=True)
-    finally:
-        if bar is not None:
-            bar.close()
-        if out is not None:
-            out.close()
+                bar.close()
     print(f"{steps} steps planned" + (f"; plans written to {args.json}, one JSON object per line" if args.json else ""))
     return 0

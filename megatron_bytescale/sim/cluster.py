@@ -46,11 +46,13 @@ class Cluster:
             )
         if self.d_hdp % self.ep:
             raise ConfigError(
-                f"cluster: EP={self.ep} does not divide the {self.d_hdp} HDP ranks; choose --ep dividing GPUs / (TP x PP)"
+                f"cluster: EP={self.ep} does not divide the {self.d_hdp} HDP ranks; "
+                "choose --ep dividing GPUs / (TP x PP)"
             )
         if self.ep > 1 and self.pp > 1:
             raise ConfigError(
-                f"cluster: EP={self.ep} with PP={self.pp}: HDP aligns expert-parallel slots without pipelines; use --pp 1"
+                f"cluster: EP={self.ep} with PP={self.pp}: "
+                "HDP aligns expert-parallel slots without pipelines; use --pp 1"
             )
 
     @property
@@ -75,6 +77,7 @@ class Cluster:
 
     def describe(self) -> str:
         return (
-            f"{self.gpus} GPUs = TP {self.tp} x PP {self.pp} x HDP {self.d_hdp}{f' (EP {self.ep})' if self.ep > 1 else ''}; "
+            f"{self.gpus} GPUs = TP {self.tp} x PP {self.pp} x HDP {self.d_hdp}"
+            f"{f' (EP {self.ep})' if self.ep > 1 else ''}; "
             f"{self.gpus_per_node} GPUs/node, {self.hdp_per_node} HDP ranks/node"
         )

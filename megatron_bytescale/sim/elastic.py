@@ -154,7 +154,9 @@ def compare(
             else Restart(
                 "static",
                 0,
-                error=f"CP {cp} x TP {tp} x PP {pp} = {cp * tp * pp} GPUs per DP group; {survivors} survivors hold none",
+                error=(
+                    f"CP {cp} x TP {tp} x PP {pp} = {cp * tp * pp} GPUs per DP group; {survivors} survivors hold none"
+                ),
             )
         )
         rows.append({"lost_nodes": k, "survivors": survivors, "cp": cp, "hdp": hdp, "static": static})

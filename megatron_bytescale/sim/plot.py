@@ -65,7 +65,7 @@ def plot_timelines(
         t = timelines[name]
         rows = sampled_rows(len(t.ops), max_rows)
         bars: dict[str, list[list[tuple[float, float]]]] = {k: [] for k in COLORS}
-        for y, row in enumerate(rows):
+        for _y, row in enumerate(rows):
             spans = {k: [] for k in COLORS}
             for start, _end, direction, compute, comm, offload, *more in t.ops[row]:
                 a2a = more[0] if more else 0.0

@@ -126,7 +126,8 @@ def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
     )
     if cfg.ep > 1 and not model.num_experts:
         raise ConfigError(
-            f"--ep {cfg.ep}: model {model.name!r} has no experts; expert parallelism needs a MoE model (e.g. mistral-8x7b)"
+            f"--ep {cfg.ep}: model {model.name!r} has no experts; "
+            "expert parallelism needs a MoE model (e.g. mistral-8x7b)"
         )
     cost = with_host_memory(
         CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp, dkv_bf16=cfg.dkv_bf16), cfg.host_memory_per_gpu
@@ -145,7 +146,8 @@ def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
         )
     if cfg.global_batch_tokens < cfg.context:
         raise ConfigError(
-            f"--global-batch-tokens {format_size(cfg.global_batch_tokens)} is smaller than --context {format_size(cfg.context)}: "
+            f"--global-batch-tokens {format_size(cfg.global_batch_tokens)} "
+            f"is smaller than --context {format_size(cfg.context)}: "
             "a context-long sequence could never be in a batch; raise --global-batch-tokens or lower --context"
         )
     if cfg.steps <= 0:
@@ -250,7 +252,8 @@ def format_table(report: SimReport) -> str:
     if ok:
         lines.append(
             f"lower bound LB (all FLOPs spread over all GPUs): {ok[0]['lower_bound_s']:.2f} s; critical path (longest "
-            f"sequence alone, best ring): {ok[0]['critical_path_s']:.2f} s; bound = max of the two (means over the steps)"
+            f"sequence alone, best ring): {ok[0]['critical_path_s']:.2f} s; "
+            "bound = max of the two (means over the steps)"
         )
     lines.append(
         "step: mean over the steps; speedup: static's total step time / this total, x LB / x bound: total step time / "

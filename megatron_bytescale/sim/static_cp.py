@@ -68,7 +68,8 @@ def pack_sequences(seq_lens: Sequence[int], cp: int, capacity: int, seq_ids: Seq
         whole = cp > 1 and s < cp
         if whole and s > capacity:
             raise StrategyError(
-                f"static: a {s}-token sequence is shorter than CP={cp} (cannot be spread) and longer than the capacity {capacity}"
+                f"static: a {s}-token sequence is shorter than CP={cp} (cannot be spread) "
+                f"and longer than the capacity {capacity}"
             )
         base, extra = divmod(s, cp)
         add = base + (idx < extra)

@@ -121,7 +121,8 @@ def ring_key(mb: MicroBatch) -> tuple | None:
     """``mb.ring_key``; PlanError if its distributed pieces use more than one ring."""
     if mb.ring is None and len({p.ring for p in mb.pieces if p.is_distributed}) > 1:
         raise PlanError(
-            f"a micro-batch's distributed pieces use {len({p.ring for p in mb.pieces if p.is_distributed})} rings; one allowed"
+            "a micro-batch's distributed pieces use "
+            f"{len({p.ring for p in mb.pieces if p.is_distributed})} rings; one allowed"
         )
     return mb.ring_key
 
@@ -346,7 +347,8 @@ def micro_batch_work(plan: Plan, cluster: Cluster, cost: CostModel):
         ring = key[0]
         if set(where) != set(ring):
             raise PlanError(
-                f"ring micro-batch of sequences {list(key[1])} on ring {ring} is scheduled only on ranks {sorted(where)}"
+                f"ring micro-batch of sequences {list(key[1])} on ring {ring} "
+                f"is scheduled only on ranks {sorted(where)}"
             )
         loads = [MemberLoad.of(plan.ranks[r][where[r]]) for r in ring]
         u = plan.ranks[ring[0]][where[ring[0]]].heads_split
@@ -366,7 +368,8 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
         raise PlanError(f"plan has {plan.num_ranks} ranks but the cluster has {cluster.d_hdp} HDP ranks")
     if plan.num_layers != cost.num_layers:
         raise PlanError(
-            f"plan counts {plan.num_layers} layers per stage, the cost model {cost.num_layers}; build both for the same PP"
+            f"plan counts {plan.num_layers} layers per stage, the cost model {cost.num_layers}; "
+            "build both for the same PP"
         )
     stages = cluster.pp
     if cluster.ep > 1 and plan.expert_parallel == 1:
@@ -384,7 +387,8 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
     chunks = plan.virtual_stages
     if chunks > 1 and stages <= 1:
         raise PlanError(
-            f"the plan has {chunks} virtual stages per device but the cluster has PP {stages}; plan with virtual_stages=1"
+            f"the plan has {chunks} virtual stages per device but the cluster has PP {stages}; "
+            "plan with virtual_stages=1"
         )
     if chunks > 1:  # a chunk op does 1/V of the micro-batch's work on the device
         work = [[(_scaled(f, chunks), _scaled(b, chunks), key) for f, b, key in row] for row in work]
@@ -551,7 +555,7 @@ def pipeline_ring_floor(plan: Plan, cluster: Cluster, cost: CostModel) -> float:
         return 0.0
     work = micro_batch_work(plan, cluster, cost)
     for r, mbs in enumerate(plan.ranks):
-        for m, mb in enumerate(mbs):
+        for m, _mb in enumerate(mbs):
             f, b, key = work[r][m]
             if key in spans:
                 spans[key] = (max(spans[key][0], f.duration), max(spans[key][1], b.duration))

@@ -75,8 +75,8 @@ def default_dataset() -> str:
         probe.unlink()
     except OSError as exc:
         raise ConfigError(
-            f"cannot build the default corpus in {prefix.parent} ({exc.strerror or exc}): pass --data PREFIX (build one "
-            "with `bytescale prepare-data`) or set XDG_CACHE_HOME to a writable folder"
+            f"cannot build the default corpus in {prefix.parent} ({exc.strerror or exc}): "
+            "pass --data PREFIX (build one with `bytescale prepare-data`) or set XDG_CACHE_HOME to a writable folder"
         ) from None
     print(f"building the default corpus at {prefix} (once) ...", flush=True)
     args = argparse.Namespace(
