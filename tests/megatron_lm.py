@@ -25,3 +25,13 @@ def era():
 def patch_series() -> list[Path]:
     """The checkout's patch series, in order."""
     return series(era())
+
+
+def prepare_text_dataset(prefix: Path, files, timeout: float = 300) -> str:
+    """A Megatron indexed dataset at ``prefix`` from text files, by `bytescale prepare-data`."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "megatron_bytescale.cli", "prepare-data", "--output", str(prefix), "--quiet"]
+    subprocess.run([*command, "--text-files", *map(str, files)], check=True, capture_output=True, timeout=timeout)
+    return str(prefix)

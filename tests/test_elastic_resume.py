@@ -14,12 +14,13 @@ Needs MEGATRON_LM_DIR (a core_v0.16.1 checkout); skipped, with that reason, with
 import re
 import shutil
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from test_pretrain_gpt_cpu import ITERATION, MEGATRON_LM_DIR, ROOT, train
+
+from megatron_lm import prepare_text_dataset
 
 pytestmark = pytest.mark.skipif(
     not MEGATRON_LM_DIR or not (Path(MEGATRON_LM_DIR or ".") / "pretrain_gpt.py").is_file(),
@@ -42,25 +43,7 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(work):
-    prefix = work / "train"
-    files = sorted((ROOT / "megatron_bytescale").rglob("*.py"))
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_bytescale.cli",
-            "prepare-data",
-            "--output",
-            str(prefix),
-            "--quiet",
-            "--text-files",
-            *map(str, files),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    return str(prefix)
+    return prepare_text_dataset(work / "train", sorted((ROOT / "megatron_bytescale").rglob("*.py")), timeout=120)
 
 
 def _run(data, nproc, **variables):

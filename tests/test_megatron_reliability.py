@@ -25,6 +25,7 @@ from megatron_bytescale.megatron import checkpoint_guard
 from megatron_bytescale.process_lifetime import _alive
 
 from lifetime_support import wait_for
+from megatron_lm import prepare_text_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
@@ -79,25 +80,8 @@ def _newest_files_mtime(folder: Path) -> float:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    prefix = tmp_path_factory.mktemp("data") / "train"
     files = sorted((ROOT / "megatron_bytescale").rglob("*.py"))
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_bytescale.cli",
-            "prepare-data",
-            "--output",
-            str(prefix),
-            "--quiet",
-            "--text-files",
-            *map(str, files),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return str(prefix)
+    return prepare_text_dataset(tmp_path_factory.mktemp("data") / "train", files)
 
 
 @pytest.fixture(scope="module")

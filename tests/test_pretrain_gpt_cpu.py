@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lm import MEGATRON_LM_DIR, ROOT, needs_tree, patch_series
+from megatron_lm import MEGATRON_LM_DIR, ROOT, needs_tree, patch_series, prepare_text_dataset
 
 pytestmark = needs_tree
 
@@ -105,24 +105,7 @@ def data(work):
         ("train", sorted((ROOT / "megatron_bytescale").rglob("*.py"))),
         ("valid", sorted((ROOT / "tests").glob("test_*.py"))),
     ):
-        prefix = work / name
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "megatron_bytescale.cli",
-                "prepare-data",
-                "--output",
-                str(prefix),
-                "--quiet",
-                "--text-files",
-                *map(str, files),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        prefixes[name] = str(prefix)
+        prefixes[name] = prepare_text_dataset(work / name, files, timeout=120)
     return prefixes
 
 
