@@ -64,3 +64,19 @@ def test_resume_and_restart_lines(monkeypatch):
     assert resume_line(None, _args()) == (
         "elastic restart 2: world 12 (3 HDP ranks), no checkpoint in --load /ckpt: training starts at iteration 0"
     )
+
+
+def test_a_finetune_load_is_left_to_megatron(monkeypatch):
+    """--finetune loads the model alone, which Megatron reshards to any layout (the PP=2 test of
+    tests/test_pretrain_gpt_cpu.py starts from a TP 1 x PP 1 checkpoint): no world check."""
+    from megatron_bytescale.megatron import elastic
+
+    def no_check(*unused):
+        raise AssertionError("the saved world must not be read for --finetune")
+
+    monkeypatch.setattr(elastic, "saved_world", no_check)
+    calls = []
+    load = elastic.elastic_load(
+        lambda *a, **k: calls.append((a, k)) or "loaded", lambda: SimpleNamespace(finetune=True, load="/ckpt", rank=0)
+    )
+    assert load("model", "optimizer", "scheduler") == "loaded" and calls == [(("model", "optimizer", "scheduler"), {})]

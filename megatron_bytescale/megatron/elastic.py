@@ -129,7 +129,9 @@ def elastic_load(function: Callable, hdp_args: Callable) -> Callable:
     def call(*fargs, **kwargs):
         args = hdp_args()
         load_arg = kwargs.get("load_arg", fargs[3] if len(fargs) > 3 else "load")
-        if args is None or load_arg != "load":
+        # --finetune loads the model alone (no optimizer, RNG or iteration), which Megatron's
+        # distributed checkpoints reshard to any TP/PP/DP layout: nothing to check or announce
+        if args is None or load_arg != "load" or getattr(args, "finetune", False):
             return function(*fargs, **kwargs)
         saved = saved_world(args, args.load)
         resized = saved is not None and saved.hdp_size != args.data_parallel_size
