@@ -48,7 +48,7 @@ def _environment(**variables) -> dict:
     )
 
 
-def _start(*flags, **variables) -> subprocess.Popen:
+def _start(*flags, stdout=subprocess.PIPE, **variables) -> subprocess.Popen:
     return subprocess.Popen(
         [
             "bash",
@@ -60,7 +60,7 @@ def _start(*flags, **variables) -> subprocess.Popen:
             *flags,
         ],
         env=_environment(**variables),
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.STDOUT,
         text=True,
         cwd=ROOT,
@@ -89,7 +89,11 @@ def killed_run(data, tmp_path_factory):
     """A long run saving every iteration, SIGKILLed once it has saved two checkpoints (with
     manifests); meanwhile a second run on the same folder was refused. Returns what was seen."""
     save = tmp_path_factory.mktemp("ckpt")
-    run = _start(DATA_PATH=data, TRAIN_ITERS=10000, SAVE_DIR=save, SAVE_INTERVAL=1)
+    # the log goes to a file: nothing reads a pipe while the run trains, and Megatron's argument
+    # dump alone (core_v0.19: ~850 lines) would fill one and stall the run
+    output = tmp_path_factory.mktemp("log") / "run.log"
+    with open(output, "w") as log_file:
+        run = _start(DATA_PATH=data, TRAIN_ITERS=10000, SAVE_DIR=save, SAVE_INTERVAL=1, stdout=log_file)
     try:
         wait_for(
             lambda: (
@@ -106,7 +110,7 @@ def killed_run(data, tmp_path_factory):
             600,
             "two checkpoints with manifests",
         )
-        assert run.poll() is None, run.stdout.read()[-3000:]
+        assert run.poll() is None, output.read_text()[-3000:]
         ranks = _children(run.pid)
         assert len(ranks) == 2, ranks
         t0 = time.monotonic()
@@ -133,7 +137,7 @@ def killed_run(data, tmp_path_factory):
             second_s=second_s,
             ranks=ranks,
             ranks_gone_s=ranks_gone_s,
-            log=run.stdout.read(),
+            log=output.read_text(),
         )
     finally:
         if run.poll() is None:
