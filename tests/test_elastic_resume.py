@@ -159,6 +159,10 @@ def test_two_agents_lose_one_and_the_survivor_finishes_on_two_ranks(runs, data, 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
 
+    # each agent logs to a file: nothing reads a pipe while they train, and Megatron's argument
+    # dump alone (core_v0.19: ~850 lines) would fill one and stall the run
+    logs = {True: (work / "agent_host.log").open("w"), False: (work / "agent_client.log").open("w")}
+
     def agent(host: bool):
         variables = dict(
             COMMON,
@@ -181,7 +185,7 @@ def test_two_agents_lose_one_and_the_survivor_finishes_on_two_ranks(runs, data, 
                 *FLAGS,
             ],
             env=_environment(Path(MEGATRON_LM_DIR), **variables),
-            stdout=subprocess.PIPE,
+            stdout=logs[host],
             stderr=subprocess.STDOUT,
             text=True,
             cwd=ROOT,
@@ -206,13 +210,16 @@ def test_two_agents_lose_one_and_the_survivor_finishes_on_two_ranks(runs, data, 
             except ProcessLookupError:
                 pass
         victim.wait(timeout=30)
-        log, _ = survivor.communicate(timeout=300)
+        survivor.wait(timeout=300)
     finally:
         for proc in (survivor, victim):
             if proc.poll() is None:
                 for pid in _descendants(proc.pid):
                     os.kill(pid, signal.SIGKILL)
                 proc.wait()
+        for file in logs.values():
+            file.close()
+    log = (work / "agent_host.log").read_text()
     assert survivor.returncode == 0, log[-5000:]
     lines = RESTART_LINE.findall(log)
     assert len(lines) == 1 and lines[0][:2] == ("4", "2"), log[-5000:]

@@ -350,9 +350,15 @@ def validate_hdp_args(args: argparse.Namespace) -> argparse.Namespace:
 def check_global_batch(args) -> None:
     """What Megatron's micro-batch calculator asserts (num_microbatches_calculator.py:340), as one
     line: under HDP it still counts --global-batch-size / data-parallel-size samples per rank, and
-    the LR schedule and consumed samples follow that count. Run where Megatron's calculator will
-    run (``pretrain_hooks.validate_args_then_hdp``); an elastic restart on fewer ranks meets it."""
+    the LR schedule and consumed samples follow that count. Run before Megatron's validate_args
+    (``pretrain_hooks.validate_args_then_hdp``: core_v0.19's asserts the same of its evaluation
+    batch); an elastic restart on fewer ranks meets it."""
     dp = getattr(args, "data_parallel_size", None)
+    if not dp:  # before Megatron's validate_args derives it (core_v0.19 asserts on it there)
+        world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
+        dp = world // (
+            getattr(args, "tensor_model_parallel_size", 1) * getattr(args, "pipeline_model_parallel_size", 1)
+        )
     if dp and getattr(args, "global_batch_size", None) and args.global_batch_size % dp:
         raise ConfigError(
             f"--global-batch-size {args.global_batch_size} does not divide by the {dp} HDP ranks: Megatron counts "

@@ -102,6 +102,7 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
         try:
             if hdp:
                 check_launch(args)  # before Megatron's asserts would fire with a traceback
+                check_global_batch(args)
                 check_schedule(args)  # Megatron's scheduler asserts it a minute later, in every rank
             # Megatron prints its ~200-line argument dump at the end of validate_args: held back
             # until the HDP checks pass, so a refusal is not buried under it
@@ -114,7 +115,6 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
                 raise
             validate_hdp_args(args)
             if hdp:
-                check_global_batch(args)
                 check_data_exists(args)
                 checkpoint_guard.hold_save_lock(args)
             print(dump.getvalue(), end="", flush=True)
