@@ -49,7 +49,6 @@ MEGATRON_FLAGS = (
     ("--position-embedding-type", "str", "learned_absolute"),
     ("--heterogeneous-layers-config-path", "str", None),
     ("--spec", "list", None),
-    ("--use-legacy-models", "true", False),
     ("--enable-cuda-graph", "true", False),
     ("--external-cuda-graph", "true", False),
     ("--cuda-graph-impl", "str", "none"),
