@@ -1,14 +1,20 @@
-"""Planner speed and balance on a Byted-like global batch.
+"""Planner speed and balance on a Byted-like global batch, per balance mode.
 
-    PYTHONPATH=. python benchmarks/bench_planner.py [--gpus 16384] [--pp 1] [--global-batch-tokens 32M] [--json OUT]
+    PYTHONPATH=. python benchmarks/bench_planner.py --modes dp pp vpp ep [--global-batch-tokens 32M] [--json OUT]
+    PYTHONPATH=. python benchmarks/bench_planner.py [--gpus 16384] [--pp 1] [--balance dp pp none]
 
-Plans one step (LLaMA-7B analytic cost model on H100, C = 8K, 2M context) on one core
-(OMP/MKL/OpenBLAS threads = 1) several times and reports the median wall time of
-``plan_step`` (goal: under 1 s for 16,384 GPUs), then the balance of the plan: estimated
-max / mean per-rank time, and the max against the compute bound (all FLOPs spread perfectly
-over all ranks) and against the fastest the longest ring can possibly run. CPU time is
-printed beside wall time: on a shared machine it is the steadier figure. With ``--pp P`` the
-GPUs form ``gpus / P`` HDP ranks, each a pipeline of P stages (LLaMA's layers split P ways).
+Plans one step (analytic cost model on H100, C = 8K, 2M context) on one core
+(OMP/MKL/OpenBLAS threads = 1) several times and reports the median CPU time of
+``plan_step`` (wall time beside it: on a shared machine CPU time is the steadier figure),
+then the balance of the plan: estimated max / mean per-rank time, and the max against the
+compute bound (all FLOPs spread perfectly over all ranks) and against the fastest the longest
+ring can possibly run.
+
+``--modes`` runs the planner's balance modes on ``--gpus`` GPUs (16,384 by default), each
+as the cluster it is made for (``MODES``): ``dp`` (LLaMA-7B, DP-balance), ``pp`` (LLaMA-7B,
+4 pipeline stages, PP-balance), ``vpp`` (LLaMA-70B, TP 8, 4 stages x 5 model chunks) and
+``ep`` (Mistral-8x7B, TP 4, expert parallelism 8). Without it: ``--model`` with ``--pp P``
+stages (``gpus / P`` HDP ranks) and each ``--balance``.
 
 Lengths: ``megatron_bytescale/data/workloads.py``'s ``sample_lengths("byted", ...)`` (the
 simulator helper's generator) when it is installed, else ``byted_like_lengths`` below, a
@@ -141,67 +147,123 @@ def describe_batch(lengths: list[int]) -> dict:
     }
 
 
+# balance modes as the clusters they are made for: model, TP, PP, model chunks, EP, balance
+MODES = {
+    "dp": ("llama-7b", 1, 1, 1, 1, "dp"),
+    "pp": ("llama-7b", 1, 4, 1, 1, "pp"),
+    "vpp": ("llama-70b", 8, 4, 5, 1, "pp"),
+    "ep": ("mistral-8x7b", 4, 1, 1, 8, "dp"),
+}
+
+
+def time_plans(lengths, config: PlannerConfig, cost: CostModel, repeat: int):
+    """The last plan, and the wall and CPU seconds of each of ``repeat`` plan_step calls."""
+    times, cpu = [], []
+    for _ in range(repeat):
+        t0, c0 = time.perf_counter(), time.process_time()
+        plan = plan_step(lengths, config, cost)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return plan, times, cpu
+
+
+def plan_figures(plan, times, cpu, critical: float) -> dict:
+    m = plan.meta
+    est = np.asarray(m["est_rank_time_s"])
+    bound = m["compute_bound_s"]
+    return {
+        "strategy": m["strategy"],
+        "plan_time_median_s": statistics.median(times),
+        "plan_time_all_s": times,
+        "plan_cpu_time_median_s": statistics.median(cpu),
+        "plan_cpu_time_all_s": cpu,
+        "est_max_s": float(est.max()),
+        "est_mean_s": float(est.mean()),
+        "max_over_mean": float(est.max() / est.mean()),
+        "compute_bound_s": bound,
+        "max_over_compute_bound": float(est.max() / bound),
+        "fastest_longest_ring_s": critical,
+        "max_over_best_possible": float(est.max() / max(bound, critical)),
+        "ring_sizes": m["ring_sizes"],
+        "offloaded_sequences": m["offloaded_sequences"],
+        "micro_batches_per_rank_max": max(len(r) for r in plan.ranks),
+    }
+
+
+def print_figures(label: str, res: dict, repeat: int) -> None:
+    print(
+        f"{label}: plan {res['plan_cpu_time_median_s'] * 1e3:7.1f} ms CPU, {res['plan_time_median_s'] * 1e3:.1f} ms "
+        f"wall (median of {repeat}); est max {res['est_max_s']:.2f} s, mean {res['est_mean_s']:.2f} s, max/mean "
+        f"{res['max_over_mean']:.3f}; compute bound {res['compute_bound_s']:.2f} s (max/bound "
+        f"{res['max_over_compute_bound']:.3f}); fastest longest ring {res['fastest_longest_ring_s']:.2f} s "
+        f"(max/best-possible {res['max_over_best_possible']:.3f}); rings {res['ring_sizes']}"
+    )
+
+
+def longest_ring_time(lengths, cost: CostModel, capacity: int, ranks: int, ranks_per_node: int, pp: int) -> float:
+    sizer = RingSizer(capacity, cost, True, ranks, ranks_per_node, pp, host_capacity(cost, pp))
+    return max((sizer.fastest(s) for s in set(lengths) if s > capacity), default=0.0)
+
+
+def run_modes(args, lengths, capacity: int, out: dict) -> None:
+    hardware = HardwareSpec.load(args.hardware)
+    for mode in args.modes:
+        model, tp, pp, vpp, ep, balance = MODES[mode]
+        if args.gpus % (tp * pp):
+            raise SystemExit(f"--gpus {args.gpus} does not divide into TP {tp} x PP {pp} for mode {mode}")
+        cost = CostModel.analytic(ModelSpec.load(model), hardware, tp=tp, pp=pp)
+        ranks, per_node = args.gpus // (tp * pp), max(1, 8 // tp)
+        config = PlannerConfig(
+            num_ranks=ranks,
+            capacity=capacity,
+            ranks_per_node=per_node,
+            balance=balance,
+            pipeline_stages=pp,
+            virtual_stages=vpp,
+            expert_parallel=ep,
+        )
+        plan, times, cpu = time_plans(lengths, config, cost, args.repeat)
+        if args.validate:
+            plan.validate()
+        res = plan_figures(plan, times, cpu, longest_ring_time(lengths, cost, capacity, ranks, per_node, pp))
+        res.update(model=model, tp=tp, pp=pp, virtual_stages=vpp, expert_parallel=ep, balance=balance, hdp_ranks=ranks)
+        out["results"][mode] = res
+        shape = f"{model}, TP {tp}, PP {pp}" + (f" x V {vpp}" if vpp > 1 else "") + (f", EP {ep}" if ep > 1 else "")
+        print_figures(f"{mode:>3} ({shape}, {ranks} HDP ranks, balance {balance})", res, args.repeat)
+
+
 def run(args) -> dict:
-    cost = CostModel.analytic(ModelSpec.load(args.model), HardwareSpec.load(args.hardware), pp=args.pp)
-    if args.gpus % args.pp:
-        raise SystemExit(f"--gpus {args.gpus} does not divide into --pp {args.pp} stages")
-    ranks = args.gpus // args.pp
     capacity = parse_size(args.capacity, "capacity")
     context = parse_size(args.context, "context")
     total = parse_size(args.tokens, "tokens")
     lengths, source = batch_lengths(args.workload, total, context, args.seed)
     out = {
-        "model": args.model,
-        "hardware": args.hardware,
         "gpus": args.gpus,
-        "pp": args.pp,
+        "hardware": args.hardware,
         "capacity": capacity,
         "context": context,
         "workload": source,
         "batch": describe_batch(lengths),
         "results": {},
     }
-    sizer = RingSizer(capacity, cost, True, ranks, 8, args.pp, host_capacity(cost, args.pp))
-    critical = max(sizer.fastest(s) for s in set(lengths) if s > capacity)
     print(f"batch ({source}): {out['batch']}")
+    if args.modes:
+        run_modes(args, lengths, capacity, out)
+        return out
+    if args.gpus % args.pp:
+        raise SystemExit(f"--gpus {args.gpus} does not divide into --pp {args.pp} stages")
+    cost = CostModel.analytic(ModelSpec.load(args.model), HardwareSpec.load(args.hardware), pp=args.pp)
+    ranks = args.gpus // args.pp
+    out.update(model=args.model, pp=args.pp)
+    critical = longest_ring_time(lengths, cost, capacity, ranks, 8, args.pp)
     for balance in args.balance:
         config = PlannerConfig(num_ranks=ranks, capacity=capacity, balance=balance, pipeline_stages=args.pp)
-        times, cpu = [], []
-        for _ in range(args.repeat):
-            t0, c0 = time.perf_counter(), time.process_time()
-            plan = plan_step(lengths, config, cost)
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
+        plan, times, cpu = time_plans(lengths, config, cost, args.repeat)
         if args.validate:
             plan.validate()
-        m = plan.meta
-        est = np.asarray(m["est_rank_time_s"])
-        bound = m["compute_bound_s"]
-        res = {
-            "strategy": m["strategy"],
-            "plan_time_median_s": statistics.median(times),
-            "plan_time_all_s": times,
-            "plan_cpu_time_median_s": statistics.median(cpu),
-            "est_max_s": float(est.max()),
-            "est_mean_s": float(est.mean()),
-            "max_over_mean": float(est.max() / est.mean()),
-            "compute_bound_s": bound,
-            "max_over_compute_bound": float(est.max() / bound),
-            "fastest_longest_ring_s": critical,
-            "max_over_best_possible": float(est.max() / max(bound, critical)),
-            "ring_sizes": m["ring_sizes"],
-            "offloaded_sequences": m["offloaded_sequences"],
-            "micro_batches_per_rank_max": max(len(r) for r in plan.ranks),
-        }
+        res = plan_figures(plan, times, cpu, critical)
         out["results"][balance] = res
-        print(
-            f"{m['strategy']:>13} balance={balance:<4}: plan {res['plan_time_median_s'] * 1e3:7.1f} ms wall, "
-            f"{res['plan_cpu_time_median_s'] * 1e3:.1f} ms CPU (median of {args.repeat}); "
-            f"est max {res['est_max_s']:.2f} s, mean {res['est_mean_s']:.2f} s, max/mean "
-            f"{res['max_over_mean']:.3f}; compute bound {bound:.2f} s (max/bound {res['max_over_compute_bound']:.3f}); "
-            f"fastest longest ring {critical:.2f} s (max/best-possible {res['max_over_best_possible']:.3f}); "
-            f"rings {m['ring_sizes']}"
-        )
+        print_figures(f"{res['strategy']:>13} balance={balance:<4}", res, args.repeat)
     return out
 
 
@@ -215,6 +277,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="llama-7b")
     p.add_argument("--hardware", default="h100")
     p.add_argument("--balance", nargs="+", default=["dp", "pp", "none"], choices=["dp", "pp", "none"])
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        help="balance modes, each on the cluster it is made for (MODES); replaces --model, --pp and --balance",
+    )
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

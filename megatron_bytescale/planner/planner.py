@@ -180,8 +180,9 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     # With pipelines (PP-balance) the candidates are estimated in full, 1F1B bubbles
     # included (``_pipeline_candidates``).
     stages = config.pipeline_stages
+    finish = None  # the estimate per rank, where the candidates' search already made it
     if balanced and stages > 1:
-        shards, target, units, assignment, scale, ordered = _pipeline_candidates(lens, config, cost, placer)
+        shards, target, units, assignment, scale, ordered, finish = _pipeline_candidates(lens, config, cost, placer)
     else:
         factors = sorted({1, stages}) if balanced else [1]
         best = None
@@ -220,7 +221,9 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         )
     ring_time = {u: units[u].time for u in assignment.members}
     ranks = _build(lens, units, ordered.members or assignment.members, ordered.runs, placer.ranks_per_node, cost)
-    est = np.array(rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages))
+    if finish is None:
+        finish = rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages)
+    est = np.array(finish)
     stage_orders, one_f_one_b_est, notes, found_cap = None, float(est.max()) if est.size else 0.0, [], None
     chunks = config.virtual_stages
     if stages > 1 and chunks > 1:
@@ -390,17 +393,18 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     for _, shards, target, units, assignment, scale in sorted(candidates, key=lambda c: c[0])[:PIPELINE_ORDERED]:
         ordered = _order(lens, units, assignment, config, cost, placer, fallback=False)
         ring_time = {u: units[u].time for u in assignment.members}
-        step = (
-            float("inf")
+        finish = (
+            None
             if ordered.deadlock
-            else max(rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages), default=0.0)
+            else rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages)
         )
+        step = float("inf") if finish is None else max(finish, default=0.0)
         if best is None or step < best[0]:
-            best = (step, shards, target, units, assignment, scale, ordered)
-    step, shards, target, units, assignment, scale, ordered = best
+            best = (step, shards, target, units, assignment, scale, ordered, finish)
+    step, shards, target, units, assignment, scale, ordered, finish = best
     if ordered.deadlock:  # no candidate aligned every ring: the searches of order_runs, on the first
-        ordered = _order(lens, units, assignment, config, cost, placer)
-    return shards, target, units, assignment, scale, ordered
+        ordered, finish = _order(lens, units, assignment, config, cost, placer), None
+    return shards, target, units, assignment, scale, ordered, finish
 
 
 def _compute_bound(lens, cost: CostModel, num_ranks: int) -> float:

@@ -224,8 +224,7 @@ def _sequential(runs, ring_order, members, ring_time) -> Ordered:
 
 
 def _in_schedule_order(runs, ring_order, members, ring_time) -> Ordered:
-    n = len(runs)
-    state = _State([list(run) for run in runs], [[] for _ in range(n)], [0.0] * n, [None] * n, None, ring_time)
+    state = _State(runs, None, ring_time)
     result = Ordered(state.out, state.clock)
     for u in ring_order:
         ring = members[u]
@@ -235,8 +234,7 @@ def _in_schedule_order(runs, ring_order, members, ring_time) -> Ordered:
 
 
 def _aligned(runs, ring_order, members, ring_time, split, lookahead, frugal: bool = False) -> Ordered:
-    n = len(runs)
-    state = _State([list(run) for run in runs], [[] for _ in range(n)], [0.0] * n, [None] * n, split, ring_time, frugal)
+    state = _State(runs, split, ring_time, frugal)
     result = Ordered(state.out, state.clock)
     pending = list(ring_order)
     while pending:
@@ -327,15 +325,69 @@ def _slot_search(runs, order, members, split: Splitter | None):
     return out, slots
 
 
-@dataclass
+class _RankView:
+    """What the alignment reads of one rank's queue, derived once per change of the queue or
+    the clock (``_State.view``): its local micro-batches in order, how many more splitting
+    its packs gives, the local micro-batches before each of its rings, the clock after each
+    local micro-batch, and its load (clock plus everything queued)."""
+
+    __slots__ = ("locals", "own", "nat", "prefix", "load")
+
+    def __init__(self, queue: list[Item], clock: float, ring_time: dict[int, float], split: bool) -> None:
+        self.locals = locals_ = []
+        self.nat = nat = {}
+        times = []  # every item's seconds, in queue order: the load sums them as one sum() did
+        for x in queue:
+            if isinstance(x, LocalBatch):
+                locals_.append(x)
+                times.append(x.time)
+            else:
+                nat[x] = len(locals_)
+                times.append(ring_time[x])
+        self.own = sum(len(x.seq_ids) for x in locals_) - len(locals_) if split else 0
+        self.prefix = list(accumulate((x.time for x in locals_), initial=clock))
+        self.load = clock + sum(times)
+
+
 class _State:
-    queues: list[list[Item]]  # per rank: what is left, in schedule order
-    out: list[list[Item]]  # per rank: placed, in run order
-    clock: list[float]  # per rank: estimated end of what is placed
-    offset: list[int | None]  # per rank: slot of out[r][0]; None until its first ring fixes it
-    split: Splitter | None
-    ring_time: dict[int, float]
-    frugal: bool = False  # keep local work for later slots: run no more of it before a ring than needed
+    """The alignment's state: per rank what is left (``queues``), what is placed (``out``),
+    the clock and the slot offset. Every change of a queue or a clock goes through
+    ``_touch``, so each rank's ``_RankView`` is derived again only after it changed (large
+    rings have ~1,500 members, tried ~4 times a ring; 16K ranks scanned per borrowed pack)."""
+
+    def __init__(self, runs, split: Splitter | None, ring_time: dict[int, float], frugal: bool = False) -> None:
+        n = len(runs)
+        self.queues: list[list[Item]] = [list(run) for run in runs]  # per rank: what is left, in schedule order
+        self.out: list[list[Item]] = [[] for _ in range(n)]  # per rank: placed, in run order
+        self.clock = [0.0] * n  # per rank: estimated end of what is placed
+        self.offset: list[int | None] = [None] * n  # per rank: slot of out[r][0]; None until its first ring
+        self.split = split
+        self.ring_time = ring_time
+        self.frugal = frugal  # keep local work for later slots: run no more of it before a ring than needed
+        self._views: list[_RankView | None] = [None] * n
+        self._dirty = set(range(n))  # ranks whose view (and entries below) are out of date
+        self._nloc = np.zeros(n, dtype=np.int64)  # per rank: local micro-batches queued
+        self._load = np.zeros(n)  # per rank: _RankView.load
+        self._own = np.zeros(n, dtype=np.int64)  # per rank: _RankView.own
+        # Rings whose members cannot give them one slot from their own work, until one of the
+        # members changes (a large ring stays first in the schedule while the rings after it
+        # are placed: without this it is tried again, over all its members, before each)
+        self._stuck: set[int] = set()
+        self._stuck_by_rank: dict[int, list[int]] = defaultdict(list)
+
+    def _touch(self, r: int) -> None:
+        self._dirty.add(r)
+        for u in self._stuck_by_rank.pop(r, ()):
+            self._stuck.discard(u)
+
+    def view(self, r: int) -> _RankView:
+        if r in self._dirty:
+            v = self._views[r] = _RankView(self.queues[r], self.clock[r], self.ring_time, self.split is not None)
+            self._nloc[r] = len(v.locals)
+            self._load[r] = v.load
+            self._own[r] = v.own
+            self._dirty.discard(r)
+        return self._views[r]
 
     def finish(self) -> None:
         """What is left of every queue (local micro-batches) runs after the last ring."""
@@ -344,14 +396,14 @@ class _State:
                 self.out[r].append(x)
                 self.clock[r] += x.time
             q.clear()
+            self._touch(r)
 
     def locals_of(self, r: int) -> list[LocalBatch]:
-        return [x for x in self.queues[r] if isinstance(x, LocalBatch)]
+        return self.view(r).locals
 
     def natural(self, r: int, u: int) -> int:
         """Local micro-batches the schedule puts before ring ``u`` on rank ``r``."""
-        q = self.queues[r]
-        return sum(1 for x in q[: q.index(u)] if isinstance(x, LocalBatch))
+        return self.view(r).nat[u]
 
     def cursor(self, r: int) -> int:
         return self.offset[r] + len(self.out[r])
@@ -359,30 +411,45 @@ class _State:
     def aligned_take(self, u: int, ring, result: Ordered, borrow: bool) -> dict[int, int] | None:
         """Local micro-batches each member runs before ring ``u`` so that the ring takes one
         slot on all of them, or None if the members do not have enough."""
-        fixed = [r for r in ring if self.offset[r] is not None]
-        cands = {r: self.locals_of(r) for r in ring}
-        lo = max((self.cursor(r) for r in fixed), default=0)
-        shorts = {r: lo - self.cursor(r) - len(cands[r]) for r in fixed}
-        own = {r: sum(len(x.seq_ids) - 1 for x in cands[r]) if self.split else 0 for r in fixed}
-        missing = sum(max(0, k - own[r]) for r, k in shorts.items())
-        if missing and (not borrow or missing > self._spare(ring, lo)):
-            return None  # not even by splitting packs (or borrowing): leave everything as it is
+        if not borrow and u in self._stuck:
+            return None  # as before: no member changed since
+        offset, out = self.offset, self.out
+        fixed = [r for r in ring if offset[r] is not None]
+        cursor = {r: offset[r] + len(out[r]) for r in fixed}
+        views = {r: self.view(r) for r in ring}
+        lo = max(cursor.values(), default=0)
+        shorts = {r: lo - cursor[r] - len(views[r].locals) for r in fixed}
+        missing = sum(max(0, k - views[r].own) for r, k in shorts.items())
+        if missing and not borrow:  # a function of the members' state alone: remember it
+            self._stuck.add(u)
+            for r in ring:
+                self._stuck_by_rank[r].append(u)
+            return None  # not even by splitting packs: leave everything as it is
+        reserve = None  # per rank, what a member keeps to reach slot lo itself (cursors stay put here)
+        if missing:
+            reserve = np.zeros(len(self.queues), dtype=np.int64)
+            for r, c in cursor.items():
+                reserve[r] = max(0, lo - c)
+            if missing > self._spare(reserve):
+                return None  # not even by borrowing
+        cands = {r: views[r].locals for r in ring}
         for r, short in shorts.items():
             if short > 0:
                 short = self._split_own(r, short, cands, result)
             if short > 0 and borrow:
-                short = self._borrow(r, short, u, ring, lo, cands, result)
+                short = self._borrow(r, short, u, ring, reserve, cands, result)
             if short > 0:
                 return None
-        prefix = {r: list(accumulate((x.time for x in cands[r]), initial=self.clock[r])) for r in ring}
+        prefix = {r: self.view(r).prefix for r in ring}  # the clock after each of cands[r]
         planned = max(prefix[r][self.natural(r, u)] for r in ring)  # start without alignment
         slack = planned * (1 + 1e-12)
         take = {}
         if fixed:
-            hi = min(self.cursor(r) + len(cands[r]) for r in fixed)
+            hi = min(cursor[r] + len(cands[r]) for r in fixed)
+            shifted = [(prefix[r], cursor[r]) for r in fixed]
 
             def start(slot: int) -> float:
-                return max(prefix[r][slot - self.cursor(r)] for r in fixed)
+                return max(p[slot - c] for p, c in shifted)
 
             # start(slot) never falls as the slot rises: the largest slot whose start is no
             # later than planned (bisection over [lo, hi]), else the earliest start possible
@@ -395,25 +462,24 @@ class _State:
                     else:
                         b = mid - 1
             for r in fixed:
-                take[r] = a - self.cursor(r)
+                take[r] = a - cursor[r]
             slack = max(slack, start(a))
         for r in ring:  # a member without rings yet may start at any slot: it fills the wait
             if r not in take:
                 take[r] = 0 if self.frugal else bisect_right(prefix[r], slack) - 1
         return take
 
-    def _spare(self, ring, lo: int) -> int:
-        """Local micro-batches other ranks could give to the members of a ring at slot ``lo``."""
-        members = set(ring)
-        spare = 0
-        for q, queue in enumerate(self.queues):
-            batches = [x for x in queue if isinstance(x, LocalBatch)]
-            have = len(batches)
-            if q in members and self.offset[q] is not None:
-                have -= max(0, lo - self.cursor(q))
-            if have > 0:
-                spare += have + (sum(len(x.seq_ids) - 1 for x in batches) if self.split else 0)
-        return spare
+    def _refresh(self) -> None:
+        for r in list(self._dirty):
+            self.view(r)
+
+    def _spare(self, reserve: np.ndarray) -> int:
+        """Local micro-batches other ranks could give to the members of a ring, each member
+        keeping its ``reserve``."""
+        self._refresh()
+        have = self._nloc - reserve
+        giving = have > 0
+        return int(have[giving].sum() + self._own[giving].sum())
 
     def unaligned_take(self, u: int, ring) -> dict[int, int]:
         fixed = [r for r in ring if self.offset[r] is not None]
@@ -442,6 +508,7 @@ class _State:
                 self.offset[r] = slot - len(self.out[r])
             self.out[r].append(u)
             self.clock[r] = end
+            self._touch(r)
 
     def _split_own(self, r: int, short: int, cands, result: Ordered) -> int:
         """Split ``r``'s own packs in two until it has ``short`` more micro-batches."""
@@ -451,32 +518,28 @@ class _State:
                 break
             big = max(packs, key=lambda x: (len(x.seq_ids), x.time))
             halves = list(self.split(big))
+            cands[r] = list(cands[r])  # the view's list stays as it was until the view is derived again
             _replace(cands[r], big, halves)
             _replace(self.queues[r], big, halves)
+            self._touch(r)
             result.splits += 1
             short -= 1
         return short
 
-    def _borrow(self, r: int, short: int, u: int, ring, lo: int, cands, result: Ordered) -> int:
+    def _borrow(self, r: int, short: int, u: int, ring, reserve: np.ndarray, cands, result: Ordered) -> int:
         """Take local micro-batches for ``r`` from the most loaded ranks that have some to
-        spare (a ring member keeps what it needs to reach ``lo`` itself)."""
+        spare (a ring member keeps its ``reserve``, what it needs to reach the slot itself)."""
         members = set(ring)
         while short > 0:
-            donor, spare, most = None, 0, -1.0
-            for q in range(len(self.queues)):
-                if q == r:
-                    continue
-                batches = self.locals_of(q)
-                have = len(batches)
-                if q in members and self.offset[q] is not None:
-                    have -= max(0, lo - self.cursor(q))
-                load = self.clock[q] + sum(
-                    x.time if isinstance(x, LocalBatch) else self.ring_time[x] for x in self.queues[q]
-                )
-                if have > 0 and load > most:
-                    donor, spare, most = q, have, load
-            if donor is None:
+            self._refresh()
+            have = self._nloc - reserve
+            have[r] = 0
+            # the first of the most loaded ranks with a micro-batch to spare
+            load = np.where(have > 0, self._load, -np.inf)
+            donor = int(np.argmax(load))
+            if load[donor] == -np.inf:
                 return short
+            spare = int(have[donor])
             last = self.locals_of(donor)[-1]  # the shortest: the schedule runs long work first
             if spare == 1 and self.split is not None and len(last.seq_ids) > 1:
                 keep, gift = self.split(last)  # the donor keeps half of its only pack
@@ -485,9 +548,11 @@ class _State:
             else:
                 gift = last
                 _replace(self.queues[donor], last, [])
+            self._touch(donor)
             if donor in members:
                 cands[donor] = self.locals_of(donor)
             self.queues[r].insert(self.queues[r].index(u), gift)  # r runs all it has before the ring
+            self._touch(r)
             cands[r] = self.locals_of(r)
             result.moved += 1
             short -= 1
@@ -614,10 +679,7 @@ def slot_interleaved_orders(
     slots = max((o + len(k) for o, k in zip(off, ring_keys)), default=0)
     if megatron:
         full = megatron_interleaved_orders(slots + shift, stages, chunks)
-        return [
-            [[Op(d, m - o, c) for d, m, c in full[dev] if o <= m < o + len(keys)] for dev in range(stages)]
-            for o, keys in zip((o + shift for o in off), ring_keys)
-        ]
+        return _cut_per_rank(full, [o + shift for o in off], ring_keys, stages)
     if slot_times:
         longest = [0.0] * slots
         for o, ts in zip(off, times):
@@ -627,7 +689,18 @@ def slot_interleaved_orders(
     else:
         fwd, bwd = [1.0] * slots, [2.0] * slots
     full = _run_one_pipeline(fwd, bwd, stages, chunks)
-    return [
-        [[Op(d, m - o, c) for d, m, c in full[dev] if o <= m < o + len(keys)] for dev in range(stages)]
-        for o, keys in zip(off, ring_keys)
-    ]
+    return _cut_per_rank(full, off, ring_keys, stages)
+
+
+def _cut_per_rank(full: list[list[Op]], offsets: Sequence[int], ring_keys, stages: int) -> list[list[list[Op]]]:
+    """Each rank's part of one long pipeline's orders: the ops of its slots ``[o, o + len)``,
+    renumbered from 0 (ranks with the same slots share the work of cutting)."""
+    cut: dict[tuple[int, int], list[list[Op]]] = {}
+    out = []
+    for o, keys in zip(offsets, ring_keys):
+        span = (o, len(keys))
+        if span not in cut:
+            hi = o + len(keys)
+            cut[span] = [[Op(d, m - o, c) for d, m, c in full[dev] if o <= m < hi] for dev in range(stages)]
+        out.append([list(order) for order in cut[span]])
+    return out

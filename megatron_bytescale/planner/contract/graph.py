@@ -20,6 +20,7 @@ direction (the longest of its members'). A cycle is a deadlock.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from functools import cached_property, lru_cache
 
 from .ops import FORWARD, Op, interleaved_order
 
@@ -78,8 +79,13 @@ class PipelineGraph:
                     base = (u * vp + vs) * 2
                     self.dur[base] = fwd[u]
                     self.dur[base + 1] = bwd[u]
-        # per (unit, virtual stage): the resources its operations occupy
-        self.res = [[r * p + vs % p for r, _ in self.members[u]] for u in range(self.units) for vs in range(vp)]
+
+    @cached_property
+    def res(self) -> list[list[int]]:
+        """Per (unit, virtual stage): the resources its operations occupy (the stage-order
+        search's; the evaluation does not need them)."""
+        p = self.p
+        return [[r * p + vs % p for r, _ in self.members[u]] for u in range(self.units) for vs in range(self.vp)]
 
     @classmethod
     def of_times(cls, unit_keys, times: Sequence[Sequence[float]], stages: int, forward_share: float, chunks: int = 1):
@@ -134,12 +140,25 @@ class PipelineGraph:
         """Per resource (rank * stages + device): its operation ids in run order (``orders``
         per rank and device; None: the default orders). Barrier ``b`` is the node ``total +
         b`` in every resource's sequence, after the micro-batches finished before it."""
+        if orders is None and not barriers:
+            return self._default_sequences()
         if orders is None:
             orders = self.default_orders(barriers)
         elif barriers:
             raise ValueError("barriers need the default orders: stage orders and barriers do not mix")
         out = []
         p, vp, total = self.p, self.vp, self.total
+        if not barriers:  # the loop below without its barrier bookkeeping
+            for r in range(self.n):
+                units = self.unit_at[r]
+                for k in range(p):
+                    out.append(
+                        [
+                            (units[op[1]] * vp + (op[2] if len(op) == 3 else 0) * p + k) * 2 + op[0]
+                            for op in orders[r][k]
+                        ]
+                    )
+            return out
         for r in range(self.n):
             bounds = [b[r] for b in barriers]
             units = self.unit_at[r]
@@ -155,6 +174,16 @@ class PipelineGraph:
                 out.append(seq)
         return out
 
+    def _default_sequences(self) -> list[list[int]]:
+        """``sequences()`` for the default orders without barriers: each device's order is a
+        fixed pattern per micro-batch count (``_default_pattern``), mapped to operation ids."""
+        out = []
+        p, vp = self.p, self.vp
+        for units in self.unit_at:
+            for k in range(p):
+                out.append([(units[m] * vp + vs) * 2 + d for d, m, vs in _default_pattern(len(units), p, k, self.v)])
+        return out
+
     # ----------------------------------------------------------------- evaluation
     def edges(self, seqs: Sequence[Sequence[int]], extra: int = 0) -> tuple[list[list[int]], list[int]]:
         """(successors, in-degree) of every node: ``total`` operations and ``extra`` barriers."""
@@ -166,11 +195,18 @@ class PipelineGraph:
                 if a != b:
                     succ[a].append(b)
                     indeg[b] += 1
-        for op in range(self.total):
-            nxt = self.next_op(op)
-            if nxt is not None:
-                succ[op].append(nxt)
-                indeg[nxt] += 1
+        # in each micro-batch (``next_op``, unrolled): forward vs -> forward vs + 1, the last
+        # forward -> the last backward, backward vs -> backward vs - 1
+        last = 2 * (self.vp - 1)
+        for base in range(0, self.total, 2 * self.vp):
+            for f in range(base, base + last, 2):
+                succ[f].append(f + 2)
+                indeg[f + 2] += 1
+            succ[base + last].append(base + last + 1)
+            indeg[base + last + 1] += 1
+            for b in range(base + 3, base + last + 2, 2):
+                succ[b].append(b - 2)
+                indeg[b - 2] += 1
         return succ, indeg
 
     def evaluate(self, seqs: Sequence[Sequence[int]], barriers: int = 0) -> list[float] | None:
@@ -221,6 +257,12 @@ class PipelineGraph:
                 m = dict((x, m) for x, m in self.members[u])[r]
                 out.append(f"rank {r} stage {k} {'forward' if d == FORWARD else 'backward'} of micro-batch {m}")
         return out
+
+
+@lru_cache(maxsize=4096)
+def _default_pattern(count: int, stages: int, device: int, chunks: int) -> tuple[tuple[int, int, int], ...]:
+    """(direction, micro-batch, virtual stage) of each op of a device's default order."""
+    return tuple((d, m, c * stages + device) for d, m, c in interleaved_order(count, stages, device, chunks))
 
 
 def longest_paths(succ: Sequence[Sequence[int]], indeg: list[int], duration: Sequence[float]) -> list[float] | None:

@@ -1,0 +1,78 @@
+"""The pipeline graph's and the slot alignment's fast paths give what their plain versions
+give: operation sequences mapped from cached per-count patterns, micro-batch edges unrolled
+instead of asked of ``next_op`` per operation, each rank's cut of one long pipeline shared by
+ranks with the same slots. (The alignment's cached rank views are checked by the plans
+themselves: the planner tests and the plan digests of the pipeline modes.)"""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_bytescale.planner.contract import PipelineGraph, interleaved_order
+from megatron_bytescale.planner.slot_alignment import _cut_per_rank, _run_one_pipeline, slot_offsets
+
+
+@st.composite
+def ring_keys(draw):
+    """Per rank, its micro-batches' keys: rings (shared ints, in one order on every member) or None."""
+    n = draw(st.integers(2, 6))
+    rings = draw(st.lists(st.lists(st.integers(0, n - 1), min_size=2, max_size=n, unique=True), max_size=5))
+    keys = [[] for _ in range(n)]
+    for u, members in enumerate(rings):
+        for r in members:
+            keys[r] += [None] * draw(st.integers(0, 2)) + [u]
+    for r in range(n):
+        keys[r] += [None] * draw(st.integers(0 if keys[r] else 1, 3))
+    return keys
+
+
+@settings(max_examples=80, deadline=None)
+@given(ring_keys(), st.integers(1, 4), st.integers(1, 3))
+def test_default_sequences_match_the_ids_of_the_default_orders(keys, stages, chunks):
+    graph = PipelineGraph(keys, stages, chunks)
+    plain = [
+        [graph.id_of(r, k, op) for op in interleaved_order(len(row), stages, k, chunks)]
+        for r, row in enumerate(keys)
+        for k in range(stages)
+    ]
+    assert graph.sequences() == plain
+    assert graph.sequences(graph.default_orders()) == plain  # explicit orders, no barriers
+
+
+@settings(max_examples=80, deadline=None)
+@given(ring_keys(), st.integers(1, 4), st.integers(1, 3))
+def test_unrolled_micro_batch_edges_match_next_op(keys, stages, chunks):
+    graph = PipelineGraph(keys, stages, chunks)
+    seqs = graph.sequences()
+    succ, indeg = graph.edges(seqs)
+    plain_succ = [[] for _ in range(graph.total)]
+    plain_indeg = [0] * graph.total
+    for seq in seqs:
+        for a, b in zip(seq, seq[1:]):
+            if a != b:
+                plain_succ[a].append(b)
+                plain_indeg[b] += 1
+    for op in range(graph.total):
+        nxt = graph.next_op(op)
+        if nxt is not None:
+            plain_succ[op].append(nxt)
+            plain_indeg[nxt] += 1
+    assert [sorted(s) for s in succ] == [sorted(s) for s in plain_succ]
+    assert indeg == plain_indeg
+
+
+@settings(max_examples=60, deadline=None)
+@given(ring_keys(), st.integers(1, 4), st.integers(1, 3))
+def test_cut_per_rank_matches_cutting_each_rank_alone(keys, stages, chunks):
+    off = slot_offsets(keys)
+    if off is None:
+        return
+    slots = max(o + len(k) for o, k in zip(off, keys))
+    full = _run_one_pipeline([1.0] * slots, [2.0] * slots, stages, chunks)
+    plain = [
+        [[(d, m - o, c) for d, m, c in full[dev] if o <= m < o + len(row)] for dev in range(stages)]
+        for o, row in zip(off, keys)
+    ]
+    cut = _cut_per_rank(full, off, keys, stages)
+    assert [[[tuple(op) for op in order] for order in rank] for rank in cut] == plain
+    if len(cut) > 1:  # every rank owns its lists: callers may edit one rank's orders
+        assert all(a is not b for a in cut[0] for b in cut[1])
