@@ -41,7 +41,7 @@ class PipelineGraph:
         chunks: int = 1,
         durations: Callable[[int, int], tuple[float, float]] | None = None,
     ):
-        p = self.p = stages
+        self.p = stages
         self.v = chunks
         vp = self.vp = stages * chunks
         self.n = len(unit_keys)
