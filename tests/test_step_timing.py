@@ -35,6 +35,17 @@ def test_logs_prediction_and_measurement_every_log_interval():
     assert lines[0].endswith("; planning exposed 0.002 s (planning took 0.500 s)")
 
 
+def test_the_profiling_hint_only_where_the_prediction_is_far_off():
+    def line(predicted, seconds):
+        plan = SimpleNamespace(meta={"est_time_max_s": predicted})
+        return StepTimer.line(SimpleNamespace(plan=plan, rank=0, step=1), seconds)
+
+    assert "bytescale profile" not in line(0.2, 0.25)  # 1.25x: the cost model describes this machine
+    assert "bytescale profile" not in line(0.2, 0.15)
+    assert "(1.60x the prediction; far from 1: re-run `bytescale profile`" in line(0.2, 0.32)
+    assert "(0.50x the prediction; far from 1" in line(0.2, 0.1)
+
+
 def test_only_rank_zero_logs_and_evaluation_is_not_timed():
     lines = []
     timer = StepTimer(log=lines.append)

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+FAR = 1.5  # a measured step this many times off the prediction (either way) gets the profiling hint
+
 
 class _Remember:
     """Iterator wrapper that keeps the last item it handed out (the step's ``StepBatch``)."""
@@ -73,8 +75,13 @@ class StepTimer:
             if wait is not None
             else ""
         )
+        ratio = seconds / predicted
+        hint = (
+            "; far from 1: re-run `bytescale profile` on these GPUs and pass --hdp-profile"
+            if not 1 / FAR <= ratio <= FAR
+            else ""
+        )
         return (
             f"hdp step {getattr(step_batch, 'step', '?')}: planner predicted {predicted:.3f} s (busiest rank{mine}), "
-            f"measured {seconds:.3f} s forward-backward here ({seconds / predicted:.2f}x the prediction; far from 1: "
-            f"re-run `bytescale profile` on these GPUs and pass --hdp-profile){planning}"
+            f"measured {seconds:.3f} s forward-backward here ({ratio:.2f}x the prediction{hint}){planning}"
         )
