@@ -180,9 +180,13 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     # With pipelines (PP-balance) the candidates are estimated in full, 1F1B bubbles
     # included (``_pipeline_candidates``).
     stages = config.pipeline_stages
-    finish = None  # the estimate per rank, where the candidates' search already made it
+    # the estimate per rank, where the candidates' search already made it, and the chunk orders
+    # it evaluated (rank_estimates' ``known``)
+    finish, known = None, {}
     if balanced and stages > 1:
-        shards, target, units, assignment, scale, ordered, finish = _pipeline_candidates(lens, config, cost, placer)
+        shards, target, units, assignment, scale, ordered, finish, known = _pipeline_candidates(
+            lens, config, cost, placer
+        )
     else:
         factors = sorted({1, stages}) if balanced else [1]
         best = None
@@ -222,7 +226,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     ring_time = {u: units[u].time for u in assignment.members}
     ranks = _build(lens, units, ordered.members or assignment.members, ordered.runs, placer.ranks_per_node, cost)
     if finish is None:
-        finish = rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages)
+        finish = rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages, known)
     est = np.array(finish)
     stage_orders, one_f_one_b_est, notes, found_cap = None, float(est.max()) if est.size else 0.0, [], None
     chunks = config.virtual_stages
@@ -234,7 +238,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         # schedule over chunk ops (p V first: the activations of 1F1B's p micro-batches, what
         # capacity, offload ratios and the host budget are sized for); the shortest safe one.
         times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
-        chosen = chunk_schedule(_run_keys(ordered), times, stages, cost.forward_share, chunks)
+        chosen = chunk_schedule(_run_keys(ordered), times, stages, cost.forward_share, chunks, known)
         if chosen is None:
             raise PlanError(
                 f"no deadlock-free order of {chunks} model chunks over {stages} pipeline stages found for this batch; "
@@ -393,18 +397,19 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     for _, shards, target, units, assignment, scale in sorted(candidates, key=lambda c: c[0])[:PIPELINE_ORDERED]:
         ordered = _order(lens, units, assignment, config, cost, placer, fallback=False)
         ring_time = {u: units[u].time for u in assignment.members}
+        known: dict = {}
         finish = (
             None
             if ordered.deadlock
-            else rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages)
+            else rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages, known)
         )
         step = float("inf") if finish is None else max(finish, default=0.0)
         if best is None or step < best[0]:
-            best = (step, shards, target, units, assignment, scale, ordered, finish)
-    step, shards, target, units, assignment, scale, ordered, finish = best
+            best = (step, shards, target, units, assignment, scale, ordered, finish, known)
+    step, shards, target, units, assignment, scale, ordered, finish, known = best
     if ordered.deadlock:  # no candidate aligned every ring: the searches of order_runs, on the first
-        ordered, finish = _order(lens, units, assignment, config, cost, placer), None
-    return shards, target, units, assignment, scale, ordered, finish
+        ordered, finish, known = _order(lens, units, assignment, config, cost, placer), None, {}
+    return shards, target, units, assignment, scale, ordered, finish, known
 
 
 def _compute_bound(lens, cost: CostModel, num_ranks: int) -> float:

@@ -115,7 +115,12 @@ def order_runs(
 
 
 def rank_estimates(
-    ordered: Ordered, stages: int, ring_time: dict[int, float], forward_share: float = FORWARD_SHARE, chunks: int = 1
+    ordered: Ordered,
+    stages: int,
+    ring_time: dict[int, float],
+    forward_share: float = FORWARD_SHARE,
+    chunks: int = 1,
+    known: dict | None = None,
 ) -> list[float]:
     """Estimated seconds per rank. Without pipelines: its clock (micro-batches back to back,
     each ring starting when its last member reaches it). With pipelines: its finish when
@@ -125,18 +130,23 @@ def rank_estimates(
     where it deadlocks the shorter slot-aligned one, ``slot_interleaved_orders``: the greedy
     run's or Megatron's fixed schedule, as ``stage_schedule.chunk_schedule`` will choose); an
     order that would deadlock gets each rank's 1F1B makespan
-    (``estimate.one_f_one_b_time``) or clock, the longer."""
+    (``estimate.one_f_one_b_time``) or clock, the longer. With chunks, ``known`` (a dict)
+    receives each order evaluated, for ``stage_schedule.chunk_schedule`` to reuse: None (the
+    interleaved order) or (slot_times, megatron, shift) -> (orders, finish)."""
     times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
     if stages <= 1:
         return list(ordered.clock)
     keys = [[None if isinstance(x, LocalBatch) else x for x in run] for run in ordered.runs]
+    known = {} if known is None else known
     finish = pipelined_finish_times(keys, times, stages, forward_share, chunks=chunks)
+    known[None] = (None, finish)
     if finish is None and chunks > 1:  # the slot-aligned interleaved orders are safe where rings share slots
         for megatron in (False, True):
             orders = slot_interleaved_orders(keys, times, stages, chunks, forward_share, megatron=megatron)
             found = None
             if orders is not None:
                 found = pipelined_finish_times(keys, times, stages, forward_share, orders, chunks)
+            known[False, megatron, 0] = (orders, found)
             if found is not None and (finish is None or max(found) < max(finish)):
                 finish = found
     if finish is not None:

@@ -252,6 +252,7 @@ def chunk_schedule(
     stages: int,
     forward_share: float,
     chunks: int,
+    known: dict | None = None,
 ) -> tuple[list | None, list[float], int, str] | None:
     """Chunk orders for pipelines of ``chunks`` model chunks per device: the shortest estimated
     of the default interleaved order (if it does not deadlock), the slot-aligned interleaved
@@ -260,11 +261,13 @@ def chunk_schedule(
     slot, as ``order_runs`` places them) and, where they all deadlock or the batch is small,
     the list schedule over chunk operations (``stage_schedule``). Returns (orders, None for
     the default; finish per rank; the most chunk forwards a device may hold under them; what
-    was kept), or None if every candidate deadlocks."""
+    was kept), or None if every candidate deadlocks. ``known``: orders already evaluated for
+    these runs (``slot_alignment.rank_estimates``' ``known``), reused instead of evaluated again."""
     p = stages
     megatron_cap = p * chunks + p - 1  # Megatron's interleaved warm-up, first device
     cands = []
-    finish = pipelined_finish_times(ring_keys, times, p, forward_share, None, chunks)
+    known = known or {}
+    _, finish = known.get(None) or (None, pipelined_finish_times(ring_keys, times, p, forward_share, None, chunks))
     if finish is not None:
         cands.append((max(finish, default=0.0), None, finish, "the interleaved order"))
     # Megatron's groups of p slots, shifted by phantom slots so that a group starts where some
@@ -273,8 +276,13 @@ def chunk_schedule(
     shifts = sorted({-o % p for o in offsets}) if offsets else [0]
     variants = [(False, False, 0), (True, False, 0)] + [(False, True, k) for k in shifts]
     for slot_times, megatron, shift in variants:
-        orders = slot_interleaved_orders(ring_keys, times, p, chunks, forward_share, slot_times, megatron, shift)
-        finish = None if orders is None else pipelined_finish_times(ring_keys, times, p, forward_share, orders, chunks)
+        if (slot_times, megatron, shift) in known:
+            orders, finish = known[slot_times, megatron, shift]
+        else:
+            orders = slot_interleaved_orders(ring_keys, times, p, chunks, forward_share, slot_times, megatron, shift)
+            finish = (
+                None if orders is None else pipelined_finish_times(ring_keys, times, p, forward_share, orders, chunks)
+            )
         if finish is not None:
             name = (
                 "the slot-aligned "
