@@ -243,23 +243,12 @@ def test_a_world_too_small_for_the_model_stops_with_one_line(data):
     ranks than TP x PP, and a --seq-length that does not fit on the ranks left even with full
     offload (tiny model: a rank holds at most 2 x 256 tokens at offload ratio 1), and a global
     batch size the HDP ranks left do not divide."""
-    import shlex
-
-    from test_pretrain_gpt_cpu import ERROR_LINE, _direct, _environment
+    from test_pretrain_gpt_cpu import ERROR_LINE, _direct, dry_run, launcher_flags
 
     def flags(**variables):
-        env = _environment(Path(MEGATRON_LM_DIR), DRY_RUN=1, DATA_PATH=data, **variables)
-        proc = subprocess.run(
-            ["bash", str(ROOT / "scripts/train_local.sh")],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-            check=True,
-        )
-        argv = shlex.split(proc.stdout.strip().splitlines()[-1])
-        return argv[argv.index("megatron_bytescale.launch") + 2 :]
+        proc = dry_run(DATA_PATH=data, **variables)
+        assert proc.returncode == 0, proc.stderr
+        return launcher_flags(proc)
 
     cases = {  # written for 4 ranks, started on the 2 or 1 left
         "TP 2 x PP 2 on 2 ranks": (

@@ -23,6 +23,7 @@ skipped, with that reason, without it.
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -381,25 +382,14 @@ WRONG_LAUNCHES = {
 def test_wrong_launches_stop_with_one_line(data):
     """Each wrong launch, by the script or by hand through the launcher (one process, as
     ``python -m megatron_bytescale.launch``), exits with status 2 and one line naming the problem."""
-    import shlex
 
     def launch(case):
         variables, edit, world, expected = WRONG_LAUNCHES[case]
-        env = _environment(Path(MEGATRON_LM_DIR), DRY_RUN=1, NPROC=1, DATA_PATH=data["train"], TRAIN_ITERS=2)
-        env.update({k: str(v) for k, v in variables.items()})
-        proc = subprocess.run(
-            ["bash", str(ROOT / "scripts/train_local.sh")],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-        )
+        proc = dry_run(**{**dict(NPROC=1, DATA_PATH=data["train"], TRAIN_ITERS=2), **variables})
         if edit is None:
             return case, proc, expected
         assert proc.returncode == 0, proc.stderr
-        argv = shlex.split(proc.stdout.strip().splitlines()[-1])
-        flags = edit(argv[argv.index("megatron_bytescale.launch") + 2 :])
+        flags = edit(launcher_flags(proc))
         return case, _direct(flags, WORLD_SIZE=world, RANK=0, LOCAL_RANK=0, DATA_PATH=data["train"]), expected
 
     with ThreadPoolExecutor(2) as pool:
@@ -409,6 +399,24 @@ def test_wrong_launches_stop_with_one_line(data):
         assert "Traceback" not in proc.stderr, (case, proc.stderr[-3000:])
         errors = ERROR_LINE.findall(proc.stderr)
         assert errors and expected in errors[-1], (case, errors, proc.stderr[-2000:])
+
+
+def dry_run(**variables) -> subprocess.CompletedProcess:
+    """scripts/train_local.sh with DRY_RUN=1: the command line it would start is its last line."""
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts/train_local.sh")],
+        env=_environment(Path(MEGATRON_LM_DIR), DRY_RUN=1, **variables),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+
+
+def launcher_flags(proc: subprocess.CompletedProcess) -> list[str]:
+    """pretrain_gpt.py's flags in a dry run's command line (what follows the launcher and the script)."""
+    argv = shlex.split(proc.stdout.strip().splitlines()[-1])
+    return argv[argv.index("megatron_bytescale.launch") + 2 :]
 
 
 def _direct(args: list[str], **variables) -> subprocess.CompletedProcess:
