@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from graphlib import TopologicalSorter
+from graphlib import CycleError
 
 import numpy as np
 
 from ..errors import ConfigError
-from .contract import MicroBatch, Plan, micro_batch
+from .contract import MicroBatch, Plan, longest_paths, micro_batch
 from .contract.slots import ep_groups, slot_nodes
 from .cost_model import CostModel
 from .estimate import crosses_nodes, micro_batch_time
@@ -40,8 +40,39 @@ def align_expert_slots(plan: Plan, expert_parallel: int) -> Plan:
     if expert_parallel == 1:
         return plan
     groups = ep_groups(plan.num_ranks, expert_parallel)
-    queues = [_longest_first(mbs) for mbs in plan.ranks]
-    slotted: list[dict[int, MicroBatch]] = [{} for _ in plan.ranks]  # rank -> global slot -> mb
+    queues, keys = zip(*(_longest_first(mbs) for mbs in plan.ranks)) if plan.ranks else ((), ())
+    slotted = _slots_from_ring_times(queues, keys)
+    if slotted is None:  # rings the fast path cannot time (an invalid plan): scan slot by slot
+        slotted = _slots_by_scan([list(q) for q in queues])
+    ranks: list[tuple[MicroBatch, ...]] = [()] * plan.num_ranks
+    for group in groups:
+        used = sorted({s for r in group for s in slotted[r]})  # slots where some member runs
+        for r in group:
+            ranks[r] = tuple(slotted[r].get(s, EMPTY) for s in used)
+    aligned = Plan(
+        num_ranks=plan.num_ranks,
+        capacity=plan.capacity,
+        num_layers=plan.num_layers,
+        seq_lens=plan.seq_lens,
+        ranks=tuple(ranks),
+        meta=dict(plan.meta),
+        host_capacity=plan.host_capacity,
+        recomputed_layers=plan.recomputed_layers,
+        expert_parallel=expert_parallel,
+    )
+    aligned.meta["expert_slots"] = {
+        "slots_per_group": [len(ranks[g[0]]) for g in groups],
+        "empty_slots": sum(1 for mbs in ranks for mb in mbs if not mb.pieces),
+    }
+    return aligned
+
+
+def _slots_by_scan(queues: list[list[MicroBatch]]) -> list[dict[int, MicroBatch]]:
+    """Each rank's micro-batches by global slot (rank -> slot -> micro-batch), found slot by
+    slot: a ring runs once all its members hold it next; meanwhile a member runs its next
+    local micro-batch, if any. The definition ``_slots_from_ring_times`` computes faster;
+    raises ConfigError when rings wait on each other in a cycle. ``queues`` are consumed."""
+    slotted: list[dict[int, MicroBatch]] = [{} for _ in queues]
     t = 0
     while any(queues):
         heads: dict[tuple, set[int]] = {}  # ring key -> members holding it as their next micro-batch
@@ -65,27 +96,66 @@ def align_expert_slots(plan: Plan, expert_parallel: int) -> Plan:
             else:
                 slotted[rank][t] = q.pop(0)
         t += 1
-    ranks: list[tuple[MicroBatch, ...]] = [()] * plan.num_ranks
-    for group in groups:
-        used = sorted({s for r in group for s in slotted[r]})  # slots where some member runs
-        for r in group:
-            ranks[r] = tuple(slotted[r].get(s, EMPTY) for s in used)
-    aligned = Plan(
-        num_ranks=plan.num_ranks,
-        capacity=plan.capacity,
-        num_layers=plan.num_layers,
-        seq_lens=plan.seq_lens,
-        ranks=tuple(ranks),
-        meta=dict(plan.meta),
-        host_capacity=plan.host_capacity,
-        recomputed_layers=plan.recomputed_layers,
-        expert_parallel=expert_parallel,
-    )
-    aligned.meta["expert_slots"] = {
-        "slots_per_group": [len(ranks[g[0]]) for g in groups],
-        "empty_slots": sum(1 for mbs in ranks for mb in mbs if not mb.pieces),
-    }
-    return aligned
+    return slotted
+
+
+def _slots_from_ring_times(queues, keys) -> list[dict[int, MicroBatch]] | None:
+    """What ``_slots_by_scan`` finds, without scanning every rank at every slot; None where
+    a ring is not held exactly once by each of its members, or rings wait in a cycle.
+
+    Under the scan a rank runs a local micro-batch at every slot that is not one of its ring
+    slots, while it has any left, so its locals fill the other slots in order. A ring reaches
+    the head of member r's queue at ``max(slot of r's previous ring + 1, its queue position)``
+    (both: every earlier ring has run, and every earlier local has had a slot) and runs at
+    the latest such slot of its members: a longest path over the rings, in Kahn's order."""
+    holders: dict[tuple, list[int]] = defaultdict(list)  # ring key -> ranks holding it
+    rings_of: list[list[tuple[int, tuple]]] = []  # rank -> (queue position, ring key), in order
+    for rank, ks in enumerate(keys):
+        rings_of.append([(pos, key) for pos, key in enumerate(ks) if key is not None])
+        for _, key in rings_of[-1]:
+            holders[key].append(rank)
+    for key, ranks in holders.items():
+        ring = set(key[0])
+        if not len(ranks) == len(ring) == len(key[0]) or set(ranks) != ring:
+            return None
+    reach = dict.fromkeys(holders, 0)  # the latest slot a member so far can run the ring at
+    left = {key: len(ranks) for key, ranks in holders.items()}  # members yet to reach it
+    ready = []
+
+    def arrive(key, at):
+        reach[key] = max(reach[key], at)
+        left[key] -= 1
+        if not left[key]:
+            ready.append(key)
+
+    for rings in rings_of:
+        if rings:
+            arrive(rings[0][1], rings[0][0])
+    slot: dict[tuple, int] = {}
+    nxt = [0] * len(queues)  # rank -> index in rings_of[rank] of the ring it waits at
+    while ready:
+        key = ready.pop()
+        s = slot[key] = reach[key]
+        for rank in holders[key]:
+            i = nxt[rank] = nxt[rank] + 1
+            if i < len(rings_of[rank]):
+                pos, following = rings_of[rank][i]
+                arrive(following, max(s + 1, pos))
+    if len(slot) < len(holders):
+        return None  # a cycle: the scan reports it
+    slotted = []
+    for q, ks in zip(queues, keys):
+        mine = {slot[key]: mb for mb, key in zip(q, ks) if key is not None}
+        taken = set(mine)
+        t = 0
+        for mb, key in zip(q, ks):
+            if key is None:
+                while t in taken:
+                    t += 1
+                mine[t] = mb
+                t += 1
+        slotted.append(mine)
+    return slotted
 
 
 def round_rings_to_groups(shards: dict, expert_parallel: int, num_ranks: int) -> dict:
@@ -125,21 +195,31 @@ class GroupPlacer(RingPlacer):
         return (chosen[:, None] * e + np.arange(e)[None, :]).ravel().tolist()
 
 
-def _longest_first(mbs) -> list[MicroBatch]:
+def _longest_first(mbs) -> tuple[list[MicroBatch], list[tuple | None]]:
     """The micro-batches with each run of local ones (between two ring micro-batches) in
     descending token order: slot k of an EP group then pairs the members' k-th largest, and a
-    slot waits less for its slowest member."""
+    slot waits less for its slowest member. Also each one's ring key (None: local)."""
     out: list[MicroBatch] = []
+    keys: list[tuple | None] = []
     run: list[MicroBatch] = []
+
+    def flush():
+        if len(run) > 1:
+            run.sort(key=lambda m: -m.tokens)  # stable, as the ring order is
+        out.extend(run)
+        keys.extend([None] * len(run))
+        run.clear()
+
     for mb in mbs:
-        if mb.ring is None:
+        key = mb.ring_key
+        if key is None:
             run.append(mb)
             continue
-        out.extend(sorted(run, key=lambda m: -m.tokens))
-        run = []
+        flush()
         out.append(mb)
-    out.extend(sorted(run, key=lambda m: -m.tokens))
-    return out
+        keys.append(key)
+    flush()
+    return out, keys
 
 
 def all_to_all_time(cost: CostModel, tokens: int, expert_parallel: int, inter_node: bool) -> float:
@@ -156,29 +236,96 @@ def all_to_all_time(cost: CostModel, tokens: int, expert_parallel: int, inter_no
 def slot_finish_times(plan: Plan, cost: CostModel, ranks_per_node: int) -> list[float]:
     """Estimated finish seconds per rank of an aligned plan: a node of merged events (an EP
     group's slot, joined by rings) starts when all its participants are free and lasts as long
-    as its slowest participant's micro-batch plus its all-to-alls (empty slots: the wait)."""
+    as its slowest participant's micro-batch plus its all-to-alls (empty slots: the wait).
+
+    The nodes are those of ``contract.slots.slot_nodes``, built from EP groups' slots rather
+    than ranks' (a group's members share every slot's node); the longest path is walked in
+    Kahn's order (``contract.longest_paths``): the same sums and maxima, whatever the order."""
     e = plan.expert_parallel
-    node = slot_nodes(plan)
-    inter = {g[0]: crosses_nodes(g, ranks_per_node) for g in ep_groups(plan.num_ranks, e)}
-    members: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
-    for x, n in node.items():
-        members[n].append(x)
-    duration = {}
-    for n, events in members.items():
-        longest = 0.0
-        for rank, k in events:
-            mb = plan.ranks[rank][k]
-            ring_inter = mb.ring is not None and crosses_nodes(mb.ring, ranks_per_node)
-            a2a = all_to_all_time(cost, max(mb.tokens, 1), e, inter[rank - rank % e])
-            longest = max(longest, micro_batch_time(cost, mb, ring_inter) + a2a)
-        duration[n] = longest
-    before: dict[tuple, set] = defaultdict(set)
-    for rank, mbs in enumerate(plan.ranks):
-        for k in range(len(mbs)):
-            before[node[(rank, k)]]
-            if k:
-                before[node[(rank, k)]].add(node[(rank, k - 1)])
-    end: dict[tuple, float] = {}
-    for n in TopologicalSorter(before).static_order():
-        end[n] = max((end[p] for p in before[n]), default=0.0) + duration[n]
-    return [end[node[(rank, len(mbs) - 1)]] if mbs else 0.0 for rank, mbs in enumerate(plan.ranks)]
+    groups = ep_groups(plan.num_ranks, e)
+    counts = [len(plan.ranks[g[0]]) for g in groups]
+    if any(len(plan.ranks[r]) != c for g, c in zip(groups, counts) for r in g):
+        slot_nodes(plan)  # raises the contract's error: a group's members hold different slot counts
+    first = np.concatenate(([0], np.cumsum(counts))).tolist()  # group -> id of its slot 0
+    parent = list(range(first[-1]))  # union-find over group slots, joined by rings
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = x = parent[parent[x]]
+        return x
+
+    timer = _EventTimer(cost, e)
+    duration = [0.0] * len(parent)  # per group slot, then per node (at its root)
+    rings: dict[tuple, tuple[int, bool]] = {}  # ring key -> (a group slot it runs at, crosses nodes)
+    for g, group in enumerate(groups):
+        group_inter = crosses_nodes(group, ranks_per_node)
+        for r in group:
+            for k, mb in enumerate(plan.ranks[r]):
+                x = first[g] + k
+                key = mb.ring_key
+                ring_inter = False
+                if key is not None:
+                    seen = rings.get(key)
+                    if seen is None:
+                        seen = rings[key] = (x, crosses_nodes(key[0], ranks_per_node))
+                    else:
+                        a, b = find(seen[0]), find(x)
+                        if a != b:
+                            parent[b] = a
+                    ring_inter = seen[1]
+                t = timer.time(mb, ring_inter, group_inter)
+                if t > duration[x]:
+                    duration[x] = t
+    return _longest_finish(groups, counts, first, find, duration)
+
+
+def _longest_finish(groups, counts, first, find, duration) -> list[float]:
+    """Per rank: the end of its group's last slot's node (0 without slots); a node lasts the
+    longest of its group slots' ``duration`` and follows each of its groups' previous slot."""
+    node = [find(x) for x in range(len(duration))]
+    index = {root: i for i, root in enumerate(dict.fromkeys(node))}
+    longest = [0.0] * len(index)
+    for x, root in enumerate(node):
+        if duration[x] > longest[index[root]]:
+            longest[index[root]] = duration[x]
+    succ: list[list[int]] = [[] for _ in index]
+    indeg = [0] * len(index)
+    for g in range(len(groups)):
+        for x in range(first[g] + 1, first[g] + counts[g]):
+            a, b = index[node[x - 1]], index[node[x]]
+            if a == b:
+                raise CycleError("a ring joins two slots of one EP group: they wait on each other")
+            succ[a].append(b)
+            indeg[b] += 1
+    end = longest_paths(succ, indeg, longest)
+    if end is None:
+        raise CycleError("rings and EP groups order their slots inconsistently: they wait in a cycle")
+    last = [end[index[node[first[g] + c - 1]]] if c else 0.0 for g, c in enumerate(counts)]
+    return [last[g] for g, group in enumerate(groups) for _ in group]
+
+
+class _EventTimer:
+    """Seconds of one rank's micro-batch in an EP slot: ``micro_batch_time`` plus the slot's
+    all-to-alls. A micro-batch of one piece (most: a ring member's share, or a long sequence)
+    costs what its piece's length, ring size and tokens say, so such values are computed once
+    (a 16K-GPU step has ~10^5 micro-batches and only ~10^4 distinct ones)."""
+
+    def __init__(self, cost: CostModel, expert_parallel: int):
+        self.cost = cost
+        self.e = expert_parallel
+        self.known: dict[tuple, float] = {}
+
+    def time(self, mb: MicroBatch, ring_inter: bool, group_inter: bool) -> float:
+        if len(mb.pieces) > 1:
+            return self._compute(mb, ring_inter, group_inter)
+        p = mb.pieces[0] if mb.pieces else None
+        key = (None,) if p is None else (p.seq_len, len(p.ring), p.tokens)
+        key += (mb.offload_ratio, ring_inter, group_inter)
+        t = self.known.get(key)
+        if t is None:
+            t = self.known[key] = self._compute(mb, ring_inter, group_inter)
+        return t
+
+    def _compute(self, mb: MicroBatch, ring_inter: bool, group_inter: bool) -> float:
+        a2a = all_to_all_time(self.cost, max(mb.tokens, 1), self.e, group_inter)
+        return micro_batch_time(self.cost, mb, ring_inter) + a2a

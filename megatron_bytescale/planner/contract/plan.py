@@ -70,13 +70,23 @@ class MicroBatch:
 
     @property
     def ring(self) -> tuple[int, ...] | None:
-        """The ring shared by this micro-batch's distributed pieces, or None if all are local."""
-        rings = {p.ring for p in self.pieces if p.is_distributed}
-        return next(iter(rings)) if len(rings) == 1 else None
+        """The ring shared by this micro-batch's distributed pieces, or None if all are local
+        (or they sit on several rings)."""
+        # a loop rather than a set of the rings: a set hashes every ring (all its ranks) on every
+        # call, and a plan's estimates and slot alignment ask each micro-batch several times
+        ring = None
+        for p in self.pieces:
+            r = p.ring
+            if len(r) > 1 and r is not ring:
+                if ring is None:
+                    ring = r
+                elif r != ring:
+                    return None
+        return ring
 
     @property
     def distributed_seq_ids(self) -> tuple[int, ...]:
-        return tuple(sorted(p.seq_id for p in self.pieces if p.is_distributed))
+        return tuple(sorted([p.seq_id for p in self.pieces if len(p.ring) > 1]))
 
     @property
     def ring_key(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
