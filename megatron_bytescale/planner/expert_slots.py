@@ -18,7 +18,6 @@ contract's (``contract.slots``); its proof, the alignment and the costs: docs/de
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from graphlib import CycleError
 
 import numpy as np
@@ -27,7 +26,7 @@ from ..errors import ConfigError
 from .contract import MicroBatch, Plan, longest_paths, micro_batch
 from .contract.slots import ep_groups, slot_nodes
 from .cost_model import CostModel
-from .estimate import crosses_nodes, micro_batch_time
+from .estimate import crosses_nodes, micro_batch_time, whole_sequences_time
 from .placement import RingPlacer
 
 EMPTY = micro_batch(())  # an empty slot: the rank runs one padding token through the model
@@ -46,9 +45,10 @@ def align_expert_slots(plan: Plan, expert_parallel: int) -> Plan:
         slotted = _slots_by_scan([list(q) for q in queues])
     ranks: list[tuple[MicroBatch, ...]] = [()] * plan.num_ranks
     for group in groups:
-        used = sorted({s for r in group for s in slotted[r]})  # slots where some member runs
+        used = sorted(set().union(*(slotted[r] for r in group)))  # slots where some member runs
+        empty = [EMPTY] * len(used)
         for r in group:
-            ranks[r] = tuple(slotted[r].get(s, EMPTY) for s in used)
+            ranks[r] = tuple(map(slotted[r].get, used, empty))
     aligned = Plan(
         num_ranks=plan.num_ranks,
         capacity=plan.capacity,
@@ -108,54 +108,65 @@ def _slots_from_ring_times(queues, keys) -> list[dict[int, MicroBatch]] | None:
     the head of member r's queue at ``max(slot of r's previous ring + 1, its queue position)``
     (both: every earlier ring has run, and every earlier local has had a slot) and runs at
     the latest such slot of its members: a longest path over the rings, in Kahn's order."""
-    holders: dict[tuple, list[int]] = defaultdict(list)  # ring key -> ranks holding it
-    rings_of: list[list[tuple[int, tuple]]] = []  # rank -> (queue position, ring key), in order
+    ids: dict[tuple, int] = {}  # ring key -> ring number (keys are hashed once)
+    holders: list[list[int]] = []  # ring number -> ranks holding it
+    rings_of: list[list[tuple[int, int]]] = []  # rank -> (queue position, ring number), in order
     for rank, ks in enumerate(keys):
-        rings_of.append([(pos, key) for pos, key in enumerate(ks) if key is not None])
-        for _, key in rings_of[-1]:
-            holders[key].append(rank)
-    for key, ranks in holders.items():
+        mine = []
+        for pos, key in enumerate(ks):
+            if key is not None:
+                i = ids.setdefault(key, len(ids))
+                if i == len(holders):
+                    holders.append([])
+                holders[i].append(rank)
+                mine.append((pos, i))
+        rings_of.append(mine)
+    for key, i in ids.items():
         ring = set(key[0])
-        if not len(ranks) == len(ring) == len(key[0]) or set(ranks) != ring:
+        if not len(holders[i]) == len(ring) == len(key[0]) or set(holders[i]) != ring:
             return None
-    reach = dict.fromkeys(holders, 0)  # the latest slot a member so far can run the ring at
-    left = {key: len(ranks) for key, ranks in holders.items()}  # members yet to reach it
-    ready = []
-
-    def arrive(key, at):
-        reach[key] = max(reach[key], at)
-        left[key] -= 1
-        if not left[key]:
-            ready.append(key)
-
-    for rings in rings_of:
-        if rings:
-            arrive(rings[0][1], rings[0][0])
-    slot: dict[tuple, int] = {}
-    nxt = [0] * len(queues)  # rank -> index in rings_of[rank] of the ring it waits at
-    while ready:
-        key = ready.pop()
-        s = slot[key] = reach[key]
-        for rank in holders[key]:
-            i = nxt[rank] = nxt[rank] + 1
-            if i < len(rings_of[rank]):
-                pos, following = rings_of[rank][i]
-                arrive(following, max(s + 1, pos))
-    if len(slot) < len(holders):
+    slot = _ring_slots(holders, rings_of)
+    if slot is None:
         return None  # a cycle: the scan reports it
     slotted = []
-    for q, ks in zip(queues, keys):
-        mine = {slot[key]: mb for mb, key in zip(q, ks) if key is not None}
-        taken = set(mine)
-        t = 0
-        for mb, key in zip(q, ks):
-            if key is None:
-                while t in taken:
-                    t += 1
-                mine[t] = mb
-                t += 1
+    for q, ks, rings in zip(queues, keys, rings_of):
+        mine = {slot[i]: q[pos] for pos, i in rings}
+        local = [mb for mb, key in zip(q, ks) if key is None]
+        # the first len(local) slots that hold no ring (all among the first len(q) slots)
+        free = sorted(set(range(len(q))).difference(mine))
+        mine.update(zip(free, local))
         slotted.append(mine)
     return slotted
+
+
+def _ring_slots(holders: list[list[int]], rings_of: list[list[tuple[int, int]]]) -> list[int] | None:
+    """The slot of each ring (``_slots_from_ring_times``): the latest, over its members, of
+    ``max(slot of the member's previous ring + 1, position in its queue)``; a ring is taken
+    once every member has reached it (Kahn's order). None if rings wait in a cycle."""
+    slot = [0] * len(holders)  # so far: the latest slot a member that reached it can run it at
+    left = [len(ranks) for ranks in holders]  # members yet to reach it
+    ready = []
+    nxt = [0] * len(rings_of)  # rank -> index in rings_of[rank] of the ring it waits at
+    pending = [(rings[0], -1) for rings in rings_of if rings]  # (position, ring), previous slot
+    done = 0
+    while True:
+        for (pos, i), before in pending:
+            at = before + 1 if before >= pos else pos
+            if at > slot[i]:
+                slot[i] = at
+            left[i] -= 1
+            if not left[i]:
+                ready.append(i)
+        if not ready:
+            break
+        i = ready.pop()
+        done += 1
+        pending = []
+        for rank in holders[i]:
+            j = nxt[rank] = nxt[rank] + 1
+            if j < len(rings_of[rank]):
+                pending.append((rings_of[rank][j], slot[i]))
+    return slot if done == len(holders) else None
 
 
 def round_rings_to_groups(shards: dict, expert_parallel: int, num_ranks: int) -> dict:
@@ -306,9 +317,12 @@ def _longest_finish(groups, counts, first, find, duration) -> list[float]:
 
 class _EventTimer:
     """Seconds of one rank's micro-batch in an EP slot: ``micro_batch_time`` plus the slot's
-    all-to-alls. A micro-batch of one piece (most: a ring member's share, or a long sequence)
-    costs what its piece's length, ring size and tokens say, so such values are computed once
-    (a 16K-GPU step has ~10^5 micro-batches and only ~10^4 distinct ones)."""
+    all-to-alls, computed faster than one call each (a 16K-GPU step has ~10^5 of them):
+
+    * a micro-batch of one piece (most: a ring member's share, or a long sequence) costs what
+      the piece's length, ring size and tokens say, so each such value is computed once;
+    * one of several whole sequences costs what its tokens and the sum of their squared
+      lengths say; that sum is exact in integers (below 2^53), so it equals the float one."""
 
     def __init__(self, cost: CostModel, expert_parallel: int):
         self.cost = cost
@@ -316,15 +330,29 @@ class _EventTimer:
         self.known: dict[tuple, float] = {}
 
     def time(self, mb: MicroBatch, ring_inter: bool, group_inter: bool) -> float:
-        if len(mb.pieces) > 1:
-            return self._compute(mb, ring_inter, group_inter)
-        p = mb.pieces[0] if mb.pieces else None
+        pieces = mb.pieces
+        if len(pieces) > 1:
+            return self._several(mb, ring_inter, group_inter)
+        p = pieces[0] if pieces else None
         key = (None,) if p is None else (p.seq_len, len(p.ring), p.tokens)
         key += (mb.offload_ratio, ring_inter, group_inter)
         t = self.known.get(key)
         if t is None:
             t = self.known[key] = self._compute(mb, ring_inter, group_inter)
         return t
+
+    def _several(self, mb: MicroBatch, ring_inter: bool, group_inter: bool) -> float:
+        tokens = pairs = 0
+        for p in mb.pieces:
+            if len(p.ring) > 1:
+                return self._compute(mb, ring_inter, group_inter)
+            for start, end in p.ranges:
+                tokens += end - start
+            pairs += p.seq_len * p.seq_len
+        if pairs > 1 << 53:
+            return self._compute(mb, ring_inter, group_inter)
+        a2a = all_to_all_time(self.cost, max(tokens, 1), self.e, group_inter)
+        return whole_sequences_time(self.cost, tokens, float(pairs), mb.offload_ratio) + a2a
 
     def _compute(self, mb: MicroBatch, ring_inter: bool, group_inter: bool) -> float:
         a2a = all_to_all_time(self.cost, max(mb.tokens, 1), self.e, group_inter)

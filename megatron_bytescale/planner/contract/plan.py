@@ -41,7 +41,7 @@ class Piece:
 
     @property
     def tokens(self) -> int:
-        return sum(end - start for start, end in self.ranges)
+        return sum([end - start for start, end in self.ranges])
 
     @property
     def ring_size(self) -> int:
@@ -66,7 +66,7 @@ class MicroBatch:
 
     @property
     def tokens(self) -> int:
-        return sum(p.tokens for p in self.pieces)
+        return sum([end - start for p in self.pieces for start, end in p.ranges])  # Piece.tokens, inlined
 
     @property
     def ring(self) -> tuple[int, ...] | None:
@@ -93,6 +93,10 @@ class MicroBatch:
         """What names this ring micro-batch the same on every member of its ring: (ring,
         distributed sequence ids); None for local work (or pieces on several rings, which
         ``Plan.validate`` rejects)."""
+        pieces = self.pieces
+        if len(pieces) == 1:  # most micro-batches: one ring member's share, or one sequence
+            p = pieces[0]
+            return (p.ring, (p.seq_id,)) if len(p.ring) > 1 else None
         ring = self.ring
         return None if ring is None else (ring, self.distributed_seq_ids)
 
