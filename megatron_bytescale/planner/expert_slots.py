@@ -193,17 +193,39 @@ class GroupPlacer(RingPlacer):
         super().__init__(num_ranks, ranks_per_node)
         ep_groups(num_ranks, expert_parallel)
         self.expert_parallel = expert_parallel
+        # each group's busiest member's load, for the caller's array ``_busiest_of`` (kept from
+        # the ranks it says changed: a ring changes one or two groups of thousands)
+        self._busiest: np.ndarray | None = None
+        self._busiest_of: np.ndarray | None = None
 
     def place_ranks(
         self, loads: np.ndarray, ring_size: int, group: int = 1, changed: list[int] | None = None
     ) -> list[int]:
         e = self.expert_parallel
+        busiest = self._group_loads(loads, changed)
         if ring_size % e or group > 1:
             return super().place_ranks(loads, ring_size, group, changed)
         self._note_changes(loads, changed)  # the base class's kept node order stays current
-        busiest = loads.reshape(-1, e).max(axis=1)
-        chosen = np.sort(np.lexsort((np.arange(busiest.size), busiest))[: ring_size // e])
+        wanted = ring_size // e
+        if wanted == 1:  # the first least-loaded group, unless a load is NaN (sorted last)
+            g = int(busiest.argmin())
+            if busiest[g] == busiest[g]:
+                return list(range(g * e, g * e + e))
+        # the least-loaded groups, ties to lower groups (a stable sort), in group order
+        chosen = np.sort(np.argsort(busiest, kind="stable")[:wanted])
         return (chosen[:, None] * e + np.arange(e)[None, :]).ravel().tolist()
+
+    def _group_loads(self, loads: np.ndarray, changed: list[int] | None) -> np.ndarray:
+        """Each EP group's busiest member's load (the same maxima however they are found)."""
+        e = self.expert_parallel
+        known = changed is not None and loads is self._busiest_of and self._busiest is not None
+        if known and len(changed) <= 4 * e:
+            for g in {r // e for r in changed}:
+                self._busiest[g] = loads[g * e : g * e + e].max()
+        else:
+            self._busiest = loads.reshape(-1, e).max(axis=1)
+            self._busiest_of = loads
+        return self._busiest
 
 
 def _longest_first(mbs) -> tuple[list[MicroBatch], list[tuple | None]]:
