@@ -238,7 +238,7 @@ def _longest_first(mbs) -> tuple[list[MicroBatch], list[tuple | None]]:
 
     def flush():
         if len(run) > 1:
-            run.sort(key=lambda m: -m.tokens)  # stable, as the ring order is
+            run.sort(key=lambda m: -m.tokens)  # stable: equal sizes keep their order
         out.extend(run)
         keys.extend([None] * len(run))
         run.clear()
@@ -248,7 +248,8 @@ def _longest_first(mbs) -> tuple[list[MicroBatch], list[tuple | None]]:
         if key is None:
             run.append(mb)
             continue
-        flush()
+        if run:
+            flush()
         out.append(mb)
         keys.append(key)
     flush()
