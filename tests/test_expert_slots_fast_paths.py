@@ -192,3 +192,27 @@ def test_group_placer_told_the_changes_places_as_recomputed(shape, groups, steps
         for r in got:  # the ring's members are busier now, as the scheduler tells the placer
             loads[r] += 1.0
         placer.place_ranks(loads, e, 1, list(got))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([(0,), (1,), (0, 1), (1, 0), (0, 1, 2), (2, 3)]), st.integers(3, 30)),
+        max_size=5,
+    ),
+    st.booleans(),
+)
+def test_micro_batch_ring_key_and_tokens_are_their_definitions(pieces, share_ring_objects):
+    """``MicroBatch.ring``/``ring_key``/``tokens`` (loops, a one-piece shortcut) against the
+    set-of-rings definitions; rings equal but not identical objects when not shared."""
+    made = []
+    for sid, (ring, seq_len) in enumerate(pieces):
+        ring = ring if share_ring_objects else tuple(list(ring))
+        made.append(whole_piece(sid, seq_len, ring[0]) if len(ring) == 1 else ring_pieces(sid, seq_len, ring)[0])
+    mb = micro_batch(tuple(made))
+    rings = {p.ring for p in mb.pieces if p.is_distributed}
+    ring = next(iter(rings)) if len(rings) == 1 else None
+    assert mb.ring == ring
+    ids = tuple(sorted(p.seq_id for p in mb.pieces if p.is_distributed))
+    assert mb.ring_key == (None if ring is None else (ring, ids))
+    assert mb.tokens == sum(end - start for p in mb.pieces for start, end in p.ranges)
