@@ -354,11 +354,13 @@ class _EventTimer:
 
     def time(self, mb: MicroBatch, ring_inter: bool, group_inter: bool) -> float:
         pieces = mb.pieces
-        if len(pieces) > 1:
+        if len(pieces) == 1:
+            p = pieces[0]
+            key = (p.seq_len, len(p.ring), p.tokens, mb.offload_ratio, ring_inter, group_inter)
+        elif pieces:
             return self._several(mb, ring_inter, group_inter)
-        p = pieces[0] if pieces else None
-        key = (None,) if p is None else (p.seq_len, len(p.ring), p.tokens)
-        key += (mb.offload_ratio, ring_inter, group_inter)
+        else:  # an empty slot
+            key = (None, None, None, mb.offload_ratio, ring_inter, group_inter)
         t = self.known.get(key)
         if t is None:
             t = self.known[key] = self._compute(mb, ring_inter, group_inter)

@@ -41,7 +41,10 @@ class Piece:
 
     @property
     def tokens(self) -> int:
-        return sum([end - start for start, end in self.ranges])
+        n = 0
+        for start, end in self.ranges:  # a loop: no generator or comprehension to set up per call
+            n += end - start
+        return n
 
     @property
     def ring_size(self) -> int:
@@ -66,7 +69,11 @@ class MicroBatch:
 
     @property
     def tokens(self) -> int:
-        return sum([end - start for p in self.pieces for start, end in p.ranges])  # Piece.tokens, inlined
+        n = 0
+        for p in self.pieces:  # Piece.tokens, inlined
+            for start, end in p.ranges:
+                n += end - start
+        return n
 
     @property
     def ring(self) -> tuple[int, ...] | None:
