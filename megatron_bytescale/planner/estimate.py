@@ -184,3 +184,10 @@ def finish_times(plan, cost: CostModel, ranks_per_node: int) -> list[float]:
                 del waiting[key]
                 progress = True
     return clock
+
+
+def whole_sequences_time(cost: CostModel, tokens: int, pairs: float, offload_ratio: float = 0.0) -> float:
+    """``micro_batch_time`` of a micro-batch of whole sequences only (no ring), from its
+    ``tokens`` and ``pairs`` (the sum of its sequences' squared lengths): for a caller that
+    has summed them already and costs many such micro-batches (expert slots' estimates)."""
+    return cost.num_layers * cost.layer_time(tokens, pairs) + offload_time(cost, tokens, pairs, offload_ratio)

@@ -18,16 +18,15 @@ contract's (``contract.slots``); its proof, the alignment and the costs: docs/de
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
-from graphlib import TopologicalSorter
+from graphlib import CycleError
 
 import numpy as np
 
 from ..errors import ConfigError
-from .contract import MicroBatch, Plan, micro_batch
+from .contract import MicroBatch, Plan, longest_paths, micro_batch
 from .contract.slots import ep_groups, slot_nodes
 from .cost_model import CostModel
-from .estimate import crosses_nodes, micro_batch_time
+from .estimate import crosses_nodes, micro_batch_time, whole_sequences_time
 from .placement import RingPlacer
 
 EMPTY = micro_batch(())  # an empty slot: the rank runs one padding token through the model
@@ -40,8 +39,40 @@ def align_expert_slots(plan: Plan, expert_parallel: int) -> Plan:
     if expert_parallel == 1:
         return plan
     groups = ep_groups(plan.num_ranks, expert_parallel)
-    queues = [_longest_first(mbs) for mbs in plan.ranks]
-    slotted: list[dict[int, MicroBatch]] = [{} for _ in plan.ranks]  # rank -> global slot -> mb
+    queues, keys = zip(*(_longest_first(mbs) for mbs in plan.ranks)) if plan.ranks else ((), ())
+    slotted = _slots_from_ring_times(queues, keys)
+    if slotted is None:  # rings the fast path cannot time (an invalid plan): scan slot by slot
+        slotted = _slots_by_scan([list(q) for q in queues])
+    ranks: list[tuple[MicroBatch, ...]] = [()] * plan.num_ranks
+    for group in groups:
+        used = sorted(set().union(*(slotted[r] for r in group)))  # slots where some member runs
+        empty = [EMPTY] * len(used)
+        for r in group:
+            ranks[r] = tuple(map(slotted[r].get, used, empty))
+    aligned = Plan(
+        num_ranks=plan.num_ranks,
+        capacity=plan.capacity,
+        num_layers=plan.num_layers,
+        seq_lens=plan.seq_lens,
+        ranks=tuple(ranks),
+        meta=dict(plan.meta),
+        host_capacity=plan.host_capacity,
+        recomputed_layers=plan.recomputed_layers,
+        expert_parallel=expert_parallel,
+    )
+    aligned.meta["expert_slots"] = {
+        "slots_per_group": [len(ranks[g[0]]) for g in groups],
+        "empty_slots": sum(1 for mbs in ranks for mb in mbs if not mb.pieces),
+    }
+    return aligned
+
+
+def _slots_by_scan(queues: list[list[MicroBatch]]) -> list[dict[int, MicroBatch]]:
+    """Each rank's micro-batches by global slot (rank -> slot -> micro-batch), found slot by
+    slot: a ring runs once all its members hold it next; meanwhile a member runs its next
+    local micro-batch, if any. The definition ``_slots_from_ring_times`` computes faster;
+    raises ConfigError when rings wait on each other in a cycle. ``queues`` are consumed."""
+    slotted: list[dict[int, MicroBatch]] = [{} for _ in queues]
     t = 0
     while any(queues):
         heads: dict[tuple, set[int]] = {}  # ring key -> members holding it as their next micro-batch
@@ -65,27 +96,77 @@ def align_expert_slots(plan: Plan, expert_parallel: int) -> Plan:
             else:
                 slotted[rank][t] = q.pop(0)
         t += 1
-    ranks: list[tuple[MicroBatch, ...]] = [()] * plan.num_ranks
-    for group in groups:
-        used = sorted({s for r in group for s in slotted[r]})  # slots where some member runs
-        for r in group:
-            ranks[r] = tuple(slotted[r].get(s, EMPTY) for s in used)
-    aligned = Plan(
-        num_ranks=plan.num_ranks,
-        capacity=plan.capacity,
-        num_layers=plan.num_layers,
-        seq_lens=plan.seq_lens,
-        ranks=tuple(ranks),
-        meta=dict(plan.meta),
-        host_capacity=plan.host_capacity,
-        recomputed_layers=plan.recomputed_layers,
-        expert_parallel=expert_parallel,
-    )
-    aligned.meta["expert_slots"] = {
-        "slots_per_group": [len(ranks[g[0]]) for g in groups],
-        "empty_slots": sum(1 for mbs in ranks for mb in mbs if not mb.pieces),
-    }
-    return aligned
+    return slotted
+
+
+def _slots_from_ring_times(queues, keys) -> list[dict[int, MicroBatch]] | None:
+    """What ``_slots_by_scan`` finds, without scanning every rank at every slot; None where
+    a ring is not held exactly once by each of its members, or rings wait in a cycle.
+
+    Under the scan a rank runs a local micro-batch at every slot that is not one of its ring
+    slots, while it has any left, so its locals fill the other slots in order. A ring reaches
+    the head of member r's queue at ``max(slot of r's previous ring + 1, its queue position)``
+    (both: every earlier ring has run, and every earlier local has had a slot) and runs at
+    the latest such slot of its members: a longest path over the rings, in Kahn's order."""
+    ids: dict[tuple, int] = {}  # ring key -> ring number (keys are hashed once)
+    holders: list[list[int]] = []  # ring number -> ranks holding it
+    rings_of: list[list[tuple[int, int]]] = []  # rank -> (queue position, ring number), in order
+    for rank, ks in enumerate(keys):
+        mine = []
+        for pos, key in enumerate(ks):
+            if key is not None:
+                i = ids.setdefault(key, len(ids))
+                if i == len(holders):
+                    holders.append([])
+                holders[i].append(rank)
+                mine.append((pos, i))
+        rings_of.append(mine)
+    for key, i in ids.items():
+        ring = set(key[0])
+        if not len(holders[i]) == len(ring) == len(key[0]) or set(holders[i]) != ring:
+            return None
+    slot = _ring_slots(holders, rings_of)
+    if slot is None:
+        return None  # a cycle: the scan reports it
+    slotted = []
+    for q, ks, rings in zip(queues, keys, rings_of):
+        mine = {slot[i]: q[pos] for pos, i in rings}
+        local = [mb for mb, key in zip(q, ks) if key is None]
+        # the first len(local) slots that hold no ring (all among the first len(q) slots)
+        free = sorted(set(range(len(q))).difference(mine))
+        mine.update(zip(free, local))
+        slotted.append(mine)
+    return slotted
+
+
+def _ring_slots(holders: list[list[int]], rings_of: list[list[tuple[int, int]]]) -> list[int] | None:
+    """The slot of each ring (``_slots_from_ring_times``): the latest, over its members, of
+    ``max(slot of the member's previous ring + 1, position in its queue)``; a ring is taken
+    once every member has reached it (Kahn's order). None if rings wait in a cycle."""
+    slot = [0] * len(holders)  # so far: the latest slot a member that reached it can run it at
+    left = [len(ranks) for ranks in holders]  # members yet to reach it
+    ready = []
+    nxt = [0] * len(rings_of)  # rank -> index in rings_of[rank] of the ring it waits at
+    pending = [(rings[0], -1) for rings in rings_of if rings]  # (position, ring), previous slot
+    done = 0
+    while True:
+        for (pos, i), before in pending:
+            at = before + 1 if before >= pos else pos
+            if at > slot[i]:
+                slot[i] = at
+            left[i] -= 1
+            if not left[i]:
+                ready.append(i)
+        if not ready:
+            break
+        i = ready.pop()
+        done += 1
+        pending = []
+        for rank in holders[i]:
+            j = nxt[rank] = nxt[rank] + 1
+            if j < len(rings_of[rank]):
+                pending.append((rings_of[rank][j], slot[i]))
+    return slot if done == len(holders) else None
 
 
 def round_rings_to_groups(shards: dict, expert_parallel: int, num_ranks: int) -> dict:
@@ -112,34 +193,67 @@ class GroupPlacer(RingPlacer):
         super().__init__(num_ranks, ranks_per_node)
         ep_groups(num_ranks, expert_parallel)
         self.expert_parallel = expert_parallel
+        # each group's busiest member's load, for the caller's array ``_busiest_of`` (kept from
+        # the ranks it says changed: a ring changes one or two groups of thousands)
+        self._busiest: np.ndarray | None = None
+        self._busiest_of: np.ndarray | None = None
 
     def place_ranks(
         self, loads: np.ndarray, ring_size: int, group: int = 1, changed: list[int] | None = None
     ) -> list[int]:
         e = self.expert_parallel
+        busiest = self._group_loads(loads, changed)
         if ring_size % e or group > 1:
             return super().place_ranks(loads, ring_size, group, changed)
         self._note_changes(loads, changed)  # the base class's kept node order stays current
-        busiest = loads.reshape(-1, e).max(axis=1)
-        chosen = np.sort(np.lexsort((np.arange(busiest.size), busiest))[: ring_size // e])
+        wanted = ring_size // e
+        if wanted == 1:  # the first least-loaded group, unless a load is NaN (sorted last)
+            g = int(busiest.argmin())
+            if busiest[g] == busiest[g]:
+                return list(range(g * e, g * e + e))
+        # the least-loaded groups, ties to lower groups (a stable sort), in group order
+        chosen = np.sort(np.argsort(busiest, kind="stable")[:wanted])
         return (chosen[:, None] * e + np.arange(e)[None, :]).ravel().tolist()
 
+    def _group_loads(self, loads: np.ndarray, changed: list[int] | None) -> np.ndarray:
+        """Each EP group's busiest member's load (the same maxima however they are found)."""
+        e = self.expert_parallel
+        known = changed is not None and loads is self._busiest_of and self._busiest is not None
+        if known and len(changed) <= 4 * e:
+            for g in {r // e for r in changed}:
+                self._busiest[g] = loads[g * e : g * e + e].max()
+        else:
+            self._busiest = loads.reshape(-1, e).max(axis=1)
+            self._busiest_of = loads
+        return self._busiest
 
-def _longest_first(mbs) -> list[MicroBatch]:
+
+def _longest_first(mbs) -> tuple[list[MicroBatch], list[tuple | None]]:
     """The micro-batches with each run of local ones (between two ring micro-batches) in
     descending token order: slot k of an EP group then pairs the members' k-th largest, and a
-    slot waits less for its slowest member."""
+    slot waits less for its slowest member. Also each one's ring key (None: local)."""
     out: list[MicroBatch] = []
+    keys: list[tuple | None] = []
     run: list[MicroBatch] = []
+
+    def flush():
+        if len(run) > 1:
+            run.sort(key=lambda m: -m.tokens)  # stable: equal sizes keep their order
+        out.extend(run)
+        keys.extend([None] * len(run))
+        run.clear()
+
     for mb in mbs:
-        if mb.ring is None:
+        key = mb.ring_key
+        if key is None:
             run.append(mb)
             continue
-        out.extend(sorted(run, key=lambda m: -m.tokens))
-        run = []
+        if run:
+            flush()
         out.append(mb)
-    out.extend(sorted(run, key=lambda m: -m.tokens))
-    return out
+        keys.append(key)
+    flush()
+    return out, keys
 
 
 def all_to_all_time(cost: CostModel, tokens: int, expert_parallel: int, inter_node: bool) -> float:
@@ -156,29 +270,115 @@ def all_to_all_time(cost: CostModel, tokens: int, expert_parallel: int, inter_no
 def slot_finish_times(plan: Plan, cost: CostModel, ranks_per_node: int) -> list[float]:
     """Estimated finish seconds per rank of an aligned plan: a node of merged events (an EP
     group's slot, joined by rings) starts when all its participants are free and lasts as long
-    as its slowest participant's micro-batch plus its all-to-alls (empty slots: the wait)."""
+    as its slowest participant's micro-batch plus its all-to-alls (empty slots: the wait).
+
+    The nodes are those of ``contract.slots.slot_nodes``, built from EP groups' slots rather
+    than ranks' (a group's members share every slot's node); the longest path is walked in
+    Kahn's order (``contract.longest_paths``): the same sums and maxima, whatever the order."""
     e = plan.expert_parallel
-    node = slot_nodes(plan)
-    inter = {g[0]: crosses_nodes(g, ranks_per_node) for g in ep_groups(plan.num_ranks, e)}
-    members: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
-    for x, n in node.items():
-        members[n].append(x)
-    duration = {}
-    for n, events in members.items():
-        longest = 0.0
-        for rank, k in events:
-            mb = plan.ranks[rank][k]
-            ring_inter = mb.ring is not None and crosses_nodes(mb.ring, ranks_per_node)
-            a2a = all_to_all_time(cost, max(mb.tokens, 1), e, inter[rank - rank % e])
-            longest = max(longest, micro_batch_time(cost, mb, ring_inter) + a2a)
-        duration[n] = longest
-    before: dict[tuple, set] = defaultdict(set)
-    for rank, mbs in enumerate(plan.ranks):
-        for k in range(len(mbs)):
-            before[node[(rank, k)]]
-            if k:
-                before[node[(rank, k)]].add(node[(rank, k - 1)])
-    end: dict[tuple, float] = {}
-    for n in TopologicalSorter(before).static_order():
-        end[n] = max((end[p] for p in before[n]), default=0.0) + duration[n]
-    return [end[node[(rank, len(mbs) - 1)]] if mbs else 0.0 for rank, mbs in enumerate(plan.ranks)]
+    groups = ep_groups(plan.num_ranks, e)
+    counts = [len(plan.ranks[g[0]]) for g in groups]
+    if any(len(plan.ranks[r]) != c for g, c in zip(groups, counts) for r in g):
+        slot_nodes(plan)  # raises the contract's error: a group's members hold different slot counts
+    first = np.concatenate(([0], np.cumsum(counts))).tolist()  # group -> id of its slot 0
+    parent = list(range(first[-1]))  # union-find over group slots, joined by rings
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = x = parent[parent[x]]
+        return x
+
+    timer = _EventTimer(cost, e)
+    duration = [0.0] * len(parent)  # per group slot, then per node (at its root)
+    rings: dict[tuple, tuple[int, bool]] = {}  # ring key -> (a group slot it runs at, crosses nodes)
+    for g, group in enumerate(groups):
+        group_inter = crosses_nodes(group, ranks_per_node)
+        for r in group:
+            for k, mb in enumerate(plan.ranks[r]):
+                x = first[g] + k
+                key = mb.ring_key
+                ring_inter = False
+                if key is not None:
+                    seen = rings.get(key)
+                    if seen is None:
+                        seen = rings[key] = (x, crosses_nodes(key[0], ranks_per_node))
+                    else:
+                        a, b = find(seen[0]), find(x)
+                        if a != b:
+                            parent[b] = a
+                    ring_inter = seen[1]
+                t = timer.time(mb, ring_inter, group_inter)
+                if t > duration[x]:
+                    duration[x] = t
+    return _longest_finish(groups, counts, first, find, duration)
+
+
+def _longest_finish(groups, counts, first, find, duration) -> list[float]:
+    """Per rank: the end of its group's last slot's node (0 without slots); a node lasts the
+    longest of its group slots' ``duration`` and follows each of its groups' previous slot."""
+    node = [find(x) for x in range(len(duration))]
+    index = {root: i for i, root in enumerate(dict.fromkeys(node))}
+    longest = [0.0] * len(index)
+    for x, root in enumerate(node):
+        if duration[x] > longest[index[root]]:
+            longest[index[root]] = duration[x]
+    succ: list[list[int]] = [[] for _ in index]
+    indeg = [0] * len(index)
+    for g in range(len(groups)):
+        for x in range(first[g] + 1, first[g] + counts[g]):
+            a, b = index[node[x - 1]], index[node[x]]
+            if a == b:
+                raise CycleError("a ring joins two slots of one EP group: they wait on each other")
+            succ[a].append(b)
+            indeg[b] += 1
+    end = longest_paths(succ, indeg, longest)
+    if end is None:
+        raise CycleError("rings and EP groups order their slots inconsistently: they wait in a cycle")
+    last = [end[index[node[first[g] + c - 1]]] if c else 0.0 for g, c in enumerate(counts)]
+    return [last[g] for g, group in enumerate(groups) for _ in group]
+
+
+class _EventTimer:
+    """Seconds of one rank's micro-batch in an EP slot: ``micro_batch_time`` plus the slot's
+    all-to-alls, computed faster than one call each (a 16K-GPU step has ~10^5 of them):
+
+    * a micro-batch of one piece (most: a ring member's share, or a long sequence) costs what
+      the piece's length, ring size and tokens say, so each such value is computed once;
+    * one of several whole sequences costs what its tokens and the sum of their squared
+      lengths say; that sum is exact in integers (below 2^53), so it equals the float one."""
+
+    def __init__(self, cost: CostModel, expert_parallel: int):
+        self.cost = cost
+        self.e = expert_parallel
+        self.known: dict[tuple, float] = {}
+
+    def time(self, mb: MicroBatch, ring_inter: bool, group_inter: bool) -> float:
+        pieces = mb.pieces
+        if len(pieces) == 1:
+            p = pieces[0]
+            key = (p.seq_len, len(p.ring), p.tokens, mb.offload_ratio, ring_inter, group_inter)
+        elif pieces:
+            return self._several(mb, ring_inter, group_inter)
+        else:  # an empty slot
+            key = (None, None, None, mb.offload_ratio, ring_inter, group_inter)
+        t = self.known.get(key)
+        if t is None:
+            t = self.known[key] = self._compute(mb, ring_inter, group_inter)
+        return t
+
+    def _several(self, mb: MicroBatch, ring_inter: bool, group_inter: bool) -> float:
+        tokens = pairs = 0
+        for p in mb.pieces:
+            if len(p.ring) > 1:
+                return self._compute(mb, ring_inter, group_inter)
+            for start, end in p.ranges:
+                tokens += end - start
+            pairs += p.seq_len * p.seq_len
+        if pairs > 1 << 53:
+            return self._compute(mb, ring_inter, group_inter)
+        a2a = all_to_all_time(self.cost, max(tokens, 1), self.e, group_inter)
+        return whole_sequences_time(self.cost, tokens, float(pairs), mb.offload_ratio) + a2a
+
+    def _compute(self, mb: MicroBatch, ring_inter: bool, group_inter: bool) -> float:
+        a2a = all_to_all_time(self.cost, max(mb.tokens, 1), self.e, group_inter)
+        return micro_batch_time(self.cost, mb, ring_inter) + a2a

@@ -41,7 +41,10 @@ class Piece:
 
     @property
     def tokens(self) -> int:
-        return sum(end - start for start, end in self.ranges)
+        n = 0
+        for start, end in self.ranges:  # a loop: no generator or comprehension to set up per call
+            n += end - start
+        return n
 
     @property
     def ring_size(self) -> int:
@@ -66,23 +69,41 @@ class MicroBatch:
 
     @property
     def tokens(self) -> int:
-        return sum(p.tokens for p in self.pieces)
+        n = 0
+        for p in self.pieces:  # Piece.tokens, inlined
+            for start, end in p.ranges:
+                n += end - start
+        return n
 
     @property
     def ring(self) -> tuple[int, ...] | None:
-        """The ring shared by this micro-batch's distributed pieces, or None if all are local."""
-        rings = {p.ring for p in self.pieces if p.is_distributed}
-        return next(iter(rings)) if len(rings) == 1 else None
+        """The ring shared by this micro-batch's distributed pieces, or None if all are local
+        (or they sit on several rings)."""
+        # a loop rather than a set of the rings: a set hashes every ring (all its ranks) on every
+        # call, and a plan's estimates and slot alignment ask each micro-batch several times
+        ring = None
+        for p in self.pieces:
+            r = p.ring
+            if len(r) > 1 and r is not ring:
+                if ring is None:
+                    ring = r
+                elif r != ring:
+                    return None
+        return ring
 
     @property
     def distributed_seq_ids(self) -> tuple[int, ...]:
-        return tuple(sorted(p.seq_id for p in self.pieces if p.is_distributed))
+        return tuple(sorted([p.seq_id for p in self.pieces if len(p.ring) > 1]))
 
     @property
     def ring_key(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """What names this ring micro-batch the same on every member of its ring: (ring,
         distributed sequence ids); None for local work (or pieces on several rings, which
         ``Plan.validate`` rejects)."""
+        pieces = self.pieces
+        if len(pieces) == 1:  # most micro-batches: one ring member's share, or one sequence
+            p = pieces[0]
+            return (p.ring, (p.seq_id,)) if len(p.ring) > 1 else None
         ring = self.ring
         return None if ring is None else (ring, self.distributed_seq_ids)
 
