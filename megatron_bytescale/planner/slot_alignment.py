@@ -362,8 +362,8 @@ class _RankView:
 class _State:
     """The alignment's state: per rank what is left (``queues``), what is placed (``out``),
     the clock and the slot offset. Every change of a queue or a clock goes through
-    ``_touch``, so each rank's ``_RankView`` is derived again only after it changed (large
-    rings have ~1,500 members, tried ~4 times a ring; 16K ranks scanned per borrowed pack)."""
+    ``_touch``, so each rank's ``_RankView`` is derived again only after it changed (a large
+    ring has ~1,500 members to ask, and a borrowed pack looks at every rank's load)."""
 
     def __init__(self, runs, split: Splitter | None, ring_time: dict[int, float], frugal: bool = False) -> None:
         n = len(runs)
