@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from megatron_bytescale.errors import ConfigError  # noqa: E402
 from megatron_bytescale.planner.cost_model import CostModel  # noqa: E402
 from megatron_bytescale.planner.offload_policy import host_capacity  # noqa: E402
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step  # noqa: E402
@@ -222,7 +223,10 @@ def run_modes(args, lengths, capacity: int, out: dict) -> None:
             virtual_stages=vpp,
             expert_parallel=ep,
         )
-        plan, times, cpu = time_plans(lengths, config, cost, args.repeat)
+        try:
+            plan, times, cpu = time_plans(lengths, config, cost, args.repeat)
+        except ConfigError as e:  # e.g. too few GPUs for the mode's model: one line, not a traceback
+            raise SystemExit(f"error: mode {mode} ({model}) on {args.gpus} GPUs: {e}") from None
         if args.validate:
             plan.validate()
         res = plan_figures(plan, times, cpu, longest_ring_time(lengths, cost, capacity, ranks, per_node, pp))
