@@ -103,3 +103,24 @@ def test_a_world_the_machine_cannot_hold_is_refused_before_any_process_starts():
         check_world_size(100_000)
     with pytest.raises(ConfigError, match="at least 1"):
         check_world_size(0)
+
+
+def test_a_rank_destroys_its_process_groups_before_the_interpreter_ends(tmp_path):
+    """Gloo work finished but still referenced at exit: the rank's exit hook destroys the
+    process group while the interpreter is whole (a hook registered before it runs after it
+    and sees no group), and the rank exits 0."""
+    script = f"""
+import atexit
+import torch
+import torch.distributed as dist
+atexit.register(lambda: print("initialized after the hook:", dist.is_initialized(), flush=True))
+from megatron_bytescale.megatron import rank_guard
+rank_guard.destroy_process_groups_at_exit()
+rank_guard.destroy_process_groups_at_exit()  # idempotent
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+kept = [dist.all_reduce(torch.ones(1024), async_op=True) for _ in range(4)]
+kept[-1].wait()
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "initialized after the hook: False" in proc.stdout, (proc.stdout, proc.stderr[-2000:])

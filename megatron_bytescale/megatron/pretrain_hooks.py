@@ -196,7 +196,8 @@ def install_argument_validation() -> None:
     else:
         import megatron.training.initialize as module
 
-    rank_guard.die_with_launcher()  # the first hook every entry point installs
+    rank_guard.die_with_launcher()  # the first hooks every entry point installs
+    rank_guard.destroy_process_groups_at_exit()
     module.validate_args = validate_args_then_hdp(module.validate_args)
 
 
