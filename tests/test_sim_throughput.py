@@ -20,6 +20,7 @@ def test_speedup_is_total_over_total_not_a_median_of_ratios():
     assert t["speedup_per_batch_median"] == pytest.approx(1.5)
     assert t["x_lower_bound"] == pytest.approx(82.5 / 61)
     assert t["x_bound"] == pytest.approx(82.5 / (1 + 35 + 30))
+    assert t["bound_x_lower_bound"] == pytest.approx((1 + 35 + 30) / 61)  # the floor no plan beats, in x LB
     assert t["mean_step_time_s"] == pytest.approx(27.5) and t["batches"] == 3
 
 

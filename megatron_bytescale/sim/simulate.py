@@ -253,7 +253,9 @@ def format_table(report: SimReport) -> str:
         lines.append(
             f"lower bound LB (all FLOPs spread over all GPUs): {ok[0]['lower_bound_s']:.2f} s; critical path (longest "
             f"sequence alone, best ring): {ok[0]['critical_path_s']:.2f} s; "
-            "bound = max of the two (means over the steps)"
+            "bound = max of the two (means over the steps); "
+            f"the bounds total {ok[0]['bound_x_lower_bound']:.2f}x the lower bounds' total: "
+            "no plan gets under that x LB"
         )
     lines.append(
         "step: mean over the steps; speedup: static's total step time / this total, x LB / x bound: total step time / "
