@@ -148,7 +148,7 @@ def test_finish_times_over_group_slots_are_the_plain_ones(plan, cost, ranks_per_
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ring_plans(), st.sampled_from(COSTS), st.booleans(), st.booleans())
 def test_cached_micro_batch_times_are_micro_batch_time(plan, cost, ring_inter, group_inter):
-    timer = expert_slots._EventTimer(cost, 4)
+    timer = expert_slots.SlotTimer(cost, 4)
     for mb in [mb for mbs in plan.ranks for mb in mbs] * 2 + [EMPTY]:  # twice: the cache answers
         want = micro_batch_time(cost, mb, ring_inter) + all_to_all_time(cost, max(mb.tokens, 1), 4, group_inter)
         assert timer.time(mb, ring_inter, group_inter) == want
@@ -161,7 +161,7 @@ def test_a_pack_too_large_for_exact_integer_sums_is_costed_the_plain_way():
     huge = micro_batch(tuple(whole_piece(i, 70_000_000, 0) for i in range(3)))  # sum of s^2 > 2^53
     cost = COSTS[0]
     want = micro_batch_time(cost, huge) + all_to_all_time(cost, huge.tokens, 2, False)
-    assert expert_slots._EventTimer(cost, 2).time(huge, False, False) == want
+    assert expert_slots.SlotTimer(cost, 2).time(huge, False, False) == want
 
 
 @settings(max_examples=150, deadline=None)

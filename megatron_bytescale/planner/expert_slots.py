@@ -288,7 +288,7 @@ def slot_finish_times(plan: Plan, cost: CostModel, ranks_per_node: int) -> list[
             parent[x] = x = parent[parent[x]]
         return x
 
-    timer = _EventTimer(cost, e)
+    timer = SlotTimer(cost, e)
     duration = [0.0] * len(parent)  # per group slot, then per node (at its root)
     rings: dict[tuple, tuple[int, bool]] = {}  # ring key -> (a group slot it runs at, crosses nodes)
     for g, group in enumerate(groups):
@@ -338,7 +338,7 @@ def _longest_finish(groups, counts, first, find, duration) -> list[float]:
     return [last[g] for g, group in enumerate(groups) for _ in group]
 
 
-class _EventTimer:
+class SlotTimer:
     """Seconds of one rank's micro-batch in an EP slot: ``micro_batch_time`` plus the slot's
     all-to-alls, computed faster than one call each (a 16K-GPU step has ~10^5 of them):
 

@@ -44,6 +44,7 @@ from .contract.slots import check_expert_parallel
 from .contract.zigzag import rank_tokens, zigzag_ranges
 from .cost_model import CostModel
 from .estimate import exposed_ring_time, ring_share_time
+from .expert_fill import fill_ring_waits
 from .expert_slots import GroupPlacer, align_expert_slots, round_rings_to_groups, slot_finish_times
 from .offload_policy import host_capacity
 from .placement import RingPlacer, check_shape
@@ -276,6 +277,11 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     if config.expert_parallel > 1:  # aligned slots: an EP group's slot waits for its slowest member
         plan = align_expert_slots(plan, config.expert_parallel)
         est = np.array(slot_finish_times(plan, cost, placer.ranks_per_node))
+        filled = fill_ring_waits(plan, cost, placer.ranks_per_node)
+        if filled is not plan:  # local slots moved into the waits before rings, where shorter
+            filled_est = np.array(slot_finish_times(filled, cost, placer.ranks_per_node))
+            if filled_est.max() < est.max():
+                plan, est = filled, filled_est
     ring_hist = Counter(s.ring_size for s in shards.values())
     plan.meta = {
         **plan.meta,  # expert_slots' counts
