@@ -58,6 +58,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from megatron_bytescale.planner.estimate import crosses_nodes  # noqa: E402
+from megatron_bytescale.planner.expert_slots import all_to_all_time  # noqa: E402
 from megatron_bytescale.sim.simulate import add_arguments, config_from_args, format_table, run  # noqa: E402
 from megatron_bytescale.sim.throughput import totals  # noqa: E402
 from megatron_bytescale.units import format_size  # noqa: E402
@@ -255,17 +257,30 @@ def _write_rows(path: str | None, rows: list[dict]) -> int:
     return 0
 
 
+def all_to_all_floor_s(report, tokens: int) -> float:
+    """Seconds of MoE all-to-alls an average rank cannot avoid: its share of the batch's
+    tokens in one micro-batch (each further micro-batch adds latency). The simulator does not
+    overlap them with compute, so a step takes at least its lower bound plus this."""
+    cluster = report.cluster
+    inter = crosses_nodes(range(cluster.ep), cluster.hdp_per_node)  # EP groups are consecutive HDP ranks
+    return all_to_all_time(report.cost, tokens // cluster.d_hdp, cluster.ep, inter)
+
+
 def ep_grid(argv: list[str]) -> int:
     """One row per (model, TP, EP): mean steps, hdp-balanced's ratios of totals."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     ap.add_argument("--ep-grid", action="store_true")
     rows = []
+    ep1: dict[tuple, float] = {}  # (model, TP) -> hdp-balanced's total step time with EP 1
     for model, tp, ep in EP_GRID:
         args = ap.parse_args(HEADLINE + EP_FLAGS + argv + ["--model", model, "--tp", str(tp), "--ep", str(ep)])
         cfg = config_from_args(args)
         report = run(cfg)
         bal = report.steps["hdp-balanced"]
+        total = sum(b["step_time_s"] for b in bal)
+        if ep == 1:
+            ep1[model, tp] = total
         rows.append(
             {
                 "model": model,
@@ -277,18 +292,33 @@ def ep_grid(argv: list[str]) -> int:
                 **grid_row(report, {"static_s": "static"}),
                 "balanced_moe_a2a_s": sum(b["exposed_moe_a2a_s"] for b in bal) / len(bal),
                 "balanced_idle_s": sum(b["idle_mean_s"] for b in bal) / len(bal),
+                "balanced_vs_ep1": total / ep1[model, tp] if (model, tp) in ep1 else None,
+                # no EP plan beats its lower bound plus the all-to-alls of an average rank's tokens
+                "ep_floor_vs_ep1": (
+                    sum(b["lower_bound_s"] + all_to_all_floor_s(report, s[2]) for b, s in zip(bal, report.batch_stats))
+                    / ep1[model, tp]
+                    if (model, tp) in ep1
+                    else None
+                ),
             }
         )
         r = rows[-1]
+        vs_ep1 = ""
+        if r["balanced_vs_ep1"]:
+            vs_ep1 = f"  vs EP 1 {r['balanced_vs_ep1']:5.3f}x (floor {r['ep_floor_vs_ep1']:5.3f}x)"
         print(
             f"{model:<14} TP {tp} EP {ep}  static {r['static_s']:7.2f}  balanced {r['balanced_s']:7.2f}"
             f"  MoE a2a {r['balanced_moe_a2a_s']:5.2f}  idle {r['balanced_idle_s']:5.2f}"
             f"  vs static {r['balanced_vs_static']:5.2f}x ({r['balanced_vs_static_per_batch_median']:5.2f}x)"
             f"  x LB {r['balanced_x_lb']:5.3f} ({r['balanced_x_lb_per_batch_median']:5.3f})"
-            f"  estimate/sim {r['estimate_vs_sim']:5.3f}",
+            f"  estimate/sim {r['estimate_vs_sim']:5.3f}{vs_ep1}",
             flush=True,
         )
-    print(GRID_LEGEND + "; MoE a2a, idle: means over the batches")
+    print(
+        GRID_LEGEND + "; MoE a2a, idle: means over the batches; vs EP 1: total step time over the same model and "
+        "TP's with EP 1; floor: the sum of the batches' lower bounds plus an average rank's all-to-alls, "
+        "over EP 1's total"
+    )
     return _write_rows(args.json, rows)
 
 
