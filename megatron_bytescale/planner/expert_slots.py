@@ -256,15 +256,17 @@ def _longest_first(mbs) -> tuple[list[MicroBatch], list[tuple | None]]:
     return out, keys
 
 
-def all_to_all_time(cost: CostModel, tokens: int, expert_parallel: int, inter_node: bool) -> float:
+def all_to_all_time(cost: CostModel, tokens, expert_parallel: int, inter_node: bool, latencies=1.0):
     """Seconds of one micro-batch's MoE all-to-alls on one rank, all layers of the stage:
     per layer dispatch and combine, forward and backward (four), each sending the share
-    ``(E - 1) / E`` of the ``tokens x top-k`` routed hidden states to the other members."""
+    ``(E - 1) / E`` of the ``tokens x top-k`` routed hidden states to the other members.
+    ``latencies``: how many times each exchange's latency counts (a sequence's share of its
+    micro-batch's: its tokens over the capacity); ``tokens`` and it may be arrays."""
     if expert_parallel == 1 or not cost.moe_a2a_bytes_per_token:
         return 0.0
     bw = cost.bw_inter_node if inter_node else cost.bw_intra_node
     sent = tokens * cost.moe_a2a_bytes_per_token * (expert_parallel - 1) / expert_parallel
-    return cost.num_layers * 4 * (cost.p2p_latency_s + sent / bw)
+    return cost.num_layers * 4 * (latencies * cost.p2p_latency_s + sent / bw)
 
 
 def slot_finish_times(plan: Plan, cost: CostModel, ranks_per_node: int) -> list[float]:

@@ -43,9 +43,9 @@ from .contract import MicroBatch, Piece, Plan, encode_stage_orders, micro_batch,
 from .contract.slots import check_expert_parallel
 from .contract.zigzag import rank_tokens, zigzag_ranges
 from .cost_model import CostModel
-from .estimate import exposed_ring_time, ring_share_time
+from .estimate import crosses_nodes, exposed_ring_time, ring_share_time
 from .expert_fill import fill_ring_waits
-from .expert_slots import GroupPlacer, align_expert_slots, round_rings_to_groups, slot_finish_times
+from .expert_slots import GroupPlacer, align_expert_slots, all_to_all_time, round_rings_to_groups, slot_finish_times
 from .offload_policy import host_capacity
 from .placement import RingPlacer, check_shape
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
@@ -436,6 +436,14 @@ def _units(lens, shards: dict[int, Shard], config: PlannerConfig, cost: CostMode
     tokens = arr[short]
     s = tokens.astype(np.float64)
     times = cost.num_layers * (cost.a1 * s * s + cost.b1 * s + cost.g * s / config.capacity)
+    if config.expert_parallel > 1:
+        # every micro-batch also runs the MoE all-to-alls: counted so that the scheduler evens
+        # them out too (a rank of many short sequences sends more tokens than one of a ring share)
+        inter = crosses_nodes(range(config.expert_parallel), ranks_per_node)
+        for u in units:
+            u.time += all_to_all_time(cost, u.tokens, config.expert_parallel, inter)
+        # a short sequence's share of its micro-batch's: its tokens, the latency pro rata
+        times = times + all_to_all_time(cost, s, config.expert_parallel, inter, latencies=s / config.capacity)
     return units + [Unit("short", (i,), 1, t, n) for i, t, n in zip(short_ids, times.tolist(), tokens.tolist())]
 
 
