@@ -42,6 +42,26 @@ def draw_lengths(
     return lens or [capacity]
 
 
+@st.composite
+def expert_parallel_cases(draw, groups=(1, 4), max_long: int = 4, balances=("none", "dp", "pp")):
+    """A batch and a planner config with expert parallelism 2 or 4 over ``groups`` EP groups."""
+    from megatron_bytescale.planner.planner import PlannerConfig
+
+    ep = draw(st.sampled_from([2, 4]))
+    num_ranks = ep * draw(st.integers(*groups))
+    capacity = draw(st.integers(8, 120))
+    lens = draw_lengths(draw, capacity, num_ranks, max_short=30, max_long=max_long)
+    config = PlannerConfig(
+        num_ranks=num_ranks,
+        capacity=capacity,
+        ranks_per_node=draw(st.sampled_from([1, 2, 4])) if num_ranks % 4 == 0 else 1,
+        balance=draw(st.sampled_from(balances)),
+        offload=draw(st.booleans()),
+        expert_parallel=ep,
+    )
+    return draw(st.permutations(lens)), config
+
+
 def check_stage_orders(keys, orders, p: int, chunks: int = 1) -> None:
     """Per-device orders of (direction, micro-batch[, chunk]) run every chunk of every
     micro-batch of their rank once forward and then once backward, the devices of each

@@ -5,16 +5,15 @@ from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from megatron_bytescale.planner import planner as planner_module
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.contract.slots import slot_errors
 from megatron_bytescale.planner.expert_fill import fill_ring_waits
 from megatron_bytescale.planner.expert_slots import align_expert_slots, slot_finish_times
-from megatron_bytescale.planner.planner import PlannerConfig, plan_step
+from megatron_bytescale.planner.planner import plan_step
 
-from planner_cases import draw_lengths, small_cost
+from planner_cases import expert_parallel_cases, small_cost
 
 COST = small_cost(moe_a2a_bytes_per_token=64.0)
 
@@ -66,25 +65,8 @@ def test_without_rings_or_expert_parallelism_the_plan_is_kept():
     assert fill_ring_waits(plain, COST, 1) is plain
 
 
-@st.composite
-def cases(draw):
-    ep = draw(st.sampled_from([2, 4]))
-    num_ranks = ep * draw(st.integers(2, 4))
-    capacity = draw(st.integers(8, 120))
-    lens = draw_lengths(draw, capacity, num_ranks, max_short=30, max_long=5)
-    config = PlannerConfig(
-        num_ranks=num_ranks,
-        capacity=capacity,
-        ranks_per_node=draw(st.sampled_from([1, 2, 4])) if num_ranks % 4 == 0 else 1,
-        balance="dp",
-        offload=draw(st.booleans()),
-        expert_parallel=ep,
-    )
-    return draw(st.permutations(lens)), config
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
+@given(expert_parallel_cases(groups=(2, 4), max_long=5, balances=("dp",)))
 def test_filled_plans_keep_every_micro_batch_and_ring_order_and_the_planner_keeps_the_shorter(case):
     lens, config = case
     with mock.patch.object(planner_module, "fill_ring_waits", lambda plan, *_: plan):  # the plan before the fill

@@ -4,7 +4,6 @@ refuse plans that would hang."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from megatron_bytescale.errors import ConfigError, PlanError
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
@@ -14,28 +13,11 @@ from megatron_bytescale.planner.expert_slots import align_expert_slots, all_to_a
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
 
-from planner_cases import draw_lengths, small_cost
-
-
-@st.composite
-def cases(draw):
-    ep = draw(st.sampled_from([2, 4]))
-    num_ranks = ep * draw(st.integers(1, 4))
-    capacity = draw(st.integers(8, 120))
-    lens = draw_lengths(draw, capacity, num_ranks, max_short=30, max_long=4)
-    config = PlannerConfig(
-        num_ranks=num_ranks,
-        capacity=capacity,
-        ranks_per_node=draw(st.sampled_from([1, 2, 4])) if num_ranks % 4 == 0 else 1,
-        balance=draw(st.sampled_from(["none", "dp", "pp"])),
-        offload=draw(st.booleans()),
-        expert_parallel=ep,
-    )
-    return draw(st.permutations(lens)), config
+from planner_cases import expert_parallel_cases, small_cost
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
+@given(expert_parallel_cases())
 def test_aligned_plans_hold_every_token_once_and_cannot_deadlock(case):
     lens, config = case
     cost = small_cost(moe_a2a_bytes_per_token=64.0)
