@@ -17,8 +17,9 @@ their order:
    fit without delaying the ring; what fits nowhere runs after the group's last ring.
 
 Step 1 starts every ring no later than any order of the same ring slots would, and step 2
-never moves a ring, so the rings' times stay those of step 1; the planner keeps the result
-only where the estimate (``slot_finish_times``) is shorter.
+never moves a ring, so the rings' times stay those of step 1. The reordered plan is kept only
+where its estimate (``slot_finish_times``'s figures, computed here from one timing of each
+slot) is shorter.
 """
 
 from __future__ import annotations
@@ -26,69 +27,70 @@ from __future__ import annotations
 import dataclasses
 
 from .contract import Plan, longest_paths
-from .contract.slots import ep_groups
+from .contract.slots import ep_groups, slot_nodes
 from .cost_model import CostModel
 from .estimate import crosses_nodes
-from .expert_slots import SlotTimer
+from .expert_slots import SlotTimer, longest_finish
+
+Column = tuple  # one slot of an EP group: its members' micro-batches, side by side
 
 
-def fill_ring_waits(plan: Plan, cost: CostModel, ranks_per_node: int) -> Plan:
-    """``plan`` (aligned: ``align_expert_slots``) with each EP group's local slots moved into
-    the waits before its ring slots (module docstring); ``plan`` itself without EP, without
-    rings or where rings wait on each other in a cycle (the contract's check reports it)."""
-    e = plan.expert_parallel
-    if e == 1:
-        return plan
-    groups = ep_groups(plan.num_ranks, e)
-    timer = SlotTimer(cost, e)
+def fill_ring_waits(plan: Plan, cost: CostModel, ranks_per_node: int) -> tuple[Plan, list[float]]:
+    """``plan`` (aligned: ``align_expert_slots``) or the same with each EP group's local slots
+    moved into the waits before its ring slots (module docstring), whichever has the shorter
+    estimate, and that estimate per rank: ``slot_finish_times``'s figures, from one timing of
+    each slot. ``plan`` itself without rings or where rings wait on each other in a cycle."""
+    groups = ep_groups(plan.num_ranks, plan.expert_parallel)
+    if any(len(plan.ranks[r]) != len(plan.ranks[g[0]]) for g in groups for r in g):
+        slot_nodes(plan)  # raises the contract's error: a group's members hold different slot counts
+    timer = SlotTimer(cost, plan.expert_parallel)
     ring_inter: dict[tuple, bool] = {}
-    rings_of: list[list[tuple]] = []  # per group: its ring slots (columns of micro-batches), in order
-    ring_len: list[list[float]] = []
-    local_of: list[list[tuple[float, int, tuple]]] = []  # per group: (seconds, position, column)
+    slots: list[list[tuple[Column, float, tuple]]] = []  # per group: (column, seconds, its ring keys)
     for group in groups:
         group_inter = crosses_nodes(group, ranks_per_node)
-        rings, lens, local = [], [], []
-        for k, column in enumerate(zip(*(plan.ranks[r] for r in group))):
+        mine = []
+        for column in zip(*(plan.ranks[r] for r in group)):
             t = 0.0
-            held = False
+            keys = ()
             for mb in column:
                 key = mb.ring_key
                 inter = False
                 if key is not None:
-                    held = True
+                    keys += (key,)
                     inter = ring_inter.get(key)
                     if inter is None:
                         inter = ring_inter[key] = crosses_nodes(key[0], ranks_per_node)
                 t = max(t, timer.time(mb, inter, group_inter))
-            if held:
-                rings.append(column)
-                lens.append(t)
-            else:
-                local.append((t, k, column))
-        rings_of.append(rings)
-        ring_len.append(lens)
-        local_of.append(local)
+            mine.append((column, t, keys))
+        slots.append(mine)
+    before = _finish(groups, slots)
     if not ring_inter:
-        return plan
-    start = _ring_starts(groups, rings_of, ring_len)
+        return plan, before
+    rings = [[x for x in mine if x[2]] for mine in slots]
+    start = _ring_starts(rings)
     if start is None:
-        return plan
+        return plan, before
+    filled = [
+        _fill(r, s, [(x[1], k, x) for k, x in enumerate(mine) if not x[2]]) for r, s, mine in zip(rings, start, slots)
+    ]
+    after = _finish(groups, filled)
+    if max(after) >= max(before):
+        return plan, before
     ranks: list[tuple] = [()] * plan.num_ranks
-    for g, group in enumerate(groups):
-        columns = _fill(rings_of[g], ring_len[g], start[g], local_of[g])
+    for group, mine in zip(groups, filled):
         for i, r in enumerate(group):
-            ranks[r] = tuple(column[i] for column in columns)
-    return dataclasses.replace(plan, ranks=tuple(ranks), meta=dict(plan.meta))
+            ranks[r] = tuple(column[i] for column, _, _ in mine)
+    return dataclasses.replace(plan, ranks=tuple(ranks), meta=dict(plan.meta)), after
 
 
-def _ring_starts(groups, rings_of, ring_len) -> list[list[float]] | None:
-    """Per group, the start of each of its ring slots when groups run ring slots only: a slot
-    node joins the group slots a ring links, follows each group's previous ring slot and lasts
-    its longest member. None on a cycle."""
+def _finish(groups, slots) -> list[float]:
+    """Per rank, the end of its group's last slot (``slot_finish_times``): group slots joined by
+    the rings they hold, each lasting its longest member."""
+    counts = [len(mine) for mine in slots]
     first, ids = [], 0
-    for rings in rings_of:
+    for c in counts:
         first.append(ids)
-        ids += len(rings)
+        ids += c
     parent = list(range(ids))
 
     def find(x):
@@ -97,26 +99,50 @@ def _ring_starts(groups, rings_of, ring_len) -> list[list[float]] | None:
         return x
 
     at: dict[tuple, int] = {}  # ring key -> a group slot holding it
-    for g, rings in enumerate(rings_of):
-        for k, column in enumerate(rings):
-            for mb in column:
-                key = mb.ring_key
-                if key is not None:
-                    x = at.setdefault(key, first[g] + k)
-                    a, b = find(x), find(first[g] + k)
-                    if a != b:
-                        parent[b] = a
+    duration = []
+    for g, mine in enumerate(slots):
+        for k, (_, seconds, keys) in enumerate(mine):
+            duration.append(seconds)
+            for key in keys:
+                a, b = find(at.setdefault(key, first[g] + k)), find(first[g] + k)
+                if a != b:
+                    parent[b] = a
+    return longest_finish(groups, counts, first, find, duration)
+
+
+def _ring_starts(rings) -> list[list[float]] | None:
+    """Per group, the start of each of its ring slots when groups run ring slots only: a slot
+    node joins the group slots a ring links, follows each group's previous ring slot and lasts
+    its longest member. None on a cycle."""
+    first, ids = [], 0
+    for mine in rings:
+        first.append(ids)
+        ids += len(mine)
+    parent = list(range(ids))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = x = parent[parent[x]]
+        return x
+
+    at: dict[tuple, int] = {}  # ring key -> a group slot holding it
+    for g, mine in enumerate(rings):
+        for k, (_, _, keys) in enumerate(mine):
+            for key in keys:
+                a, b = find(at.setdefault(key, first[g] + k)), find(first[g] + k)
+                if a != b:
+                    parent[b] = a
     node = [find(x) for x in range(ids)]
     index = {root: i for i, root in enumerate(dict.fromkeys(node))}
     longest = [0.0] * len(index)
-    for g, lens in enumerate(ring_len):
-        for k, t in enumerate(lens):
+    for g, mine in enumerate(rings):
+        for k, (_, seconds, _) in enumerate(mine):
             i = index[node[first[g] + k]]
-            longest[i] = max(longest[i], t)
+            longest[i] = max(longest[i], seconds)
     succ: list[list[int]] = [[] for _ in index]
     indeg = [0] * len(index)
-    for g, rings in enumerate(rings_of):
-        for k in range(1, len(rings)):
+    for g, mine in enumerate(rings):
+        for k in range(1, len(mine)):
             a, b = index[node[first[g] + k - 1]], index[node[first[g] + k]]
             if a == b:
                 return None
@@ -126,18 +152,19 @@ def _ring_starts(groups, rings_of, ring_len) -> list[list[float]] | None:
     if end is None:
         return None
     return [
-        [end[index[node[first[g] + k]]] - longest[index[node[first[g] + k]]] for k in range(len(rings))]
-        for g, rings in enumerate(rings_of)
+        [end[index[node[first[g] + k]]] - longest[index[node[first[g] + k]]] for k in range(len(mine))]
+        for g, mine in enumerate(rings)
     ]
 
 
-def _fill(rings, lens, starts, local) -> list[tuple]:
+def _fill(rings, starts, local) -> list:
     """One group's slots: before each ring slot, the longest local slots that still end by its
-    start (first fit, longest first; ties in their old order); the rest after the last ring."""
+    start (first fit, longest first; ties in their old order); the rest after the last ring.
+    ``rings``: (column, seconds, ring keys) in order; ``local``: (seconds, position, slot)."""
     left = sorted(local, key=lambda x: (-x[0], x[1]))
-    out: list[tuple] = []
+    out = []
     clock = 0.0
-    for column, length, begin in zip(rings, lens, starts):
+    for ring, begin in zip(rings, starts):
         kept = []
         for item in left:
             if clock + item[0] <= begin:
@@ -146,7 +173,7 @@ def _fill(rings, lens, starts, local) -> list[tuple]:
             else:
                 kept.append(item)
         left = kept
-        out.append(column)
-        clock = begin + length
+        out.append(ring)
+        clock = begin + ring[1]
     out.extend(item[2] for item in left)
     return out

@@ -312,10 +312,10 @@ def slot_finish_times(plan: Plan, cost: CostModel, ranks_per_node: int) -> list[
                 t = timer.time(mb, ring_inter, group_inter)
                 if t > duration[x]:
                     duration[x] = t
-    return _longest_finish(groups, counts, first, find, duration)
+    return longest_finish(groups, counts, first, find, duration)
 
 
-def _longest_finish(groups, counts, first, find, duration) -> list[float]:
+def longest_finish(groups, counts, first, find, duration) -> list[float]:
     """Per rank: the end of its group's last slot's node (0 without slots); a node lasts the
     longest of its group slots' ``duration`` and follows each of its groups' previous slot."""
     node = [find(x) for x in range(len(duration))]

@@ -45,7 +45,12 @@ from .contract.zigzag import rank_tokens, zigzag_ranges
 from .cost_model import CostModel
 from .estimate import crosses_nodes, exposed_ring_time, ring_share_time
 from .expert_fill import fill_ring_waits
-from .expert_slots import GroupPlacer, align_expert_slots, all_to_all_time, round_rings_to_groups, slot_finish_times
+from .expert_slots import (
+    GroupPlacer,
+    align_expert_slots,
+    all_to_all_time,
+    round_rings_to_groups,
+)
 from .offload_policy import host_capacity
 from .placement import RingPlacer, check_shape
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
@@ -191,6 +196,9 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     else:
         factors = sorted({1, stages}) if balanced else [1]
         best = None
+        # under EP the units' times count their all-to-alls and the target does not: the
+        # average rank's are allowed on top of it before another target is tried
+        allowance = _all_to_alls(config, cost, placer.ranks_per_node, float(sum(lens)) / config.num_ranks)
         for factor in factors:
             sizer = RingSizer(
                 config.capacity,
@@ -214,7 +222,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
                 step = float(assignment.key.max())
                 if best is None or step < best[0]:
                     best = (step, shards, target, units, assignment, scale)
-                if base is None or step <= (1 + config.slack) * base:
+                if base is None or step <= (1 + config.slack) * base + allowance:
                     break
         _, shards, target, units, assignment, scale = best
         ordered = _order(lens, units, assignment, config, cost, placer)
@@ -275,13 +283,9 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         virtual_stages=config.virtual_stages,
     )
     if config.expert_parallel > 1:  # aligned slots: an EP group's slot waits for its slowest member
-        plan = align_expert_slots(plan, config.expert_parallel)
-        est = np.array(slot_finish_times(plan, cost, placer.ranks_per_node))
-        filled = fill_ring_waits(plan, cost, placer.ranks_per_node)
-        if filled is not plan:  # local slots moved into the waits before rings, where shorter
-            filled_est = np.array(slot_finish_times(filled, cost, placer.ranks_per_node))
-            if filled_est.max() < est.max():
-                plan, est = filled, filled_est
+        # and local slots moved into the waits before rings, where that is shorter
+        plan, finish = fill_ring_waits(align_expert_slots(plan, config.expert_parallel), cost, placer.ranks_per_node)
+        est = np.array(finish)
     ring_hist = Counter(s.ring_size for s in shards.values())
     plan.meta = {
         **plan.meta,  # expert_slots' counts
@@ -439,12 +443,20 @@ def _units(lens, shards: dict[int, Shard], config: PlannerConfig, cost: CostMode
     if config.expert_parallel > 1:
         # every micro-batch also runs the MoE all-to-alls: counted so that the scheduler evens
         # them out too (a rank of many short sequences sends more tokens than one of a ring share)
-        inter = crosses_nodes(range(config.expert_parallel), ranks_per_node)
         for u in units:
-            u.time += all_to_all_time(cost, u.tokens, config.expert_parallel, inter)
+            u.time += _all_to_alls(config, cost, ranks_per_node, u.tokens)
         # a short sequence's share of its micro-batch's: its tokens, the latency pro rata
-        times = times + all_to_all_time(cost, s, config.expert_parallel, inter, latencies=s / config.capacity)
+        times = times + _all_to_alls(config, cost, ranks_per_node, s, latencies=s / config.capacity)
     return units + [Unit("short", (i,), 1, t, n) for i, t, n in zip(short_ids, times.tolist(), tokens.tolist())]
+
+
+def _all_to_alls(config: PlannerConfig, cost: CostModel, ranks_per_node: int, tokens, latencies=1.0):
+    """Seconds of MoE all-to-alls of a micro-batch of ``tokens`` (0 without EP); EP groups are
+    blocks of consecutive HDP ranks, so they cross nodes alike."""
+    if config.expert_parallel == 1:
+        return 0.0
+    inter = crosses_nodes(range(config.expert_parallel), ranks_per_node)
+    return all_to_all_time(cost, tokens, config.expert_parallel, inter, latencies)
 
 
 def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) -> list[Unit]:
