@@ -56,11 +56,14 @@ def fill_ring_waits(plan: Plan, cost: CostModel, ranks_per_node: int) -> tuple[P
                 key = mb.ring_key
                 inter = False
                 if key is not None:
-                    keys += (key,)
+                    if not keys or keys[-1] != key:  # a ring's members sit side by side
+                        keys += (key,)
                     inter = ring_inter.get(key)
                     if inter is None:
                         inter = ring_inter[key] = crosses_nodes(key[0], ranks_per_node)
-                t = max(t, timer.time(mb, inter, group_inter))
+                seconds = timer.time(mb, inter, group_inter)
+                if seconds > t:
+                    t = seconds
             mine.append((column, t, keys))
         slots.append(mine)
     before = _finish(groups, slots)
