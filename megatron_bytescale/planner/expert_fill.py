@@ -25,12 +25,13 @@ slot) is shorter.
 from __future__ import annotations
 
 import dataclasses
+from graphlib import CycleError
 
-from .contract import Plan, longest_paths
+from .contract import Plan
 from .contract.slots import ep_groups, slot_nodes
 from .cost_model import CostModel
 from .estimate import crosses_nodes
-from .expert_slots import SlotTimer, longest_finish
+from .expert_slots import SlotTimer, longest_finish, slot_ends
 
 Column = tuple  # one slot of an EP group: its members' micro-batches, side by side
 
@@ -89,36 +90,29 @@ def fill_ring_waits(plan: Plan, cost: CostModel, ranks_per_node: int) -> tuple[P
 def _finish(groups, slots) -> list[float]:
     """Per rank, the end of its group's last slot (``slot_finish_times``): group slots joined by
     the rings they hold, each lasting its longest member."""
+    first, find = _joined(slots)
     counts = [len(mine) for mine in slots]
-    first, ids = [], 0
-    for c in counts:
-        first.append(ids)
-        ids += c
-    parent = list(range(ids))
-
-    def find(x):
-        while parent[x] != x:
-            parent[x] = x = parent[parent[x]]
-        return x
-
-    at: dict[tuple, int] = {}  # ring key -> a group slot holding it
-    duration = []
-    for g, mine in enumerate(slots):
-        for k, (_, seconds, keys) in enumerate(mine):
-            duration.append(seconds)
-            for key in keys:
-                a, b = find(at.setdefault(key, first[g] + k)), find(first[g] + k)
-                if a != b:
-                    parent[b] = a
-    return longest_finish(groups, counts, first, find, duration)
+    return longest_finish(groups, counts, first, find, [seconds for mine in slots for _, seconds, _ in mine])
 
 
 def _ring_starts(rings) -> list[list[float]] | None:
     """Per group, the start of each of its ring slots when groups run ring slots only: a slot
     node joins the group slots a ring links, follows each group's previous ring slot and lasts
     its longest member. None on a cycle."""
+    first, find = _joined(rings)
+    counts = [len(mine) for mine in rings]
+    try:
+        node, end, longest = slot_ends(counts, first, find, [seconds for mine in rings for _, seconds, _ in mine])
+    except CycleError:
+        return None
+    return [[end[node[x]] - longest[node[x]] for x in range(first[g], first[g] + c)] for g, c in enumerate(counts)]
+
+
+def _joined(slots):
+    """Each group's first slot number (slots numbered group by group) and ``find``: the
+    representative of a slot's node, slots joined by the rings they hold."""
     first, ids = [], 0
-    for mine in rings:
+    for mine in slots:
         first.append(ids)
         ids += len(mine)
     parent = list(range(ids))
@@ -129,35 +123,13 @@ def _ring_starts(rings) -> list[list[float]] | None:
         return x
 
     at: dict[tuple, int] = {}  # ring key -> a group slot holding it
-    for g, mine in enumerate(rings):
+    for g, mine in enumerate(slots):
         for k, (_, _, keys) in enumerate(mine):
             for key in keys:
                 a, b = find(at.setdefault(key, first[g] + k)), find(first[g] + k)
                 if a != b:
                     parent[b] = a
-    node = [find(x) for x in range(ids)]
-    index = {root: i for i, root in enumerate(dict.fromkeys(node))}
-    longest = [0.0] * len(index)
-    for g, mine in enumerate(rings):
-        for k, (_, seconds, _) in enumerate(mine):
-            i = index[node[first[g] + k]]
-            longest[i] = max(longest[i], seconds)
-    succ: list[list[int]] = [[] for _ in index]
-    indeg = [0] * len(index)
-    for g, mine in enumerate(rings):
-        for k in range(1, len(mine)):
-            a, b = index[node[first[g] + k - 1]], index[node[first[g] + k]]
-            if a == b:
-                return None
-            succ[a].append(b)
-            indeg[b] += 1
-    end = longest_paths(succ, indeg, longest)
-    if end is None:
-        return None
-    return [
-        [end[index[node[first[g] + k]]] - longest[index[node[first[g] + k]]] for k in range(len(mine))]
-        for g, mine in enumerate(rings)
-    ]
+    return first, find
 
 
 def _fill(rings, starts, local) -> list:

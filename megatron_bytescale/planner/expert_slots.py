@@ -316,19 +316,30 @@ def slot_finish_times(plan: Plan, cost: CostModel, ranks_per_node: int) -> list[
 
 
 def longest_finish(groups, counts, first, find, duration) -> list[float]:
-    """Per rank: the end of its group's last slot's node (0 without slots); a node lasts the
-    longest of its group slots' ``duration`` and follows each of its groups' previous slot."""
-    node = [find(x) for x in range(len(duration))]
-    index = {root: i for i, root in enumerate(dict.fromkeys(node))}
+    """Per rank: the end of its group's last slot's node (0 without slots); see ``slot_ends``."""
+    node, end, _ = slot_ends(counts, first, find, duration)
+    last = [end[node[first[g] + c - 1]] if c else 0.0 for g, c in enumerate(counts)]
+    return [last[g] for g, group in enumerate(groups) for _ in group]
+
+
+def slot_ends(counts, first, find, duration) -> tuple[list[int], list[float], list[float]]:
+    """Group slots numbered group by group (group ``g``'s are ``first[g]`` on, ``counts[g]`` of
+    them), ``find`` the representative of each one's node (the slots rings join), ``duration``
+    each one's seconds: per slot its node's number, and per node its end and its length. A
+    node lasts the longest of its slots and follows each of its groups' previous slot; raises
+    CycleError where they wait on each other."""
+    root = [find(x) for x in range(len(duration))]
+    index = {r: i for i, r in enumerate(dict.fromkeys(root))}
+    node = [index[r] for r in root]
     longest = [0.0] * len(index)
-    for x, root in enumerate(node):
-        if duration[x] > longest[index[root]]:
-            longest[index[root]] = duration[x]
+    for x, i in enumerate(node):
+        if duration[x] > longest[i]:
+            longest[i] = duration[x]
     succ: list[list[int]] = [[] for _ in index]
     indeg = [0] * len(index)
-    for g in range(len(groups)):
-        for x in range(first[g] + 1, first[g] + counts[g]):
-            a, b = index[node[x - 1]], index[node[x]]
+    for g, c in enumerate(counts):
+        for x in range(first[g] + 1, first[g] + c):
+            a, b = node[x - 1], node[x]
             if a == b:
                 raise CycleError("a ring joins two slots of one EP group: they wait on each other")
             succ[a].append(b)
@@ -336,8 +347,7 @@ def longest_finish(groups, counts, first, find, duration) -> list[float]:
     end = longest_paths(succ, indeg, longest)
     if end is None:
         raise CycleError("rings and EP groups order their slots inconsistently: they wait in a cycle")
-    last = [end[index[node[first[g] + c - 1]]] if c else 0.0 for g, c in enumerate(counts)]
-    return [last[g] for g, group in enumerate(groups) for _ in group]
+    return node, end, longest
 
 
 class SlotTimer:
