@@ -58,8 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_bytescale.planner.estimate import crosses_nodes  # noqa: E402
-from megatron_bytescale.planner.expert_slots import all_to_all_time  # noqa: E402
+from megatron_bytescale.planner.expert_slots import ep_all_to_all_time  # noqa: E402
 from megatron_bytescale.sim.simulate import add_arguments, config_from_args, format_table, run  # noqa: E402
 from megatron_bytescale.sim.throughput import totals  # noqa: E402
 from megatron_bytescale.units import format_size  # noqa: E402
@@ -262,8 +261,7 @@ def all_to_all_floor_s(report, tokens: int) -> float:
     tokens in one micro-batch (each further micro-batch adds latency). The simulator does not
     overlap them with compute, so a step takes at least its lower bound plus this."""
     cluster = report.cluster
-    inter = crosses_nodes(range(cluster.ep), cluster.hdp_per_node)  # EP groups are consecutive HDP ranks
-    return all_to_all_time(report.cost, tokens // cluster.d_hdp, cluster.ep, inter)
+    return ep_all_to_all_time(report.cost, tokens // cluster.d_hdp, cluster.ep, cluster.hdp_per_node)
 
 
 def ep_grid(argv: list[str]) -> int:

@@ -28,12 +28,8 @@ import dataclasses
 from graphlib import CycleError
 
 from .contract import Plan
-from .contract.slots import ep_groups, slot_nodes
 from .cost_model import CostModel
-from .estimate import crosses_nodes
-from .expert_slots import SlotTimer, longest_finish, slot_ends
-
-Column = tuple  # one slot of an EP group: its members' micro-batches, side by side
+from .expert_slots import group_finish_times, slot_ends, timed_slots
 
 
 def fill_ring_waits(plan: Plan, cost: CostModel, ranks_per_node: int) -> tuple[Plan, list[float]]:
@@ -41,43 +37,18 @@ def fill_ring_waits(plan: Plan, cost: CostModel, ranks_per_node: int) -> tuple[P
     moved into the waits before its ring slots (module docstring), whichever has the shorter
     estimate, and that estimate per rank: ``slot_finish_times``'s figures, from one timing of
     each slot. ``plan`` itself without rings or where rings wait on each other in a cycle."""
-    groups = ep_groups(plan.num_ranks, plan.expert_parallel)
-    if any(len(plan.ranks[r]) != len(plan.ranks[g[0]]) for g in groups for r in g):
-        slot_nodes(plan)  # raises the contract's error: a group's members hold different slot counts
-    timer = SlotTimer(cost, plan.expert_parallel)
-    ring_inter: dict[tuple, bool] = {}
-    slots: list[list[tuple[Column, float, tuple]]] = []  # per group: (column, seconds, its ring keys)
-    for group in groups:
-        group_inter = crosses_nodes(group, ranks_per_node)
-        mine = []
-        for column in zip(*(plan.ranks[r] for r in group)):
-            t = 0.0
-            keys = ()
-            for mb in column:
-                key = mb.ring_key
-                inter = False
-                if key is not None:
-                    if not keys or keys[-1] != key:  # a ring's members sit side by side
-                        keys += (key,)
-                    inter = ring_inter.get(key)
-                    if inter is None:
-                        inter = ring_inter[key] = crosses_nodes(key[0], ranks_per_node)
-                seconds = timer.time(mb, inter, group_inter)
-                if seconds > t:
-                    t = seconds
-            mine.append((column, t, keys))
-        slots.append(mine)
-    before = _finish(groups, slots)
-    if not ring_inter:
-        return plan, before
+    groups, slots = timed_slots(plan, cost, ranks_per_node)
+    before = group_finish_times(groups, slots)
     rings = [[x for x in mine if x[2]] for mine in slots]
+    if not any(rings):
+        return plan, before
     start = _ring_starts(rings)
     if start is None:
         return plan, before
     filled = [
         _fill(r, s, [(x[1], k, x) for k, x in enumerate(mine) if not x[2]]) for r, s, mine in zip(rings, start, slots)
     ]
-    after = _finish(groups, filled)
+    after = group_finish_times(groups, filled)
     if max(after) >= max(before):
         return plan, before
     ranks: list[tuple] = [()] * plan.num_ranks
@@ -87,49 +58,14 @@ def fill_ring_waits(plan: Plan, cost: CostModel, ranks_per_node: int) -> tuple[P
     return dataclasses.replace(plan, ranks=tuple(ranks), meta=dict(plan.meta)), after
 
 
-def _finish(groups, slots) -> list[float]:
-    """Per rank, the end of its group's last slot (``slot_finish_times``): group slots joined by
-    the rings they hold, each lasting its longest member."""
-    first, find = _joined(slots)
-    counts = [len(mine) for mine in slots]
-    return longest_finish(groups, counts, first, find, [seconds for mine in slots for _, seconds, _ in mine])
-
-
 def _ring_starts(rings) -> list[list[float]] | None:
-    """Per group, the start of each of its ring slots when groups run ring slots only: a slot
-    node joins the group slots a ring links, follows each group's previous ring slot and lasts
-    its longest member. None on a cycle."""
-    first, find = _joined(rings)
-    counts = [len(mine) for mine in rings]
+    """Per group, the start of each of its ring slots when groups run ring slots only (each
+    node follows its groups' previous ring slots); None on a cycle."""
     try:
-        node, end, longest = slot_ends(counts, first, find, [seconds for mine in rings for _, seconds, _ in mine])
+        first, node, end, longest = slot_ends(rings)
     except CycleError:
         return None
-    return [[end[node[x]] - longest[node[x]] for x in range(first[g], first[g] + c)] for g, c in enumerate(counts)]
-
-
-def _joined(slots):
-    """Each group's first slot number (slots numbered group by group) and ``find``: the
-    representative of a slot's node, slots joined by the rings they hold."""
-    first, ids = [], 0
-    for mine in slots:
-        first.append(ids)
-        ids += len(mine)
-    parent = list(range(ids))
-
-    def find(x):
-        while parent[x] != x:
-            parent[x] = x = parent[parent[x]]
-        return x
-
-    at: dict[tuple, int] = {}  # ring key -> a group slot holding it
-    for g, mine in enumerate(slots):
-        for k, (_, _, keys) in enumerate(mine):
-            for key in keys:
-                a, b = find(at.setdefault(key, first[g] + k)), find(first[g] + k)
-                if a != b:
-                    parent[b] = a
-    return first, find
+    return [[end[node[x]] - longest[node[x]] for x in range(f, f + len(mine))] for f, mine in zip(first, rings)]
 
 
 def _fill(rings, starts, local) -> list:

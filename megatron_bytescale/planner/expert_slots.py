@@ -269,6 +269,13 @@ def all_to_all_time(cost: CostModel, tokens, expert_parallel: int, inter_node: b
     return cost.num_layers * 4 * (latencies * cost.p2p_latency_s + sent / bw)
 
 
+def ep_all_to_all_time(cost: CostModel, tokens, expert_parallel: int, ranks_per_node: int, latencies=1.0):
+    """``all_to_all_time`` in this cluster's EP groups: blocks of consecutive HDP ranks, so
+    they all cross nodes or none does (0 without EP)."""
+    inter = crosses_nodes(range(expert_parallel), ranks_per_node)
+    return all_to_all_time(cost, tokens, expert_parallel, inter, latencies)
+
+
 def slot_finish_times(plan: Plan, cost: CostModel, ranks_per_node: int) -> list[float]:
     """Estimated finish seconds per rank of an aligned plan: a node of merged events (an EP
     group's slot, joined by rings) starts when all its participants are free and lasts as long
@@ -277,68 +284,87 @@ def slot_finish_times(plan: Plan, cost: CostModel, ranks_per_node: int) -> list[
     The nodes are those of ``contract.slots.slot_nodes``, built from EP groups' slots rather
     than ranks' (a group's members share every slot's node); the longest path is walked in
     Kahn's order (``contract.longest_paths``): the same sums and maxima, whatever the order."""
-    e = plan.expert_parallel
-    groups = ep_groups(plan.num_ranks, e)
-    counts = [len(plan.ranks[g[0]]) for g in groups]
-    if any(len(plan.ranks[r]) != c for g, c in zip(groups, counts) for r in g):
+    return group_finish_times(*timed_slots(plan, cost, ranks_per_node))
+
+
+def timed_slots(plan: Plan, cost: CostModel, ranks_per_node: int):
+    """The plan's EP groups, and per group its slots in order: (column, seconds, ring keys),
+    the column its members' micro-batches side by side, the seconds its slowest member's (with
+    the all-to-alls), the keys the rings it holds (a ring's members sit side by side)."""
+    groups = ep_groups(plan.num_ranks, plan.expert_parallel)
+    if any(len(plan.ranks[r]) != len(plan.ranks[g[0]]) for g in groups for r in g):
         slot_nodes(plan)  # raises the contract's error: a group's members hold different slot counts
-    first = np.concatenate(([0], np.cumsum(counts))).tolist()  # group -> id of its slot 0
-    parent = list(range(first[-1]))  # union-find over group slots, joined by rings
+    timer = SlotTimer(cost, plan.expert_parallel)
+    ring_inter: dict[tuple, bool] = {}
+    slots: list[list[tuple[tuple, float, tuple]]] = []
+    for group in groups:
+        group_inter = crosses_nodes(group, ranks_per_node)
+        mine = []
+        for column in zip(*(plan.ranks[r] for r in group)):
+            t = 0.0
+            keys = ()
+            for mb in column:
+                key = mb.ring_key
+                inter = False
+                if key is not None:
+                    if not keys or keys[-1] != key:
+                        keys += (key,)
+                    inter = ring_inter.get(key)
+                    if inter is None:
+                        inter = ring_inter[key] = crosses_nodes(key[0], ranks_per_node)
+                seconds = timer.time(mb, inter, group_inter)
+                if seconds > t:
+                    t = seconds
+            mine.append((column, t, keys))
+        slots.append(mine)
+    return groups, slots
+
+
+def group_finish_times(groups, slots) -> list[float]:
+    """Per rank: the end of its group's last slot's node (0 without slots); ``slots`` as
+    ``timed_slots`` gives them, in any order that keeps the plan valid."""
+    first, node, end, _ = slot_ends(slots)
+    last = [end[node[first[g] + len(mine) - 1]] if mine else 0.0 for g, mine in enumerate(slots)]
+    return [last[g] for g, group in enumerate(groups) for _ in group]
+
+
+def slot_ends(slots) -> tuple[list[int], list[int], list[float], list[float]]:
+    """The slot graph of per-group slots (``timed_slots``' triples): each group's first slot
+    number (slots numbered group by group), each slot's node (the slots its rings join), and
+    per node its end and its length. A node lasts its longest slot and follows each of its
+    groups' previous slot; raises CycleError where they wait on each other."""
+    first, ids = [], 0
+    for mine in slots:
+        first.append(ids)
+        ids += len(mine)
+    parent = list(range(ids))  # union-find over group slots, joined by rings
 
     def find(x):
         while parent[x] != x:
             parent[x] = x = parent[parent[x]]
         return x
 
-    timer = SlotTimer(cost, e)
-    duration = [0.0] * len(parent)  # per group slot, then per node (at its root)
-    rings: dict[tuple, tuple[int, bool]] = {}  # ring key -> (a group slot it runs at, crosses nodes)
-    for g, group in enumerate(groups):
-        group_inter = crosses_nodes(group, ranks_per_node)
-        for r in group:
-            for k, mb in enumerate(plan.ranks[r]):
-                x = first[g] + k
-                key = mb.ring_key
-                ring_inter = False
-                if key is not None:
-                    seen = rings.get(key)
-                    if seen is None:
-                        seen = rings[key] = (x, crosses_nodes(key[0], ranks_per_node))
-                    else:
-                        a, b = find(seen[0]), find(x)
-                        if a != b:
-                            parent[b] = a
-                    ring_inter = seen[1]
-                t = timer.time(mb, ring_inter, group_inter)
-                if t > duration[x]:
-                    duration[x] = t
-    return longest_finish(groups, counts, first, find, duration)
-
-
-def longest_finish(groups, counts, first, find, duration) -> list[float]:
-    """Per rank: the end of its group's last slot's node (0 without slots); see ``slot_ends``."""
-    node, end, _ = slot_ends(counts, first, find, duration)
-    last = [end[node[first[g] + c - 1]] if c else 0.0 for g, c in enumerate(counts)]
-    return [last[g] for g, group in enumerate(groups) for _ in group]
-
-
-def slot_ends(counts, first, find, duration) -> tuple[list[int], list[float], list[float]]:
-    """Group slots numbered group by group (group ``g``'s are ``first[g]`` on, ``counts[g]`` of
-    them), ``find`` the representative of each one's node (the slots rings join), ``duration``
-    each one's seconds: per slot its node's number, and per node its end and its length. A
-    node lasts the longest of its slots and follows each of its groups' previous slot; raises
-    CycleError where they wait on each other."""
-    root = [find(x) for x in range(len(duration))]
+    at: dict[tuple, int] = {}  # ring key -> a group slot holding it
+    for g, mine in enumerate(slots):
+        for k, (_, _, keys) in enumerate(mine):
+            for key in keys:
+                a, b = find(at.setdefault(key, first[g] + k)), find(first[g] + k)
+                if a != b:
+                    parent[b] = a
+    root = [find(x) for x in range(ids)]
     index = {r: i for i, r in enumerate(dict.fromkeys(root))}
     node = [index[r] for r in root]
     longest = [0.0] * len(index)
-    for x, i in enumerate(node):
-        if duration[x] > longest[i]:
-            longest[i] = duration[x]
+    x = 0
+    for mine in slots:
+        for _, seconds, _ in mine:
+            if seconds > longest[node[x]]:
+                longest[node[x]] = seconds
+            x += 1
     succ: list[list[int]] = [[] for _ in index]
     indeg = [0] * len(index)
-    for g, c in enumerate(counts):
-        for x in range(first[g] + 1, first[g] + c):
+    for g, mine in enumerate(slots):
+        for x in range(first[g] + 1, first[g] + len(mine)):
             a, b = node[x - 1], node[x]
             if a == b:
                 raise CycleError("a ring joins two slots of one EP group: they wait on each other")
@@ -347,7 +373,7 @@ def slot_ends(counts, first, find, duration) -> tuple[list[int], list[float], li
     end = longest_paths(succ, indeg, longest)
     if end is None:
         raise CycleError("rings and EP groups order their slots inconsistently: they wait in a cycle")
-    return node, end, longest
+    return first, node, end, longest
 
 
 class SlotTimer:

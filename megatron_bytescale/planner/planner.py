@@ -43,12 +43,12 @@ from .contract import MicroBatch, Piece, Plan, encode_stage_orders, micro_batch,
 from .contract.slots import check_expert_parallel
 from .contract.zigzag import rank_tokens, zigzag_ranges
 from .cost_model import CostModel
-from .estimate import crosses_nodes, exposed_ring_time, ring_share_time
+from .estimate import exposed_ring_time, ring_share_time
 from .expert_fill import fill_ring_waits
 from .expert_slots import (
     GroupPlacer,
     align_expert_slots,
-    all_to_all_time,
+    ep_all_to_all_time,
     round_rings_to_groups,
 )
 from .offload_policy import host_capacity
@@ -198,7 +198,9 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         best = None
         # under EP the units' times count their all-to-alls and the target does not: the
         # average rank's are allowed on top of it before another target is tried
-        allowance = _all_to_alls(config, cost, placer.ranks_per_node, float(sum(lens)) / config.num_ranks)
+        allowance = ep_all_to_all_time(
+            cost, float(sum(lens)) / config.num_ranks, config.expert_parallel, placer.ranks_per_node
+        )
         for factor in factors:
             sizer = RingSizer(
                 config.capacity,
@@ -444,19 +446,10 @@ def _units(lens, shards: dict[int, Shard], config: PlannerConfig, cost: CostMode
         # every micro-batch also runs the MoE all-to-alls: counted so that the scheduler evens
         # them out too (a rank of many short sequences sends more tokens than one of a ring share)
         for u in units:
-            u.time += _all_to_alls(config, cost, ranks_per_node, u.tokens)
+            u.time += ep_all_to_all_time(cost, u.tokens, config.expert_parallel, ranks_per_node)
         # a short sequence's share of its micro-batch's: its tokens, the latency pro rata
-        times = times + _all_to_alls(config, cost, ranks_per_node, s, latencies=s / config.capacity)
+        times = times + ep_all_to_all_time(cost, s, config.expert_parallel, ranks_per_node, s / config.capacity)
     return units + [Unit("short", (i,), 1, t, n) for i, t, n in zip(short_ids, times.tolist(), tokens.tolist())]
-
-
-def _all_to_alls(config: PlannerConfig, cost: CostModel, ranks_per_node: int, tokens, latencies=1.0):
-    """Seconds of MoE all-to-alls of a micro-batch of ``tokens`` (0 without EP); EP groups are
-    blocks of consecutive HDP ranks, so they cross nodes alike."""
-    if config.expert_parallel == 1:
-        return 0.0
-    inter = crosses_nodes(range(config.expert_parallel), ranks_per_node)
-    return all_to_all_time(cost, tokens, config.expert_parallel, inter, latencies)
 
 
 def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) -> list[Unit]:
