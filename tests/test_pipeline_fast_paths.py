@@ -1,13 +1,15 @@
 """The pipeline graph's and the slot alignment's fast paths give what their plain versions
 give: operation sequences mapped from cached per-count patterns, micro-batch edges unrolled
-instead of asked of ``next_op`` per operation, each rank's cut of one long pipeline shared by
+instead of asked of ``next_op`` per operation, the longest paths level by level with numpy
+(``pipeline_times``) instead of node by node, each rank's cut of one long pipeline shared by
 ranks with the same slots. (The alignment's cached rank views are checked by the plans
 themselves: the planner tests and the plan digests of the pipeline modes.)"""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_bytescale.planner.contract import PipelineGraph, interleaved_order
+from megatron_bytescale.planner.contract import PipelineGraph, interleaved_order, longest_paths
+from megatron_bytescale.planner.pipeline_times import graph_ends
 from megatron_bytescale.planner.slot_alignment import _cut_per_rank, _run_one_pipeline, slot_offsets
 
 
@@ -58,6 +60,27 @@ def test_unrolled_micro_batch_edges_match_next_op(keys, stages, chunks):
             plain_indeg[nxt] += 1
     assert [sorted(s) for s in succ] == [sorted(s) for s in plain_succ]
     assert indeg == plain_indeg
+
+
+@settings(max_examples=100, deadline=None)
+@given(ring_keys(), st.integers(1, 4), st.integers(1, 3), st.data())
+def test_numpy_longest_paths_match_the_contracts_walk(keys, stages, chunks, data):
+    """The same end of every node, to the bit (one sum and one maximum per node either way),
+    barriers included; on a deadlock both give None and leave the same nodes waiting."""
+    times = [[data.draw(st.floats(0.0, 4.0)) for _ in row] for row in keys]
+    graph = PipelineGraph.of_times(keys, times, stages, 0.4, chunks)
+    barriers = []
+    if chunks == 1 and data.draw(st.booleans()):  # one barrier after some micro-batches of every rank
+        barriers = [[data.draw(st.integers(0, len(row))) for row in keys]]
+    seqs = graph.sequences(None, barriers)
+    succ, indeg = graph.edges(seqs, len(barriers))
+    plain = longest_paths(succ, indeg, graph.dur + [0.0] * len(barriers))
+    end, left = graph_ends(graph, seqs, len(barriers))
+    if plain is None:
+        assert end is None
+        assert left.tolist() == indeg
+    else:
+        assert end is not None and end.tolist() == plain
 
 
 @settings(max_examples=60, deadline=None)

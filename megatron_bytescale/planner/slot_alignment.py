@@ -21,10 +21,11 @@ from itertools import accumulate
 
 import numpy as np
 
-from .contract import BACKWARD, FORWARD, Op, find_pipeline_deadlock, pipelined_finish_times
+from .contract import BACKWARD, FORWARD, Op, find_pipeline_deadlock
 from .contract.ops import megatron_interleaved_orders
 from .cost_model import FORWARD_SHARE
 from .estimate import one_f_one_b_time
+from .pipeline_times import pipelined_finish_times
 
 LOOKAHEAD = 16  # rings of the schedule tried for the next slot before local work moves between ranks
 

@@ -18,7 +18,8 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .contract import BACKWARD, FORWARD, Op, PipelineGraph, interleaved_order, pipelined_finish_times
+from .contract import BACKWARD, FORWARD, Op, PipelineGraph, interleaved_order
+from .pipeline_times import end_times, pipelined_finish_times
 from .slot_alignment import slot_interleaved_orders, slot_offsets
 
 _EPS = 1e-12
@@ -68,7 +69,7 @@ def stage_schedule(
     if base_orders is None:
         base_orders = [[interleaved_order(len(keys), p, k, chunks) for k in range(p)] for keys in ring_keys]
     base = ops.sequences(base_orders)
-    base_end = ops.evaluate(base)
+    base_end = end_times(ops, base)
     best = None
     best_time = max(ops.finish(base_end), default=0.0) if base_end is not None else float("inf")
     ran = False
@@ -80,7 +81,7 @@ def stage_schedule(
         seqs = _list_schedule(ops, c)
         ran = ran or seqs is not None
         if seqs is not None:
-            end = ops.evaluate(seqs)
+            end = end_times(ops, seqs)
             if end is not None:
                 t = max(ops.finish(end), default=0.0)
                 if t < best_time * (1 - 1e-9):

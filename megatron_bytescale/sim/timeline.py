@@ -65,12 +65,13 @@ import numpy as np
 
 from ..errors import PlanError
 from ..planner import two_level
-from ..planner.contract import BACKWARD, FORWARD, MicroBatch, PipelineGraph, Plan, longest_paths
+from ..planner.contract import BACKWARD, FORWARD, MicroBatch, PipelineGraph, Plan
 from ..planner.contract.rules import barrier_errors
 from ..planner.contract.slots import ep_groups, slot_errors, slot_nodes
 from ..planner.cost_model import CostModel
 from ..planner.expert_slots import align_expert_slots, all_to_all_time
 from ..planner.offload_policy import copy_exposure, host_bytes
+from ..planner.pipeline_times import graph_ends
 from ..planner.ring_traffic import p2p_bytes_per_rank
 from .cluster import Cluster
 from .grad_reduction import exposed_reduction
@@ -467,8 +468,7 @@ def _expert_slots(plan: Plan, cluster: Cluster, cost: CostModel, work, barriers)
 
 def _longest_paths(graph: PipelineGraph, seqs, barriers: int) -> np.ndarray:
     """End time of every node (start = latest end of all it waits for); PlanError on a cycle."""
-    succ, indeg = graph.edges(seqs, barriers)
-    end = longest_paths(succ, indeg, graph.dur + [0.0] * barriers)
+    end, indeg = graph_ends(graph, seqs, barriers)
     if end is None:
         stuck = graph.stuck(seqs, indeg)[:5]
         raise PlanError(
@@ -476,7 +476,7 @@ def _longest_paths(graph: PipelineGraph, seqs, barriers: int) -> np.ndarray:
             f"(e.g. {'; '.join(stuck)}); order ring micro-batches so every member reaches them at the same "
             "1F1B position"
         )
-    return np.asarray(end)
+    return end
 
 
 def lower_bound(seq_lens, cluster: Cluster, cost: CostModel) -> float:
