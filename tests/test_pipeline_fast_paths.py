@@ -8,8 +8,8 @@ themselves: the planner tests and the plan digests of the pipeline modes.)"""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_bytescale.planner.contract import PipelineGraph, interleaved_order, longest_paths
-from megatron_bytescale.planner.pipeline_times import graph_ends
+from megatron_bytescale.planner.contract import PipelineGraph, encode_stage_orders, interleaved_order, longest_paths
+from megatron_bytescale.planner.pipeline_times import graph_ends, sequence_arrays
 from megatron_bytescale.planner.slot_alignment import _cut_per_rank, _run_one_pipeline, slot_offsets
 
 
@@ -38,6 +38,8 @@ def test_default_sequences_match_the_ids_of_the_default_orders(keys, stages, chu
     ]
     assert graph.sequences() == plain
     assert graph.sequences(graph.default_orders()) == plain  # explicit orders, no barriers
+    flat, lens = sequence_arrays(graph)  # the same ids, computed over all ranks at once
+    assert lens.tolist() == [len(x) for x in plain] and flat.tolist() == [i for x in plain for i in x]
 
 
 @settings(max_examples=80, deadline=None)
@@ -99,3 +101,9 @@ def test_cut_per_rank_matches_cutting_each_rank_alone(keys, stages, chunks):
     assert [[[tuple(op) for op in order] for order in rank] for rank in cut] == plain
     if len(cut) > 1:  # every rank owns its lists: callers may edit one rank's orders
         assert all(a is not b for a in cut[0] for b in cut[1])
+    # the arrays behind them give the plan's codes and the graph's operation ids as the lists do
+    assert cut.codes(chunks) == encode_stage_orders(plain, chunks)
+    graph = PipelineGraph(keys, stages, chunks)
+    flat, lens = sequence_arrays(graph, cut)
+    seqs = graph.sequences(plain)
+    assert lens.tolist() == [len(x) for x in seqs] and flat.tolist() == [i for x in seqs for i in x]

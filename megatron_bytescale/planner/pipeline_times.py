@@ -12,23 +12,90 @@ ended) is a handful of array operations, and such graphs are 10^2 levels deep.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from itertools import chain
 
 import numpy as np
 
-from .contract import PipelineGraph
-from .contract.graph import Orders
+from .contract import FORWARD, Op, PipelineGraph
+from .contract.graph import Orders, _default_pattern
 
 # Graphs smaller than this many operations are walked by the contract's Python loop: the array
 # operations of a level cost more than walking a few hundred nodes (one pipeline's 1F1B time).
 SMALL_GRAPH = 2048
 
 
-def edge_arrays(graph: PipelineGraph, seqs: Sequence[Sequence[int]], extra: int = 0) -> tuple[np.ndarray, np.ndarray]:
+class ArrayOrders(Sequence):
+    """Orders per rank and device, as ``PipelineGraph.sequences`` takes them, held as one
+    array of (direction, micro-batch, chunk) rows per rank and device (``per_device[r * p +
+    k]``; ranks cut from the same slots of one long pipeline share theirs, read-only). Reading
+    a rank makes its ``Op`` lists; ``sequence_arrays`` and ``codes`` read the arrays (the lists
+    of 10^6 ops, made and read one by one, were a second per step at 512M tokens)."""
+
+    def __init__(self, per_device: list[np.ndarray], stages: int):
+        self.per_device = per_device
+        self.stages = stages
+
+    def __len__(self) -> int:
+        return len(self.per_device) // self.stages
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return [self[i] for i in range(*r.indices(len(self)))]
+        r = range(len(self))[r]  # IndexError past the end, as a list
+        p = self.stages
+        return [[Op(*row) for row in a.tolist()] for a in self.per_device[r * p : (r + 1) * p]]
+
+    def codes(self, chunks: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """``contract.encode_stage_orders`` of these orders (``Plan.stage_orders``)."""
+        made: dict[int, tuple[int, ...]] = {}  # per shared array
+        for a in self.per_device:
+            if id(a) not in made:
+                x = a[:, 1] * chunks + a[:, 2]
+                made[id(a)] = tuple(np.where(a[:, 0] == FORWARD, x, -1 - x).tolist())
+        p = self.stages
+        return tuple(tuple(made[id(a)] for a in self.per_device[r * p : (r + 1) * p]) for r in range(len(self)))
+
+
+def sequence_arrays(graph: PipelineGraph, orders: Orders | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``PipelineGraph.sequences(orders)`` (no barriers) as arrays: every resource's operation
+    ids one after the other, and each resource's count. For the default orders and
+    ``ArrayOrders`` the ids are computed over all ranks at once; other orders go through the
+    contract's ``sequences``."""
+    p, vp, n = graph.p, graph.vp, graph.n
+    if orders is not None and not isinstance(orders, ArrayOrders):
+        seqs = graph.sequences(orders)
+        lens = np.fromiter(map(len, seqs), np.int64, len(seqs))
+        return np.fromiter(chain.from_iterable(seqs), np.int64, int(lens.sum())), lens
+    counts = [len(row) for row in graph.unit_at]
+    units = np.fromiter(chain.from_iterable(graph.unit_at), np.int64, sum(counts))
+    row_start = np.zeros(n, dtype=np.int64)
+    np.cumsum(counts[:-1], out=row_start[1:])
+    if orders is None:  # each device's default order: a fixed pattern per micro-batch count
+        rows = [_pattern(c, p, k, graph.v) for c in counts for k in range(p)]
+    else:
+        rows = orders.per_device
+    lens = np.fromiter(map(len, rows), np.int64, n * p)
+    ops = np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.int64)
+    virtual = ops[:, 2]
+    if orders is not None:  # chunk -> virtual stage
+        virtual = virtual * p + np.repeat(np.tile(np.arange(p, dtype=np.int64), n), lens)
+    rank = np.repeat(np.arange(n, dtype=np.int64), lens.reshape(n, p).sum(axis=1))
+    return (units[row_start[rank] + ops[:, 1]] * vp + virtual) * 2 + ops[:, 0], lens
+
+
+@lru_cache(maxsize=4096)
+def _pattern(count: int, stages: int, device: int, chunks: int) -> np.ndarray:
+    """(direction, micro-batch, virtual stage) per op of a device's default order, as rows."""
+    return np.array(_default_pattern(count, stages, device, chunks), dtype=np.int64).reshape(-1, 3)
+
+
+def edge_arrays(
+    graph: PipelineGraph, flat: np.ndarray, lens: np.ndarray, extra: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """(source, destination) of every edge of ``PipelineGraph.edges``: each resource's
-    consecutive operations, then each micro-batch's chain of virtual stages."""
-    lens = np.fromiter(map(len, seqs), np.int64, len(seqs))
-    flat = np.fromiter(chain.from_iterable(seqs), np.int64, int(lens.sum()))
+    consecutive operations (``flat``: the resources' sequences one after the other, ``lens``
+    their lengths), then each micro-batch's chain of virtual stages."""
     inside = np.ones(max(flat.size - 1, 0), dtype=bool)  # pairs that do not cross two resources
     ends = np.cumsum(lens)[:-1]
     inside[ends[(ends > 0) & (ends < flat.size)] - 1] = False
@@ -80,7 +147,13 @@ def graph_ends(
     graph: PipelineGraph, seqs: Sequence[Sequence[int]], barriers: int = 0
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """``longest_path_ends`` of the graph of ``seqs`` (``barriers`` barrier nodes last, lasting 0)."""
-    src, dst = edge_arrays(graph, seqs, barriers)
+    lens = np.fromiter(map(len, seqs), np.int64, len(seqs))
+    flat = np.fromiter(chain.from_iterable(seqs), np.int64, int(lens.sum()))
+    return _ends(graph, flat, lens, barriers)
+
+
+def _ends(graph: PipelineGraph, flat: np.ndarray, lens: np.ndarray, barriers: int = 0):
+    src, dst = edge_arrays(graph, flat, lens, barriers)
     duration = np.zeros(graph.total + barriers)
     duration[: graph.total] = graph.dur
     return longest_path_ends(graph.total + barriers, src, dst, duration)
@@ -105,5 +178,9 @@ def pipelined_finish_times(
     """``contract.pipelined_finish_times`` (finish per rank, None if it deadlocks), its longest
     paths taken by ``end_times``."""
     graph = PipelineGraph.of_times(unit_keys, times, stages, forward_share, chunks)
-    end = end_times(graph, graph.sequences(orders))
+    if graph.total < SMALL_GRAPH:
+        end = graph.evaluate(graph.sequences(orders))  # ArrayOrders read as lists
+    else:
+        end = _ends(graph, *sequence_arrays(graph, orders))[0]
+        end = None if end is None else end.tolist()
     return None if end is None else graph.finish(end)

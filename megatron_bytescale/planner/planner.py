@@ -52,6 +52,7 @@ from .expert_slots import (
     round_rings_to_groups,
 )
 from .offload_policy import host_capacity
+from .pipeline_times import ArrayOrders
 from .placement import RingPlacer, check_shape
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
 from .slot_alignment import Item, LocalBatch, Ordered, order_runs, rank_estimates
@@ -258,7 +259,9 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         orders, finish, found_cap, what = chosen
         est = np.array(finish)
         if orders is not None:
-            stage_orders = encode_stage_orders(orders, chunks)
+            stage_orders = (
+                orders.codes(chunks) if isinstance(orders, ArrayOrders) else encode_stage_orders(orders, chunks)
+            )
         notes.append(f"chunk orders: {what}")
     elif stages > 1 and config.pipeline_schedule == "search":
         found = _search_stage_orders(ordered, stages, ring_time, cost)

@@ -25,7 +25,7 @@ from .contract import BACKWARD, FORWARD, Op, find_pipeline_deadlock
 from .contract.ops import megatron_interleaved_orders
 from .cost_model import FORWARD_SHARE
 from .estimate import one_f_one_b_time
-from .pipeline_times import pipelined_finish_times
+from .pipeline_times import ArrayOrders, pipelined_finish_times
 
 LOOKAHEAD = 16  # rings of the schedule tried for the next slot before local work moves between ranks
 
@@ -74,15 +74,16 @@ def order_runs(
     starts as soon as its last member reaches it. ``runs[r]`` holds ``r``'s rings in
     ``ring_order``. With ``stages > 1`` the order is made safe for 1F1B (see above);
     ``Ordered.deadlock`` says why if no safe order was found. ``fallback=False`` skips the
-    searches of step 2 (slow on large plans): rings left unaligned then set ``deadlock``.
+    searches of step 2 (slow on large plans): the first ring left unaligned then sets
+    ``deadlock`` and ends the pass (the runs are then incomplete: only ``deadlock`` counts).
     ``forward_share``: the forward's share of a stage's time (``CostModel.forward_share``)."""
     if stages <= 1:
         return _sequential(runs, ring_order, members, ring_time)
-    result = _aligned(runs, ring_order, members, ring_time, split, lookahead)
+    result = _aligned(runs, ring_order, members, ring_time, split, lookahead, stop_unaligned=not fallback)
     if not result.unaligned:
         return result
     if not fallback:
-        result.deadlock = f"{len(result.unaligned)} ring micro-batches could not take one slot on all their members"
+        result.deadlock = f"ring micro-batch {result.unaligned[0]} could not take one slot on all its members"
         return result
     # Local work ran out: some rings could not take one slot. The candidates, of which the
     # shortest estimated step wins: the same pass keeping local work for later slots rather
@@ -244,7 +245,9 @@ def _in_schedule_order(runs, ring_order, members, ring_time) -> Ordered:
     return result
 
 
-def _aligned(runs, ring_order, members, ring_time, split, lookahead, frugal: bool = False) -> Ordered:
+def _aligned(
+    runs, ring_order, members, ring_time, split, lookahead, frugal: bool = False, stop_unaligned: bool = False
+) -> Ordered:
     state = _State(runs, split, ring_time, frugal)
     result = Ordered(state.out, state.clock)
     pending = list(ring_order)
@@ -260,6 +263,8 @@ def _aligned(runs, ring_order, members, ring_time, split, lookahead, frugal: boo
             take = state.aligned_take(u, members[u], result, borrow=True)
             if take is None:  # no local work left anywhere: this ring cannot be aligned
                 result.unaligned.append(u)
+                if stop_unaligned:
+                    return result
                 take = state.unaligned_take(u, members[u])
         result.reordered += k > 0
         del pending[k]
@@ -675,7 +680,7 @@ def slot_interleaved_orders(
     slot_times: bool = False,
     megatron: bool = False,
     shift: int = 0,
-) -> list[list[list[Op]]] | None:
+) -> ArrayOrders | None:
     """Interleaved orders that cannot deadlock when rings sit at one slot on all members: the
     order of one long pipeline over all slots (``_run_one_pipeline``; unit times, or with
     ``slot_times`` each slot's longest micro-batch; with ``megatron`` Megatron's fixed
@@ -703,15 +708,21 @@ def slot_interleaved_orders(
     return _cut_per_rank(full, off, ring_keys, stages)
 
 
-def _cut_per_rank(full: list[list[Op]], offsets: Sequence[int], ring_keys, stages: int) -> list[list[list[Op]]]:
+def _cut_per_rank(full: list[list[Op]], offsets: Sequence[int], ring_keys, stages: int) -> ArrayOrders:
     """Each rank's part of one long pipeline's orders: the ops of its slots ``[o, o + len)``,
-    renumbered from 0 (ranks with the same slots share the work of cutting)."""
-    cut: dict[tuple[int, int], list[list[Op]]] = {}
-    out = []
+    renumbered from 0 (ranks with the same slots share one array per device)."""
+    whole = [np.array(order, dtype=np.int64).reshape(-1, 3) for order in full]
+    cut: dict[tuple[int, int], list[np.ndarray]] = {}
+    per_device = []
     for o, keys in zip(offsets, ring_keys):
         span = (o, len(keys))
         if span not in cut:
-            hi = o + len(keys)
-            cut[span] = [[Op(d, m - o, c) for d, m, c in full[dev] if o <= m < hi] for dev in range(stages)]
-        out.append([list(order) for order in cut[span]])
-    return out
+            parts = []
+            for ops in whole:
+                part = ops[(ops[:, 1] >= o) & (ops[:, 1] < o + len(keys))]
+                part[:, 1] -= o  # a copy: boolean indexing
+                part.flags.writeable = False
+                parts.append(part)
+            cut[span] = parts
+        per_device += cut[span]
+    return ArrayOrders(per_device, stages)
