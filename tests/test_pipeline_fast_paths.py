@@ -10,7 +10,13 @@ from hypothesis import strategies as st
 
 from megatron_bytescale.planner.contract import PipelineGraph, encode_stage_orders, interleaved_order, longest_paths
 from megatron_bytescale.planner.pipeline_times import graph_ends, sequence_arrays
-from megatron_bytescale.planner.slot_alignment import _cut_per_rank, _run_one_pipeline, slot_offsets
+from megatron_bytescale.planner.slot_alignment import (
+    LocalBatch,
+    _cut_per_rank,
+    _RankView,
+    _run_one_pipeline,
+    slot_offsets,
+)
 
 
 @st.composite
@@ -107,3 +113,34 @@ def test_cut_per_rank_matches_cutting_each_rank_alone(keys, stages, chunks):
     flat, lens = sequence_arrays(graph, cut)
     seqs = graph.sequences(plain)
     assert lens.tolist() == [len(x) for x in seqs] and flat.tolist() == [i for x in seqs for i in x]
+
+
+def _same_view(a: _RankView, b: _RankView) -> None:
+    assert a.locals == b.locals and a.times == b.times and a.rings == b.rings
+    assert [a.natural(u) for u in a.rings] == [b.natural(u) for u in b.rings]
+    assert a.own == b.own and a.prefix == b.prefix and a.load == b.load and a.queue_times == b.queue_times
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_a_view_after_a_ring_is_the_view_of_the_queue_left(data):
+    """``_RankView.after_place`` (slices of the view before) gives what a pass over the queue
+    left gives, to the bit, through several rings in a row."""
+    rings = data.draw(st.integers(1, 5))
+    queue = [u for u in range(rings)]
+    for _ in range(data.draw(st.integers(0, 8))):
+        size = data.draw(st.integers(1, 3))
+        batch = LocalBatch(tuple(range(size)), 1.0, data.draw(st.floats(0.001, 3.0)))
+        queue.insert(data.draw(st.integers(0, len(queue))), batch)
+    ring_time = {u: data.draw(st.floats(0.001, 3.0)) for u in range(rings)}
+    split = data.draw(st.booleans())
+    clock = data.draw(st.floats(0.0, 5.0))
+    view = _RankView.of_queue(queue, clock, ring_time, split)
+    for _ in range(rings):
+        u = data.draw(st.sampled_from(view.rings))
+        take = data.draw(st.integers(0, len(view.locals)))
+        clock = view.prefix[take] + ring_time[u]
+        left = [x for x in queue if x is not u and not any(x is y for y in view.locals[:take])]
+        view, queue = view.after_place(queue, take, u, clock, ring_time, split)
+        assert queue == left
+        _same_view(view, _RankView.of_queue(queue, clock, ring_time, split))
