@@ -5,11 +5,12 @@ instead of asked of ``next_op`` per operation, the longest paths level by level 
 ranks with the same slots. (The alignment's cached rank views are checked by the plans
 themselves: the planner tests and the plan digests of the pipeline modes.)"""
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_bytescale.planner.contract import PipelineGraph, encode_stage_orders, interleaved_order, longest_paths
-from megatron_bytescale.planner.pipeline_times import graph_ends, sequence_arrays
+from megatron_bytescale.planner.pipeline_times import PipelineArrays, graph_ends
 from megatron_bytescale.planner.slot_alignment import (
     LocalBatch,
     _cut_per_rank,
@@ -44,8 +45,15 @@ def test_default_sequences_match_the_ids_of_the_default_orders(keys, stages, chu
     ]
     assert graph.sequences() == plain
     assert graph.sequences(graph.default_orders()) == plain  # explicit orders, no barriers
-    flat, lens = sequence_arrays(graph)  # the same ids, computed over all ranks at once
+    times = [[float(m + r) for m in range(len(row))] for r, row in enumerate(keys)]
+    pipes = PipelineArrays(keys, times, stages, 0.4, chunks)  # the same ids, over all ranks at once
+    flat, lens = pipes.sequences()
     assert lens.tolist() == [len(x) for x in plain] and flat.tolist() == [i for x in plain for i in x]
+    timed = PipelineGraph.of_times(keys, times, stages, 0.4, chunks)  # the same units and durations
+    assert pipes.unit.tolist() == [u for row in timed.unit_at for u in row] and pipes.dur.tolist() == timed.dur
+    end = timed.evaluate(timed.sequences())
+    if end is not None:
+        assert pipes.finish(np.array(end)) == timed.finish(end)
 
 
 @settings(max_examples=80, deadline=None)
@@ -110,7 +118,7 @@ def test_cut_per_rank_matches_cutting_each_rank_alone(keys, stages, chunks):
     # the arrays behind them give the plan's codes and the graph's operation ids as the lists do
     assert cut.codes(chunks) == encode_stage_orders(plain, chunks)
     graph = PipelineGraph(keys, stages, chunks)
-    flat, lens = sequence_arrays(graph, cut)
+    flat, lens = PipelineArrays(keys, [[1.0] * len(row) for row in keys], stages, 0.4, chunks).sequences(cut)
     seqs = graph.sequences(plain)
     assert lens.tolist() == [len(x) for x in seqs] and flat.tolist() == [i for x in seqs for i in x]
 

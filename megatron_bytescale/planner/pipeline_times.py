@@ -57,31 +57,54 @@ class ArrayOrders(Sequence):
         return tuple(tuple(made[id(a)] for a in self.per_device[r * p : (r + 1) * p]) for r in range(len(self)))
 
 
-def sequence_arrays(graph: PipelineGraph, orders: Orders | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``PipelineGraph.sequences(orders)`` (no barriers) as arrays: every resource's operation
-    ids one after the other, and each resource's count. For the default orders and
-    ``ArrayOrders`` the ids are computed over all ranks at once; other orders go through the
-    contract's ``sequences``."""
-    p, vp, n = graph.p, graph.vp, graph.n
-    if orders is not None and not isinstance(orders, ArrayOrders):
-        seqs = graph.sequences(orders)
-        lens = np.fromiter(map(len, seqs), np.int64, len(seqs))
-        return np.fromiter(chain.from_iterable(seqs), np.int64, int(lens.sum())), lens
-    counts = [len(row) for row in graph.unit_at]
-    units = np.fromiter(chain.from_iterable(graph.unit_at), np.int64, sum(counts))
-    row_start = np.zeros(n, dtype=np.int64)
-    np.cumsum(counts[:-1], out=row_start[1:])
-    if orders is None:  # each device's default order: a fixed pattern per micro-batch count
-        rows = [_pattern(c, p, k, graph.v) for c in counts for k in range(p)]
-    else:
-        rows = orders.per_device
-    lens = np.fromiter(map(len, rows), np.int64, n * p)
-    ops = np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.int64)
-    virtual = ops[:, 2]
-    if orders is not None:  # chunk -> virtual stage
-        virtual = virtual * p + np.repeat(np.tile(np.arange(p, dtype=np.int64), n), lens)
-    rank = np.repeat(np.arange(n, dtype=np.int64), lens.reshape(n, p).sum(axis=1))
-    return (units[row_start[rank] + ops[:, 1]] * vp + virtual) * 2 + ops[:, 0], lens
+class PipelineArrays:
+    """``PipelineGraph.of_times`` as the longest paths need it, built with array operations
+    (the contract's graph asks for every micro-batch's durations one by one): the same units,
+    numbered in order of first appearance, the same durations (the same products and
+    maxima), the same operation ids. ``unit_keys``, ``times``: as ``pipelined_finish_times``."""
+
+    def __init__(self, unit_keys, times, stages: int, forward_share: float, chunks: int = 1):
+        self.p, self.v, self.vp, self.n = stages, chunks, stages * chunks, len(unit_keys)
+        self.counts = [len(keys) for keys in unit_keys]
+        keys = list(chain.from_iterable(unit_keys))
+        first: dict = {}  # a ring's first micro-batch, over all ranks in order
+        same = np.arange(len(keys), dtype=np.int64)  # each micro-batch's first of its unit
+        for i, key in enumerate(keys):
+            if key is not None:
+                same[i] = first.setdefault(key, i)
+        firsts, self.unit = np.unique(same, return_inverse=True)  # units in order of first appearance
+        self.units = firsts.size
+        self.total = self.units * self.vp * 2
+        t = np.fromiter(chain.from_iterable(times), np.float64, len(keys))
+        fwd, bwd = np.zeros(self.units), np.zeros(self.units)
+        np.maximum.at(fwd, self.unit, forward_share * t / chunks)  # a unit lasts its slowest member's
+        np.maximum.at(bwd, self.unit, (1.0 - forward_share) * t / chunks)
+        self.dur = np.broadcast_to(np.stack([fwd, bwd], axis=1)[:, None, :], (self.units, self.vp, 2)).ravel()
+        self.rank = np.repeat(np.arange(self.n, dtype=np.int64), self.counts)  # each micro-batch's rank
+        self.row_start = np.zeros(self.n, dtype=np.int64)
+        np.cumsum(self.counts[:-1], out=self.row_start[1:])
+
+    def sequences(self, orders: ArrayOrders | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``PipelineGraph.sequences(orders)`` (no barriers) as arrays: every resource's
+        operation ids one after the other, and each resource's count, over all ranks at once."""
+        p, n = self.p, self.n
+        if orders is None:  # each device's default order: a fixed pattern per micro-batch count
+            rows = [_pattern(c, p, k, self.v) for c in self.counts for k in range(p)]
+        else:
+            rows = orders.per_device
+        lens = np.fromiter(map(len, rows), np.int64, n * p)
+        ops = np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.int64)
+        virtual = ops[:, 2]
+        if orders is not None:  # chunk -> virtual stage
+            virtual = virtual * p + np.repeat(np.tile(np.arange(p, dtype=np.int64), n), lens)
+        rank = np.repeat(np.arange(n, dtype=np.int64), lens.reshape(n, p).sum(axis=1))
+        return (self.unit[self.row_start[rank] + ops[:, 1]] * self.vp + virtual) * 2 + ops[:, 0], lens
+
+    def finish(self, end: np.ndarray) -> list[float]:
+        """Per rank: when its last operation ends (``PipelineGraph.finish``)."""
+        finish = np.zeros(self.n)
+        np.maximum.at(finish, self.rank, end[self.unit * (2 * self.vp) + 1])
+        return finish.tolist()
 
 
 @lru_cache(maxsize=4096)
@@ -91,7 +114,7 @@ def _pattern(count: int, stages: int, device: int, chunks: int) -> np.ndarray:
 
 
 def edge_arrays(
-    graph: PipelineGraph, flat: np.ndarray, lens: np.ndarray, extra: int = 0
+    graph: PipelineGraph | PipelineArrays, flat: np.ndarray, lens: np.ndarray, extra: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """(source, destination) of every edge of ``PipelineGraph.edges``: each resource's
     consecutive operations (``flat``: the resources' sequences one after the other, ``lens``
@@ -119,7 +142,7 @@ def longest_path_ends(
     its predecessors), and the in-degrees left: None and the nodes of a cycle (and all behind
     them) with in-degree > 0 if it has one (``PipelineGraph.stuck`` names them)."""
     indeg = np.bincount(dst, minlength=nodes)
-    succ = dst[np.argsort(src, kind="stable")]  # successors, grouped by source (CSR)
+    succ = dst[np.argsort(src)]  # successors, grouped by source (CSR; their order is moot)
     first = np.zeros(nodes + 1, dtype=np.int64)
     np.cumsum(np.bincount(src, minlength=nodes), out=first[1:])
     start = np.zeros(nodes)
@@ -152,7 +175,7 @@ def graph_ends(
     return _ends(graph, flat, lens, barriers)
 
 
-def _ends(graph: PipelineGraph, flat: np.ndarray, lens: np.ndarray, barriers: int = 0):
+def _ends(graph: PipelineGraph | PipelineArrays, flat: np.ndarray, lens: np.ndarray, barriers: int = 0):
     src, dst = edge_arrays(graph, flat, lens, barriers)
     duration = np.zeros(graph.total + barriers)
     duration[: graph.total] = graph.dur
@@ -175,12 +198,13 @@ def pipelined_finish_times(
     orders: Orders | None = None,
     chunks: int = 1,
 ) -> list[float] | None:
-    """``contract.pipelined_finish_times`` (finish per rank, None if it deadlocks), its longest
-    paths taken by ``end_times``."""
+    """``contract.pipelined_finish_times`` (finish per rank, None if it deadlocks): for the
+    default orders and ``ArrayOrders``, through ``PipelineArrays``."""
+    small = 2 * stages * chunks * sum(map(len, unit_keys)) < SMALL_GRAPH
+    if (orders is None or isinstance(orders, ArrayOrders)) and not small:
+        pipes = PipelineArrays(unit_keys, times, stages, forward_share, chunks)
+        end = _ends(pipes, *pipes.sequences(orders))[0]
+        return None if end is None else pipes.finish(end)
     graph = PipelineGraph.of_times(unit_keys, times, stages, forward_share, chunks)
-    if graph.total < SMALL_GRAPH:
-        end = graph.evaluate(graph.sequences(orders))  # ArrayOrders read as lists
-    else:
-        end = _ends(graph, *sequence_arrays(graph, orders))[0]
-        end = None if end is None else end.tolist()
+    end = end_times(graph, graph.sequences(orders))  # ArrayOrders read as lists
     return None if end is None else graph.finish(end)
