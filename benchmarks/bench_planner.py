@@ -29,6 +29,7 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -168,6 +169,12 @@ def time_plans(lengths, config: PlannerConfig, cost: CostModel, repeat: int):
     return plan, times, cpu
 
 
+def plan_digest(plan) -> str:
+    """SHA-256 of the plan without its meta (timings): equal digests, identical plans."""
+    body = {k: v for k, v in plan.to_dict().items() if k != "meta"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def plan_figures(plan, times, cpu, critical: float) -> dict:
     m = plan.meta
     est = np.asarray(m["est_rank_time_s"])
@@ -188,6 +195,7 @@ def plan_figures(plan, times, cpu, critical: float) -> dict:
         "ring_sizes": m["ring_sizes"],
         "offloaded_sequences": m["offloaded_sequences"],
         "micro_batches_per_rank_max": max(len(r) for r in plan.ranks),
+        "plan_digest": plan_digest(plan),
     }
 
 
@@ -197,7 +205,7 @@ def print_figures(label: str, res: dict, repeat: int) -> None:
         f"wall (median of {repeat}); est max {res['est_max_s']:.2f} s, mean {res['est_mean_s']:.2f} s, max/mean "
         f"{res['max_over_mean']:.3f}; compute bound {res['compute_bound_s']:.2f} s (max/bound "
         f"{res['max_over_compute_bound']:.3f}); fastest longest ring {res['fastest_longest_ring_s']:.2f} s "
-        f"(max/best-possible {res['max_over_best_possible']:.3f}); rings {res['ring_sizes']}"
+        f"(max/best-possible {res['max_over_best_possible']:.3f}); rings {res['ring_sizes']}; plan {res['plan_digest']}"
     )
 
 
