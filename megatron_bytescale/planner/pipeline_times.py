@@ -18,7 +18,8 @@ from itertools import chain
 import numpy as np
 
 from .contract import FORWARD, Op, PipelineGraph
-from .contract.graph import Orders, _default_pattern
+from .contract import pipelined_finish_times as walked_finish_times
+from .contract.graph import _default_pattern
 
 # Graphs smaller than this many operations are walked by the contract's Python loop: the array
 # operations of a level cost more than walking a few hundred nodes (one pipeline's 1F1B time).
@@ -190,21 +191,14 @@ def end_times(graph: PipelineGraph, seqs: Sequence[Sequence[int]], barriers: int
     return None if end is None else end.tolist()
 
 
-def pipelined_finish_times(
-    unit_keys,
-    times: Sequence[Sequence[float]],
-    stages: int,
-    forward_share: float,
-    orders: Orders | None = None,
-    chunks: int = 1,
-) -> list[float] | None:
+def pipelined_finish_times(unit_keys, times, stages: int, forward_share: float, orders=None, chunks: int = 1):
     """``contract.pipelined_finish_times`` (finish per rank, None if it deadlocks): for the
-    default orders and ``ArrayOrders``, through ``PipelineArrays``."""
-    small = 2 * stages * chunks * sum(map(len, unit_keys)) < SMALL_GRAPH
-    if (orders is None or isinstance(orders, ArrayOrders)) and not small:
-        pipes = PipelineArrays(unit_keys, times, stages, forward_share, chunks)
-        end = _ends(pipes, *pipes.sequences(orders))[0]
-        return None if end is None else pipes.finish(end)
-    graph = PipelineGraph.of_times(unit_keys, times, stages, forward_share, chunks)
-    end = end_times(graph, graph.sequences(orders))  # ArrayOrders read as lists
-    return None if end is None else graph.finish(end)
+    default orders and ``ArrayOrders`` through ``PipelineArrays`` and the numpy walk, other
+    orders and graphs under ``SMALL_GRAPH`` operations by the contract's walk."""
+    if (orders is not None and not isinstance(orders, ArrayOrders)) or (
+        2 * stages * chunks * sum(map(len, unit_keys)) < SMALL_GRAPH
+    ):
+        return walked_finish_times(unit_keys, times, stages, forward_share, orders, chunks)
+    pipes = PipelineArrays(unit_keys, times, stages, forward_share, chunks)
+    end = _ends(pipes, *pipes.sequences(orders))[0]
+    return None if end is None else pipes.finish(end)
