@@ -2,8 +2,8 @@
 give: operation sequences mapped from cached per-count patterns, micro-batch edges unrolled
 instead of asked of ``next_op`` per operation, the longest paths level by level with numpy
 (``pipeline_times``) instead of node by node, each rank's cut of one long pipeline shared by
-ranks with the same slots. (The alignment's cached rank views are checked by the plans
-themselves: the planner tests and the plan digests of the pipeline modes.)"""
+ranks with the same slots, a rank's view after a ring derived from its view before instead of
+from its queue."""
 
 import numpy as np
 from hypothesis import given, settings

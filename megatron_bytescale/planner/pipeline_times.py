@@ -30,7 +30,7 @@ class ArrayOrders(Sequence):
     """Orders per rank and device, as ``PipelineGraph.sequences`` takes them, held as one
     array of (direction, micro-batch, chunk) rows per rank and device (``per_device[r * p +
     k]``; ranks cut from the same slots of one long pipeline share theirs, read-only). Reading
-    a rank makes its ``Op`` lists; ``sequence_arrays`` and ``codes`` read the arrays (the lists
+    a rank makes its ``Op`` lists; ``PipelineArrays.sequences`` and ``codes`` read the arrays (the lists
     of 10^6 ops, made and read one by one, were a second per step at 512M tokens)."""
 
     def __init__(self, per_device: list[np.ndarray], stages: int):
