@@ -470,7 +470,7 @@ def _longest_paths(graph: PipelineGraph, seqs, barriers: int) -> np.ndarray:
     """End time of every node (start = latest end of all it waits for); PlanError on a cycle."""
     end, indeg = graph_ends(graph, seqs, barriers)
     if end is None:
-        stuck = graph.stuck(seqs, indeg)[:5]
+        stuck = graph.stuck(seqs, indeg, limit=5)
         raise PlanError(
             "the plan deadlocks: ring micro-batches wait on each other in a cycle under the 1F1B order "
             f"(e.g. {'; '.join(stuck)}); order ring micro-batches so every member reaches them at the same "

@@ -246,15 +246,20 @@ class PipelineGraph:
                     peak = max(peak, c)
         return peak
 
-    def stuck(self, seqs: Sequence[Sequence[int]], indeg: Sequence[int]) -> list[str]:
-        """After a failed ``longest_paths``: each resource's first operation still waiting."""
+    def stuck(self, seqs: Sequence[Sequence[int]], indeg: Sequence[int], limit: int | None = None) -> list[str]:
+        """After a failed ``longest_paths``: each resource's first operation still waiting, for
+        the first ``limit`` resources that have one (all if None). A deadlocked plan can leave
+        every resource waiting on a ring of thousands of members: the messages only name a
+        few, so only those are looked up."""
         out = []
         for idx, seq in enumerate(seqs):
+            if limit is not None and len(out) >= limit:
+                break
             first = next((x for x in seq if indeg[x] > 0 and x < self.total), None)
             if first is not None:
                 r, k = divmod(idx, self.p)
                 u, _, d = self.split(first)
-                m = dict((x, m) for x, m in self.members[u])[r]
+                m = next(m for x, m in self.members[u] if x == r)
                 out.append(f"rank {r} stage {k} {'forward' if d == FORWARD else 'backward'} of micro-batch {m}")
         return out
 
@@ -294,7 +299,7 @@ def find_pipeline_deadlock(unit_keys, stages: int, orders: Orders | None = None,
     succ, indeg = graph.edges(seqs)
     if longest_paths(succ, indeg, graph.dur) is not None:
         return None
-    stuck = graph.stuck(seqs, indeg)
+    stuck = graph.stuck(seqs, indeg, limit=3)
     waiting = sum(d > 0 for d in indeg)
     return f"{waiting} pipeline operations wait in a cycle, e.g. {'; '.join(stuck[:3])}"
 
