@@ -3,19 +3,24 @@ give: operation sequences mapped from cached per-count patterns, micro-batch edg
 instead of asked of ``next_op`` per operation, the longest paths level by level with numpy
 (``pipeline_times``) instead of node by node, each rank's cut of one long pipeline shared by
 ranks with the same slots, a rank's view after a ring derived from its view before instead of
-from its queue."""
+from its queue, a wide ring's shortfall from per-rank counts instead of its members' views,
+rings placed again by level for all nodes at once instead of node by node."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_bytescale.planner.contract import PipelineGraph, encode_stage_orders, interleaved_order, longest_paths
 from megatron_bytescale.planner.pipeline_times import PipelineArrays, graph_ends
+from megatron_bytescale.planner import slot_alignment
 from megatron_bytescale.planner.slot_alignment import (
     LocalBatch,
     _cut_per_rank,
+    _place_by_level,
     _RankView,
     _run_one_pipeline,
+    order_runs,
     slot_offsets,
 )
 
@@ -152,3 +157,122 @@ def test_a_view_after_a_ring_is_the_view_of_the_queue_left(data):
         view, queue = view.after_place(queue, take, u, clock, ring_time, split)
         assert queue == left
         _same_view(view, _RankView.of_queue(queue, clock, ring_time, split))
+
+
+@st.composite
+def schedules(draw, max_ranks=12):
+    """``order_runs``' input: per rank its rings (in one global order) among local packs of
+    1-3 sequences whose seconds often tie, the rings' members and seconds."""
+    n = draw(st.integers(2, max_ranks))
+    count = draw(st.integers(1, 6))
+    members = {}
+    for u in range(count):
+        size = draw(st.integers(1, n))
+        members[u] = tuple(sorted(draw(st.lists(st.integers(0, n - 1), min_size=size, max_size=size, unique=True))))
+    seq = iter(range(10**6))
+    runs = [[] for _ in range(n)]
+    for u in range(count):
+        for r in members[u]:
+            runs[r].append(u)
+    for r in range(n):
+        for _ in range(draw(st.integers(0, 4))):
+            size = draw(st.integers(1, 3))
+            batch = LocalBatch(tuple(next(seq) for _ in range(size)), 0.0, draw(st.sampled_from([0.5, 1.0, 2.0])))
+            runs[r].insert(draw(st.integers(0, len(runs[r]))), batch)
+    ring_time = {u: draw(st.sampled_from([1.0, 1.5, 3.0])) for u in members}
+    return runs, list(members), members, ring_time
+
+
+def _halves(batch: LocalBatch):
+    k = len(batch.seq_ids) // 2
+    return LocalBatch(batch.seq_ids[:k], batch.ratio, batch.time / 2), LocalBatch(batch.seq_ids[k:], batch.ratio, batch.time / 2)
+
+
+def _outcome(ordered):
+    runs = [[x if isinstance(x, int) else (x.seq_ids, x.time) for x in run] for run in ordered.runs]
+    counts = (ordered.reordered, ordered.pulled, ordered.deferred, ordered.splits, ordered.moved)
+    return runs, ordered.clock, ordered.unaligned, ordered.deadlock, ordered.members, counts
+
+
+@settings(max_examples=120, deadline=None)
+@given(schedules(), st.booleans())
+def test_a_wide_rings_shortfall_from_counts_matches_the_one_from_its_members_views(case, fallback):
+    """Every ring checked with ``_State._missing`` (and none remembered as stuck) orders the
+    runs exactly as every ring checked member by member from the views (and remembered)."""
+    runs, order, members, ring_time = case
+    counted = slot_alignment._State._missing
+
+    def checked(state, u, ring):  # each call against the members' views
+        got = counted(state, u, ring)
+        fixed = [r for r in ring if state.offset[r] is not None]
+        lo = max((state.cursor(r) for r in fixed), default=0)
+        views = [state.view(r) for r in fixed]
+        assert got == sum(max(0, lo - state.cursor(r) - len(v.locals) - v.own) for r, v in zip(fixed, views))
+        return got
+
+    out = {}
+    for wide, remembered in ((10**9, 10**9), (1, 1)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(slot_alignment, "WIDE_RING", wide)
+            mp.setattr(slot_alignment, "UNREMEMBERED_RING", remembered)
+            mp.setattr(slot_alignment._State, "_missing", checked)
+            ordered = order_runs(runs, order, members, ring_time, stages=2, split=_halves, fallback=fallback)
+        out[wide] = _outcome(ordered)
+    assert out[1] == out[10**9]
+
+
+def _place_by_level_node_by_node(runs, ring_order, members, ring_time, ranks_per_node: int):
+    """``_place_by_level`` as it reads, one node and one level at a time (its reference)."""
+    n = len(runs)
+    locals_ = [[x for x in run if isinstance(x, LocalBatch)] for run in runs]
+    load = np.array([sum(x.time for x in batches) for batches in locals_])
+    level = np.zeros(n, dtype=np.int64)
+    rings = [[] for _ in range(n)]
+    new_members = {}
+    order = sorted(ring_order, key=lambda u: -len(members[u]))
+    rpn = max(1, min(ranks_per_node, n))
+    nodes = [np.arange(k, min(k + rpn, n)) for k in range(0, n, rpn)]
+    for u in order:
+        size = len(members[u])
+        best = None
+        for lv in np.unique(level).tolist():
+            if size > rpn:
+                parts = [node[level[node] == lv] for node in nodes]
+                parts = sorted((p for p in parts if p.size), key=lambda p: (-p.size, float(load[p].max()), int(p[0])))
+                picks = [np.concatenate(parts)[:size]] if sum(p.size for p in parts) >= size else []
+            else:
+                picks = []
+                for node in nodes:
+                    cand = node[level[node] == lv]
+                    if cand.size >= size:
+                        picks.append(cand[np.lexsort((cand, load[cand]))[:size]])
+            for chosen in picks:
+                chosen = np.sort(chosen)
+                key = (float(load[chosen].max()), float(load[chosen].max() * size - load[chosen].sum()), lv)
+                if best is None or key < best[0]:
+                    best = (key, chosen)
+        if best is None:
+            return None
+        chosen = best[1]
+        new_members[u] = tuple(chosen.tolist())
+        load[chosen] = load[chosen].max() + ring_time[u]
+        level[chosen] += 1
+        for r in chosen.tolist():
+            rings[r].append(u)
+    return [rings[r] + locals_[r] for r in range(n)], new_members, order
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules(max_ranks=16), st.sampled_from([1, 2, 4, 8]))
+def test_placing_rings_by_level_for_all_nodes_at_once_matches_node_by_node(case, ranks_per_node):
+    runs, order, members, ring_time = case
+    n = len(runs)
+    if n > ranks_per_node and n % ranks_per_node:  # whole nodes, as RingPlacer requires
+        runs = runs[: n - n % ranks_per_node]
+        members = {u: tuple(r for r in m if r < len(runs)) for u, m in members.items()}
+        members = {u: m for u, m in members.items() if m}
+        order = [u for u in order if u in members]
+        runs = [[x for x in run if not isinstance(x, int) or x in members] for run in runs]
+    got = _place_by_level(runs, order, members, ring_time, ranks_per_node)
+    want = _place_by_level_node_by_node(runs, order, members, ring_time, ranks_per_node)
+    assert got == want

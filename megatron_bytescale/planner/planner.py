@@ -202,6 +202,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         allowance = ep_all_to_all_time(
             cost, float(sum(lens)) / config.num_ranks, config.expert_parallel, placer.ranks_per_node
         )
+        shorts = None if config.balance == "none" else _short_units(lens, config, cost, placer.ranks_per_node)
         for factor in factors:
             sizer = RingSizer(
                 config.capacity,
@@ -219,7 +220,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
                 shards = plan_ring_sizes(lens, sizer, target)
                 if config.expert_parallel > 1:
                     shards = round_rings_to_groups(shards, config.expert_parallel, config.num_ranks)
-                units = _units(lens, shards, config, cost, placer.ranks_per_node)
+                units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts)
                 mode = config.balance if balanced else "tokens"
                 assignment = schedule(units, placer, mode, config.slack, stages)
                 step = float(assignment.key.max())
@@ -396,6 +397,7 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     )
     base = balanced_target(np.asarray(lens), sizer)
     candidates, previous = [], None
+    shorts = _short_units(lens, config, cost, placer.ranks_per_node)  # the same for every target
     for scale in PIPELINE_RETARGET:
         target = base * scale
         shards = plan_ring_sizes(lens, sizer, target)
@@ -403,7 +405,7 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
         if sizes == previous:
             continue
         previous = sizes
-        units = _units(lens, shards, config, cost, placer.ranks_per_node)
+        units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts)
         assignment = schedule(units, placer, config.balance, config.slack, stages)
         candidates.append((float(assignment.key.max()), shards, target, units, assignment, scale))
     # Ordering for 1F1B is the slow part: only the candidates the scheduler's own bound
@@ -434,25 +436,41 @@ def _compute_bound(lens, cost: CostModel, num_ranks: int) -> float:
 
 
 # ----------------------------------------------------------------------------- units
-def _units(lens, shards: dict[int, Shard], config: PlannerConfig, cost: CostModel, ranks_per_node: int) -> list[Unit]:
+def _units(
+    lens,
+    shards: dict[int, Shard],
+    config: PlannerConfig,
+    cost: CostModel,
+    ranks_per_node: int,
+    shorts: list[Unit] | None = None,
+) -> list[Unit]:
+    """The long sequences' units for ``shards``, then the short sequences' (``shorts``: the
+    ones ``_short_units`` made, shared by candidates that only resize rings)."""
     units = _long_units(shards, cost, ranks_per_node)
-    arr = np.asarray(lens, dtype=np.int64)
-    short = np.flatnonzero(arr <= config.capacity)
-    short_ids = short.tolist()
     if config.balance == "none":
+        short_ids = np.flatnonzero(np.asarray(lens, dtype=np.int64) <= config.capacity).tolist()
         return units + _naive_packs(units, short_ids, lens, config.capacity, cost, ranks_per_node)
-    # a short sequence's share of its micro-batch's fixed cost g, before packing decides it
-    tokens = arr[short]
-    s = tokens.astype(np.float64)
-    times = cost.num_layers * (cost.a1 * s * s + cost.b1 * s + cost.g * s / config.capacity)
     if config.expert_parallel > 1:
         # every micro-batch also runs the MoE all-to-alls: counted so that the scheduler evens
         # them out too (a rank of many short sequences sends more tokens than one of a ring share)
         for u in units:
             u.time += ep_all_to_all_time(cost, u.tokens, config.expert_parallel, ranks_per_node)
-        # a short sequence's share of its micro-batch's: its tokens, the latency pro rata
+    return units + (shorts if shorts is not None else _short_units(lens, config, cost, ranks_per_node))
+
+
+def _short_units(lens, config: PlannerConfig, cost: CostModel, ranks_per_node: int) -> list[Unit]:
+    """One unit per short sequence (at most ``capacity`` tokens), in sequence order. They do
+    not depend on the ring sizes, and nothing changes them once made."""
+    arr = np.asarray(lens, dtype=np.int64)
+    short = np.flatnonzero(arr <= config.capacity)
+    # a short sequence's share of its micro-batch's fixed cost g, before packing decides it
+    tokens = arr[short]
+    s = tokens.astype(np.float64)
+    times = cost.num_layers * (cost.a1 * s * s + cost.b1 * s + cost.g * s / config.capacity)
+    if config.expert_parallel > 1:
+        # a short sequence's share of its micro-batch's all-to-alls: its tokens, the latency pro rata
         times = times + ep_all_to_all_time(cost, s, config.expert_parallel, ranks_per_node, s / config.capacity)
-    return units + [Unit("short", (i,), 1, t, n) for i, t, n in zip(short_ids, times.tolist(), tokens.tolist())]
+    return [Unit("short", (i,), 1, t, n) for i, t, n in zip(short.tolist(), times.tolist(), tokens.tolist())]
 
 
 def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) -> list[Unit]:

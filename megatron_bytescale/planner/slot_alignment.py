@@ -28,6 +28,12 @@ from .estimate import one_f_one_b_time
 from .pipeline_times import ArrayOrders, pipelined_finish_times
 
 LOOKAHEAD = 16  # rings of the schedule tried for the next slot before local work moves between ranks
+# Rings with at least this many members check their shortfall with numpy over the members'
+# counts (``_State._missing``): fewer are faster one by one in Python. Rings with at least
+# ``UNREMEMBERED_RING`` are not remembered as stuck: nearly every placement touches one of
+# their members, which drops the memo at once, and remembering costs a pass over them.
+WIDE_RING = 64
+UNREMEMBERED_RING = 512
 
 
 @dataclass(eq=False, slots=True)  # slots: ~6 x 10^4 a step at 16K ranks, built and read fast
@@ -170,26 +176,40 @@ def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
     new_members: dict[int, tuple[int, ...]] = {}
     order = sorted(ring_order, key=lambda u: -len(members[u]))  # stable: schedule order among equals
     rpn = max(1, min(ranks_per_node, n))
-    nodes = [np.arange(k, min(k + rpn, n)) for k in range(0, n, rpn)]
+    # node by node (whole nodes: the planner's rank counts are, RingPlacer checks it): rows of
+    # ``by_node`` are nodes, and every choice below is made for all nodes at once
+    by_node = np.arange(n).reshape(n // rpn, rpn)
     for u in order:
         size = len(members[u])
         best = None
+        load2, level2 = load.reshape(by_node.shape), level.reshape(by_node.shape)
         for lv in np.unique(level).tolist():
+            here = level2 == lv
+            count = here.sum(axis=1)
             if size > rpn:  # whole nodes of this level first, then the fullest part-nodes
-                parts = [node[level[node] == lv] for node in nodes]
-                parts = sorted((p for p in parts if p.size), key=lambda p: (-p.size, float(load[p].max()), int(p[0])))
-                picks = [np.concatenate(parts)[:size]] if sum(p.size for p in parts) >= size else []
-            else:  # inside one node: its least-loaded ranks of this level
-                picks = []
-                for node in nodes:
-                    cand = node[level[node] == lv]
-                    if cand.size >= size:
-                        picks.append(cand[np.lexsort((cand, load[cand]))[:size]])
-            for chosen in picks:
-                chosen = np.sort(chosen)
-                key = (float(load[chosen].max()), float(load[chosen].max() * size - load[chosen].sum()), lv)
-                if best is None or key < best[0]:
-                    best = (key, chosen)
+                if count.sum() < size:
+                    continue
+                # nodes by (-ranks at the level, busiest of them, first of them), as a stable sort
+                busiest = np.where(here, load2, -np.inf).max(axis=1)
+                first = by_node[:, 0] + here.argmax(axis=1)  # global rank
+                nodes = np.flatnonzero(count)
+                nodes = nodes[np.lexsort((first[nodes], busiest[nodes], -count[nodes]))]
+                chosen = np.sort(by_node[nodes][here[nodes]][:size])  # row by row: each node's in rank order
+                loads = load[chosen][None, :]
+            else:  # inside one node: its least-loaded ranks of this level, ties to lower ranks
+                nodes = np.flatnonzero(count >= size)
+                if not nodes.size:
+                    continue
+                least = np.argsort(np.where(here[nodes], load2[nodes], np.inf), axis=1, kind="stable")[:, :size]
+                chosen = np.sort(np.take_along_axis(by_node[nodes], least, axis=1), axis=1)
+                loads = load[chosen]
+            # per pick: (start, idle of the members that wait); the first least wins
+            start = loads.max(axis=1)
+            idle = start * size - loads.sum(axis=1)
+            k = int(np.lexsort((np.arange(start.size), idle, start))[0])
+            key = (float(start[k]), float(idle[k]), lv)
+            if best is None or key < best[0]:
+                best = (key, chosen if chosen.ndim == 1 else chosen[k])
         if best is None:
             return None
         chosen = best[1]
@@ -375,6 +395,10 @@ class _RankView:
         """Local micro-batches before ring ``u``."""
         return max(0, self.mark[u] - self.shift)
 
+    def own_after(self, take: int, split: bool) -> int:
+        """``own`` once the first ``take`` local micro-batches have run."""
+        return self.own - sum(len(x.seq_ids) for x in self.locals[:take]) + take if split else 0
+
     def after_place(
         self, queue: list[Item], take: int, u: int, clock: float, ring_time: dict[int, float], split: bool
     ) -> tuple[_RankView, list[Item]]:
@@ -400,7 +424,7 @@ class _RankView:
         v.mark = self.mark  # shared: u is not asked again
         v.shift = self.shift + take
         v.locals, v.times = self.locals[take:], self.times[take:]
-        v.own = self.own - sum(len(x.seq_ids) for x in self.locals[:take]) + take if split else 0
+        v.own = self.own_after(take, split)
         v.prefix = list(accumulate(v.times, initial=clock))
         v.queue_times = kept_times + rest_times
         v.load = clock + sum(v.queue_times)
@@ -424,10 +448,16 @@ class _State:
         self.frugal = frugal  # keep local work for later slots: run no more of it before a ring than needed
         self._views: list[_RankView | None] = [None] * n
         self._placed: dict[int, tuple[_RankView, int, int]] = {}  # rank -> its view before a ring, locals taken, ring
-        self._dirty = set(range(n))  # ranks whose view (and entries below) are out of date
+        self._dirty = set(range(n))  # ranks whose view (and _load) are out of date
         self._nloc = np.zeros(n, dtype=np.int64)  # per rank: local micro-batches queued
         self._load = np.zeros(n)  # per rank: _RankView.load
         self._own = np.zeros(n, dtype=np.int64)  # per rank: _RankView.own
+        # ranks whose _nloc and _own are out of date (``_missing`` brings a placed rank's up
+        # to date from its view before the ring, without deriving the view)
+        self._stale = np.ones(n, dtype=bool)
+        self._cursor = np.zeros(n, dtype=np.int64)  # per rank: ``cursor`` once it has a slot offset
+        self._fixed = np.zeros(n, dtype=bool)  # per rank: has a slot offset (its first ring is placed)
+        self._ring_arrays: dict[int, np.ndarray] = {}  # wide ring -> its members as an array
         # Rings whose members cannot give them one slot from their own work, until one of the
         # members changes (a large ring stays first in the schedule while the rings after it
         # are placed: without this it is tried again, over all its members, before each)
@@ -436,6 +466,7 @@ class _State:
 
     def _touch(self, r: int) -> None:
         self._dirty.add(r)
+        self._stale[r] = True
         for u in self._stuck_by_rank.pop(r, ()):
             self._stuck.discard(u)
 
@@ -463,6 +494,7 @@ class _State:
         self._nloc[r] = len(v.locals)
         self._load[r] = v.load
         self._own[r] = v.own
+        self._stale[r] = False
         self._dirty.discard(r)
 
     def finish(self) -> None:
@@ -488,8 +520,12 @@ class _State:
     def aligned_take(self, u: int, ring, result: Ordered, borrow: bool) -> dict[int, int] | None:
         """Local micro-batches each member runs before ring ``u`` so that the ring takes one
         slot on all of them, or None if the members do not have enough."""
-        if not borrow and u in self._stuck:
-            return None  # as before: no member changed since
+        if not borrow:
+            if u in self._stuck:
+                return None  # as before: no member changed since
+            if len(ring) >= WIDE_RING and self._missing(u, ring):
+                self._remember_stuck(u, ring)
+                return None
         offset, out = self.offset, self.out
         fixed = [r for r in ring if offset[r] is not None]
         cursor = {r: offset[r] + len(out[r]) for r in fixed}
@@ -497,10 +533,8 @@ class _State:
         lo = max(cursor.values(), default=0)
         shorts = {r: lo - cursor[r] - len(views[r].locals) for r in fixed}
         missing = sum(max(0, k - views[r].own) for r, k in shorts.items())
-        if missing and not borrow:  # a function of the members' state alone: remember it
-            self._stuck.add(u)
-            for r in ring:
-                self._stuck_by_rank[r].append(u)
+        if missing and not borrow:
+            self._remember_stuck(u, ring)
             return None  # not even by splitting packs: leave everything as it is
         reserve = None  # per rank, what a member keeps to reach slot lo itself (cursors stay put here)
         if missing:
@@ -546,6 +580,40 @@ class _State:
                 take[r] = 0 if self.frugal else bisect_right(prefix[r], slack) - 1
         return take
 
+    def _remember_stuck(self, u: int, ring) -> None:
+        """Ring ``u`` cannot take a slot from its members' own work, a function of their
+        state alone: remembered until one of them changes (``_touch``)."""
+        if len(ring) < UNREMEMBERED_RING:
+            self._stuck.add(u)
+            for r in ring:
+                self._stuck_by_rank[r].append(u)
+
+    def _missing(self, u: int, ring) -> int:
+        """``aligned_take``'s shortfall of ring ``u`` (local micro-batches its fixed members
+        lack to reach the latest member's slot, beyond what splitting their packs gives),
+        from the per-rank counts: the same integers, without a view per member."""
+        idx = self._ring_arrays.get(u)
+        if idx is None:
+            idx = self._ring_arrays[u] = np.fromiter(ring, dtype=np.int64, count=len(ring))
+        stale = self._stale[idx]
+        if stale.any():
+            split = self.split is not None
+            for r in idx[stale].tolist():
+                placed = self._placed.get(r)
+                if placed is None:
+                    self.view(r)
+                else:  # what the view after the ring will say, without deriving it
+                    v, take, _ = placed
+                    self._nloc[r] = len(v.locals) - take
+                    self._own[r] = v.own_after(take, split)
+                    self._stale[r] = False
+        fixed = idx[self._fixed[idx]]
+        if not fixed.size:
+            return 0
+        cursor = self._cursor[fixed]
+        short = int(cursor.max()) - cursor - self._nloc[fixed] - self._own[fixed]
+        return int(short[short > 0].sum())
+
     def _refresh(self) -> None:
         for r in list(self._dirty):
             self.view(r)
@@ -577,10 +645,13 @@ class _State:
         fixed = [r for r in ring if self.offset[r] is not None]
         slot = max((self.cursor(r) for r in fixed), default=0)
         end = start + seconds
+        offset, out, cursor = self.offset, self.out, self._cursor
         for r in ring:
-            if self.offset[r] is None:
-                self.offset[r] = slot - len(self.out[r])
-            self.out[r].append(u)
+            if offset[r] is None:
+                offset[r] = slot - len(out[r])
+                self._fixed[r] = True
+            out[r].append(u)
+            cursor[r] = offset[r] + len(out[r])
             self.clock[r] = end
             # derived when next asked for: most members of a large ring are not asked again soon
             self._placed[r] = (before[r], take[r], u)
