@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_bytescale.planner import slot_alignment
 from megatron_bytescale.planner.contract import PipelineGraph, encode_stage_orders, interleaved_order, longest_paths
 from megatron_bytescale.planner.pipeline_times import PipelineArrays, graph_ends
-from megatron_bytescale.planner import slot_alignment
 from megatron_bytescale.planner.slot_alignment import (
     LocalBatch,
     _cut_per_rank,
@@ -185,7 +185,7 @@ def schedules(draw, max_ranks=12):
 
 def _halves(batch: LocalBatch):
     k = len(batch.seq_ids) // 2
-    return LocalBatch(batch.seq_ids[:k], batch.ratio, batch.time / 2), LocalBatch(batch.seq_ids[k:], batch.ratio, batch.time / 2)
+    return tuple(LocalBatch(ids, batch.ratio, batch.time / 2) for ids in (batch.seq_ids[:k], batch.seq_ids[k:]))
 
 
 def _outcome(ordered):
