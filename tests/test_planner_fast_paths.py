@@ -386,6 +386,24 @@ def test_placement_in_groups_matches_the_plain_rule(loads, group, nodes_worth):
     assert ring.tolist() == plain_group_placement(loads, size, group, 8)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.sampled_from([2, 4, 8]))
+def test_placement_in_groups_keeps_to_the_plain_rule_as_loads_change(data, group):
+    """One placer over a run of calls on one loads array changed in place between them (as
+    the scheduler does, telling it which ranks changed): the node order it keeps between calls
+    gives the plain rule every time."""
+    values = st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.5])
+    loads = np.array(data.draw(st.lists(values, min_size=32, max_size=32)))
+    placer = RingPlacer(32, 8)
+    for _ in range(data.draw(st.integers(1, 6))):
+        size = data.draw(st.integers(2, 4)) * 8 // group * group
+        changed = data.draw(st.lists(st.integers(0, 31), max_size=12))
+        for r in changed:
+            loads[r] = data.draw(values)
+        ring = placer.place_ranks(loads, size, group, changed)
+        assert list(ring) == plain_group_placement(loads, size, group, 8)
+
+
 def plain_pp_schedule(units, placer, slack, stages, num_buckets=balance.DEFAULT_BUCKETS):
     """PP-balance written plainly: per single-rank unit ``least``, ``run`` and ``push``, the
     run going on while the key after the next unit stays within the level."""

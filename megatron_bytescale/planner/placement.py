@@ -155,14 +155,23 @@ class RingPlacer:
         # first (least busiest member, then lowest node and group), and a node's such groups
         # are its ranks at the least load, in rank order, cut into runs of ``group``.
         idle = by_node == loads.min()
-        place = np.cumsum(idle, axis=1)  # 1, 2, ... over each node's ranks at the least load
-        whole = place[:, -1] // group * group  # per node: its ranks in groups all at the least load
-        if int(whole.sum()) >= ring_size:
-            return (idle & (place <= whole[:, None])).ravel().nonzero()[0][:ring_size]
-        local = np.argsort(by_node, axis=1, kind="stable").reshape(self.num_nodes, rpn // group, group)
-        busiest = np.take_along_axis(by_node, local[:, :, -1], axis=1)  # [node, group]
-        flat = np.lexsort((np.arange(busiest.size), busiest.ravel()))[: ring_size // group]
-        chosen = sorted(flat.tolist())  # by node, then by load within the node
-        nodes, idx = np.divmod(np.array(chosen), rpn // group)
-        groups = np.sort(local[nodes, idx], axis=1) + (nodes * rpn)[:, None]
+        if np.count_nonzero(idle) >= ring_size:  # else not enough even before cutting into groups
+            place = np.cumsum(idle, axis=1)  # 1, 2, ... over each node's ranks at the least load
+            whole = place[:, -1] // group * group  # per node: its ranks in groups all at the least load
+            if int(whole.sum()) >= ring_size:
+                return (idle & (place <= whole[:, None])).ravel().nonzero()[0][:ring_size]
+        # each node's groups' busiest members: every group-th of its sorted loads (kept up to
+        # date between calls by ``_node_order``), node by node
+        busiest = self._node_order(loads)[group - 1 :: group].T.ravel()  # [node, group], flattened
+        # the count least-loaded groups, ties to the lower node and group (exact, O(N)), by
+        # node, then by load within the node
+        count = ring_size // group
+        threshold = np.partition(busiest, count - 1)[count - 1]
+        below = np.flatnonzero(busiest < threshold)
+        chosen = np.sort(np.concatenate([below, np.flatnonzero(busiest == threshold)[: count - below.size]]))
+        nodes, idx = np.divmod(chosen, rpn // group)
+        # the chosen nodes' ranks least-loaded first (ties to the lower rank), cut into groups
+        used, at = np.unique(nodes, return_inverse=True)
+        local = np.argsort(by_node[used], axis=1, kind="stable").reshape(used.size, rpn // group, group)
+        groups = np.sort(local[at, idx], axis=1) + (nodes * rpn)[:, None]
         return groups.ravel()
