@@ -1,4 +1,4 @@
-"""Planner speed and balance on a Byted-like global batch, per balance mode.
+"""Planner speed and balance on a Byted-like (or ``--dataset``) global batch, per balance mode.
 
     PYTHONPATH=. python benchmarks/bench_planner.py --modes dp pp vpp ep [--global-batch-tokens 32M] [--json OUT]
     PYTHONPATH=. python benchmarks/bench_planner.py [--gpus 16384] [--pp 1] [--balance dp pp none]
@@ -16,9 +16,9 @@ as the cluster it is made for (``MODES``): ``dp`` (LLaMA-7B, DP-balance), ``pp``
 ``ep`` (Mistral-8x7B, TP 4, expert parallelism 8). Without it: ``--model`` with ``--pp P``
 stages (``gpus / P`` HDP ranks) and each ``--balance``.
 
-Lengths: ``megatron_bytescale/data/workloads.py``'s ``sample_lengths("byted", ...)`` (the
-simulator helper's generator) when it is installed, else ``byted_like_lengths`` below, a
-documented parametric mix (``--workload builtin`` forces it).
+Lengths: ``megatron_bytescale/data/workloads.py``'s ``sample_lengths(dataset, ...)`` (the
+simulator's generator; ``--dataset byted`` by default, or ``github``) when it is installed, else
+``byted_like_lengths`` below, a documented parametric mix (``--workload builtin`` forces it).
 """
 
 from __future__ import annotations
@@ -124,14 +124,17 @@ def byted_like_lengths(total_tokens: int, context: int, rng: np.random.Generator
     return lengths
 
 
-def batch_lengths(workload: str, total: int, context: int, seed: int) -> tuple[list[int], str]:
+def batch_lengths(workload: str, total: int, context: int, seed: int, dataset: str = "byted") -> tuple[list[int], str]:
     if workload == "auto":
         try:
             from megatron_bytescale.data.workloads import sample_lengths
         except ImportError:
             pass
         else:
-            return list(sample_lengths("byted", total, context, np.random.default_rng(seed))), "data/workloads.py byted"
+            lengths = sample_lengths(dataset, total, context, np.random.default_rng(seed))
+            return list(lengths), f"data/workloads.py {dataset}"
+    if dataset != "byted":
+        raise SystemExit(f"--dataset {dataset} needs data/workloads.py (--workload auto): the builtin mix is Byted")
     return byted_like_lengths(total, context, np.random.default_rng(seed)), "builtin byted-like mix"
 
 
@@ -248,7 +251,7 @@ def run(args) -> dict:
     capacity = parse_size(args.capacity, "capacity")
     context = parse_size(args.context, "context")
     total = parse_size(args.tokens, "tokens")
-    lengths, source = batch_lengths(args.workload, total, context, args.seed)
+    lengths, source = batch_lengths(args.workload, total, context, args.seed, args.dataset)
     out = {
         "gpus": args.gpus,
         "hardware": args.hardware,
@@ -297,6 +300,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dataset",
+        default="byted",
+        help="the batch's lengths: byted, github or a workload YAML (data/workloads.py) [byted]",
+    )
     p.add_argument(
         "--workload",
         choices=["auto", "builtin"],
