@@ -197,8 +197,9 @@ def _outcome(ordered):
 @settings(max_examples=120, deadline=None)
 @given(schedules(), st.booleans())
 def test_a_wide_rings_shortfall_from_counts_matches_the_one_from_its_members_views(case, fallback):
-    """Every ring checked with ``_State._missing`` (and none remembered as stuck) orders the
-    runs exactly as every ring checked member by member from the views (and remembered)."""
+    """Every ring checked with ``_State._missing`` (and none remembered as stuck, and each
+    stuck one asked whether it is ``hopeless``) orders the runs exactly as every ring checked
+    member by member from the views (and remembered, and never given up early)."""
     runs, order, members, ring_time = case
     counted = slot_alignment._State._missing
 
@@ -218,7 +219,12 @@ def test_a_wide_rings_shortfall_from_counts_matches_the_one_from_its_members_vie
             mp.setattr(slot_alignment._State, "_missing", checked)
             ordered = order_runs(runs, order, members, ring_time, stages=2, split=_halves, fallback=fallback)
         out[wide] = _outcome(ordered)
-    assert out[1] == out[10**9]
+    if not fallback and (out[1][3] or out[10**9][3]):
+        # a pass that stops at its first unaligned ring may stop earlier on a ring that
+        # ``_State.hopeless`` shows can never align: only whether it deadlocks counts
+        assert bool(out[1][3]) == bool(out[10**9][3])
+    else:
+        assert out[1] == out[10**9]
 
 
 def _place_by_level_node_by_node(runs, ring_order, members, ring_time, ranks_per_node: int):

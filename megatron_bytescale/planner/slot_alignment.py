@@ -278,6 +278,9 @@ def _aligned(
             take = state.aligned_take(u, members[u], result, borrow=False)
             if take is not None:
                 break
+            if stop_unaligned and len(members[u]) >= WIDE_RING and state.hopeless(u, members[u]):
+                result.unaligned.append(u)  # it would end the pass when its turn came
+                return result
         else:
             k, u = 0, pending[0]
             take = state.aligned_take(u, members[u], result, borrow=True)
@@ -458,6 +461,10 @@ class _State:
         self._cursor = np.zeros(n, dtype=np.int64)  # per rank: ``cursor`` once it has a slot offset
         self._fixed = np.zeros(n, dtype=bool)  # per rank: has a slot offset (its first ring is placed)
         self._ring_arrays: dict[int, np.ndarray] = {}  # wide ring -> its members as an array
+        # for ``hopeless``: the sequences in local micro-batches not yet run (splits and
+        # borrows keep the count), and per rank the rings not yet placed
+        self._supply = sum(len(x.seq_ids) for q in self.queues for x in q if isinstance(x, LocalBatch))
+        self._rings_left = [sum(1 for x in q if not isinstance(x, LocalBatch)) for q in self.queues]
         # Rings whose members cannot give them one slot from their own work, until one of the
         # members changes (a large ring stays first in the schedule while the rings after it
         # are placed: without this it is tried again, over all its members, before each)
@@ -614,6 +621,31 @@ class _State:
         short = int(cursor.max()) - cursor - self._nloc[fixed] - self._own[fixed]
         return int(short[short > 0].sum())
 
+    def hopeless(self, u: int, ring) -> bool:
+        """True if ring ``u`` can no longer take one slot on all its members, however the
+        rings still queued are placed and local work moves. With F its members that hold
+        slots (cursors c_r, latest lo) and S the sequences left in local micro-batches on
+        all ranks, phi = |F| lo - sum c_r - S = E - R, with E the shortfall ``aligned_take``
+        counts and R what splits and borrows could still give F (what the other ranks hold,
+        and F's own beyond their slot; ``_spare`` gives at most R). A split or a borrow
+        leaves phi as it is (S counts sequences, not micro-batches); placing another ring
+        lowers it by at most its members in F (each gains one slot), and nothing else lowers
+        it. So while phi exceeds the places of other queued rings on ``u``'s members, E > R
+        >= spare whenever ``u`` is tried: it stays unaligned. A pass that stops at the
+        first unaligned ring can stop here."""
+        idx = self._ring_arrays.get(u)
+        if idx is None:
+            idx = self._ring_arrays[u] = np.fromiter(ring, dtype=np.int64, count=len(ring))
+        fixed = idx[self._fixed[idx]]
+        if not fixed.size:
+            return False
+        cursor = self._cursor[fixed]
+        phi = fixed.size * int(cursor.max()) - int(cursor.sum()) - self._supply
+        if phi <= 0:
+            return False
+        left = self._rings_left
+        return phi > sum(left[r] for r in ring) - len(ring)
+
     def _refresh(self) -> None:
         for r in list(self._dirty):
             self.view(r)
@@ -639,14 +671,17 @@ class _State:
             nat = v.natural(u)
             result.pulled += max(0, take[r] - nat)
             result.deferred += max(0, nat - take[r])
-            self.out[r] += v.locals[: take[r]]
+            ran = v.locals[: take[r]]
+            self.out[r] += ran
+            self._supply -= sum(len(x.seq_ids) for x in ran)
             self.clock[r] = v.prefix[take[r]]  # the clock after them: the same sums, in the same order
             start = max(start, self.clock[r])
         fixed = [r for r in ring if self.offset[r] is not None]
         slot = max((self.cursor(r) for r in fixed), default=0)
         end = start + seconds
-        offset, out, cursor = self.offset, self.out, self._cursor
+        offset, out, cursor, left = self.offset, self.out, self._cursor, self._rings_left
         for r in ring:
+            left[r] -= 1
             if offset[r] is None:
                 offset[r] = slot - len(out[r])
                 self._fixed[r] = True
