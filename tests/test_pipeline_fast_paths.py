@@ -197,9 +197,9 @@ def _outcome(ordered):
 @settings(max_examples=120, deadline=None)
 @given(schedules(), st.booleans())
 def test_a_wide_rings_shortfall_from_counts_matches_the_one_from_its_members_views(case, fallback):
-    """Every ring checked with ``_State._missing`` (and none remembered as stuck, and each
-    stuck one asked whether it is ``hopeless``) orders the runs exactly as every ring checked
-    member by member from the views (and remembered, and never given up early)."""
+    """Every ring checked with ``_State._missing`` (and each stuck one asked whether it is
+    ``hopeless``) orders the runs exactly as every ring checked member by member from the
+    views (and never given up early)."""
     runs, order, members, ring_time = case
     counted = slot_alignment._State._missing
 
@@ -212,10 +212,9 @@ def test_a_wide_rings_shortfall_from_counts_matches_the_one_from_its_members_vie
         return got
 
     out = {}
-    for wide, remembered in ((10**9, 10**9), (1, 1)):
+    for wide in (10**9, 1):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(slot_alignment, "WIDE_RING", wide)
-            mp.setattr(slot_alignment, "UNREMEMBERED_RING", remembered)
             mp.setattr(slot_alignment._State, "_missing", checked)
             ordered = order_runs(runs, order, members, ring_time, stages=2, split=_halves, fallback=fallback)
         out[wide] = _outcome(ordered)

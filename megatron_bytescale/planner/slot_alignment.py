@@ -29,11 +29,8 @@ from .pipeline_times import ArrayOrders, pipelined_finish_times
 
 LOOKAHEAD = 16  # rings of the schedule tried for the next slot before local work moves between ranks
 # Rings with at least this many members check their shortfall with numpy over the members'
-# counts (``_State._missing``): fewer are faster one by one in Python. Rings with at least
-# ``UNREMEMBERED_RING`` are not remembered as stuck: nearly every placement touches one of
-# their members, which drops the memo at once, and remembering costs a pass over them.
+# counts (``_State._missing``): fewer are faster one by one in Python.
 WIDE_RING = 64
-UNREMEMBERED_RING = 512
 
 
 @dataclass(eq=False, slots=True)  # slots: ~6 x 10^4 a step at 16K ranks, built and read fast
@@ -590,10 +587,9 @@ class _State:
     def _remember_stuck(self, u: int, ring) -> None:
         """Ring ``u`` cannot take a slot from its members' own work, a function of their
         state alone: remembered until one of them changes (``_touch``)."""
-        if len(ring) < UNREMEMBERED_RING:
-            self._stuck.add(u)
-            for r in ring:
-                self._stuck_by_rank[r].append(u)
+        self._stuck.add(u)
+        for r in ring:
+            self._stuck_by_rank[r].append(u)
 
     def _missing(self, u: int, ring) -> int:
         """``aligned_take``'s shortfall of ring ``u`` (local micro-batches its fixed members
