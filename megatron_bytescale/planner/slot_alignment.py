@@ -424,7 +424,7 @@ class _RankView:
         v.mark = self.mark  # shared: u is not asked again
         v.shift = self.shift + take
         v.locals, v.times = self.locals[take:], self.times[take:]
-        v.own = self.own_after(take, split)
+        v.own = self.own - sum(len(x.seq_ids) for x in self.locals[:take]) + take if split else 0  # own_after
         v.prefix = list(accumulate(v.times, initial=clock))
         v.queue_times = kept_times + rest_times
         v.load = clock + sum(v.queue_times)
@@ -667,9 +667,10 @@ class _State:
             nat = v.natural(u)
             result.pulled += max(0, take[r] - nat)
             result.deferred += max(0, nat - take[r])
-            ran = v.locals[: take[r]]
-            self.out[r] += ran
-            self._supply -= sum(len(x.seq_ids) for x in ran)
+            if take[r]:
+                ran = v.locals[: take[r]]
+                self.out[r] += ran
+                self._supply -= sum(len(x.seq_ids) for x in ran)
             self.clock[r] = v.prefix[take[r]]  # the clock after them: the same sums, in the same order
             start = max(start, self.clock[r])
         fixed = [r for r in ring if self.offset[r] is not None]
