@@ -191,9 +191,11 @@ def test_two_level_curves_of_many_lengths_match_one_length_at_a_time():
     st.sampled_from([(1, False), (3, False), (1, True)]),
 )
 def test_ring_members_given_at_once_match_run_then_push(clock, rings, mode):
-    """``run_ring`` is ``run`` + ``push`` per member: same loads, keys, heap and least rank."""
+    """``run_ring`` is ``run`` + ``push`` per member: same loads, keys, valid heap entries and
+    least rank (a ring over a quarter of the ranks or more rebuilds the heap: no stale ones)."""
     stages, by_tokens = mode
     plain, fast = loads_at(clock, stages, by_tokens), loads_at(clock, stages, by_tokens)
+    rebuilt = False
     for seconds, tokens, size in rings:
         ring = sorted(range(len(clock)), key=lambda r: (plain.last_key[r], r))[: min(size, len(clock))]
         start = max(plain.clock[r] for r in ring)
@@ -201,8 +203,13 @@ def test_ring_members_given_at_once_match_run_then_push(clock, rings, mode):
             plain.run(r, start, seconds, tokens)
             plain.push(r)
         fast.run_ring(ring, start, seconds, tokens)
-        for attr in ("clock", "idle", "tokens", "peak", "last_key", "stamp", "heap", "top"):
+        for attr in ("clock", "idle", "tokens", "peak", "last_key", "stamp", "top"):
             assert getattr(fast, attr) == getattr(plain, attr), attr
+        valid = [sorted(e for e in x.heap if e[2] == x.stamp[e[1]]) for x in (fast, plain)]
+        assert valid[0] == valid[1] == sorted(zip(plain.last_key, range(len(clock)), plain.stamp))
+        rebuilt = rebuilt or len(ring) * balance.REBUILD_SHARE >= len(clock)
+        if not rebuilt:
+            assert fast.heap == plain.heap  # pushed member by member, as ``push`` does
         assert fast.key.tolist() == plain.key.tolist() and fast.least() == plain.least()
 
 

@@ -47,6 +47,7 @@ BALANCE_MODES = ("none", "dp", "pp")
 DEFAULT_BUCKETS = 8
 BULK_RUN = 2048  # runs of single-rank units at least this long are given out in rounds
 MIN_ROUND = 256  # ... while a round places at least this many
+REBUILD_SHARE = 4  # a ring over at least 1 / REBUILD_SHARE of the ranks rebuilds the load heap
 
 
 @dataclass(eq=False, slots=True)  # slots: ~6 x 10^4 units a step at 16K ranks, built and read fast
@@ -324,6 +325,9 @@ class _Loads:
         )
         by_tokens, bubble, top = self.by_tokens, self.bubble, self.top
         push, replace = heapq.heappush, heapq.heapreplace
+        # a ring over a large share of the ranks: one heap of every rank's entry, built at
+        # once, instead of a push per member (and a stale entry per member to pop later)
+        rebuild = len(ring_ranks) * REBUILD_SHARE >= len(clocks)
         for r in ring_ranks:
             idle[r] += start - clocks[r]
             clock = clocks[r] = start + seconds
@@ -335,10 +339,15 @@ class _Loads:
             if k > top:
                 top = k
             s = stamp[r] = stamp[r] + 1
+            if rebuild:
+                continue
             if heap and heap[0][1] == r:  # its old entry, stale now: one sift instead of pop + push
                 replace(heap, (k, r, s))
             else:
                 push(heap, (k, r, s))
+        if rebuild:  # the heap's minimum, all that is read of it, is the same
+            self.heap = list(zip(last, range(len(last)), stamp))
+            heapq.heapify(self.heap)
         self.top = top
         self._dirty += ring_ranks
 
