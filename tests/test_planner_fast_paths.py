@@ -349,6 +349,10 @@ def test_curves_prepared_at_once_match_each_length_alone():
         assert np.array_equal(
             two_level.valid_share_times(cost, s.astype(np.float64), d.astype(np.float64), u), expected
         )
+        # the planner's long units time all their two-level rings at once: each one alone
+        # (``share_time``) is the same float
+        alone = [two_level.share_time(cost, int(a), int(b), u, 8) for a, b in zip(s[:200], d[:200])]
+        assert two_level.share_times(cost, s[:200], d[:200], u, 8).tolist() == alone
 
 
 @settings(max_examples=150, deadline=None)

@@ -475,12 +475,24 @@ def _short_units(lens, config: PlannerConfig, cost: CostModel, ranks_per_node: i
 
 def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) -> list[Unit]:
     units = []
+    # two-level rings (head all-to-all in each node, ring across nodes): timed all at once per
+    # group size, elementwise, so each is the float ``two_level.share_time`` gives alone
+    grouped: dict[int, list[Shard]] = {}
+    for sh in shards.values():
+        if sh.ring_size > 1 and sh.heads_split > 1:
+            grouped.setdefault(sh.heads_split, []).append(sh)
+    two_level_time = {}
+    for u, group in grouped.items():
+        lens = np.array([sh.seq_len for sh in group], dtype=np.int64)
+        sizes = np.array([sh.ring_size for sh in group], dtype=np.int64)
+        for sh, t in zip(group, two_level.share_times(cost, lens, sizes, u, ranks_per_node).tolist()):
+            two_level_time[id(sh)] = t
     for sid, sh in shards.items():
         if sh.ring_size == 1:
             units.append(Unit("long", (sid,), 1, cost.num_layers * cost.layer_time(sh.seq_len), sh.seq_len, sh.ratio))
         else:
-            if sh.heads_split > 1:  # two-level: head all-to-all in each node, ring across nodes
-                t = two_level.share_time(cost, sh.seq_len, sh.ring_size, sh.heads_split, ranks_per_node)
+            if sh.heads_split > 1:
+                t = two_level_time[id(sh)]
             else:
                 t = ring_share_time(cost, sh.seq_len, sh.ring_size, sh.ring_size > ranks_per_node)
             units.append(
