@@ -174,48 +174,58 @@ def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
     order = sorted(ring_order, key=lambda u: -len(members[u]))  # stable: schedule order among equals
     rpn = max(1, min(ranks_per_node, n))
     # node by node (whole nodes: the planner's rank counts are, RingPlacer checks it): rows of
-    # ``by_node`` are nodes, and every choice below is made for all nodes at once
+    # ``by_node`` are nodes
     by_node = np.arange(n).reshape(n // rpn, rpn)
     for u in order:
-        size = len(members[u])
-        best = None
-        load2, level2 = load.reshape(by_node.shape), level.reshape(by_node.shape)
-        for lv in np.unique(level).tolist():
-            here = level2 == lv
-            count = here.sum(axis=1)
-            if size > rpn:  # whole nodes of this level first, then the fullest part-nodes
-                if count.sum() < size:
-                    continue
-                # nodes by (-ranks at the level, busiest of them, first of them), as a stable sort
-                busiest = np.where(here, load2, -np.inf).max(axis=1)
-                first = by_node[:, 0] + here.argmax(axis=1)  # global rank
-                nodes = np.flatnonzero(count)
-                nodes = nodes[np.lexsort((first[nodes], busiest[nodes], -count[nodes]))]
-                chosen = np.sort(by_node[nodes][here[nodes]][:size])  # row by row: each node's in rank order
-                loads = load[chosen][None, :]
-            else:  # inside one node: its least-loaded ranks of this level, ties to lower ranks
-                nodes = np.flatnonzero(count >= size)
-                if not nodes.size:
-                    continue
-                least = np.argsort(np.where(here[nodes], load2[nodes], np.inf), axis=1, kind="stable")[:, :size]
-                chosen = np.sort(np.take_along_axis(by_node[nodes], least, axis=1), axis=1)
-                loads = load[chosen]
-            # per pick: (start, idle of the members that wait); the first least wins
-            start = loads.max(axis=1)
-            idle = start * size - loads.sum(axis=1)
-            k = int(np.lexsort((np.arange(start.size), idle, start))[0])
-            key = (float(start[k]), float(idle[k]), lv)
-            if best is None or key < best[0]:
-                best = (key, chosen if chosen.ndim == 1 else chosen[k])
-        if best is None:
+        chosen = _level_pick(load, level, len(members[u]), by_node)
+        if chosen is None:
             return None
-        chosen = best[1]
         new_members[u] = tuple(chosen.tolist())
         load[chosen] = load[chosen].max() + ring_time[u]
         level[chosen] += 1
         for r in chosen.tolist():
             rings[r].append(u)
     return [rings[r] + locals_[r] for r in range(n)], new_members, order
+
+
+def _level_pick(load: np.ndarray, level: np.ndarray, size: int, by_node: np.ndarray) -> np.ndarray | None:
+    """``_place_by_level``'s ranks for a ring of ``size``, in rank order, or None: at each
+    level, ranks at that level (a ring larger than a node: whole nodes of the level first,
+    then the fullest part-nodes, ties to the least busy, then the lower node; else inside one
+    node, its least-loaded ranks of the level, ties to lower ranks); of all picks the one
+    that starts first, then leaves its members least idle, then the lower level and node.
+    Every choice is made for all nodes (rows of ``by_node``) at once."""
+    rpn = by_node.shape[1]
+    best = None
+    load2, level2 = load.reshape(by_node.shape), level.reshape(by_node.shape)
+    for lv in np.unique(level).tolist():
+        here = level2 == lv
+        count = here.sum(axis=1)
+        if size > rpn:
+            if count.sum() < size:
+                continue
+            # nodes by (-ranks at the level, busiest of them, first of them), as a stable sort
+            busiest = np.where(here, load2, -np.inf).max(axis=1)
+            first = by_node[:, 0] + here.argmax(axis=1)  # global rank
+            nodes = np.flatnonzero(count)
+            nodes = nodes[np.lexsort((first[nodes], busiest[nodes], -count[nodes]))]
+            chosen = np.sort(by_node[nodes][here[nodes]][:size])  # row by row: each node's in rank order
+            loads = load[chosen][None, :]
+        else:
+            nodes = np.flatnonzero(count >= size)
+            if not nodes.size:
+                continue
+            least = np.argsort(np.where(here[nodes], load2[nodes], np.inf), axis=1, kind="stable")[:, :size]
+            chosen = np.sort(np.take_along_axis(by_node[nodes], least, axis=1), axis=1)
+            loads = load[chosen]
+        # per pick: (start, idle of the members that wait); the first least wins
+        start = loads.max(axis=1)
+        idle = start * size - loads.sum(axis=1)
+        k = int(np.lexsort((np.arange(start.size), idle, start))[0])
+        key = (float(start[k]), float(idle[k]), lv)
+        if best is None or key < best[0]:
+            best = (key, chosen if chosen.ndim == 1 else chosen[k])
+    return None if best is None else best[1]
 
 
 def _deadlock_of(runs: Sequence[Sequence[Item]], stages: int) -> str | None:
