@@ -477,22 +477,21 @@ def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) 
     units = []
     # two-level rings (head all-to-all in each node, ring across nodes): timed all at once per
     # group size, elementwise, so each is the float ``two_level.share_time`` gives alone
-    grouped: dict[int, list[Shard]] = {}
-    for sh in shards.values():
+    grouped: dict[int, list[int]] = {}  # group size -> sequence ids
+    for sid, sh in shards.items():
         if sh.ring_size > 1 and sh.heads_split > 1:
-            grouped.setdefault(sh.heads_split, []).append(sh)
-    two_level_time = {}
-    for u, group in grouped.items():
-        lens = np.array([sh.seq_len for sh in group], dtype=np.int64)
-        sizes = np.array([sh.ring_size for sh in group], dtype=np.int64)
-        for sh, t in zip(group, two_level.share_times(cost, lens, sizes, u, ranks_per_node).tolist()):
-            two_level_time[id(sh)] = t
+            grouped.setdefault(sh.heads_split, []).append(sid)
+    two_level_time: dict[int, float] = {}  # sequence id -> seconds
+    for u, sids in grouped.items():
+        lens = np.array([shards[sid].seq_len for sid in sids], dtype=np.int64)
+        sizes = np.array([shards[sid].ring_size for sid in sids], dtype=np.int64)
+        two_level_time.update(zip(sids, two_level.share_times(cost, lens, sizes, u, ranks_per_node).tolist()))
     for sid, sh in shards.items():
         if sh.ring_size == 1:
             units.append(Unit("long", (sid,), 1, cost.num_layers * cost.layer_time(sh.seq_len), sh.seq_len, sh.ratio))
         else:
             if sh.heads_split > 1:
-                t = two_level_time[id(sh)]
+                t = two_level_time[sid]
             else:
                 t = ring_share_time(cost, sh.seq_len, sh.ring_size, sh.ring_size > ranks_per_node)
             units.append(

@@ -434,7 +434,7 @@ class _RankView:
         v.mark = self.mark  # shared: u is not asked again
         v.shift = self.shift + take
         v.locals, v.times = self.locals[take:], self.times[take:]
-        v.own = self.own - sum(len(x.seq_ids) for x in self.locals[:take]) + take if split else 0  # own_after
+        v.own = self.own_after(take, split)
         v.prefix = list(accumulate(v.times, initial=clock))
         v.queue_times = kept_times + rest_times
         v.load = clock + sum(v.queue_times)
@@ -465,7 +465,7 @@ class _State:
         # ranks whose _nloc and _own are out of date (``_missing`` brings a placed rank's up
         # to date from its view before the ring, without deriving the view)
         self._stale = np.ones(n, dtype=bool)
-        self._cursor = np.zeros(n, dtype=np.int64)  # per rank: ``cursor`` once it has a slot offset
+        self._cursor = np.zeros(n, dtype=np.int64)  # per rank: ``cursor`` once it has a slot offset (kept by ``place``)
         self._fixed = np.zeros(n, dtype=bool)  # per rank: has a slot offset (its first ring is placed)
         self._ring_arrays: dict[int, np.ndarray] = {}  # wide ring -> its members as an array
         # for ``hopeless``: the sequences in local micro-batches not yet run (splits and
@@ -601,13 +601,18 @@ class _State:
         for r in ring:
             self._stuck_by_rank[r].append(u)
 
+    def _members_array(self, u: int, ring) -> np.ndarray:
+        """Ring ``u``'s members as an array (made once per wide ring)."""
+        idx = self._ring_arrays.get(u)
+        if idx is None:
+            idx = self._ring_arrays[u] = np.fromiter(ring, dtype=np.int64, count=len(ring))
+        return idx
+
     def _missing(self, u: int, ring) -> int:
         """``aligned_take``'s shortfall of ring ``u`` (local micro-batches its fixed members
         lack to reach the latest member's slot, beyond what splitting their packs gives),
         from the per-rank counts: the same integers, without a view per member."""
-        idx = self._ring_arrays.get(u)
-        if idx is None:
-            idx = self._ring_arrays[u] = np.fromiter(ring, dtype=np.int64, count=len(ring))
+        idx = self._members_array(u, ring)
         stale = self._stale[idx]
         if stale.any():
             split = self.split is not None
@@ -639,9 +644,7 @@ class _State:
         it. So while phi exceeds the places of other queued rings on ``u``'s members, E > R
         >= spare whenever ``u`` is tried: it stays unaligned. A pass that stops at the
         first unaligned ring can stop here."""
-        idx = self._ring_arrays.get(u)
-        if idx is None:
-            idx = self._ring_arrays[u] = np.fromiter(ring, dtype=np.int64, count=len(ring))
+        idx = self._members_array(u, ring)
         fixed = idx[self._fixed[idx]]
         if not fixed.size:
             return False
