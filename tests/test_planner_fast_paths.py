@@ -46,7 +46,7 @@ def loads_at(clock, pipeline_stages=1, by_tokens=False) -> _Loads:
     loads.last_key = [0.0] * len(clock) if by_tokens else list(clock)
     loads.top = max(loads.last_key)
     loads._dirty = list(range(len(clock)))  # the key array follows
-    loads.heap = [(k, r, 0) for r, k in enumerate(loads.last_key)]
+    loads.heap = [(k, r) for r, k in enumerate(loads.last_key)]
     heapq.heapify(loads.heap)
     return loads
 
@@ -191,26 +191,29 @@ def test_two_level_curves_of_many_lengths_match_one_length_at_a_time():
     st.sampled_from([(1, False), (3, False), (1, True)]),
 )
 def test_ring_members_given_at_once_match_run_then_push(clock, rings, mode):
-    """``run_ring`` is ``run`` + ``push`` per member: same loads, keys, valid heap entries and
-    least rank (a ring over a quarter of the ranks or more rebuilds the heap: no stale ones)."""
+    """``run_ring`` is ``run`` + ``push`` per member: same loads and keys; the heap keeps one
+    entry per rank, none above its rank's key, so ``least`` finds the least (key, rank) of
+    all (a ring over a quarter of the ranks or more rebuilds the heap: every entry exact)."""
     stages, by_tokens = mode
     plain, fast = loads_at(clock, stages, by_tokens), loads_at(clock, stages, by_tokens)
-    rebuilt = False
+    n = len(clock)
     for seconds, tokens, size in rings:
-        ring = sorted(range(len(clock)), key=lambda r: (plain.last_key[r], r))[: min(size, len(clock))]
+        ring = sorted(range(n), key=lambda r: (plain.last_key[r], r))[: min(size, n)]
         start = max(plain.clock[r] for r in ring)
         for r in ring:
             plain.run(r, start, seconds, tokens)
             plain.push(r)
         fast.run_ring(ring, start, seconds, tokens)
-        for attr in ("clock", "idle", "tokens", "peak", "last_key", "stamp", "top"):
+        for attr in ("clock", "idle", "tokens", "peak", "last_key", "top"):
             assert getattr(fast, attr) == getattr(plain, attr), attr
-        valid = [sorted(e for e in x.heap if e[2] == x.stamp[e[1]]) for x in (fast, plain)]
-        assert valid[0] == valid[1] == sorted(zip(plain.last_key, range(len(clock)), plain.stamp))
-        rebuilt = rebuilt or len(ring) * balance.REBUILD_SHARE >= len(clock)
-        if not rebuilt:
-            assert fast.heap == plain.heap  # pushed member by member, as ``push`` does
-        assert fast.key.tolist() == plain.key.tolist() and fast.least() == plain.least()
+        for x in (fast, plain):
+            assert sorted(r for _, r in x.heap) == list(range(n))
+            assert all(k <= x.last_key[r] for k, r in x.heap)
+            assert all(x.heap[(i - 1) // 2] <= x.heap[i] for i in range(1, n))  # a heap
+        if len(ring) * balance.REBUILD_SHARE >= n:
+            assert sorted(fast.heap) == sorted(zip(fast.last_key, range(n)))
+        least = min(range(n), key=lambda r: (plain.last_key[r], r))
+        assert fast.key.tolist() == plain.key.tolist() and fast.least() == plain.least() == least
 
 
 def test_plan_step_leaves_the_garbage_collector_as_it_found_it():

@@ -115,8 +115,10 @@ class _Loads:
         self._unplaced: list[int] = []  # ranks whose key changed since ``key_changes``
         self.bubble = pipeline_stages - 1
         self.by_tokens = by_tokens
-        self.stamp = [0] * num_ranks
-        self.heap = [(0.0, r, 0) for r in range(num_ranks)]
+        # one (key, rank) entry per rank, its key at most the rank's (keys only grow): a rank
+        # given work keeps its old entry until it reaches the top, where ``least`` brings it
+        # up to date with one sift (no entry pushed per unit or ring member, none popped)
+        self.heap = [(0.0, r) for r in range(num_ranks)]
         self.top = 0.0  # current maximum of the key
 
     @property
@@ -143,13 +145,15 @@ class _Loads:
         return key, changed
 
     def least(self) -> int:
-        """The least-loaded rank; its entry stays on top of the heap until ``push`` replaces it."""
-        heap, stamp = self.heap, self.stamp
+        """The least-loaded rank (ties to the lowest); its entry stays on top of the heap until
+        ``push`` replaces it. Every entry's key is at most its rank's, so an up-to-date top
+        entry is the least (key, rank) of all."""
+        heap, last = self.heap, self.last_key
         while True:
-            k, r, s = heap[0]
-            if s == stamp[r]:
+            k, r = heap[0]
+            if k == last[r]:
                 return r
-            heapq.heappop(heap)  # stale: the rank was given work since
+            heapq.heapreplace(heap, (last[r], r))  # out of date: the rank was given work since
 
     def give_many(self, seconds: Sequence[float], tokens: Sequence[int]) -> list[int]:
         """Each of a run of single-rank units, in turn, to the least-loaded rank (ties to
@@ -162,17 +166,17 @@ class _Loads:
             seconds, tokens = seconds[len(ranks) :], tokens[len(ranks) :]
             if isinstance(seconds, np.ndarray):  # the loop below works on Python numbers
                 seconds, tokens = seconds.tolist(), np.asarray(tokens).tolist()
-        heap, stamp, clocks = self.heap, self.stamp, self.clock
+        heap, clocks = self.heap, self.clock
         counts, peaks, last = self.tokens, self.peak, self.last_key
         by_tokens, bubble, top = self.by_tokens, self.bubble, self.top
-        pop, replace = heapq.heappop, heapq.heapreplace
+        replace = heapq.heapreplace
         given = len(ranks)
         for t, n in zip(seconds, tokens):
-            while True:
-                _, r, s = heap[0]
-                if s == stamp[r]:
+            while True:  # least()
+                k, r = heap[0]
+                if k == last[r]:
                     break
-                pop(heap)
+                replace(heap, (last[r], r))
             clock = clocks[r] + t
             clocks[r] = clock
             total = counts[r] + n
@@ -184,8 +188,7 @@ class _Loads:
             last[r] = k
             if k > top:
                 top = k
-            stamp[r] = s = s + 1
-            replace(heap, (k, r, s))
+            replace(heap, (k, r))
             ranks.append(r)
         self.top = top
         self._dirty += ranks[given:]
@@ -237,8 +240,8 @@ class _Loads:
         )
         self.top = max(self.top, float(key.max()))
         self._dirty += ranks
-        # every rank's one valid entry (the rounds changed keys without the heap)
-        self.heap = [(k, r, s) for r, (k, s) in enumerate(zip(self.last_key, self.stamp))]
+        # every rank's entry up to date (the rounds changed keys without the heap)
+        self.heap = list(zip(self.last_key, range(n_ranks)))
         heapq.heapify(self.heap)
         return ranks
 
@@ -259,9 +262,8 @@ class _Loads:
         ``least()``, then ``run`` per unit and one ``push`` for the run, with the loads in
         locals (the hot path of the PP balance: ~5 x 10^4 short sequences in ~2 x 10^4 runs
         a step at 16K ranks)."""
-        heap, stamp, clocks, counts, peaks, last, idle = (
+        heap, clocks, counts, peaks, last, idle = (
             self.heap,
-            self.stamp,
             self.clock,
             self.tokens,
             self.peak,
@@ -269,12 +271,12 @@ class _Loads:
             self.idle,
         )
         by_tokens, bubble, top = self.by_tokens, self.bubble, self.top
-        pop, replace = heapq.heappop, heapq.heapreplace
+        replace = heapq.heapreplace
         while True:  # least()
-            _, r, s = heap[0]
-            if s == stamp[r]:
+            k, r = heap[0]
+            if k == last[r]:
                 break
-            pop(heap)
+            replace(heap, (last[r], r))
         run = runs[r]
         dirty = self._dirty
         n = len(bucket)
@@ -294,7 +296,6 @@ class _Loads:
             dirty.append(r)
             if k > top:
                 top = k
-            s = stamp[r] = stamp[r] + 1
             run.append(u)
             given.append(u)
             if level is None:
@@ -304,30 +305,18 @@ class _Loads:
             w = seconds[bucket[i]]
             if clocks[r] + w + bubble * max(peaks[r], w) > level:  # the key after the next unit
                 break
-        # ``push`` after each unit would leave all but the last entry stale: nothing reads
-        # the heap during the run, so only the last is pushed, over the rank's old entry
-        # (still on top: the run started from it)
-        replace(heap, (k, r, s))
+        # nothing reads the heap during the run: the rank's entry (still on top: the run
+        # started from it) takes the key after its last unit
+        replace(heap, (k, r))
         self.top = top
         return i
 
     def run_ring(self, ring_ranks: Sequence[int], start: float, seconds: float, tokens: int) -> None:
-        """``run`` then ``push`` for each member of a ring, with the loads in locals (the
-        same operations in the same order: ~3 x 10^4 members a step at 16K ranks)."""
-        idle, clocks, counts, peaks, last, stamp, heap = (
-            self.idle,
-            self.clock,
-            self.tokens,
-            self.peak,
-            self.last_key,
-            self.stamp,
-            self.heap,
-        )
+        """``run`` for each member of a ring, with the loads in locals (the same operations in
+        the same order: ~3 x 10^4 members a step at 16K ranks). The members' heap entries stay
+        as they are (``least`` brings one up to date when it reaches the top)."""
+        idle, clocks, counts, peaks, last = self.idle, self.clock, self.tokens, self.peak, self.last_key
         by_tokens, bubble, top = self.by_tokens, self.bubble, self.top
-        push, replace = heapq.heappush, heapq.heapreplace
-        # a ring over a large share of the ranks: one heap of every rank's entry, built at
-        # once, instead of a push per member (and a stale entry per member to pop later)
-        rebuild = len(ring_ranks) * REBUILD_SHARE >= len(clocks)
         for r in ring_ranks:
             idle[r] += start - clocks[r]
             clock = clocks[r] = start + seconds
@@ -338,25 +327,18 @@ class _Loads:
             last[r] = k
             if k > top:
                 top = k
-            s = stamp[r] = stamp[r] + 1
-            if rebuild:
-                continue
-            if heap and heap[0][1] == r:  # its old entry, stale now: one sift instead of pop + push
-                replace(heap, (k, r, s))
-            else:
-                push(heap, (k, r, s))
-        if rebuild:  # the heap's minimum, all that is read of it, is the same
-            self.heap = list(zip(last, range(len(last)), stamp))
+        # a ring over a large share of the ranks: every entry brought up to date at once (one
+        # heapify) rather than one sift per member as each reaches the top
+        if len(ring_ranks) * REBUILD_SHARE >= len(clocks):
+            self.heap = list(zip(last, range(len(last))))
             heapq.heapify(self.heap)
         self.top = top
         self._dirty += ring_ranks
 
     def push(self, r: int) -> None:
-        entry = (self.last_key[r], r, self.stamp[r])
-        if self.heap and self.heap[0][1] == r:  # its old entry, stale now: one sift instead of pop + push
-            heapq.heapreplace(self.heap, entry)
-        else:
-            heapq.heappush(self.heap, entry)
+        """Rank ``r``'s entry up to date if it is on top (elsewhere ``least`` will see to it)."""
+        if self.heap[0][1] == r:
+            heapq.heapreplace(self.heap, (self.last_key[r], r))
 
     def run(self, r: int, start: float, seconds: float, tokens: int) -> None:
         self.idle[r] += start - self.clock[r]
@@ -369,7 +351,6 @@ class _Loads:
         self._dirty.append(r)
         if k > self.top:
             self.top = k
-        self.stamp[r] += 1
 
 
 def schedule(
