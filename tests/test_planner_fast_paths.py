@@ -474,6 +474,60 @@ def test_pp_runs_given_in_one_loop_match_least_run_push(specs, stages, slack):
     assert got.runs == runs and got.clock.tolist() == clock and got.key.tolist() == keys
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 12).map(lambda v: v / 4), st.sampled_from([1] * 8 + [2, 3])), min_size=1, max_size=120
+    ),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([0.0, 0.05, 0.3]),
+    st.sampled_from([(1, 1), (4, 2), (1, 8), (16, 4)]),
+)
+def test_pp_runs_of_one_unit_given_in_rounds_match_least_run_push(specs, stages, slack, bulk):
+    """Long stretches of single-rank units go out in rounds of numpy work (``give_runs_in_rounds``,
+    here from stretches of ``bulk[0]`` units on, while rounds place ``bulk[1]``): the same runs,
+    clocks and keys as one unit at a time (coarse times: equal keys, which end a round, are common)."""
+    from megatron_bytescale.planner.balance import Unit, schedule
+
+    units = [Unit("ring" if n > 1 else "short", (i,), n, t, 10) for i, (t, n) in enumerate(specs)]
+    runs, clock, keys = plain_pp_schedule(units, RingPlacer(8, 4), slack, stages)
+    old = balance.BULK_RUN, balance.MIN_ROUND
+    balance.BULK_RUN, balance.MIN_ROUND = bulk
+    try:
+        got = schedule(units, RingPlacer(8, 4), "pp", slack, stages)
+    finally:
+        balance.BULK_RUN, balance.MIN_ROUND = old
+    assert got.runs == runs and got.clock.tolist() == clock and got.key.tolist() == keys
+
+
+def test_pp_rounds_take_most_of_a_long_stretch_of_short_units():
+    """On a step's tail of short units (sorted, longest first) the rounds do place units (here
+    about 30%: early in each bucket ranks below the level take runs of several units, which
+    the loop gives); the schedule is the plain one."""
+    from megatron_bytescale.planner.balance import Unit, schedule
+
+    rng = np.random.default_rng(0)
+    times = np.sort(rng.uniform(0.1, 1.0, 24_000))[::-1]  # 8 buckets of ~3,000, over the ranks
+    units = [Unit("short", (i,), 1, float(t), 10) for i, t in enumerate(times)]
+    placer = RingPlacer(1024, 8)
+    given = []
+    original = balance._Loads.give_runs_in_rounds
+
+    def counted(self, bucket, i, *rest):
+        j = original(self, bucket, i, *rest)
+        given.append(j - i)
+        return j
+
+    balance._Loads.give_runs_in_rounds = counted
+    try:
+        got = schedule(units, placer, "pp", 0.05, 4)
+    finally:
+        balance._Loads.give_runs_in_rounds = original
+    runs, clock, keys = plain_pp_schedule(units, RingPlacer(1024, 8), 0.05, 4)
+    assert got.runs == runs and got.clock.tolist() == clock and got.key.tolist() == keys
+    assert sum(given) >= len(units) // 5
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 30), max_size=12), st.lists(st.integers(1, 40), max_size=30))
 def test_ring_spare_filling_inlined_matches_the_best_fit_class(spare, sizes):

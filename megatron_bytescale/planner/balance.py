@@ -311,6 +311,66 @@ class _Loads:
         self.top = top
         return i
 
+    def give_runs_in_rounds(
+        self,
+        bucket: np.ndarray,
+        i: int,
+        end: int,
+        water: float,
+        seconds: np.ndarray,
+        tokens: np.ndarray,
+        runs: list[list[int]],
+        given: list[int],
+    ) -> int:
+        """``give_run`` from ``bucket[i]`` on, over the single-rank units up to ``bucket[end]``
+        (exclusive), for as long as each run is one unit, in rounds with numpy: in a round the
+        ranks are taken in order of (key, rank) and the q-th unit goes to the q-th rank while
+        that is what ``give_run`` would do: the rank is still the least loaded (every rank
+        given a unit before it this round is now above it; equal keys end the round) and its
+        run ends after the unit (the bucket's next unit would take it over the level). The
+        same sums in the same order, so the same floats. A round ends at the first unit
+        where either fails; rounds go on while they place ``MIN_ROUND`` units. Returns the
+        next ``i`` (the caller's ``give_run`` takes the run that ended the rounds). Keys
+        only grow, so the heap entries of the ranks given units stay valid lower bounds."""
+        assert not self.by_tokens  # PP-balance balances time
+        n_ranks = len(self.clock)
+        rank_ids = np.arange(n_ranks)
+        bubble = self.bubble
+        while end - i > 0:
+            key = np.array(self.last_key)
+            order = np.lexsort((rank_ids, key))  # least-loaded first, ties to the lowest rank
+            m = min(n_ranks, end - i)
+            r = order[:m]
+            units = bucket[i : i + m]
+            t = seconds[units]
+            clock = np.array(self.clock)[r] + t  # each starts at its rank's clock: no idle time
+            peak = np.maximum(np.array(self.peak)[r], t)
+            new_key = clock + bubble * peak
+            # the level each run is held to: the largest key so far, taken after its unit
+            level = np.maximum(water, np.maximum.accumulate(np.maximum(new_key, self.top)))
+            ok = np.ones(m, dtype=bool)
+            low = np.minimum.accumulate(new_key)
+            ok[1:] = low[:-1] > key[r[1:]]  # r[q] is the least: every earlier one rose above it
+            k = min(m, end - i - 1)  # units with a next one in the stretch (the last's run ends there)
+            w = seconds[bucket[i + 1 : i + 1 + k]]
+            ok[:k] &= clock[:k] + w + bubble * np.maximum(peak[:k], w) > level[:k]  # the run ends
+            bad = np.flatnonzero(~ok)
+            q = int(bad[0]) if bad.size else m
+            if q:
+                ranks, units = r[:q].tolist(), units[:q].tolist()
+                count = (np.array(self.tokens)[r[:q]] + tokens[units]).tolist()
+                rows = zip(ranks, units, clock[:q].tolist(), new_key[:q].tolist(), peak[:q].tolist(), count)
+                for rank, u, c, key_after, p, n in rows:
+                    self.clock[rank], self.last_key[rank], self.peak[rank], self.tokens[rank] = c, key_after, p, n
+                    runs[rank].append(u)
+                given.extend(units)
+                self._dirty += ranks
+                self.top = max(self.top, float(new_key[:q].max()))
+                i += q
+            if q < MIN_ROUND:
+                break
+        return i
+
     def run_ring(self, ring_ranks: Sequence[int], start: float, seconds: float, tokens: int) -> None:
         """``run`` for each member of a ring, with the loads in locals (the same operations in
         the same order: ~3 x 10^4 members a step at 16K ranks). The members' heap entries stay
@@ -432,13 +492,26 @@ def schedule(
     seconds = [u.time for u in units]
     tokens = [u.tokens for u in units]
     single = [u.ring_size == 1 for u in units]
+    columns = None  # every unit's seconds and tokens as arrays, once a long stretch needs them
     for bucket in buckets:
-        i = 0
+        # per position: where its stretch of single-rank units ends (the next ring or the end)
+        at = np.asarray(bucket, dtype=np.int64)
+        rings = np.flatnonzero(~np.asarray([single[u] for u in bucket], dtype=bool))
+        stretch_end = np.append(rings, len(bucket))[np.searchsorted(rings, np.arange(len(bucket)))]
+        i, retry = 0, 0
         while i < len(bucket):
             u = bucket[i]
             if not single[u]:
                 give_ring(u)
                 i += 1
+                continue
+            if i >= retry and stretch_end[i] - i >= BULK_RUN:  # a long stretch: runs of one unit in rounds
+                if columns is None:
+                    columns = np.asarray(seconds, dtype=np.float64), np.asarray(tokens, dtype=np.float64)
+                j = loads.give_runs_in_rounds(at, i, int(stretch_end[i]), water, *columns, runs, given)
+                # the loop takes the run that ended the rounds (after short rounds, a while longer)
+                retry = j + (MIN_ROUND if j - i < MIN_ROUND else 1)
+                i = j
                 continue
             i = loads.give_run(bucket, i, water, seconds, tokens, single, runs, given)
     return Assignment(runs, members, np.array(loads.clock), loads.key, np.array(loads.idle), len(buckets), given)
