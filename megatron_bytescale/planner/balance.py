@@ -99,6 +99,23 @@ def make_buckets(order: Sequence[int], weights: Sequence[float], num_buckets: in
     return buckets
 
 
+def _round(key, clock, count, peak, seconds, tokens, bubble: int, by_tokens: bool):
+    """A round of units given out with numpy (``_Loads``' rounds): unit q of ``seconds`` /
+    ``tokens`` (arrays, at most one per rank) to the q-th rank in order of (key, rank), each
+    starting at once. Returns those ranks, their clocks, token counts, peaks and keys after
+    their unit (the same sums as one at a time), and how many of the units go where one unit
+    at a time to the least-loaded rank would put them: while every rank given a unit before
+    is still above the next one (equal keys end it: a tie might go either way)."""
+    r = np.lexsort((np.arange(key.size), key))[: seconds.size]  # least-loaded first, ties to the lowest rank
+    new_clock = clock[r] + seconds
+    new_count = count[r] + tokens
+    new_peak = np.maximum(peak[r], seconds)
+    new_key = new_count if by_tokens else new_clock + bubble * new_peak
+    low = np.minimum.accumulate(new_key)
+    stop = np.flatnonzero(low[:-1] <= key[r[1:]])
+    return r, new_clock, new_count, new_peak, new_key, int(stop[0]) + 1 if stop.size else seconds.size
+
+
 class _Loads:
     """Per-rank estimated clocks and the decision key, with a lazy min-heap over the key."""
 
@@ -209,22 +226,13 @@ class _Loads:
         )
         t_all = np.asarray(seconds, dtype=np.float64)
         n_all = np.asarray(tokens, dtype=np.float64)
-        rank_ids = np.arange(n_ranks)
         out: list[np.ndarray] = []
         j = 0
         while j < t_all.size:
-            order = np.lexsort((rank_ids, key))  # least-loaded first, ties to the lowest rank
             m = min(n_ranks, t_all.size - j)
-            r = order[:m]
-            t = t_all[j : j + m]
-            new_clock = clock[r] + t  # each starts at once: no idle time
-            new_count = count[r] + n_all[j : j + m]
-            new_peak = np.maximum(peak[r], t)
-            new_key = new_count if self.by_tokens else new_clock + self.bubble * new_peak
-            # unit q goes to r[q] while r[q] is below every rank given a unit before it
-            low = np.minimum.accumulate(new_key)
-            stop = np.flatnonzero(low[:-1] <= key[r[1:]])
-            q = int(stop[0]) + 1 if stop.size else m
+            r, new_clock, new_count, new_peak, new_key, q = _round(
+                key, clock, count, peak, t_all[j : j + m], n_all[j : j + m], self.bubble, self.by_tokens
+            )
             r = r[:q]
             clock[r], count[r], peak[r], key[r] = new_clock[:q], new_count[:q], new_peak[:q], new_key[:q]
             out.append(r)
@@ -334,32 +342,33 @@ class _Loads:
         only grow, so the heap entries of the ranks given units stay valid lower bounds."""
         assert not self.by_tokens  # PP-balance balances time
         n_ranks = len(self.clock)
-        rank_ids = np.arange(n_ranks)
         bubble = self.bubble
         while end - i > 0:
-            key = np.array(self.last_key)
-            order = np.lexsort((rank_ids, key))  # least-loaded first, ties to the lowest rank
             m = min(n_ranks, end - i)
-            r = order[:m]
             units = bucket[i : i + m]
-            t = seconds[units]
-            clock = np.array(self.clock)[r] + t  # each starts at its rank's clock: no idle time
-            peak = np.maximum(np.array(self.peak)[r], t)
-            new_key = clock + bubble * peak
-            # the level each run is held to: the largest key so far, taken after its unit
-            level = np.maximum(water, np.maximum.accumulate(np.maximum(new_key, self.top)))
-            ok = np.ones(m, dtype=bool)
-            low = np.minimum.accumulate(new_key)
-            ok[1:] = low[:-1] > key[r[1:]]  # r[q] is the least: every earlier one rose above it
-            k = min(m, end - i - 1)  # units with a next one in the stretch (the last's run ends there)
+            r, clock, count, peak, new_key, q = _round(
+                np.array(self.last_key),
+                np.array(self.clock),
+                np.array(self.tokens),
+                np.array(self.peak),
+                seconds[units],
+                tokens[units],
+                bubble,
+                False,
+            )
+            # and while the run ends after the unit: the bucket's next unit in the stretch
+            # would take the rank over the level (the largest key so far, taken after its unit)
+            k = min(q, end - i - 1)
+            level = np.maximum(water, np.maximum.accumulate(np.maximum(new_key[:k], self.top)))
             w = seconds[bucket[i + 1 : i + 1 + k]]
-            ok[:k] &= clock[:k] + w + bubble * np.maximum(peak[:k], w) > level[:k]  # the run ends
-            bad = np.flatnonzero(~ok)
-            q = int(bad[0]) if bad.size else m
+            goes_on = np.flatnonzero(clock[:k] + w + bubble * np.maximum(peak[:k], w) <= level)
+            if goes_on.size:
+                q = int(goes_on[0])
             if q:
                 ranks, units = r[:q].tolist(), units[:q].tolist()
-                count = (np.array(self.tokens)[r[:q]] + tokens[units]).tolist()
-                rows = zip(ranks, units, clock[:q].tolist(), new_key[:q].tolist(), peak[:q].tolist(), count)
+                rows = zip(
+                    ranks, units, clock[:q].tolist(), new_key[:q].tolist(), peak[:q].tolist(), count[:q].tolist()
+                )
                 for rank, u, c, key_after, p, n in rows:
                     self.clock[rank], self.last_key[rank], self.peak[rank], self.tokens[rank] = c, key_after, p, n
                     runs[rank].append(u)
@@ -494,11 +503,14 @@ def schedule(
     single = [u.ring_size == 1 for u in units]
     columns = None  # every unit's seconds and tokens as arrays, once a long stretch needs them
     for bucket in buckets:
-        # per position: where its stretch of single-rank units ends (the next ring or the end)
-        at = np.asarray(bucket, dtype=np.int64)
-        rings = np.flatnonzero(~np.asarray([single[u] for u in bucket], dtype=bool))
-        stretch_end = np.append(rings, len(bucket))[np.searchsorted(rings, np.arange(len(bucket)))]
         i, retry = 0, 0
+        if len(bucket) >= BULK_RUN:
+            # per position: where its stretch of single-rank units ends (the next ring or the end)
+            at = np.asarray(bucket, dtype=np.int64)
+            rings = np.flatnonzero(~np.asarray([single[u] for u in bucket], dtype=bool))
+            stretch_end = np.append(rings, len(bucket))[np.searchsorted(rings, np.arange(len(bucket)))]
+        else:
+            retry = len(bucket)  # no stretch this long: one run at a time throughout
         while i < len(bucket):
             u = bucket[i]
             if not single[u]:

@@ -301,7 +301,7 @@ def find_pipeline_deadlock(unit_keys, stages: int, orders: Orders | None = None,
         return None
     stuck = graph.stuck(seqs, indeg, limit=3)
     waiting = sum(d > 0 for d in indeg)
-    return f"{waiting} pipeline operations wait in a cycle, e.g. {'; '.join(stuck[:3])}"
+    return f"{waiting} pipeline operations wait in a cycle, e.g. {'; '.join(stuck)}"
 
 
 def pipelined_finish_times(
