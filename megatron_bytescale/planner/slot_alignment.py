@@ -484,6 +484,20 @@ class _State:
         for u in self._stuck_by_rank.pop(r, ()):
             self._stuck.discard(u)
 
+    def _touch_all(self, ranks, idx: np.ndarray | None = None) -> None:
+        """``_touch`` for each of ``ranks`` (``idx``: them as an array, for one numpy store)."""
+        self._dirty.update(ranks)
+        if idx is None:
+            for r in ranks:
+                self._stale[r] = True
+        else:
+            self._stale[idx] = True
+        by_rank, stuck = self._stuck_by_rank, self._stuck
+        if by_rank:
+            for r in ranks:
+                for u in by_rank.pop(r, ()):
+                    stuck.discard(u)
+
     def view(self, r: int) -> _RankView:
         if r in self._dirty:
             placed = self._placed.pop(r, None)
@@ -540,12 +554,14 @@ class _State:
             if len(ring) >= WIDE_RING and self._missing(u, ring):
                 self._remember_stuck(u, ring)
                 return None
-        offset, out = self.offset, self.out
-        fixed = [r for r in ring if offset[r] is not None]
-        cursor = {r: offset[r] + len(out[r]) for r in fixed}
-        views = {r: self.view(r) for r in ring}
+        offset, out, view = self.offset, self.out, self.view
+        cursor = {}  # the members that hold slots (in ring order): their next slot
+        for r in ring:
+            if offset[r] is not None:
+                cursor[r] = offset[r] + len(out[r])
+        views = {r: view(r) for r in ring}
         lo = max(cursor.values(), default=0)
-        shorts = {r: lo - cursor[r] - len(views[r].locals) for r in fixed}
+        shorts = {r: lo - c - len(views[r].locals) for r, c in cursor.items()}
         missing = sum(max(0, k - views[r].own) for r, k in shorts.items())
         if missing and not borrow:
             self._remember_stuck(u, ring)
@@ -557,21 +573,23 @@ class _State:
                 reserve[r] = max(0, lo - c)
             if missing > self._spare(reserve):
                 return None  # not even by borrowing
-        cands = {r: views[r].locals for r in ring}
-        for r, short in shorts.items():
-            if short > 0:
-                short = self._split_own(r, short, cands, result)
-            if short > 0 and borrow:
-                short = self._borrow(r, short, u, ring, reserve, cands, result)
-            if short > 0:
-                return None
-        prefix = {r: self.view(r).prefix for r in ring}  # the clock after each of cands[r]
-        planned = max(prefix[r][self.natural(r, u)] for r in ring)  # start without alignment
+        if any(short > 0 for short in shorts.values()):
+            cands = {r: views[r].locals for r in ring}
+            for r, short in shorts.items():
+                if short > 0:
+                    short = self._split_own(r, short, cands, result)
+                if short > 0 and borrow:
+                    short = self._borrow(r, short, u, ring, reserve, cands, result)
+                if short > 0:
+                    return None
+            views = {r: view(r) for r in ring}  # splits and borrows changed some
+        # else no member split or borrowed: the views stand, their locals are the candidates
+        planned = max(v.prefix[v.natural(u)] for v in views.values())  # start without alignment
         slack = planned * (1 + 1e-12)
         take = {}
-        if fixed:
-            hi = min(cursor[r] + len(cands[r]) for r in fixed)
-            shifted = [(prefix[r], cursor[r]) for r in fixed]
+        if cursor:
+            hi = min(c + len(views[r].locals) for r, c in cursor.items())
+            shifted = [(views[r].prefix, c) for r, c in cursor.items()]
 
             def start(slot: int) -> float:
                 return max(p[slot - c] for p, c in shifted)
@@ -586,12 +604,12 @@ class _State:
                         a = mid
                     else:
                         b = mid - 1
-            for r in fixed:
-                take[r] = a - cursor[r]
+            for r, c in cursor.items():
+                take[r] = a - c
             slack = max(slack, start(a))
         for r in ring:  # a member without rings yet may start at any slot: it fills the wait
             if r not in take:
-                take[r] = 0 if self.frugal else bisect_right(prefix[r], slack) - 1
+                take[r] = 0 if self.frugal else bisect_right(views[r].prefix, slack) - 1
         return take
 
     def _remember_stuck(self, u: int, ring) -> None:
@@ -673,34 +691,46 @@ class _State:
         return {r: min(len(self.locals_of(r)), max(0, lo - self.cursor(r))) if r in fixed else 0 for r in ring}
 
     def place(self, u: int, ring, take: dict[int, int], seconds: float, result: Ordered) -> None:
-        start = 0.0
-        before = {}
-        for r in ring:
-            v = before[r] = self.view(r)
-            nat = v.natural(u)
-            result.pulled += max(0, take[r] - nat)
-            result.deferred += max(0, nat - take[r])
-            if take[r]:
-                ran = v.locals[: take[r]]
-                self.out[r] += ran
-                self._supply -= sum(len(x.seq_ids) for x in ran)
-            self.clock[r] = v.prefix[take[r]]  # the clock after them: the same sums, in the same order
-            start = max(start, self.clock[r])
-        fixed = [r for r in ring if self.offset[r] is not None]
-        slot = max((self.cursor(r) for r in fixed), default=0)
+        view, out, offset = self.view, self.out, self.offset
+        before = [view(r) for r in ring]
+        start, pulled, deferred, ran_seqs = 0.0, 0, 0, 0
+        for r, v in zip(ring, before):
+            t, nat = take[r], v.natural(u)
+            if t > nat:
+                pulled += t - nat
+            else:
+                deferred += nat - t
+            if t:
+                ran = v.locals[:t]
+                out[r] += ran
+                ran_seqs += sum(len(x.seq_ids) for x in ran)
+            end = v.prefix[t]  # the member's clock after them: the same sums, in the same order
+            if end > start:
+                start = end
+        result.pulled += pulled
+        result.deferred += deferred
+        self._supply -= ran_seqs
+        slot = max((offset[r] + len(out[r]) for r in ring if offset[r] is not None), default=0)
         end = start + seconds
-        offset, out, cursor, left = self.offset, self.out, self._cursor, self._rings_left
-        for r in ring:
+        clock, left, placed = self.clock, self._rings_left, self._placed
+        for r, v in zip(ring, before):
             left[r] -= 1
             if offset[r] is None:
                 offset[r] = slot - len(out[r])
-                self._fixed[r] = True
             out[r].append(u)
-            cursor[r] = offset[r] + len(out[r])
-            self.clock[r] = end
+            clock[r] = end
             # derived when next asked for: most members of a large ring are not asked again soon
-            self._placed[r] = (before[r], take[r], u)
-            self._touch(r)
+            placed[r] = (v, take[r], u)
+        cursors = [offset[r] + len(out[r]) for r in ring]
+        if len(ring) >= WIDE_RING:  # the members' arrays at once
+            idx = self._members_array(u, ring)
+            self._cursor[idx] = cursors
+            self._fixed[idx] = True
+        else:
+            for r, c in zip(ring, cursors):
+                self._cursor[r] = c
+                self._fixed[r] = True
+        self._touch_all(ring, idx if len(ring) >= WIDE_RING else None)
 
     def _split_own(self, r: int, short: int, cands, result: Ordered) -> int:
         """Split ``r``'s own packs in two until it has ``short`` more micro-batches."""
