@@ -561,3 +561,77 @@ def test_ring_sizes_without_offload_checks_where_shares_fit_match_ratio_for_rank
                         expected = (int(sizes[j]), r, float(times[j]))
                         break
                 assert sizer.size(s, target) == expected
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 16).map(lambda v: v / 8), st.sampled_from([1, 1, 1, 2, 3])), min_size=1, max_size=60
+    ),
+    st.sampled_from([2, 4]),
+    st.floats(0.0, 1.2),
+)
+def test_pp_schedule_gives_up_only_once_its_bound_passes_the_limit(specs, stages, share):
+    """``give_up_above``: None only where the schedule's own bound (``key.max()``) is above the
+    limit, and otherwise the very schedule made without it."""
+    from megatron_bytescale.planner.balance import Unit, schedule
+
+    units = [Unit("ring" if n > 1 else "short", (i,), n, t, 10) for i, (t, n) in enumerate(specs)]
+    plain = schedule(units, RingPlacer(8, 4), "pp", 0.05, stages)
+    limit = share * float(plain.key.max())
+    got = schedule(units, RingPlacer(8, 4), "pp", 0.05, stages, give_up_above=limit)
+    if got is None:
+        assert float(plain.key.max()) > limit
+    else:
+        assert got.runs == plain.runs and got.members == plain.members and got.key.tolist() == plain.key.tolist()
+    if share < 1e-9 and len(units) > 1:  # the first unit already passes a limit of 0
+        assert got is None
+
+
+@st.composite
+def pipelined_batches(draw):
+    from megatron_bytescale.planner.planner import PlannerConfig
+
+    from planner_cases import draw_lengths
+
+    num_ranks = draw(st.sampled_from([4, 8, 16]))
+    capacity = draw(st.integers(40, 120))
+    lens = draw_lengths(draw, capacity, num_ranks, max_short=40, max_long=6, min_long=1)
+    config = PlannerConfig(
+        num_ranks=num_ranks,
+        capacity=capacity,
+        ranks_per_node=draw(st.sampled_from([1, 2, 4])),
+        balance="pp",
+        pipeline_stages=draw(st.sampled_from([2, 4])),
+    )
+    return lens, config
+
+
+@settings(max_examples=60, deadline=None)
+@given(pipelined_batches(), st.sampled_from([1, 2, 4]))
+def test_best_schedules_stopped_early_match_every_target_scheduled(case, ordered):
+    """The targets ``_pipeline_candidates`` orders for 1F1B: the same targets, bounds and
+    schedules as scheduling every target in full and sorting by bound (ties to the earlier
+    target), though schedules that cannot be among the best stop early."""
+    from megatron_bytescale.planner import planner
+    from megatron_bytescale.planner.balance import schedule
+
+    lens, config = case
+    cost = small_cost()
+    placer = RingPlacer(config.num_ranks, config.ranks_per_node)
+    targets = planner._pipeline_targets(planner.check_lengths(lens), config, cost, placer)
+    full = [
+        (float(a.key.max()), planner.PIPELINE_RETARGET[position], a)
+        for position, _, _, units in targets
+        for a in [schedule(units, placer, "pp", config.slack, config.pipeline_stages)]
+    ]
+    plain = sorted(full, key=lambda c: c[0])[:ordered]
+    old = planner.PIPELINE_ORDERED
+    planner.PIPELINE_ORDERED = ordered
+    try:
+        got = planner._best_schedules(targets, placer, config, config.pipeline_stages)
+    finally:
+        planner.PIPELINE_ORDERED = old
+    assert [(c[0], c[5]) for c in got] == [(k, scale) for k, scale, _ in plain]
+    assert [c[4].runs for c in got] == [a.runs for _, _, a in plain]
+    assert [c[4].members for c in got] == [a.members for _, _, a in plain]

@@ -429,7 +429,11 @@ def schedule(
     slack: float = 0.05,
     pipeline_stages: int = 1,
     num_buckets: int = DEFAULT_BUCKETS,
-) -> Assignment:
+    give_up_above: float = float("inf"),
+) -> Assignment | None:
+    """Every unit to ranks (``Assignment``). With ``give_up_above`` (PP balance): None as soon
+    as the largest key passes it, which settles that the schedule's own (``key.max()``,
+    which never falls as units are given) would too."""
     if mode not in ("dp", "pp", "tokens"):
         raise ConfigError(f"unknown balance mode {mode!r}; choose dp, pp or tokens")
     by_tokens = mode == "tokens"
@@ -512,6 +516,8 @@ def schedule(
         else:
             retry = len(bucket)  # no stretch this long: one run at a time throughout
         while i < len(bucket):
+            if loads.top > give_up_above:
+                return None
             u = bucket[i]
             if not single[u]:
                 give_ring(u)
