@@ -1,19 +1,22 @@
 """The pipeline graph's and the slot alignment's fast paths give what their plain versions
 give: operation sequences mapped from cached per-count patterns, micro-batch edges unrolled
-instead of asked of ``next_op`` per operation, the longest paths level by level with numpy
-(``pipeline_times``) instead of node by node, each rank's cut of one long pipeline shared by
+instead of asked of ``next_op`` per operation, the longest paths in compiled code or level by
+level with numpy (``pipeline_times``) instead of node by node in Python, each rank's cut of one long pipeline shared by
 ranks with the same slots, a rank's view after a ring derived from its view before instead of
 from its queue, a wide ring's shortfall from per-rank counts instead of its members' views,
 rings placed again by level for all nodes at once instead of node by node."""
+
+from contextlib import nullcontext
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_bytescale.planner import slot_alignment
+from megatron_bytescale.planner import compiled, slot_alignment
 from megatron_bytescale.planner.contract import PipelineGraph, encode_stage_orders, interleaved_order, longest_paths
-from megatron_bytescale.planner.pipeline_times import PipelineArrays, graph_ends
+from megatron_bytescale.planner.pipeline_times import PipelineArrays, graph_ends, longest_path_ends_by_level
 from megatron_bytescale.planner.slot_alignment import (
     LocalBatch,
     _cut_per_rank,
@@ -84,11 +87,18 @@ def test_unrolled_micro_batch_edges_match_next_op(keys, stages, chunks):
     assert indeg == plain_indeg
 
 
+@pytest.mark.parametrize("walk", ["compiled", "by_level"])
 @settings(max_examples=100, deadline=None)
-@given(ring_keys(), st.integers(1, 4), st.integers(1, 3), st.data())
-def test_numpy_longest_paths_match_the_contracts_walk(keys, stages, chunks, data):
+@given(keys=ring_keys(), stages=st.integers(1, 4), chunks=st.integers(1, 3), data=st.data())
+def test_numpy_longest_paths_match_the_contracts_walk(walk, keys, stages, chunks, data):
     """The same end of every node, to the bit (one sum and one maximum per node either way),
-    barriers included; on a deadlock both give None and leave the same nodes waiting."""
+    barriers included; on a deadlock both give None and leave the same nodes waiting. Both
+    walks of ``longest_path_ends``: the compiled kernel and the numpy levels (numba missing)."""
+    with mock.patch.object(compiled, "longest_path", lambda: None) if walk == "by_level" else nullcontext():
+        _check_longest_paths(keys, stages, chunks, data)
+
+
+def _check_longest_paths(keys, stages, chunks, data):
     times = [[data.draw(st.floats(0.0, 4.0)) for _ in row] for row in keys]
     graph = PipelineGraph.of_times(keys, times, stages, 0.4, chunks)
     barriers = []
@@ -103,6 +113,29 @@ def test_numpy_longest_paths_match_the_contracts_walk(keys, stages, chunks, data
         assert left.tolist() == indeg
     else:
         assert end is not None and end.tolist() == plain
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 40), st.data())
+def test_compiled_longest_paths_match_the_levels_on_any_graph(nodes, data):
+    """Any graph (several edges between two nodes, fan-in and fan-out of a ring's operation,
+    cycles): the kernel's ends are the levels' to the bit, or both None with the same
+    in-degrees left."""
+    pairs = data.draw(st.lists(st.tuples(st.integers(0, nodes - 1), st.integers(0, nodes - 1)), max_size=4 * nodes))
+    if not data.draw(st.booleans()):  # mostly acyclic: edges only forward
+        pairs = [(a, b) if a < b else (b, a) for a, b in pairs if a != b]
+    src = np.array([a for a, _ in pairs], dtype=np.int64)
+    dst = np.array([b for _, b in pairs], dtype=np.int64)
+    duration = np.array(data.draw(st.lists(st.floats(0.0, 5.0), min_size=nodes, max_size=nodes)))
+    kernel = compiled.longest_path()
+    assert kernel is not None  # numba is a dependency
+    end, indeg, done = kernel(nodes, src, dst, duration)
+    plain_end, plain_indeg = longest_path_ends_by_level(nodes, src, dst, duration)
+    assert indeg.tolist() == plain_indeg.tolist()
+    if plain_end is None:
+        assert done < nodes
+    else:
+        assert done == nodes and end.tolist() == plain_end.tolist()
 
 
 @settings(max_examples=60, deadline=None)
