@@ -98,7 +98,7 @@ EXTRA_ALLOWED_WHY = {
         "planner.two_level": "the two-level attention costs (head all-to-all, split choice), the planner's",
         "planner.expert_slots": "aligning a strategy's plan to EP slots and the MoE all-to-all time",
         "planner.ring_traffic": "the bytes a ring sends, the formula verify checks against the runtime's counter",
-        "planner.pipeline_times": "the pipeline graph's longest paths with numpy, the planner's estimates' rule",
+        "planner.pipeline_times": "the pipeline graph's longest paths, the planner's estimates' rule",
     },
 }
 EXTRA_ALLOWED = {layer: {f"{PACKAGE}.{m}" for m in why} for layer, why in EXTRA_ALLOWED_WHY.items()}

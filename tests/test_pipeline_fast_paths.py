@@ -326,3 +326,18 @@ def test_rings_placed_again_by_level_all_have_run_as_many_rings_before(case, ran
     }
     for u, ring in new_members.items():
         assert len({[x for x in new_runs[r] if isinstance(x, int)].index(u) for r in ring}) == 1
+
+
+def test_the_kernel_compiles_where_no_cache_directory_is_writable(monkeypatch):
+    """numba refuses ``cache=True`` when it finds no writable cache directory (a read-only
+    install, no home): the kernel is then compiled without a cache, not an error."""
+    import numba.core.caching as caching
+    from numba.core.dispatcher import Dispatcher
+
+    monkeypatch.setattr(caching.CacheImpl, "_locator_classes", [])
+    with pytest.raises(RuntimeError, match="no locator"):  # what the fallback is for
+        caching.FunctionCache(compiled._longest_path)
+    kernel = compiled.longest_path.__wrapped__()
+    assert isinstance(kernel, Dispatcher)
+    end, indeg, done = kernel(3, np.array([0, 1]), np.array([1, 2]), np.array([1.0, 2.0, 0.5]))
+    assert end.tolist() == [1.0, 3.0, 3.5] and indeg.tolist() == [0, 0, 0] and done == 3

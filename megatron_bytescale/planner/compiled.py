@@ -6,7 +6,8 @@ against, bit for bit.
 numba is imported on a kernel's first use (about 0.2 s), not with the planner. A kernel is
 compiled on its first use in an environment (about a second more) and cached on disk (numba's
 ``cache=True``: beside this module, or in a per-user directory where that is not writable),
-so later processes load it in a few milliseconds.
+so later processes load it in a few milliseconds (where no cache directory is writable, each
+process compiles it).
 """
 
 from __future__ import annotations
@@ -68,4 +69,7 @@ def longest_path():
         from numba import njit
     except ImportError:  # pragma: no cover - numba is a dependency; its absence is the fallback's case
         return None
-    return njit(cache=True, nogil=True)(_longest_path)
+    try:
+        return njit(cache=True, nogil=True)(_longest_path)
+    except RuntimeError:  # no writable cache directory (numba names none): compiled in each process
+        return njit(nogil=True)(_longest_path)

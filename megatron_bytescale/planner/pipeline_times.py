@@ -1,12 +1,14 @@
-"""The pipeline graph's longest paths with numpy: what ``contract.PipelineGraph.evaluate``
+"""The pipeline graph's longest paths as arrays: what ``contract.PipelineGraph.evaluate``
 gives (the same floats: every end is one sum of a start and a duration, every start one
-maximum), level by level instead of node by node.
+maximum), in compiled code (``compiled.longest_path``) or, without numba, with numpy level by
+level.
 
 The contract stays the standard library (``Plan.validate`` and the deadlock check use its
 node-by-node walk); the planner's estimates, the stage-order search and the simulator evaluate
 graphs of 10^4-10^6 operations many times a step, where a Python loop over every edge was
-most of the planning time with pipelines. A level (the operations whose predecessors have all
-ended) is a handful of array operations, and such graphs are 10^2 levels deep.
+most of the planning time with pipelines. The graphs are built here with numpy (operation ids,
+edges as two arrays); a level (the operations whose predecessors have all ended) is a handful
+of array operations, and such graphs are 10^2-10^3 levels deep.
 """
 
 from __future__ import annotations
