@@ -450,7 +450,7 @@ def _best_schedules(targets: list, placer: RingPlacer, config: PlannerConfig, st
     left = list(range(len(targets)))
     best = len(targets) // 2
     while left:
-        i = min(left, key=lambda j: (abs(j - best), j))
+        i = min(left, key=lambda j: (abs(j - best), -j))  # ties: the smaller scale
         left.remove(i)
         position, target, shards, units = targets[i]
         limit = sorted(d[0] for d in done)[PIPELINE_ORDERED - 1] if len(done) >= PIPELINE_ORDERED else float("inf")
