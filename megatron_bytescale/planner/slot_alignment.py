@@ -146,8 +146,15 @@ def rank_estimates(
     finish = pipelined_finish_times(keys, times, stages, forward_share, chunks=chunks)
     known[None] = (None, finish)
     if finish is None and chunks > 1:  # the slot-aligned interleaved orders are safe where rings share slots
+        offsets = slot_offsets(keys)
         for megatron in (False, True):
-            orders = slot_interleaved_orders(keys, times, stages, chunks, forward_share, megatron=megatron)
+            orders = (
+                None
+                if offsets is None
+                else slot_interleaved_orders(
+                    keys, times, stages, chunks, forward_share, megatron=megatron, offsets=offsets
+                )
+            )
             found = None
             if orders is not None:
                 found = pipelined_finish_times(keys, times, stages, forward_share, orders, chunks)
@@ -886,6 +893,7 @@ def slot_interleaved_orders(
     slot_times: bool = False,
     megatron: bool = False,
     shift: int = 0,
+    offsets: list[int] | None = None,
 ) -> ArrayOrders | None:
     """Interleaved orders that cannot deadlock when rings sit at one slot on all members: the
     order of one long pipeline over all slots (``_run_one_pipeline``; unit times, or with
@@ -894,8 +902,9 @@ def slot_interleaved_orders(
     ``shift`` phantom slots before the first), each rank running its own slots' part of it.
     Every operation then has one start time in that run, shared by a ring's members, and
     every device runs its operations in that time order, after all they wait for: no cycle.
-    None if the rings admit no slot alignment (``slot_offsets``)."""
-    off = slot_offsets(ring_keys)
+    None if the rings admit no slot alignment (``slot_offsets``; ``offsets``: what it gave for
+    these keys, where the caller has it)."""
+    off = slot_offsets(ring_keys) if offsets is None else offsets
     if off is None:
         return None
     slots = max((o + len(k) for o, k in zip(off, ring_keys)), default=0)

@@ -280,7 +280,13 @@ def chunk_schedule(
         if (slot_times, megatron, shift) in known:
             orders, finish = known[slot_times, megatron, shift]
         else:
-            orders = slot_interleaved_orders(ring_keys, times, p, chunks, forward_share, slot_times, megatron, shift)
+            orders = (
+                None
+                if offsets is None
+                else slot_interleaved_orders(
+                    ring_keys, times, p, chunks, forward_share, slot_times, megatron, shift, offsets
+                )
+            )
             finish = (
                 None if orders is None else pipelined_finish_times(ring_keys, times, p, forward_share, orders, chunks)
             )
