@@ -204,16 +204,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         )
         shorts = None if config.balance == "none" else _short_units(lens, config, cost, placer.ranks_per_node)
         for factor in factors:
-            sizer = RingSizer(
-                config.capacity,
-                cost,
-                config.offload,
-                config.num_ranks,
-                config.ranks_per_node,
-                factor,
-                host,
-                config.capacity_flag,
-            )
+            sizer = _ring_sizer(config, cost, factor, host)
             base = balanced_target(np.asarray(lens), sizer) if balanced else None
             for scale in RETARGET if balanced else (1.0,):
                 target = None if base is None else base * scale
@@ -407,20 +398,25 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     return shards, target, units, assignment, scale, ordered, finish, known
 
 
-def _pipeline_targets(lens, config: PlannerConfig, cost: CostModel, placer: RingPlacer) -> list[tuple]:
-    """(position in ``PIPELINE_RETARGET``, target, ring sizes, units) of each target scale
-    that changes some ring from the scale before it."""
-    stages = config.pipeline_stages
-    sizer = RingSizer(
+def _ring_sizer(config: PlannerConfig, cost: CostModel, factor: int, host: int | None) -> RingSizer:
+    """The config's ring sizer, rings sized as if a share ran ``factor`` x its stage time."""
+    return RingSizer(
         config.capacity,
         cost,
         config.offload,
         config.num_ranks,
         config.ranks_per_node,
-        stages,
-        host_capacity(cost, stages),
+        factor,
+        host,
         config.capacity_flag,
     )
+
+
+def _pipeline_targets(lens, config: PlannerConfig, cost: CostModel, placer: RingPlacer) -> list[tuple]:
+    """(position in ``PIPELINE_RETARGET``, target, ring sizes, units) of each target scale
+    that changes some ring from the scale before it."""
+    stages = config.pipeline_stages
+    sizer = _ring_sizer(config, cost, stages, host_capacity(cost, stages))
     base = balanced_target(np.asarray(lens), sizer)
     targets, previous = [], None
     shorts = _short_units(lens, config, cost, placer.ranks_per_node)  # the same for every target
