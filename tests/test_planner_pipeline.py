@@ -232,6 +232,84 @@ def test_rings_are_placed_again_when_no_order_of_their_members_is_safe():
     assert slot_offsets(keys_of(out.runs)) is not None
 
 
+@st.composite
+def level_cases(draw):
+    """Ranks of whole nodes holding local micro-batches, and rings of any sizes over them."""
+    rpn = draw(st.sampled_from([1, 2, 4]))
+    n = rpn * draw(st.integers(1, 4))
+    seq = iter(range(10**6))
+    runs = [
+        [local(draw(st.sampled_from([0.5, 1.0, 2.0])), (next(seq),)) for _ in range(draw(st.integers(0, 3)))]
+        for _ in range(n)
+    ]
+    sizes = draw(st.lists(st.integers(1, n), min_size=1, max_size=8))
+    members = {u: tuple(range(size)) for u, size in enumerate(sizes)}  # placed again: only sizes count
+    ring_time = {u: draw(st.sampled_from([1.0, 1.5, 3.0])) for u in members}
+    return runs, members, ring_time, rpn
+
+
+@settings(max_examples=150, deadline=None)
+@given(level_cases())
+def test_rings_placed_again_by_level_take_one_slot_and_never_deadlock(case):
+    """``order_by_level``, which PP-balance tries on every candidate without a deadlock
+    check: each ring meets all its members after as many rings (one slot, its level), local
+    work runs after a rank's last ring, nothing is lost, and 1F1B runs through for any depth;
+    the clocks are those of placing the rings one by one in that order."""
+    runs, members, ring_time, rpn = case
+    ordered = slot_alignment.order_by_level(runs, list(members), members, ring_time, rpn)
+    if ordered is None:  # no level holds a ring inside one node
+        return
+    assert {u: len(m) for u, m in ordered.members.items()} == {u: len(m) for u, m in members.items()}
+    for r, run in enumerate(ordered.runs):
+        rings = [x for x in run if isinstance(x, int)]
+        assert run[: len(rings)] == rings  # local work after the last ring
+        assert [x for x in run if not isinstance(x, int)] == runs[r]
+        assert sorted(rings) == sorted(u for u, m in ordered.members.items() if r in m)
+    for u, ring in ordered.members.items():
+        assert len({ordered.runs[r].index(u) for r in ring}) == 1
+    keys = keys_of(ordered.runs)
+    assert slot_offsets(keys) is not None
+    for stages in (2, 3, 4):
+        assert find_pipeline_deadlock(keys, stages) is None
+    order = sorted(members, key=lambda u: ordered.runs[ordered.members[u][0]].index(u))
+    placed = slot_alignment._in_schedule_order(ordered.runs, order, ordered.members, ring_time)
+    assert placed.clock == ordered.clock
+
+
+@pytest.mark.parametrize("dataset, seed, placed_again", [("byted", 0, False), ("github", 1, True)])
+def test_pp_balance_keeps_the_shorter_of_the_aligned_and_the_level_order(dataset, seed, placed_again):
+    """LLaMA-7B, PP 4 on 128 GPUs (32 pipelines), 1M-token batches of 128K context: every
+    candidate target is ordered both ways, the shortest estimate is the plan's, and each
+    order wins on one of the two batches; the simulator runs the plan in that time."""
+    import numpy as np
+
+    from megatron_bytescale.data.workloads import sample_lengths
+    from megatron_bytescale.planner import planner
+    from megatron_bytescale.planner.placement import RingPlacer
+    from megatron_bytescale.sim.simulate import SimConfig, check_config
+    from megatron_bytescale.sim.timeline import evaluate
+
+    cfg = SimConfig(gpus=128, context=128 << 10, capacity=8 << 10, global_batch_tokens=1 << 20, model="llama-7b", pp=4)
+    cluster, cost = check_config(cfg)
+    lens = sample_lengths(dataset, cfg.global_batch_tokens, cfg.context, np.random.default_rng(seed))
+    config = PlannerConfig(num_ranks=32, capacity=cfg.capacity, ranks_per_node=8, balance="pp", pipeline_stages=4)
+    plan = plan_step(lens, config, cost).validate()
+    placer = RingPlacer(config.num_ranks, config.ranks_per_node)
+    targets = planner._pipeline_targets(lens, config, cost, placer)
+    estimates = []
+    for _, _, _, units, assignment, _ in planner._best_schedules(targets, placer, config, 4):
+        ring_time = {u: units[u].time for u in assignment.members}
+        for ordered in planner._candidate_orders(lens, units, assignment, config, cost, placer):
+            if not ordered.deadlock:
+                finish = slot_alignment.rank_estimates(ordered, 4, ring_time, cost.forward_share)
+                estimates.append((max(finish), ordered.members is not None))
+    assert {level for _, level in estimates} == {False, True}
+    best = min(estimates)
+    assert plan.meta["est_time_max_s"] == best[0] and plan.meta["pipeline_order"]["rings_placed_again"] is placed_again
+    assert best[1] is placed_again
+    assert evaluate(plan, cluster, cost).timeline.step_time == pytest.approx(best[0], rel=0.01)
+
+
 def test_plan_step_places_rings_again_and_reports_when_it_cannot(monkeypatch):
     # every sequence is longer than the capacity: 3 ranks, rings of 3, 2, 2, 2, nothing else
     lens = [71, 133, 111, 83]

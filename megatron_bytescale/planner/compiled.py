@@ -61,15 +61,161 @@ def _longest_path(nodes: int, src: np.ndarray, dst: np.ndarray, duration: np.nda
     return end, indeg, tail
 
 
-@cache
-def longest_path():
-    """``_longest_path`` compiled, or None where numba is missing (the caller takes its numpy
-    version)."""
+def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn: int):
+    """``slot_alignment._place_by_level``'s picks for rings of ``sizes`` (in placement order,
+    lasting ``times``) over ``load.size`` ranks of ``rpn`` per node: the same choices and
+    floats as its numpy version (``_level_pick``), rank by rank instead of level by level.
+    Returns each ring's members (rank order) one ring after another, and how many rings were
+    placed (fewer than ``sizes.size``: the next fits no level)."""
+    n = load.size
+    nodes = n // rpn
+    load = load.copy()
+    level = np.zeros(n, dtype=np.int64)
+    out = np.empty(int(sizes.sum()), dtype=np.int64)
+    pick = np.empty(n, dtype=np.int64)
+    best = np.empty(n, dtype=np.int64)
+    count = np.zeros(nodes, dtype=np.int64)
+    busiest = np.empty(nodes)
+
+    def start_idle(chosen):  # when ranks ``chosen`` are all free, and their waits (loads summed in rank order)
+        start, total = -np.inf, 0.0
+        for r in chosen:
+            x = load[r]
+            total += x
+            if x > start:
+                start = x
+        return start, start * chosen.size - total
+
+    ranked = np.empty(rpn, dtype=np.int64)
+
+    def sort_small(ranks):  # insertion sort into ``ranked``: no array made per candidate
+        k = ranks.size
+        for i in range(k):
+            x = ranks[i]
+            q = i
+            while q > 0 and ranked[q - 1] > x:
+                ranked[q] = ranked[q - 1]
+                q -= 1
+            ranked[q] = x
+        return ranked[:k]
+
+    at = 0
+    for u in range(sizes.size):
+        size = sizes[u]
+        found = False
+        b_start, b_idle, b_level = 0.0, 0.0, 0
+        if size > rpn:  # whole nodes of a level first, then the fullest, least busy, lowest
+            top = level.max()
+            for lv in range(top + 1):
+                total = 0
+                for g in range(nodes):
+                    c, hi = 0, -np.inf
+                    for j in range(rpn):
+                        r = g * rpn + j
+                        if level[r] == lv:
+                            c += 1
+                            if load[r] > hi:
+                                hi = load[r]
+                    count[g], busiest[g] = c, hi
+                    total += c
+                if total < size:
+                    continue
+                order = np.argsort(busiest, kind="mergesort")  # ties: the lower node
+                k = 0
+                for c in range(rpn, 0, -1):  # more ranks at the level first
+                    for g in order:
+                        if count[g] != c:
+                            continue
+                        for j in range(rpn):
+                            r = g * rpn + j
+                            if level[r] == lv and k < size:
+                                pick[k] = r
+                                k += 1
+                chosen = np.sort(pick[:size])
+                start, idle = start_idle(chosen)
+                # levels rise: equal (start, idle) keep the lower level
+                if not found or start < b_start or (start == b_start and idle < b_idle):
+                    found, b_start, b_idle = True, start, idle
+                    best[:size] = chosen
+        else:  # inside one node: its least-loaded ranks of one level, ties to the lower rank
+            for g in range(nodes):  # nodes rise: equal (start, idle, level) keep the lower node
+                if found:  # no pick here can start before its least-loaded rank is free
+                    low = load[g * rpn]
+                    for j in range(1, rpn):
+                        low = min(low, load[g * rpn + j])
+                    if low > b_start:
+                        continue
+                for j0 in range(rpn):
+                    lv = level[g * rpn + j0]
+                    seen = False
+                    for j in range(j0):
+                        if level[g * rpn + j] == lv:
+                            seen = True
+                    if seen:  # each level of the node once
+                        continue
+                    c = 0
+                    for j in range(j0, rpn):
+                        r = g * rpn + j
+                        if level[r] == lv:
+                            pick[c] = r
+                            c += 1
+                    if c < size:
+                        continue
+                    for i in range(size):  # selection of the least (load, rank), order kept
+                        m = i
+                        for q in range(i + 1, c):
+                            if load[pick[q]] < load[pick[m]]:
+                                m = q
+                        x = pick[m]
+                        for q in range(m, i, -1):
+                            pick[q] = pick[q - 1]
+                        pick[i] = x
+                    if found and load[pick[size - 1]] > b_start:  # starts later (the largest picked)
+                        continue
+                    chosen = sort_small(pick[:size])
+                    start, idle = start_idle(chosen)
+                    if (
+                        not found
+                        or start < b_start
+                        or (start == b_start and (idle < b_idle or (idle == b_idle and lv < b_level)))
+                    ):
+                        found, b_start, b_idle, b_level = True, start, idle, lv
+                        best[:size] = chosen
+        if not found:
+            return out, u
+        end = -np.inf
+        for i in range(size):
+            if load[best[i]] > end:
+                end = load[best[i]]
+        end += times[u]
+        for i in range(size):
+            r = best[i]
+            load[r] = end
+            level[r] += 1
+            out[at + i] = r
+        at += size
+    return out, sizes.size
+
+
+def _compile(kernel):
+    """``kernel`` compiled, or None where numba is missing (the caller takes its numpy version)."""
     try:
         from numba import njit
     except ImportError:  # pragma: no cover - numba is a dependency; its absence is the fallback's case
         return None
     try:
-        return njit(cache=True, nogil=True)(_longest_path)
+        return njit(cache=True, nogil=True)(kernel)
     except RuntimeError:  # no writable cache directory (numba names none): compiled in each process
-        return njit(nogil=True)(_longest_path)
+        return njit(nogil=True)(kernel)
+
+
+@cache
+def longest_path():
+    """``_longest_path`` compiled, or None where numba is missing."""
+    return _compile(_longest_path)
+
+
+@cache
+def level_placement():
+    """``_level_placement`` compiled, or None where numba is missing."""
+    return _compile(_level_placement)

@@ -55,7 +55,7 @@ from .offload_policy import host_capacity
 from .pipeline_times import ArrayOrders
 from .placement import RingPlacer, check_shape
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
-from .slot_alignment import Item, LocalBatch, Ordered, order_runs, rank_estimates
+from .slot_alignment import Item, LocalBatch, Ordered, order_by_level, order_runs, rank_estimates, unit_keys
 from .stage_schedule import chunk_schedule, stage_schedule
 
 PIPELINE_SCHEDULES = ("1f1b", "search")
@@ -242,7 +242,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         # schedule over chunk ops (p V first: the activations of 1F1B's p micro-batches, what
         # capacity, offload ratios and the host budget are sized for); the shortest safe one.
         times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
-        chosen = chunk_schedule(_run_keys(ordered), times, stages, cost.forward_share, chunks, known)
+        chosen = chunk_schedule(unit_keys(ordered.runs), times, stages, cost.forward_share, chunks, known)
         if chosen is None:
             raise PlanError(
                 f"no deadlock-free order of {chunks} model chunks over {stages} pipeline stages found for this batch; "
@@ -334,12 +334,14 @@ def _order(
     cost: CostModel,
     placer: RingPlacer,
     fallback: bool = True,
+    runs: list[list[Item]] | None = None,
 ) -> Ordered:
     """Rings start when their last member reaches them (a member is held until the slowest
     is done). With pipelines each ring also takes one slot on all its members
-    (slot_alignment.py), else 1F1B could deadlock."""
+    (slot_alignment.py), else 1F1B could deadlock. ``runs``: ``_rank_items``' result, if
+    made already."""
     return order_runs(
-        _rank_items(lens, units, assignment, config.capacity, cost),
+        _rank_items(lens, units, assignment, config.capacity, cost) if runs is None else runs,
         [u for u in assignment.order if u in assignment.members],
         assignment.members,
         {u: units[u].time for u in assignment.members},
@@ -354,12 +356,7 @@ def _order(
 def _search_stage_orders(ordered: Ordered, stages: int, ring_time: dict[int, float], cost: CostModel):
     """Per-stage orders shorter than 1F1B for the ordered runs (``stage_schedule``), or None."""
     times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
-    return stage_schedule(_run_keys(ordered), times, stages, cost.forward_share)
-
-
-def _run_keys(ordered: Ordered) -> list[list[int | None]]:
-    """Per rank and item: its ring unit, None for local work (``find_pipeline_deadlock``'s keys)."""
-    return [[None if isinstance(x, LocalBatch) else x for x in run] for run in ordered.runs]
+    return stage_schedule(unit_keys(ordered.runs), times, stages, cost.forward_share)
 
 
 def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: RingPlacer):
@@ -374,28 +371,49 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     ``PIPELINE_ORDERED`` by the scheduler's bound are ordered for 1F1B and estimated in full
     (``rank_estimates``: the pipelines run together, as the simulator runs them), and the
     shortest deadlock-free estimate wins; targets that change no ring are skipped, and a
-    schedule stops once its bound cannot be among the best (``_best_schedules``)."""
+    schedule stops once its bound cannot be among the best (``_best_schedules``). A
+    candidate whose rings cannot all take one slot competes with its rings placed again at
+    levels (``order_by_level``): large rings over most ranks with little short work between
+    them, where that order runs the long rings back to back and often wins."""
     stages = config.pipeline_stages
     candidates = _best_schedules(_pipeline_targets(lens, config, cost, placer), placer, config, stages)
     # Ordering for 1F1B is the slow part: only the candidates the scheduler's own bound
     # (sum + (p - 1) x max per rank) ranks best are ordered and estimated in full.
     best = None
     for _, shards, target, units, assignment, scale in candidates:
-        ordered = _order(lens, units, assignment, config, cost, placer, fallback=False)
-        ring_time = {u: units[u].time for u in assignment.members}
-        known: dict = {}
-        finish = (
-            None
-            if ordered.deadlock
-            else rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages, known)
-        )
-        step = float("inf") if finish is None else max(finish, default=0.0)
-        if best is None or step < best[0]:
-            best = (step, shards, target, units, assignment, scale, ordered, finish, known)
+        for ordered in _candidate_orders(lens, units, assignment, config, cost, placer):
+            ring_time = {u: units[u].time for u in assignment.members}
+            known: dict = {}
+            finish = (
+                None
+                if ordered.deadlock
+                else rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages, known)
+            )
+            step = float("inf") if finish is None else max(finish, default=0.0)
+            if best is None or step < best[0]:
+                best = (step, shards, target, units, assignment, scale, ordered, finish, known)
     step, shards, target, units, assignment, scale, ordered, finish, known = best
     if ordered.deadlock:  # no candidate aligned every ring: the searches of order_runs, on the first
         ordered, finish, known = _order(lens, units, assignment, config, cost, placer), None, {}
     return shards, target, units, assignment, scale, ordered, finish, known
+
+
+def _candidate_orders(lens, units, assignment: Assignment, config: PlannerConfig, cost: CostModel, placer) -> list:
+    """A PP-balance candidate's 1F1B orders: slot-aligned in schedule order (without the
+    searches, ``order_runs``' ``fallback=False``: it may come back deadlocked), and, where
+    that is safe, the rings placed again at levels (``order_by_level``): every ring on ranks
+    that ran as many rings before it, the long rings back to back and the short work after
+    them. Neither wins everywhere (the level order is 20% shorter on some interleaved
+    pipelines, longer on others), so both are estimated."""
+    runs = _rank_items(lens, units, assignment, config.capacity, cost)
+    aligned = _order(lens, units, assignment, config, cost, placer, fallback=False, runs=runs)
+    ring_order = [u for u in assignment.order if u in assignment.members]
+    ring_time = {u: units[u].time for u in assignment.members}
+    by_level = order_by_level(runs, ring_order, assignment.members, ring_time, placer.ranks_per_node)
+    if by_level is None:
+        return [aligned]
+    by_level.unaligned = aligned.unaligned
+    return [aligned, by_level]
 
 
 def _ring_sizer(config: PlannerConfig, cost: CostModel, factor: int, host: int | None) -> RingSizer:

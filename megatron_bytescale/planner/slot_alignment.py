@@ -21,6 +21,7 @@ from itertools import accumulate
 
 import numpy as np
 
+from . import compiled
 from .contract import BACKWARD, FORWARD, Op, find_pipeline_deadlock
 from .contract.ops import megatron_interleaved_orders
 from .cost_model import FORWARD_SHARE
@@ -55,7 +56,8 @@ class Ordered:
     splits: int = 0  # packs split in two to fill a slot
     moved: int = 0  # local micro-batches given to another rank to fill a slot
     reordered: int = 0  # rings run before an earlier ring of the schedule, to take one slot
-    unaligned: list[int] = field(default_factory=list)  # rings the schedule-order pass could not give one slot
+    # rings the schedule-order pass could not give one slot (a pass that stops at the first: that one)
+    unaligned: list[int] = field(default_factory=list)
     searched: bool = False  # the slots came from the time-blind search over the ring structure
     members: dict[int, tuple[int, ...]] | None = None  # new ring members, if the rings had to be placed again
     deadlock: str | None = None  # set when no order safe for 1F1B was found
@@ -96,20 +98,17 @@ def order_runs(
     safe = []
     frugal = _aligned(runs, ring_order, members, ring_time, split, lookahead, frugal=True)
     for candidate in (result, frugal):
-        if not candidate.unaligned or _deadlock_of(candidate.runs, stages) is None:
+        if not candidate.unaligned or not _deadlocks(candidate.runs, stages):
             safe.append(candidate)
     for order in (ring_order, sorted(ring_order, key=lambda u: -len(members[u]))):
         placed = _slot_search(runs, order, members, split)
-        if placed is not None and _deadlock_of(placed[0], stages) is None:
+        if placed is not None and not _deadlocks(placed[0], stages):
             runs_by_slot, slots = placed
             again = _in_schedule_order(runs_by_slot, sorted(slots, key=slots.get), members, ring_time)
             again.searched = True
             safe.append(again)
-    placed = _place_by_level(runs, ring_order, members, ring_time, ranks_per_node)
-    if placed is not None and _deadlock_of(placed[0], stages) is None:
-        runs_by_level, new_members, order = placed
-        again = _in_schedule_order(runs_by_level, order, new_members, ring_time)
-        again.members = new_members
+    again = order_by_level(runs, ring_order, members, ring_time, ranks_per_node)
+    if again is not None:
         safe.append(again)
     if not safe:
         result.deadlock = _deadlock_of(result.runs, stages)
@@ -141,7 +140,7 @@ def rank_estimates(
     times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
     if stages <= 1:
         return list(ordered.clock)
-    keys = [[None if isinstance(x, LocalBatch) else x for x in run] for run in ordered.runs]
+    keys = unit_keys(ordered.runs)
     known = {} if known is None else known
     finish = pipelined_finish_times(keys, times, stages, forward_share, chunks=chunks)
     known[None] = (None, finish)
@@ -166,6 +165,29 @@ def rank_estimates(
     return [max(clock, one_f_one_b_time(t, stages, forward_share)) for clock, t in zip(ordered.clock, times)]
 
 
+def order_by_level(
+    runs: Sequence[Sequence[Item]],
+    ring_order: Sequence[int],
+    members: dict[int, tuple[int, ...]],
+    ring_time: dict[int, float],
+    ranks_per_node: int = 1,
+) -> Ordered | None:
+    """The rings placed again at levels (``_place_by_level``: every member of a ring has run
+    as many rings before it, local micro-batches after a rank's last ring) and timed like
+    ``order_runs``' result, ``Ordered.members`` holding the new members; None if no placement
+    fits. Each ring takes one slot on all its members (its level), so 1F1B cannot deadlock
+    (docs/design.md, "Pipeline order"; tests/test_planner_pipeline.py checks it), also where
+    the schedule's placement admits no slot alignment (rings over most ranks, little short
+    work between them); the long rings run back to back on all their members."""
+    placed = _place_by_level(runs, ring_order, members, ring_time, ranks_per_node)
+    if placed is None:
+        return None
+    runs_by_level, new_members, order = placed
+    again = _sequential(runs_by_level, order, new_members, ring_time)  # no local work before a ring
+    again.members = new_members
+    return again
+
+
 def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
     """Place every ring again so that all its members have run the same number of rings
     before it; local micro-batches run after a rank's last ring. Rings go largest first,
@@ -175,24 +197,41 @@ def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
     n = len(runs)
     locals_ = [[x for x in run if isinstance(x, LocalBatch)] for run in runs]
     load = np.array([sum(x.time for x in batches) for batches in locals_])  # locals run last, but count
-    level = np.zeros(n, dtype=np.int64)
-    rings: list[list[int]] = [[] for _ in range(n)]
-    new_members: dict[int, tuple[int, ...]] = {}
     order = sorted(ring_order, key=lambda u: -len(members[u]))  # stable: schedule order among equals
     rpn = max(1, min(ranks_per_node, n))
+    sizes = np.fromiter((len(members[u]) for u in order), dtype=np.int64, count=len(order))
+    times = np.fromiter((ring_time[u] for u in order), dtype=np.float64, count=len(order))
+    kernel = compiled.level_placement()
+    flat, placed = (kernel or _level_placement)(load, sizes, times, rpn)
+    if placed < len(order):
+        return None
+    rings: list[list[int]] = [[] for _ in range(n)]
+    new_members: dict[int, tuple[int, ...]] = {}
+    for u, chosen in zip(order, np.split(flat, np.cumsum(sizes)[:-1])):
+        new_members[u] = tuple(chosen.tolist())
+        for r in new_members[u]:
+            rings[r].append(u)
+    return [rings[r] + locals_[r] for r in range(n)], new_members, order
+
+
+def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn: int):
+    """``compiled._level_placement`` level by level with numpy (``_level_pick``), the same
+    picks and floats: where numba is missing, and what the tests check the kernel against."""
+    n = load.size
+    load = load.copy()
+    level = np.zeros(n, dtype=np.int64)
     # node by node (whole nodes: the planner's rank counts are, RingPlacer checks it): rows of
     # ``by_node`` are nodes
     by_node = np.arange(n).reshape(n // rpn, rpn)
-    for u in order:
-        chosen = _level_pick(load, level, len(members[u]), by_node)
+    out = []
+    for u, size in enumerate(sizes.tolist()):
+        chosen = _level_pick(load, level, size, by_node)
         if chosen is None:
-            return None
-        new_members[u] = tuple(chosen.tolist())
-        load[chosen] = load[chosen].max() + ring_time[u]
+            return np.concatenate(out or [np.zeros(0, dtype=np.int64)]), u
+        out.append(chosen)
+        load[chosen] = load[chosen].max() + times[u]
         level[chosen] += 1
-        for r in chosen.tolist():
-            rings[r].append(u)
-    return [rings[r] + locals_[r] for r in range(n)], new_members, order
+    return np.concatenate(out or [np.zeros(0, dtype=np.int64)]), sizes.size
 
 
 def _level_pick(load: np.ndarray, level: np.ndarray, size: int, by_node: np.ndarray) -> np.ndarray | None:
@@ -225,9 +264,10 @@ def _level_pick(load: np.ndarray, level: np.ndarray, size: int, by_node: np.ndar
             least = np.argsort(np.where(here[nodes], load2[nodes], np.inf), axis=1, kind="stable")[:, :size]
             chosen = np.sort(np.take_along_axis(by_node[nodes], least, axis=1), axis=1)
             loads = load[chosen]
-        # per pick: (start, idle of the members that wait); the first least wins
+        # per pick: (start, idle of the members that wait); the first least wins (the loads
+        # summed in rank order, as the compiled kernel does: a cumulative sum, not numpy's pairwise)
         start = loads.max(axis=1)
-        idle = start * size - loads.sum(axis=1)
+        idle = start * size - np.cumsum(loads, axis=1)[:, -1]
         k = int(np.lexsort((np.arange(start.size), idle, start))[0])
         key = (float(start[k]), float(idle[k]), lv)
         if best is None or key < best[0]:
@@ -236,7 +276,21 @@ def _level_pick(load: np.ndarray, level: np.ndarray, size: int, by_node: np.ndar
 
 
 def _deadlock_of(runs: Sequence[Sequence[Item]], stages: int) -> str | None:
-    return find_pipeline_deadlock([[None if isinstance(x, LocalBatch) else x for x in run] for run in runs], stages)
+    """Where 1F1B over ``runs`` gets stuck, or None (the contract's walk: slow on large
+    plans, for the message; ``_deadlocks`` answers yes or no)."""
+    return find_pipeline_deadlock(unit_keys(runs), stages) if _deadlocks(runs, stages) else None
+
+
+def _deadlocks(runs: Sequence[Sequence[Item]], stages: int) -> bool:
+    """Whether 1F1B over ``runs`` deadlocks: the planner's graph walk (compiled where numba
+    is), which finds a cycle exactly where the contract's does (tests/test_pipeline_fast_paths.py)."""
+    keys = unit_keys(runs)
+    return pipelined_finish_times(keys, [[1.0] * len(run) for run in keys], stages, FORWARD_SHARE) is None
+
+
+def unit_keys(runs: Sequence[Sequence[Item]]) -> list[list[int | None]]:
+    """Per rank and item: its ring unit, None for local work (``find_pipeline_deadlock``'s keys)."""
+    return [[None if isinstance(x, LocalBatch) else x for x in run] for run in runs]
 
 
 def _sequential(runs, ring_order, members, ring_time) -> Ordered:
