@@ -76,6 +76,70 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
     best = np.empty(n, dtype=np.int64)
     count = np.zeros(nodes, dtype=np.int64)
     busiest = np.empty(nodes)
+    per_level = np.zeros(sizes.size + 2, dtype=np.int64)
+    least = np.empty(sizes.size + 2)
+    by_level = np.empty(n, dtype=np.int64)
+    node_at = np.empty(nodes, dtype=np.int64)
+    top = 0  # the highest level
+    # per node and ring size up to a node: its best pick, while ``known``
+    known = np.zeros((nodes, rpn + 1), dtype=np.bool_)
+    has = np.zeros((nodes, rpn + 1), dtype=np.bool_)  # some level of the node holds that many
+    c_start = np.empty((nodes, rpn + 1))
+    c_idle = np.empty((nodes, rpn + 1))
+    c_level = np.empty((nodes, rpn + 1), dtype=np.int64)
+    c_pick = np.empty((nodes, rpn + 1, rpn), dtype=np.int64)
+
+    def node_pick(g, size):  # node g's least (start, idle, level) pick of ``size`` ranks of one level
+        known[g, size], has[g, size] = True, False
+        for j0 in range(rpn):
+            lv = level[g * rpn + j0]
+            seen = False
+            for j in range(j0):
+                if level[g * rpn + j] == lv:
+                    seen = True
+            if seen:  # each level of the node once
+                continue
+            c = 0
+            for j in range(j0, rpn):
+                r = g * rpn + j
+                if level[r] == lv:
+                    pick[c] = r
+                    c += 1
+            if c < size:
+                continue
+            for i in range(size):  # selection of the least (load, rank), order kept
+                m = i
+                for q in range(i + 1, c):
+                    if load[pick[q]] < load[pick[m]]:
+                        m = q
+                x = pick[m]
+                for q in range(m, i, -1):
+                    pick[q] = pick[q - 1]
+                pick[i] = x
+            chosen = c_pick[g, 0, :size]  # scratch: the picked ranks in rank order (an insertion sort)
+            for i in range(size):
+                x = pick[i]
+                q = i
+                while q > 0 and chosen[q - 1] > x:
+                    chosen[q] = chosen[q - 1]
+                    q -= 1
+                chosen[q] = x
+            start, total = -np.inf, 0.0  # as ``start_idle`` (an inner function cannot call another)
+            for r in chosen:
+                total += load[r]
+                start = max(start, load[r])
+            idle = start * size - total
+            if (
+                not has[g, size]
+                or start < c_start[g, size]
+                or (
+                    start == c_start[g, size]
+                    and (idle < c_idle[g, size] or (idle == c_idle[g, size] and lv < c_level[g, size]))
+                )
+            ):
+                has[g, size] = True
+                c_start[g, size], c_idle[g, size], c_level[g, size] = start, idle, lv
+                c_pick[g, size, :size] = chosen
 
     def start_idle(chosen):  # when ranks ``chosen`` are all free, and their waits (loads summed in rank order)
         start, total = -np.inf, 0.0
@@ -86,51 +150,48 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
                 start = x
         return start, start * chosen.size - total
 
-    ranked = np.empty(rpn, dtype=np.int64)
-
-    def sort_small(ranks):  # insertion sort into ``ranked``: no array made per candidate
-        k = ranks.size
-        for i in range(k):
-            x = ranks[i]
-            q = i
-            while q > 0 and ranked[q - 1] > x:
-                ranked[q] = ranked[q - 1]
-                q -= 1
-            ranked[q] = x
-        return ranked[:k]
-
     at = 0
     for u in range(sizes.size):
         size = sizes[u]
         found = False
-        b_start, b_idle, b_level = 0.0, 0.0, 0
+        b_start, b_idle, b_level, b_node = 0.0, 0.0, 0, 0
         if size > rpn:  # whole nodes of a level first, then the fullest, least busy, lowest
-            top = level.max()
+            # the ranks by level (a counting sort: rank order within a level) and each level's
+            # least load, so that only levels that hold the ring and might start it no later
+            # than the best so far are looked at, and only at their own ranks
+            for lv in range(top + 2):
+                per_level[lv], least[lv] = 0, np.inf
+            for r in range(n):
+                per_level[level[r] + 1] += 1
+                least[level[r]] = min(least[level[r]], load[r])
             for lv in range(top + 1):
-                total = 0
-                for g in range(nodes):
-                    c, hi = 0, -np.inf
-                    for j in range(rpn):
-                        r = g * rpn + j
-                        if level[r] == lv:
-                            c += 1
-                            if load[r] > hi:
-                                hi = load[r]
-                    count[g], busiest[g] = c, hi
-                    total += c
-                if total < size:
+                per_level[lv + 1] += per_level[lv]  # now where each level's ranks begin
+            for r in range(n):
+                by_level[per_level[level[r]]] = r
+                per_level[level[r]] += 1  # ... and, once all are in, where they end
+            for lv in range(top + 1):
+                lo, hi_end = (per_level[lv - 1] if lv else 0), per_level[lv]
+                if hi_end - lo < size or (found and least[lv] > b_start):
                     continue
-                order = np.argsort(busiest, kind="mergesort")  # ties: the lower node
+                m, i = 0, lo  # the level's nodes, ascending: their first rank, count and busiest
+                while i < hi_end:
+                    g, c, hi = by_level[i] // rpn, 0, -np.inf
+                    node_at[m] = i
+                    while i < hi_end and by_level[i] // rpn == g:
+                        hi = max(hi, load[by_level[i]])
+                        c += 1
+                        i += 1
+                    count[m], busiest[m] = c, hi
+                    m += 1
+                order = np.argsort(busiest[:m], kind="mergesort")  # ties: the lower node
                 k = 0
                 for c in range(rpn, 0, -1):  # more ranks at the level first
-                    for g in order:
-                        if count[g] != c:
-                            continue
-                        for j in range(rpn):
-                            r = g * rpn + j
-                            if level[r] == lv and k < size:
-                                pick[k] = r
-                                k += 1
+                    for q in order:
+                        if count[q] == c:
+                            for i in range(node_at[q], node_at[q] + c):
+                                if k < size:
+                                    pick[k] = by_level[i]
+                                    k += 1
                 chosen = np.sort(pick[:size])
                 start, idle = start_idle(chosen)
                 # levels rise: equal (start, idle) keep the lower level
@@ -138,49 +199,22 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
                     found, b_start, b_idle = True, start, idle
                     best[:size] = chosen
         else:  # inside one node: its least-loaded ranks of one level, ties to the lower rank
+            # each node's best pick for this size, kept until a ring lands on the node: a ring
+            # changes one node or a few, so a pick costs one comparison per node
             for g in range(nodes):  # nodes rise: equal (start, idle, level) keep the lower node
-                if found:  # no pick here can start before its least-loaded rank is free
-                    low = load[g * rpn]
-                    for j in range(1, rpn):
-                        low = min(low, load[g * rpn + j])
-                    if low > b_start:
-                        continue
-                for j0 in range(rpn):
-                    lv = level[g * rpn + j0]
-                    seen = False
-                    for j in range(j0):
-                        if level[g * rpn + j] == lv:
-                            seen = True
-                    if seen:  # each level of the node once
-                        continue
-                    c = 0
-                    for j in range(j0, rpn):
-                        r = g * rpn + j
-                        if level[r] == lv:
-                            pick[c] = r
-                            c += 1
-                    if c < size:
-                        continue
-                    for i in range(size):  # selection of the least (load, rank), order kept
-                        m = i
-                        for q in range(i + 1, c):
-                            if load[pick[q]] < load[pick[m]]:
-                                m = q
-                        x = pick[m]
-                        for q in range(m, i, -1):
-                            pick[q] = pick[q - 1]
-                        pick[i] = x
-                    if found and load[pick[size - 1]] > b_start:  # starts later (the largest picked)
-                        continue
-                    chosen = sort_small(pick[:size])
-                    start, idle = start_idle(chosen)
-                    if (
-                        not found
-                        or start < b_start
-                        or (start == b_start and (idle < b_idle or (idle == b_idle and lv < b_level)))
-                    ):
-                        found, b_start, b_idle, b_level = True, start, idle, lv
-                        best[:size] = chosen
+                if not known[g, size]:
+                    node_pick(g, size)
+                if not has[g, size]:
+                    continue
+                start, idle, lv = c_start[g, size], c_idle[g, size], c_level[g, size]
+                if (
+                    not found
+                    or start < b_start
+                    or (start == b_start and (idle < b_idle or (idle == b_idle and lv < b_level)))
+                ):
+                    found, b_start, b_idle, b_level, b_node = True, start, idle, lv, g
+            if found:
+                best[:size] = c_pick[b_node, size, :size]
         if not found:
             return out, u
         end = -np.inf
@@ -192,7 +226,10 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
             r = best[i]
             load[r] = end
             level[r] += 1
+            top = max(top, level[r])
             out[at + i] = r
+        for i in range(size):
+            known[best[i] // rpn, :] = False
         at += size
     return out, sizes.size
 
