@@ -371,10 +371,10 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     ``PIPELINE_ORDERED`` by the scheduler's bound are ordered for 1F1B and estimated in full
     (``rank_estimates``: the pipelines run together, as the simulator runs them), and the
     shortest deadlock-free estimate wins; targets that change no ring are skipped, and a
-    schedule stops once its bound cannot be among the best (``_best_schedules``). A
-    candidate whose rings cannot all take one slot competes with its rings placed again at
-    levels (``order_by_level``): large rings over most ranks with little short work between
-    them, where that order runs the long rings back to back and often wins."""
+    schedule stops once its bound cannot be among the best (``_best_schedules``). Each
+    candidate is ordered two ways (``_candidate_orders``): slot-aligned where the schedule
+    placed its rings, and with its rings placed again at levels, which runs the long rings
+    back to back and often wins (large rings over most ranks, little short work between them)."""
     stages = config.pipeline_stages
     candidates = _best_schedules(_pipeline_targets(lens, config, cost, placer), placer, config, stages)
     # Ordering for 1F1B is the slow part: only the candidates the scheduler's own bound
@@ -393,7 +393,7 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
             if best is None or step < best[0]:
                 best = (step, shards, target, units, assignment, scale, ordered, finish, known)
     step, shards, target, units, assignment, scale, ordered, finish, known = best
-    if ordered.deadlock:  # no candidate aligned every ring: the searches of order_runs, on the first
+    if ordered.deadlock:  # no candidate has a safe order of either kind: the searches of order_runs, on the first
         ordered, finish, known = _order(lens, units, assignment, config, cost, placer), None, {}
     return shards, target, units, assignment, scale, ordered, finish, known
 
