@@ -48,7 +48,11 @@ def bad_input_in_rank(rank, world):
 
 
 if __name__ == "__main__":  # python lifetime_support.py PID_DIR: launch two sleeping ranks
+    import faulthandler
+
     from megatron_bytescale.local_world import run_local_world
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks if it hangs
 
     run_local_world(sleeper, 2, sys.argv[1], timeout_s=600)
 
