@@ -53,6 +53,11 @@ if __name__ == "__main__":  # python lifetime_support.py PID_DIR: launch two sle
     from megatron_bytescale.local_world import run_local_world
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks if it hangs
+    # SIGINT as a terminal delivers it: a child inherits an ignored or blocked SIGINT from its
+    # parent (a test runner started in the background, or an earlier test of the session), and
+    # then the launcher never sees the signal this test sends
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     run_local_world(sleeper, 2, sys.argv[1], timeout_s=600)
 

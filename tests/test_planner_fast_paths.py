@@ -241,7 +241,9 @@ def test_plan_step_leaves_the_garbage_collector_as_it_found_it():
     try:
         before = gc.get_freeze_count()
         plan_step(lengths, config, small_cost())
-        assert gc.get_freeze_count() == before and gc.isenabled()
+        # untouched: an unfreeze would drop the count to 0, a freeze raise it (threads left by
+        # earlier tests of the session may free frozen objects meanwhile: it may fall a little)
+        assert 0 < gc.get_freeze_count() <= before and gc.isenabled()
     finally:
         gc.unfreeze()
     del frozen

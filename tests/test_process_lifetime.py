@@ -58,11 +58,13 @@ def test_ranks_die_with_their_launcher(tmp_path, sig):
     proc.send_signal(sig)
     try:
         proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:  # rare (once in many CI runs): leave its stacks for the log
+    except subprocess.TimeoutExpired:  # leave its signal masks and its stacks for the log
+        status = [line.strip() for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()]
+        masks = [line for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
         proc.send_signal(signal.SIGUSR1)  # lifetime_support registers faulthandler on it
         time.sleep(2)
         proc.kill()
-        raise AssertionError(f"the launcher still ran 30 s after {sig.name}; its threads' stacks are above") from None
+        raise AssertionError(f"the launcher still ran 30 s after {sig.name} ({masks}); its stacks are above") from None
     wait_for(lambda: not any(_alive(p) for p in pids), 15, f"ranks {pids} to end after {sig.name}")
     if sig == signal.SIGTERM:
         assert proc.returncode == 143
