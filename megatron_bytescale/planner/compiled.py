@@ -124,11 +124,9 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
                     chosen[q] = chosen[q - 1]
                     q -= 1
                 chosen[q] = x
-            start, total = -np.inf, 0.0  # as ``start_idle`` (an inner function cannot call another)
-            for r in chosen:
-                total += load[r]
-                start = max(start, load[r])
-            idle = start * size - total
+            loads = load[chosen]  # as in ``_level_pick``: the loads summed in rank order
+            start = loads.max()
+            idle = start * size - np.cumsum(loads)[-1]
             if (
                 not has[g, size]
                 or start < c_start[g, size]
@@ -140,15 +138,6 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
                 has[g, size] = True
                 c_start[g, size], c_idle[g, size], c_level[g, size] = start, idle, lv
                 c_pick[g, size, :size] = chosen
-
-    def start_idle(chosen):  # when ranks ``chosen`` are all free, and their waits (loads summed in rank order)
-        start, total = -np.inf, 0.0
-        for r in chosen:
-            x = load[r]
-            total += x
-            if x > start:
-                start = x
-        return start, start * chosen.size - total
 
     at = 0
     for u in range(sizes.size):
@@ -193,7 +182,9 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
                                     pick[k] = by_level[i]
                                     k += 1
                 chosen = np.sort(pick[:size])
-                start, idle = start_idle(chosen)
+                loads = load[chosen]
+                start = loads.max()
+                idle = start * size - np.cumsum(loads)[-1]
                 # levels rise: equal (start, idle) keep the lower level
                 if not found or start < b_start or (start == b_start and idle < b_idle):
                     found, b_start, b_idle = True, start, idle
@@ -217,11 +208,7 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
                 best[:size] = c_pick[b_node, size, :size]
         if not found:
             return out, u
-        end = -np.inf
-        for i in range(size):
-            if load[best[i]] > end:
-                end = load[best[i]]
-        end += times[u]
+        end = b_start + times[u]  # the pick's start is its busiest member's load
         for i in range(size):
             r = best[i]
             load[r] = end

@@ -381,8 +381,8 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     # (sum + (p - 1) x max per rank) ranks best are ordered and estimated in full.
     best = None
     for _, shards, target, units, assignment, scale in candidates:
+        ring_time = {u: units[u].time for u in assignment.members}
         for ordered in _candidate_orders(lens, units, assignment, config, cost, placer):
-            ring_time = {u: units[u].time for u in assignment.members}
             known: dict = {}
             finish = (
                 None

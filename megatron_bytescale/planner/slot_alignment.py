@@ -278,7 +278,7 @@ def _level_pick(load: np.ndarray, level: np.ndarray, size: int, by_node: np.ndar
 def _deadlock_of(runs: Sequence[Sequence[Item]], stages: int) -> str | None:
     """Where 1F1B over ``runs`` gets stuck, or None (the contract's walk: slow on large
     plans, for the message; ``_deadlocks`` answers yes or no)."""
-    return find_pipeline_deadlock(unit_keys(runs), stages) if _deadlocks(runs, stages) else None
+    return find_pipeline_deadlock(unit_keys(runs), stages)
 
 
 def _deadlocks(runs: Sequence[Sequence[Item]], stages: int) -> bool:
