@@ -468,7 +468,9 @@ class _RankView:
 
     def own_after(self, take: int, split: bool) -> int:
         """``own`` once the first ``take`` local micro-batches have run."""
-        return self.own - sum(len(x.seq_ids) for x in self.locals[:take]) + take if split else 0
+        if not split:
+            return 0
+        return self.own - sum(len(x.seq_ids) for x in self.locals[:take]) + take if take else self.own
 
     def after_place(
         self, queue: list[Item], take: int, u: int, clock: float, ring_time: dict[int, float], split: bool
@@ -478,28 +480,32 @@ class _RankView:
         micro-batch holds those and the rings before it (the first ``head``: the marks rise
         along the rings), of which only the rings stay; ``u`` goes wherever it is (a ring
         sits after its natural local micro-batches and the rings before it)."""
-        j = self.rings.index(u)
-        head = bisect_left(self.marks, take + self.shift)
+        rings, marks = self.rings, self.marks
+        j = rings.index(u)
+        head = bisect_left(marks, take + self.shift)
         cut = take + head
-        kept = self.rings[:head]
-        kept_times = [ring_time[x] for x in kept]
         rest, rest_times = queue[cut:], self.queue_times[cut:]
+        kept = rings[:head]  # rings before the locals taken stay queued (most often none)
+        kept_times = [ring_time[x] for x in kept] if head else []
         if j < head:
             del kept[j], kept_times[j]
         else:
-            i = self.natural(u) + j - cut
+            i = max(0, marks[j] - self.shift) + j - cut  # u's mark is marks[j]: natural(u) + j - cut
             del rest[i], rest_times[i]
         v = _RankView()
-        v.rings = self.rings[:j] + self.rings[j + 1 :]
-        v.marks = self.marks[:j] + self.marks[j + 1 :]
+        v.rings = rings[:j] + rings[j + 1 :]
+        v.marks = marks[:j] + marks[j + 1 :]
         v.mark = self.mark  # shared: u is not asked again
         v.shift = self.shift + take
-        v.locals, v.times = self.locals[take:], self.times[take:]
+        if take:
+            v.locals, v.times = self.locals[take:], self.times[take:]
+        else:  # shared: a view's lists are never changed in place (``_split_own`` copies)
+            v.locals, v.times = self.locals, self.times
         v.own = self.own_after(take, split)
         v.prefix = list(accumulate(v.times, initial=clock))
-        v.queue_times = kept_times + rest_times
+        v.queue_times = kept_times + rest_times if kept else rest_times
         v.load = clock + sum(v.queue_times)
-        return v, kept + rest
+        return v, kept + rest if kept else rest
 
 
 class _State:
@@ -620,7 +626,8 @@ class _State:
         for r in ring:
             if offset[r] is not None:
                 cursor[r] = offset[r] + len(out[r])
-        views = {r: view(r) for r in ring}
+        known, dirty = self._views, self._dirty
+        views = {r: view(r) if r in dirty else known[r] for r in ring}
         lo = max(cursor.values(), default=0)
         shorts = {r: lo - c - len(views[r].locals) for r, c in cursor.items()}
         missing = sum(max(0, k - views[r].own) for r, k in shorts.items())
@@ -752,11 +759,13 @@ class _State:
         return {r: min(len(self.locals_of(r)), max(0, lo - self.cursor(r))) if r in fixed else 0 for r in ring}
 
     def place(self, u: int, ring, take: dict[int, int], seconds: float, result: Ordered) -> None:
-        view, out, offset = self.view, self.out, self.offset
-        before = [view(r) for r in ring]
+        view, out, offset, views, dirty = self.view, self.out, self.offset, self._views, self._dirty
+        before = [view(r) if r in dirty else views[r] for r in ring]
         start, pulled, deferred, ran_seqs = 0.0, 0, 0, 0
         for r, v in zip(ring, before):
-            t, nat = take[r], v.natural(u)
+            t, nat = take[r], v.mark[u] - v.shift  # ``natural(u)``, at least 0 below
+            if nat < 0:
+                nat = 0
             if t > nat:
                 pulled += t - nat
             else:
