@@ -172,8 +172,8 @@ def _same_view(a: _RankView, b: _RankView) -> None:
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_a_view_after_a_ring_is_the_view_of_the_queue_left(data):
-    """``_RankView.after_place`` (slices of the view before) gives what a pass over the queue
-    left gives, to the bit, through several rings in a row."""
+    """``_RankView.advance`` (the view before, changed in place) gives what a pass over the
+    queue left gives, to the bit, through several rings in a row."""
     rings = data.draw(st.integers(1, 5))
     queue = [u for u in range(rings)]
     for _ in range(data.draw(st.integers(0, 8))):
@@ -189,7 +189,7 @@ def test_a_view_after_a_ring_is_the_view_of_the_queue_left(data):
         take = data.draw(st.integers(0, len(view.locals)))
         clock = view.prefix[take] + ring_time[u]
         left = [x for x in queue if x is not u and not any(x is y for y in view.locals[:take])]
-        view, queue = view.after_place(queue, take, u, clock, ring_time, split)
+        view.advance(queue, take, u, clock, ring_time, split)
         assert queue == left
         _same_view(view, _RankView.of_queue(queue, clock, ring_time, split))
 
