@@ -497,7 +497,7 @@ class _RankView:
         head = bisect_left(marks, take + self.shift)
         cut = take + head
         if j >= head:  # u after the head: at its natural local micro-batches plus the rings before it
-            i = max(0, marks[j] - self.shift) + j
+            i = self.natural(u) + j
             del queue[i], times[i]
         kept = rings[:head]  # most often none
         if j < head:
@@ -631,8 +631,7 @@ class _State:
         for r in ring:
             if offset[r] is not None:
                 cursor[r] = offset[r] + len(out[r])
-        known, dirty = self._views, self._dirty
-        views = {r: view(r) if r in dirty else known[r] for r in ring}
+        views = {r: view(r) for r in ring}
         lo = max(cursor.values(), default=0)
         shorts = {r: lo - c - len(views[r].locals) for r, c in cursor.items()}
         missing = sum(max(0, k - views[r].own) for r, k in shorts.items())
@@ -764,13 +763,11 @@ class _State:
         return {r: min(len(self.locals_of(r)), max(0, lo - self.cursor(r))) if r in fixed else 0 for r in ring}
 
     def place(self, u: int, ring, take: dict[int, int], seconds: float, result: Ordered) -> None:
-        view, out, offset, views, dirty = self.view, self.out, self.offset, self._views, self._dirty
-        before = [view(r) if r in dirty else views[r] for r in ring]
+        view, out, offset = self.view, self.out, self.offset
+        before = [view(r) for r in ring]
         start, pulled, deferred, ran_seqs = 0.0, 0, 0, 0
         for r, v in zip(ring, before):
-            t, nat = take[r], v.mark[u] - v.shift  # ``natural(u)``, at least 0 below
-            if nat < 0:
-                nat = 0
+            t, nat = take[r], v.natural(u)
             if t > nat:
                 pulled += t - nat
             else:
