@@ -6,12 +6,14 @@ once) is checked against a plain one-at-a-time version on random inputs, ties in
 """
 
 import heapq
+from contextlib import contextmanager
+from unittest import mock
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_bytescale.planner import balance, two_level
+from megatron_bytescale.planner import balance, compiled, two_level
 from megatron_bytescale.planner.balance import _Loads, make_buckets
 from megatron_bytescale.planner.placement import RingPlacer
 from megatron_bytescale.planner.sharding import RingSizer, ring_times
@@ -420,6 +422,13 @@ def test_placement_in_groups_keeps_to_the_plain_rule_as_loads_change(data, group
         assert list(ring) == plain_group_placement(loads, size, group, 8)
 
 
+@contextmanager
+def python_pp_balance():
+    """``schedule``'s PP balance in Python (what runs where numba is missing), not compiled."""
+    with mock.patch.object(compiled, "pp_balance", lambda: None):
+        yield
+
+
 def plain_pp_schedule(units, placer, slack, stages, num_buckets=balance.DEFAULT_BUCKETS):
     """PP-balance written plainly: per single-rank unit ``least``, ``run`` and ``push``, the
     run going on while the key after the next unit stays within the level."""
@@ -466,12 +475,18 @@ def plain_pp_schedule(units, placer, slack, stages, num_buckets=balance.DEFAULT_
     ),
     st.sampled_from([1, 2, 4]),
     st.sampled_from([0.0, 0.05, 0.3]),
+    st.booleans(),
 )
-def test_pp_runs_given_in_one_loop_match_least_run_push(specs, stages, slack):
+def test_pp_runs_given_in_one_loop_match_least_run_push(specs, stages, slack, in_python):
+    """The PP balance, compiled and in Python, is the plain rule."""
     from megatron_bytescale.planner.balance import Unit, schedule
 
     units = [Unit("ring" if n > 1 else "short", (i,), n, t, 10) for i, (t, n) in enumerate(specs)]
-    got = schedule(units, RingPlacer(8, 4), "pp", slack, stages)
+    if in_python:
+        with python_pp_balance():
+            got = schedule(units, RingPlacer(8, 4), "pp", slack, stages)
+    else:
+        got = schedule(units, RingPlacer(8, 4), "pp", slack, stages)
     runs, clock, keys = plain_pp_schedule(units, RingPlacer(8, 4), slack, stages)
     assert got.runs == runs and got.clock.tolist() == clock and got.key.tolist() == keys
 
@@ -496,7 +511,8 @@ def test_pp_runs_of_one_unit_given_in_rounds_match_least_run_push(specs, stages,
     old = balance.BULK_RUN, balance.MIN_ROUND
     balance.BULK_RUN, balance.MIN_ROUND = bulk
     try:
-        got = schedule(units, RingPlacer(8, 4), "pp", slack, stages)
+        with python_pp_balance():  # the rounds are the Python version's
+            got = schedule(units, RingPlacer(8, 4), "pp", slack, stages)
     finally:
         balance.BULK_RUN, balance.MIN_ROUND = old
     assert got.runs == runs and got.clock.tolist() == clock and got.key.tolist() == keys
@@ -522,7 +538,8 @@ def test_pp_rounds_take_most_of_a_long_stretch_of_short_units():
 
     balance._Loads.give_runs_in_rounds = counted
     try:
-        got = schedule(units, placer, "pp", 0.05, 4)
+        with python_pp_balance():
+            got = schedule(units, placer, "pp", 0.05, 4)
     finally:
         balance._Loads.give_runs_in_rounds = original
     runs, clock, keys = plain_pp_schedule(units, RingPlacer(1024, 8), 0.05, 4)
@@ -588,6 +605,55 @@ def test_pp_schedule_gives_up_only_once_its_bound_passes_the_limit(specs, stages
         assert got.runs == plain.runs and got.members == plain.members and got.key.tolist() == plain.key.tolist()
     if share < 1e-9 and len(units) > 1:  # the first unit already passes a limit of 0
         assert got is None
+
+
+@st.composite
+def pp_schedule_cases(draw):
+    """Units of coarse times (ties common) over a cluster shape: rings inside a node, over
+    several nodes, in two-level groups; a limit to give up above, sometimes."""
+    from megatron_bytescale.planner.balance import Unit
+
+    rpn = draw(st.sampled_from([1, 2, 4, 8]))
+    n = rpn * draw(st.integers(1, 6))
+    specs = draw(
+        st.lists(
+            st.tuples(
+                st.integers(1, 12).map(lambda v: v / 4),
+                st.one_of(st.just(1), st.just(1), st.integers(1, n)),
+                st.sampled_from([1, 1, 2, 4]),
+                st.integers(1, 9),
+            ),
+            min_size=1,
+            max_size=80,
+        )
+    )
+    units = [
+        Unit("ring" if k > 1 else "short", (i,), k, t, tokens, heads_split=g if k > 1 else 1)
+        for i, (t, k, g, tokens) in enumerate(specs)
+    ]
+    limit = draw(st.one_of(st.just(float("inf")), st.integers(1, 40).map(float)))
+    return units, RingPlacer(n, rpn), draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([0.0, 0.05])), limit
+
+
+@settings(max_examples=300, deadline=None)
+@given(pp_schedule_cases())
+def test_compiled_pp_balance_matches_its_python_version(case):
+    """``compiled.pp_balance`` against ``schedule``'s Python PP balance: the same runs, ring
+    members (and their order), order of giving, clocks, keys and idle seconds, bit for bit,
+    and the same give-up."""
+    from megatron_bytescale.planner.balance import schedule
+
+    units, placer, stages, slack, limit = case
+    assert compiled.pp_balance() is not None  # numba is a dependency
+    got = schedule(units, placer, "pp", slack, stages, give_up_above=limit)
+    with python_pp_balance():
+        fresh = RingPlacer(placer.num_ranks, placer.ranks_per_node)  # a placer keeps state between calls
+        want = schedule(units, fresh, "pp", slack, stages, give_up_above=limit)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert got.runs == want.runs and got.members == want.members and got.order == want.order
+        assert got.clock.tolist() == want.clock.tolist() and got.key.tolist() == want.key.tolist()
+        assert got.idle.tolist() == want.idle.tolist() and got.num_buckets == want.num_buckets
 
 
 @st.composite

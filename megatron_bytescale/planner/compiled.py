@@ -221,6 +221,221 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
     return out, sizes.size
 
 
+def _pp_balance(
+    order: np.ndarray,
+    bucket_ends: np.ndarray,
+    seconds: np.ndarray,
+    tokens: np.ndarray,
+    ring_size: np.ndarray,
+    group: np.ndarray,
+    num_ranks: int,
+    rpn: int,
+    bubble: int,
+    water: float,
+    give_up_above: float,
+):
+    """``balance.schedule``'s PP balance (``mode="pp"``, rings placed as ``RingPlacer`` places
+    them without two-level groups): the same units to the same ranks in the same order, the
+    same floats (every clock, key and idle the same sum in the same order). ``order``: the
+    units heaviest first, cut into buckets ending at ``bucket_ends``; ``group``: each unit's
+    two-level group size (``Unit.heads_split``). The least-loaded rank
+    (least key, ties to the lowest rank) comes from a tournament tree over the ranks instead
+    of the lazy heap; each node's keys are kept sorted for rings inside one node.
+
+    Returns the (rank, unit) appends of every rank's run, in order; the units in the order
+    given; each ring's members one ring after another (in that order); the clocks, keys and
+    idle seconds per rank; and whether every unit was given (False: the largest key passed
+    ``give_up_above`` first)."""
+    n = num_ranks
+    nodes = n // rpn
+    clock = np.zeros(n)
+    key = np.zeros(n)
+    idle = np.zeros(n)
+    peak = np.zeros(n)
+    count = np.zeros(n)
+    size = 1
+    while size < n:
+        size *= 2
+    tree = np.empty(2 * size, dtype=np.int64)  # tree[size + r] = r; a node: its subtree's least (key, rank)
+    for r in range(size):
+        tree[size + r] = r if r < n else -1
+    for v in range(size - 1, 0, -1):
+        a, b = tree[2 * v], tree[2 * v + 1]
+        tree[v] = a if b < 0 or (a >= 0 and key[a] <= key[b]) else b
+    by_node = np.zeros((nodes, rpn))  # each node's keys, ascending
+    stale = np.zeros(nodes, dtype=np.bool_)  # nodes whose keys changed since sorted
+    total_members = 0
+    for j in range(order.size):
+        total_members += ring_size[order[j]]
+    ev_rank = np.empty(total_members, dtype=np.int64)
+    ev_unit = np.empty(total_members, dtype=np.int64)
+    given = np.empty(order.size, dtype=np.int64)
+    members = np.empty(total_members, dtype=np.int64)
+    events, n_given, n_members = 0, 0, 0
+    top = 0.0
+    pick = np.empty(rpn, dtype=np.int64)
+
+    def changed(r):  # rank r's key rose: up the tree, and its node's order goes stale
+        stale[r // rpn] = True
+        v = (size + r) // 2
+        while v >= 1:
+            a, b = tree[2 * v], tree[2 * v + 1]
+            tree[v] = a if b < 0 or (a >= 0 and key[a] <= key[b]) else b
+            v //= 2
+
+    def sort_node(g):  # node g's keys ascending in by_node, if they changed (an insertion sort)
+        if not stale[g]:
+            return
+        stale[g] = False
+        for j in range(rpn):
+            x = key[g * rpn + j]
+            q = j
+            while q > 0 and by_node[g, q - 1] > x:
+                by_node[g, q] = by_node[g, q - 1]
+                q -= 1
+            by_node[g, q] = x
+
+    def least_ranks(k):  # ``RingPlacer.place_ranks``' k least-loaded ranks (O(n), not a sort)
+        out = np.empty(k, dtype=np.int64)
+        threshold = key.min()
+        if np.count_nonzero(key == threshold) < k:  # not all at the least load: the k-th least
+            threshold = np.partition(key, k - 1)[k - 1]
+        tied = k - np.count_nonzero(key < threshold)  # ranks at the threshold taken, lowest first
+        m = 0
+        for r in range(n):
+            if key[r] < threshold or (key[r] == threshold and tied > 0):
+                if key[r] == threshold:
+                    tied -= 1
+                out[m] = r
+                m += 1
+        return out
+
+    def in_groups(k, g):  # ``RingPlacer._in_groups``: a ring of k members in groups of g
+        out = np.empty(k, dtype=np.int64)
+        least = key.min()
+        if np.count_nonzero(key == least) >= k:  # enough ranks at the least load: whole groups of them
+            usable = 0
+            for node in range(nodes):
+                c = np.count_nonzero(key[node * rpn : (node + 1) * rpn] == least)
+                usable += c // g * g
+            if usable >= k:
+                m = 0
+                for node in range(nodes):
+                    whole = np.count_nonzero(key[node * rpn : (node + 1) * rpn] == least) // g * g
+                    seen = 0
+                    for j in range(rpn):
+                        r = node * rpn + j
+                        if key[r] == least:
+                            seen += 1
+                            if seen <= whole and m < k:
+                                out[m] = r
+                                m += 1
+                return out
+        per = rpn // g  # each node's groups: its ranks least loaded first, cut every g
+        busiest = np.empty(nodes * per)
+        for node in range(nodes):
+            sort_node(node)
+            for q in range(per):
+                busiest[node * per + q] = by_node[node, q * g + g - 1]
+        chosen = np.sort(np.argsort(busiest, kind="mergesort")[: k // g])  # ties: the lower node and group
+        for i in range(chosen.size):
+            node, q = chosen[i] // per, chosen[i] % per
+            local = np.argsort(key[node * rpn : (node + 1) * rpn], kind="mergesort")  # ties: the lower rank
+            block = np.sort(local[q * g : (q + 1) * g])
+            for j in range(g):
+                out[i * g + j] = node * rpn + block[j]
+        return out
+
+    lo = 0
+    for b in range(bucket_ends.size):
+        hi = bucket_ends[b]
+        i = lo
+        while i < hi:
+            if top > give_up_above:
+                return ev_rank[:events], ev_unit[:events], given[:n_given], members[:n_members], clock, key, idle, False
+            u = order[i]
+            k = ring_size[u]
+            if k > 1:  # a ring: placed, then every member runs it from its slowest member's clock
+                at = n_members
+                if k <= rpn:  # inside one node: earliest start, least idle, lowest node
+                    best_node, best_start, best_idle = -1, 0.0, 0.0
+                    for g in range(nodes):
+                        sort_node(g)
+                        start = by_node[g, k - 1]
+                        if best_node >= 0 and start > best_start:
+                            continue
+                        prefix = by_node[g, 0]
+                        for q in range(1, k):
+                            prefix += by_node[g, q]
+                        waits = k * start - prefix
+                        if best_node < 0 or start < best_start or waits < best_idle:
+                            best_node, best_start, best_idle = g, start, waits
+                    base = best_node * rpn
+                    chosen = np.argsort(key[base : base + rpn], kind="mergesort")[:k]  # ties: the lower rank
+                    for q in range(k):
+                        pick[q] = base + chosen[q]
+                    ranks = np.sort(pick[:k])
+                elif group[u] > 1 and k % group[u] == 0 and rpn % group[u] == 0:
+                    ranks = in_groups(k, group[u])
+                else:  # the k least-loaded ranks, ties to the lowest, in rank order
+                    ranks = least_ranks(k)
+                start = clock[ranks[0]]
+                for q in range(1, k):
+                    start = max(start, clock[ranks[q]])
+                t = seconds[u]
+                for q in range(k):
+                    r = ranks[q]
+                    idle[r] += start - clock[r]
+                    clock[r] = start + t
+                    count[r] = count[r] + tokens[u]
+                    if t > peak[r]:
+                        peak[r] = t
+                    key[r] = clock[r] + bubble * peak[r]
+                    if key[r] > top:
+                        top = key[r]
+                    members[at + q] = r
+                    ev_rank[events], ev_unit[events] = r, u
+                    events += 1
+                for q in range(k):
+                    changed(ranks[q])
+                n_members += k
+                given[n_given] = u
+                n_given += 1
+                i += 1
+                continue
+            # a run: the least-loaded rank takes the bucket's next single-rank units while
+            # its key after each stays within the level (water, or the largest key after the first)
+            r = tree[1]
+            level = 0.0
+            first = True
+            while True:
+                u = order[i]
+                i += 1
+                t = seconds[u]
+                clock[r] = clock[r] + t
+                count[r] = count[r] + tokens[u]
+                if t > peak[r]:
+                    peak[r] = t
+                key[r] = clock[r] + bubble * peak[r]
+                if key[r] > top:
+                    top = key[r]
+                ev_rank[events], ev_unit[events] = r, u
+                events += 1
+                given[n_given] = u
+                n_given += 1
+                if first:
+                    level = max(water, top)
+                    first = False
+                if i >= hi or ring_size[order[i]] > 1:
+                    break
+                w = seconds[order[i]]
+                if clock[r] + w + bubble * max(peak[r], w) > level:
+                    break
+            changed(r)
+        lo = hi
+    return ev_rank[:events], ev_unit[:events], given[:n_given], members[:n_members], clock, key, idle, True
+
+
 def _compile(kernel):
     """``kernel`` compiled, or None where numba is missing (the caller takes its numpy version)."""
     try:
@@ -243,3 +458,9 @@ def longest_path():
 def level_placement():
     """``_level_placement`` compiled, or None where numba is missing."""
     return _compile(_level_placement)
+
+
+@cache
+def pp_balance():
+    """``_pp_balance`` compiled, or None where numba is missing."""
+    return _compile(_pp_balance)
