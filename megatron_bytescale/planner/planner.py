@@ -203,6 +203,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
             cost, float(sum(lens)) / config.num_ranks, config.expert_parallel, placer.ranks_per_node
         )
         shorts = None if config.balance == "none" else _short_units(lens, config, cost, placer.ranks_per_node)
+        share_times: dict = {}
         for factor in factors:
             sizer = _ring_sizer(config, cost, factor, host)
             base = balanced_target(np.asarray(lens), sizer) if balanced else None
@@ -211,7 +212,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
                 shards = plan_ring_sizes(lens, sizer, target)
                 if config.expert_parallel > 1:
                     shards = round_rings_to_groups(shards, config.expert_parallel, config.num_ranks)
-                units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts)
+                units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts, share_times)
                 mode = config.balance if balanced else "tokens"
                 assignment = schedule(units, placer, mode, config.slack, stages)
                 step = float(assignment.key.max())
@@ -438,6 +439,7 @@ def _pipeline_targets(lens, config: PlannerConfig, cost: CostModel, placer: Ring
     base = balanced_target(np.asarray(lens), sizer)
     targets, previous = [], None
     shorts = _short_units(lens, config, cost, placer.ranks_per_node)  # the same for every target
+    share_times: dict = {}
     for position, scale in enumerate(PIPELINE_RETARGET):
         target = base * scale
         shards = plan_ring_sizes(lens, sizer, target)
@@ -445,7 +447,8 @@ def _pipeline_targets(lens, config: PlannerConfig, cost: CostModel, placer: Ring
         if sizes == previous:
             continue
         previous = sizes
-        targets.append((position, target, shards, _units(lens, shards, config, cost, placer.ranks_per_node, shorts)))
+        units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts, share_times)
+        targets.append((position, target, shards, units))
     return targets
 
 
@@ -495,10 +498,12 @@ def _units(
     cost: CostModel,
     ranks_per_node: int,
     shorts: list[Unit] | None = None,
+    share_times: dict | None = None,
 ) -> list[Unit]:
     """The long sequences' units for ``shards``, then the short sequences' (``shorts``: the
-    ones ``_short_units`` made, shared by candidates that only resize rings)."""
-    units = _long_units(shards, cost, ranks_per_node)
+    ones ``_short_units`` made, shared by candidates that only resize rings; ``share_times``:
+    ``_long_units``' memo, shared by them too)."""
+    units = _long_units(shards, cost, ranks_per_node, share_times)
     if config.balance == "none":
         short_ids = np.flatnonzero(np.asarray(lens, dtype=np.int64) <= config.capacity).tolist()
         return units + _naive_packs(units, short_ids, lens, config.capacity, cost, ranks_per_node)
@@ -525,7 +530,14 @@ def _short_units(lens, config: PlannerConfig, cost: CostModel, ranks_per_node: i
     return [Unit("short", (i,), 1, t, n) for i, t, n in zip(short.tolist(), times.tolist(), tokens.tolist())]
 
 
-def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) -> list[Unit]:
+def _long_units(
+    shards: dict[int, Shard], cost: CostModel, ranks_per_node: int, share_times: dict | None = None
+) -> list[Unit]:
+    """A unit per long sequence of ``shards``. ``share_times``: a memo of ``ring_share_time``
+    by (length, ring size, across nodes), for the candidate targets of one step (most of a
+    step's rings keep their size from one target to the next: a 512M-token step's 9 targets
+    time ~6 x 10^4 rings, ~8 x 10^3 of them different)."""
+    memo = {} if share_times is None else share_times
     units = []
     # two-level rings (head all-to-all in each node, ring across nodes): timed all at once per
     # group size, elementwise, so each is the float ``two_level.share_time`` gives alone
@@ -545,7 +557,10 @@ def _long_units(shards: dict[int, Shard], cost: CostModel, ranks_per_node: int) 
             if sh.heads_split > 1:
                 t = two_level_time[sid]
             else:
-                t = ring_share_time(cost, sh.seq_len, sh.ring_size, sh.ring_size > ranks_per_node)
+                key = (sh.seq_len, sh.ring_size, sh.ring_size > ranks_per_node)
+                t = memo.get(key)
+                if t is None:
+                    t = memo[key] = ring_share_time(cost, *key)
             units.append(
                 Unit(
                     "ring",
