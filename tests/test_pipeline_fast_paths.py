@@ -17,7 +17,12 @@ from hypothesis import strategies as st
 
 from megatron_bytescale.planner import compiled, slot_alignment
 from megatron_bytescale.planner.contract import PipelineGraph, encode_stage_orders, interleaved_order, longest_paths
-from megatron_bytescale.planner.pipeline_times import PipelineArrays, graph_ends, longest_path_ends_by_level
+from megatron_bytescale.planner.pipeline_times import (
+    PipelineArrays,
+    _first_of_unit,
+    graph_ends,
+    longest_path_ends_by_level,
+)
 from megatron_bytescale.planner.slot_alignment import (
     LocalBatch,
     _cut_per_rank,
@@ -361,3 +366,23 @@ def test_the_kernel_compiles_where_no_cache_directory_is_writable(monkeypatch):
     assert isinstance(kernel, Dispatcher)
     end, indeg, done = kernel(3, np.array([0, 1]), np.array([1, 2]), np.array([1.0, 2.0, 0.5]))
     assert end.tolist() == [1.0, 3.0, 3.5] and indeg.tolist() == [0, 0, 0] and done == 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.none(),
+            st.integers(-1, 6),
+            st.sampled_from([1.0, 2.5, (1, 2), (3,), "a", 2**70]),
+        ),
+        max_size=40,
+    )
+)
+def test_first_micro_batch_of_each_unit_with_numpy_matches_the_dict(keys):
+    """``_first_of_unit`` with numpy (integer keys) or, for any other keys (-1 beside None,
+    floats equal to integers, tuples, strings, huge integers), with a dict: the plain dict walk."""
+    seen, want = {}, []
+    for i, key in enumerate(keys):
+        want.append(i if key is None else seen.setdefault(key, i))
+    assert _first_of_unit(keys).tolist() == want

@@ -71,11 +71,7 @@ class PipelineArrays:
         self.p, self.v, self.vp, self.n = stages, chunks, stages * chunks, len(unit_keys)
         self.counts = [len(keys) for keys in unit_keys]
         keys = list(chain.from_iterable(unit_keys))
-        first: dict = {}  # a ring's first micro-batch, over all ranks in order
-        same = np.arange(len(keys), dtype=np.int64)  # each micro-batch's first of its unit
-        for i, key in enumerate(keys):
-            if key is not None:
-                same[i] = first.setdefault(key, i)
+        same = _first_of_unit(keys)  # each micro-batch's first of its unit
         firsts, self.unit = np.unique(same, return_inverse=True)  # units in order of first appearance
         self.units = firsts.size
         self.total = self.units * self.vp * 2
@@ -93,16 +89,25 @@ class PipelineArrays:
         operation ids one after the other, and each resource's count, over all ranks at once."""
         p, n = self.p, self.n
         if orders is None:  # each device's default order: a fixed pattern per micro-batch count
-            rows = [_pattern(c, p, k, self.v) for c in self.counts for k in range(p)]
+            ops, lens = self._default_rows()
         else:
             rows = orders.per_device
-        lens = np.fromiter(map(len, rows), np.int64, n * p)
-        ops = np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.int64)
+            lens = np.fromiter(map(len, rows), np.int64, n * p)
+            ops = np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.int64)
         virtual = ops[:, 2]
         if orders is not None:  # chunk -> virtual stage
             virtual = virtual * p + np.repeat(np.tile(np.arange(p, dtype=np.int64), n), lens)
         rank = np.repeat(np.arange(n, dtype=np.int64), lens.reshape(n, p).sum(axis=1))
         return (self.unit[self.row_start[rank] + ops[:, 1]] * self.vp + virtual) * 2 + ops[:, 0], lens
+
+    def _default_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's default orders, device after device, as rows, and each device's op
+        count: one block per rank (``_rank_pattern``: made once per micro-batch count), not
+        one per device."""
+        if not self.n:
+            return np.zeros((0, 3), dtype=np.int64), np.zeros(0, dtype=np.int64)
+        blocks = [_rank_pattern(c, self.p, self.v) for c in self.counts]
+        return np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks])
 
     def finish(self, end: np.ndarray) -> list[float]:
         """Per rank: when its last operation ends (``PipelineGraph.finish``)."""
@@ -111,10 +116,40 @@ class PipelineArrays:
         return finish.tolist()
 
 
+def _first_of_unit(keys: list) -> np.ndarray:
+    """Per micro-batch (``keys``: its ring's key, None for local work), the index of the first
+    micro-batch of its ring (its own index for local work). With numpy where the keys are
+    integers other than -1 (the planner's ring units), else with a dict."""
+    same = np.arange(len(keys), dtype=np.int64)
+    try:
+        ids = np.array([-1 if key is None else key for key in keys])
+    except ValueError:  # keys of different shapes (tuples)
+        ids = None
+    if ids is not None and ids.ndim == 1 and ids.dtype.kind == "i" and np.count_nonzero(ids == -1) == keys.count(None):
+        at = np.flatnonzero(ids != -1)
+        rings = ids[at]
+        distinct, first = np.unique(rings, return_index=True)  # the first occurrence of each
+        same[at] = at[first[np.searchsorted(distinct, rings)]]
+        return same
+    seen: dict = {}  # a ring's first micro-batch, over all ranks in order
+    for i, key in enumerate(keys):
+        if key is not None:
+            same[i] = seen.setdefault(key, i)
+    return same
+
+
 @lru_cache(maxsize=4096)
 def _pattern(count: int, stages: int, device: int, chunks: int) -> np.ndarray:
     """(direction, micro-batch, virtual stage) per op of a device's default order, as rows."""
     return np.array(_default_pattern(count, stages, device, chunks), dtype=np.int64).reshape(-1, 3)
+
+
+@lru_cache(maxsize=1024)
+def _rank_pattern(count: int, stages: int, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    """A rank's default orders for ``count`` micro-batches: its devices' ``_pattern`` rows one
+    after the other, and each device's row count."""
+    rows = [_pattern(count, stages, k, chunks) for k in range(stages)]
+    return np.concatenate(rows), np.array([len(r) for r in rows], dtype=np.int64)
 
 
 def edge_arrays(
