@@ -26,8 +26,8 @@ With ``pipeline_stages = p > 1`` a rank's load counts its fill and drain:
 ``sum(times) + (p - 1) * max(time)``.
 
 The PP balance runs compiled (``compiled.pp_balance``: the same assignment, bit for bit,
-~5x faster) where numba is present; its Python version below is the reference the tests check
-it against and what runs without numba.
+2-4x faster with the conversions around it) where numba is present; its Python version below
+is the reference the tests check it against and what runs without numba.
 
 A ring goes to ``RingPlacer.place``'s members; it starts when its last member is free
 (the wait is counted) and all members run it at the same step of the global order, so

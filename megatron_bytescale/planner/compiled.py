@@ -271,9 +271,22 @@ def _pp_balance(
     ev_unit = np.empty(total_members, dtype=np.int64)
     given = np.empty(order.size, dtype=np.int64)
     members = np.empty(total_members, dtype=np.int64)
-    events, n_given, n_members = 0, 0, 0
-    top = 0.0
+    n_given, n_members = 0, 0
+    events = np.zeros(1, dtype=np.int64)  # (arrays: the inner functions below change them)
+    top = np.zeros(1)  # the largest key
     pick = np.empty(rpn, dtype=np.int64)
+
+    def run(r, start, u):  # rank r runs unit u from ``start`` (its own clock, or a ring's)
+        idle[r] += start - clock[r]
+        clock[r] = start + seconds[u]
+        count[r] = count[r] + tokens[u]
+        if seconds[u] > peak[r]:
+            peak[r] = seconds[u]
+        key[r] = clock[r] + bubble * peak[r]
+        if key[r] > top[0]:
+            top[0] = key[r]
+        ev_rank[events[0]], ev_unit[events[0]] = r, u
+        events[0] += 1
 
     def changed(r):  # rank r's key rose: up the tree, and its node's order goes stale
         stale[r // rpn] = True
@@ -351,8 +364,9 @@ def _pp_balance(
         hi = bucket_ends[b]
         i = lo
         while i < hi:
-            if top > give_up_above:
-                return ev_rank[:events], ev_unit[:events], given[:n_given], members[:n_members], clock, key, idle, False
+            if top[0] > give_up_above:
+                e = events[0]
+                return ev_rank[:e], ev_unit[:e], given[:n_given], members[:n_members], clock, key, idle, False
             u = order[i]
             k = ring_size[u]
             if k > 1:  # a ring: placed, then every member runs it from its slowest member's clock
@@ -382,20 +396,9 @@ def _pp_balance(
                 start = clock[ranks[0]]
                 for q in range(1, k):
                     start = max(start, clock[ranks[q]])
-                t = seconds[u]
                 for q in range(k):
-                    r = ranks[q]
-                    idle[r] += start - clock[r]
-                    clock[r] = start + t
-                    count[r] = count[r] + tokens[u]
-                    if t > peak[r]:
-                        peak[r] = t
-                    key[r] = clock[r] + bubble * peak[r]
-                    if key[r] > top:
-                        top = key[r]
-                    members[at + q] = r
-                    ev_rank[events], ev_unit[events] = r, u
-                    events += 1
+                    run(ranks[q], start, u)
+                    members[at + q] = ranks[q]
                 for q in range(k):
                     changed(ranks[q])
                 n_members += k
@@ -411,20 +414,11 @@ def _pp_balance(
             while True:
                 u = order[i]
                 i += 1
-                t = seconds[u]
-                clock[r] = clock[r] + t
-                count[r] = count[r] + tokens[u]
-                if t > peak[r]:
-                    peak[r] = t
-                key[r] = clock[r] + bubble * peak[r]
-                if key[r] > top:
-                    top = key[r]
-                ev_rank[events], ev_unit[events] = r, u
-                events += 1
+                run(r, clock[r], u)
                 given[n_given] = u
                 n_given += 1
                 if first:
-                    level = max(water, top)
+                    level = max(water, top[0])
                     first = False
                 if i >= hi or ring_size[order[i]] > 1:
                     break
@@ -433,7 +427,8 @@ def _pp_balance(
                     break
             changed(r)
         lo = hi
-    return ev_rank[:events], ev_unit[:events], given[:n_given], members[:n_members], clock, key, idle, True
+    e = events[0]
+    return ev_rank[:e], ev_unit[:e], given[:n_given], members[:n_members], clock, key, idle, True
 
 
 def _compile(kernel):
