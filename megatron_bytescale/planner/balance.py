@@ -563,7 +563,6 @@ def _compiled_pp(
     n = len(units)
     buckets = make_buckets(order, weights, num_buckets) if order else []
     water = _water(weights, slack, placer.num_ranks)
-    tokens = np.fromiter((u.tokens for u in units), dtype=np.float64, count=n)
     sizes = np.fromiter((u.ring_size for u in units), dtype=np.int64, count=n)
     groups = np.fromiter((u.heads_split for u in units), dtype=np.int64, count=n)
     ends = np.cumsum([len(b) for b in buckets], dtype=np.int64)
@@ -571,7 +570,6 @@ def _compiled_pp(
         np.asarray(order, dtype=np.int64),
         ends,
         np.asarray(weights, dtype=np.float64),
-        tokens,
         sizes,
         groups,
         placer.num_ranks,

@@ -225,7 +225,6 @@ def _pp_balance(
     order: np.ndarray,
     bucket_ends: np.ndarray,
     seconds: np.ndarray,
-    tokens: np.ndarray,
     ring_size: np.ndarray,
     group: np.ndarray,
     num_ranks: int,
@@ -235,12 +234,13 @@ def _pp_balance(
     give_up_above: float,
 ):
     """``balance.schedule``'s PP balance (``mode="pp"``, rings placed as ``RingPlacer`` places
-    them without two-level groups): the same units to the same ranks in the same order, the
-    same floats (every clock, key and idle the same sum in the same order). ``order``: the
+    them, in two-level groups included): the same units to the same ranks in the same order,
+    the same floats (every clock, key and idle the same sum in the same order). ``order``: the
     units heaviest first, cut into buckets ending at ``bucket_ends``; ``group``: each unit's
-    two-level group size (``Unit.heads_split``). The least-loaded rank
-    (least key, ties to the lowest rank) comes from a tournament tree over the ranks instead
-    of the lazy heap; each node's keys are kept sorted for rings inside one node.
+    two-level group size (``Unit.heads_split``). PP balance balances seconds, so no token
+    counts are kept. The least-loaded rank (least key, ties to the lowest rank) comes from a
+    tournament tree over the ranks instead of the lazy heap; each node's keys are kept sorted
+    for rings inside one node and groups.
 
     Returns the (rank, unit) appends of every rank's run, in order; the units in the order
     given; each ring's members one ring after another (in that order); the clocks, keys and
@@ -252,7 +252,6 @@ def _pp_balance(
     key = np.zeros(n)
     idle = np.zeros(n)
     peak = np.zeros(n)
-    count = np.zeros(n)
     size = 1
     while size < n:
         size *= 2
@@ -279,7 +278,6 @@ def _pp_balance(
     def run(r, start, u):  # rank r runs unit u from ``start`` (its own clock, or a ring's)
         idle[r] += start - clock[r]
         clock[r] = start + seconds[u]
-        count[r] = count[r] + tokens[u]
         if seconds[u] > peak[r]:
             peak[r] = seconds[u]
         key[r] = clock[r] + bubble * peak[r]
@@ -327,20 +325,18 @@ def _pp_balance(
         out = np.empty(k, dtype=np.int64)
         least = key.min()
         if np.count_nonzero(key == least) >= k:  # enough ranks at the least load: whole groups of them
-            usable = 0
+            whole = np.empty(nodes, dtype=np.int64)  # per node: its ranks at the least load, in whole groups
             for node in range(nodes):
-                c = np.count_nonzero(key[node * rpn : (node + 1) * rpn] == least)
-                usable += c // g * g
-            if usable >= k:
+                whole[node] = np.count_nonzero(key[node * rpn : (node + 1) * rpn] == least) // g * g
+            if whole.sum() >= k:
                 m = 0
                 for node in range(nodes):
-                    whole = np.count_nonzero(key[node * rpn : (node + 1) * rpn] == least) // g * g
                     seen = 0
                     for j in range(rpn):
                         r = node * rpn + j
                         if key[r] == least:
                             seen += 1
-                            if seen <= whole and m < k:
+                            if seen <= whole[node] and m < k:
                                 out[m] = r
                                 m += 1
                 return out

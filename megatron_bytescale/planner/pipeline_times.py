@@ -138,18 +138,13 @@ def _first_of_unit(keys: list) -> np.ndarray:
     return same
 
 
-@lru_cache(maxsize=4096)
-def _pattern(count: int, stages: int, device: int, chunks: int) -> np.ndarray:
-    """(direction, micro-batch, virtual stage) per op of a device's default order, as rows."""
-    return np.array(_default_pattern(count, stages, device, chunks), dtype=np.int64).reshape(-1, 3)
-
-
 @lru_cache(maxsize=1024)
 def _rank_pattern(count: int, stages: int, chunks: int) -> tuple[np.ndarray, np.ndarray]:
-    """A rank's default orders for ``count`` micro-batches: its devices' ``_pattern`` rows one
-    after the other, and each device's row count."""
-    rows = [_pattern(count, stages, k, chunks) for k in range(stages)]
-    return np.concatenate(rows), np.array([len(r) for r in rows], dtype=np.int64)
+    """A rank's default orders for ``count`` micro-batches: (direction, micro-batch, virtual
+    stage) per op, its devices one after the other, and each device's op count."""
+    rows = [_default_pattern(count, stages, k, chunks) for k in range(stages)]
+    ops = np.array([op for row in rows for op in row], dtype=np.int64).reshape(-1, 3)
+    return ops, np.array([len(r) for r in rows], dtype=np.int64)
 
 
 def edge_arrays(
