@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_bytescale.planner import compiled, slot_alignment
+from megatron_bytescale.planner import compiled, compiled_alignment, slot_alignment
 from megatron_bytescale.planner.contract import PipelineGraph, encode_stage_orders, interleaved_order, longest_paths
 from megatron_bytescale.planner.pipeline_times import (
     PipelineArrays,
@@ -25,6 +25,7 @@ from megatron_bytescale.planner.pipeline_times import (
 )
 from megatron_bytescale.planner.slot_alignment import (
     LocalBatch,
+    PackSplitter,
     _cut_per_rank,
     _level_pick,
     _place_by_level,
@@ -33,6 +34,8 @@ from megatron_bytescale.planner.slot_alignment import (
     order_runs,
     slot_offsets,
 )
+
+from planner_cases import small_cost
 
 
 @st.composite
@@ -386,3 +389,83 @@ def test_first_micro_batch_of_each_unit_with_numpy_matches_the_dict(keys):
     for i, key in enumerate(keys):
         want.append(i if key is None else seen.setdefault(key, i))
     assert _first_of_unit(keys).tolist() == want
+
+
+def _python_alignment():
+    """``slot_alignment._aligned`` in Python (what runs where numba is missing), not compiled."""
+    return mock.patch.object(compiled_alignment, "aligned_pass", lambda: None)
+
+
+def _every_field(ordered):
+    """An ``Ordered`` as plain values: items as ring indices or (sequences, ratio, seconds)."""
+    runs = [[x if isinstance(x, int) else (x.seq_ids, x.ratio, x.time) for x in run] for run in ordered.runs]
+    counts = (ordered.reordered, ordered.pulled, ordered.deferred, ordered.splits, ordered.moved)
+    return runs, ordered.clock, ordered.unaligned, counts
+
+
+@settings(max_examples=250, deadline=None)
+@given(
+    schedules(),
+    st.data(),
+    st.sampled_from(["none", "selective", "full"]),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([1, 2, 16]),
+    st.sampled_from([slot_alignment.ROW_ROOM, 0]),
+    st.sampled_from([slot_alignment.WIDE_RING, 1]),
+)
+def test_the_compiled_aligned_pass_matches_its_python_version(
+    case, data, recompute, frugal, stop, lookahead, room, wide
+):
+    """``compiled_alignment`` against ``slot_alignment._aligned`` in Python: the same runs (the
+    split halves' sequences, ratios and seconds too), clocks, counts and unaligned rings, with
+    the planner's splitter (recompute changes its halves' times) or none, every mode of the
+    pass, rows that must grow (``ROW_ROOM`` 0) and wide-ring give-ups on small rings."""
+    runs, order, members, ring_time = case
+    fresh = iter(range(10**6))  # packs of up to 6 sequences: more to split
+    runs = [[LocalBatch(tuple(next(fresh) for _ in range(data.draw(st.integers(1, 6)))), 0.25 * r, x.time)
+             if isinstance(x, LocalBatch) else x for x in run] for r, run in enumerate(runs)]  # fmt: skip
+    seqs = next(fresh)
+    lens = tuple(data.draw(st.lists(st.sampled_from([1, 2, 3, 5, 8]), min_size=seqs, max_size=seqs)))
+    cost = small_cost()
+    if recompute == "selective":
+        cost = cost.with_recompute("selective")
+    elif recompute == "full":
+        cost = cost.with_recompute("full", "block", 2)
+    split = PackSplitter(lens, cost) if data.draw(st.booleans()) else None
+    args = (runs, order, members, ring_time, split, lookahead)
+    with mock.patch.object(slot_alignment, "ROW_ROOM", room), mock.patch.object(slot_alignment, "WIDE_RING", wide):
+        fast = slot_alignment._aligned_compiled(*args, frugal, stop)
+        with _python_alignment():
+            slow = slot_alignment._aligned(*args, frugal=frugal, stop_unaligned=stop)
+    assert fast is not None  # numba is a dependency: the compiled pass ran
+    assert _every_field(fast) == _every_field(slow)
+
+
+def test_a_compiled_pass_whose_row_fills_up_runs_again_with_longer_rows():
+    """Rank 0 (the longest row: its rings A, C, D, E) is two slots behind rank 1 at ring C and
+    has no local work: it borrows rank 2's two packs (the second split in two), which fills
+    its row; the pass runs again with rows twice as long and gives the Python pass's order."""
+    a, b1, b2, c, d, e = range(6)
+    members = {a: (0, 1), b1: (1, 2), b2: (1, 2), c: (0, 1), d: (0,), e: (0,)}
+    packs = [LocalBatch((0, 1), 0.0, 2.0), LocalBatch((2, 3), 0.0, 2.0)]
+    runs = [[a, c, d, e], [a, b1, b2, c], [b1, b2, *packs]]
+    ring_time = dict.fromkeys(members, 1.0)
+    split = PackSplitter((4, 4, 4, 4), small_cost())
+    kernel = compiled_alignment.aligned_pass()
+    statuses = []
+
+    def watched(*args):
+        out = kernel(*args)
+        statuses.append(out[0])
+        return out
+
+    args = (runs, list(members), members, ring_time, split, 1)
+    with mock.patch.object(slot_alignment, "ROW_ROOM", 0):
+        with mock.patch.object(compiled_alignment, "aligned_pass", lambda: watched):
+            fast = slot_alignment._aligned_compiled(*args, False, False)
+        with _python_alignment():
+            slow = slot_alignment._aligned(*args)
+    assert statuses == [compiled_alignment.FULL, compiled_alignment.DONE]
+    assert (fast.moved, fast.splits) == (2, 1)
+    assert _every_field(fast) == _every_field(slow)

@@ -55,7 +55,16 @@ from .offload_policy import host_capacity
 from .pipeline_times import ArrayOrders
 from .placement import RingPlacer, check_shape
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
-from .slot_alignment import Item, LocalBatch, Ordered, order_by_level, order_runs, rank_estimates, unit_keys
+from .slot_alignment import (
+    Item,
+    LocalBatch,
+    Ordered,
+    PackSplitter,
+    order_by_level,
+    order_runs,
+    rank_estimates,
+    unit_keys,
+)
 from .stage_schedule import chunk_schedule, stage_schedule
 
 PIPELINE_SCHEDULES = ("1f1b", "search")
@@ -678,26 +687,9 @@ def _pack_times(lens, packs: list[tuple[int, ...]], cost: CostModel) -> list[flo
     return (cost.num_layers * cost.layer_time(tokens, pairs)).tolist()
 
 
-def _pack_time(lens, seq_ids, cost: CostModel) -> float:
-    """Seconds per layer of whole sequences packed into one micro-batch."""
-    if len(seq_ids) == 1:
-        return cost.layer_time(lens[seq_ids[0]])
-    return cost.layer_time(sum(lens[i] for i in seq_ids), sum(lens[i] * lens[i] for i in seq_ids))
-
-
-def _splitter(lens, cost: CostModel):
+def _splitter(lens, cost: CostModel) -> PackSplitter:
     """Split a pack into two micro-batches of about equal tokens (to fill a pipeline slot)."""
-
-    def split(batch: LocalBatch) -> tuple[LocalBatch, LocalBatch]:
-        halves: tuple[list[int], list[int]] = ([], [])
-        tokens = [0, 0]
-        for i in sorted(batch.seq_ids, key=lambda i: (-lens[i], i)):
-            k = 0 if tokens[0] <= tokens[1] else 1
-            halves[k].append(i)
-            tokens[k] += lens[i]
-        return tuple(LocalBatch(tuple(h), batch.ratio, cost.num_layers * _pack_time(lens, h, cost)) for h in halves)
-
-    return split
+    return PackSplitter(lens, cost)
 
 
 def _build(

@@ -17,14 +17,14 @@ from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, chain, count
 
 import numpy as np
 
-from . import compiled
+from . import compiled, compiled_alignment
 from .contract import BACKWARD, FORWARD, Op, find_pipeline_deadlock
 from .contract.ops import megatron_interleaved_orders
-from .cost_model import FORWARD_SHARE
+from .cost_model import FORWARD_SHARE, CostModel
 from .estimate import one_f_one_b_time
 from .pipeline_times import ArrayOrders, pipelined_finish_times
 
@@ -32,6 +32,9 @@ LOOKAHEAD = 16  # rings of the schedule tried for the next slot before local wor
 # Rings with at least this many members check their shortfall with numpy over the members'
 # counts (``_State._missing``): fewer are faster one by one in Python.
 WIDE_RING = 64
+# The compiled pass's rows hold a rank's items and this many more (splits and borrowed work
+# lengthen them; a row that fills up runs the pass again with rows twice as long).
+ROW_ROOM = 8
 
 
 @dataclass(eq=False, slots=True)  # slots: ~6 x 10^4 a step at 16K ranks, built and read fast
@@ -45,6 +48,35 @@ class LocalBatch:
 
 Item = int | LocalBatch  # a ring unit's index, or a local micro-batch
 Splitter = Callable[[LocalBatch], tuple[LocalBatch, LocalBatch]]
+
+
+@dataclass(frozen=True, eq=False)
+class PackSplitter:
+    """The planner's split of a pack into two micro-batches of about equal tokens (to fill a
+    slot): its sequences longest first (ties: the lower index), each to the half with fewer
+    tokens so far (ties: the first), each half timed as a pack by the cost model. The
+    compiled aligned pass (``compiled_alignment``) splits the same way from ``lens`` and the
+    cost model's coefficients; another splitter runs the Python pass."""
+
+    lens: Sequence[int]  # tokens per sequence of the batch
+    cost: CostModel
+
+    def __call__(self, batch: LocalBatch) -> tuple[LocalBatch, LocalBatch]:
+        lens = self.lens
+        halves: tuple[list[int], list[int]] = ([], [])
+        tokens = [0, 0]
+        for i in sorted(batch.seq_ids, key=lambda i: (-lens[i], i)):
+            k = 0 if tokens[0] <= tokens[1] else 1
+            halves[k].append(i)
+            tokens[k] += lens[i]
+        return tuple(LocalBatch(tuple(h), batch.ratio, self.cost.num_layers * self._layer_time(h)) for h in halves)
+
+    def _layer_time(self, seq_ids: Sequence[int]) -> float:
+        """Seconds per layer of whole sequences packed into one micro-batch."""
+        lens = self.lens
+        if len(seq_ids) == 1:
+            return self.cost.layer_time(lens[seq_ids[0]])
+        return self.cost.layer_time(sum(lens[i] for i in seq_ids), sum(lens[i] * lens[i] for i in seq_ids))
 
 
 @dataclass
@@ -336,6 +368,9 @@ def _in_schedule_order(runs, ring_order, members, ring_time) -> Ordered:
 def _aligned(
     runs, ring_order, members, ring_time, split, lookahead, frugal: bool = False, stop_unaligned: bool = False
 ) -> Ordered:
+    fast = _aligned_compiled(runs, ring_order, members, ring_time, split, lookahead, frugal, stop_unaligned)
+    if fast is not None:
+        return fast
     state = _State(runs, split, ring_time, frugal)
     result = Ordered(state.out, state.clock)
     pending = list(ring_order)
@@ -362,6 +397,81 @@ def _aligned(
         state.place(u, members[u], take, ring_time[u], result)
     state.finish()
     return result
+
+
+def _aligned_compiled(
+    runs, ring_order, members, ring_time, split, lookahead, frugal: bool, stop_unaligned: bool
+) -> Ordered | None:
+    """``_aligned`` by the compiled pass (``compiled_alignment``): the same ``Ordered``, its
+    split packs new ``LocalBatch``es like those ``split`` gives. None where numba is missing
+    or ``split`` is not the planner's ``PackSplitter`` (the Python pass then runs)."""
+    kernel = compiled_alignment.aligned_pass()
+    if kernel is None or not (split is None or isinstance(split, PackSplitter)):
+        return None
+    n = len(runs)
+    # items as codes: a ring its index, the k-th local micro-batch (in rank order) -k - 1
+    items = list(chain.from_iterable(runs))
+    pool: list[LocalBatch] = [x for x in items if type(x) is LocalBatch]  # slots: no subclasses
+    number = count(1)
+    flat = np.fromiter((-next(number) if type(x) is LocalBatch else x for x in items), dtype=np.int64, count=len(items))
+    lengths = np.fromiter(map(len, runs), dtype=np.int64, count=n)
+    sizes = np.fromiter((len(x.seq_ids) for x in pool), dtype=np.int64, count=len(pool))
+    supply = int(sizes.sum())
+    room = len(pool) + 2 * supply  # two halves per split, at most one split per sequence
+    plen = np.zeros(room, dtype=np.int64)
+    plen[: len(pool)] = sizes
+    pstart = np.zeros(room, dtype=np.int64)
+    pstart[1 : len(pool)] = np.cumsum(sizes)[:-1]
+    ptime = np.zeros(room)
+    ptime[: len(pool)] = np.fromiter((x.time for x in pool), dtype=np.float64, count=len(pool))
+    proot = np.arange(room, dtype=np.int64)
+    seqs = np.fromiter(chain.from_iterable(x.seq_ids for x in pool), dtype=np.int64, count=supply)
+    order = np.asarray(ring_order, dtype=np.int64)
+    units = int(order.max(initial=-1)) + 1
+    times = np.zeros(units)
+    times[order] = [ring_time[u] for u in ring_order]
+    counts = np.zeros(units + 1, dtype=np.int64)
+    counts[order + 1] = [len(members[u]) for u in ring_order]
+    mptr = np.cumsum(counts)
+    mem = np.zeros(int(mptr[-1]), dtype=np.int64)
+    for u in ring_order:
+        mem[mptr[u] : mptr[u + 1]] = members[u]
+    if split is None:
+        lens, coef, layers, recomputed, recomputed_attention = np.zeros(1, dtype=np.int64), np.zeros(4), 1, 0, 0
+    else:
+        c = split.cost
+        lens = np.asarray(split.lens, dtype=np.int64)
+        coef = np.array([c.a1, c.b1, c.g, c.forward_share])
+        layers, recomputed, recomputed_attention = c.num_layers, c.recomputed_layers, c.recomputed_attention_layers
+    rows = np.repeat(np.arange(n), lengths)
+    cols = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    cap = int(lengths.max(initial=0)) + ROW_ROOM
+    while True:  # a row that fills up: again with longer rows (rows grow by splits and gifts)
+        q = np.zeros((n, cap), dtype=np.int64)
+        q[rows, cols] = flat
+        pool_arrays = ptime.copy(), pstart.copy(), plen.copy(), proot.copy()
+        halves = seqs.copy()
+        status, log_rank, log_item, state, clock, counters, unaligned = kernel(
+            q, lengths.copy(), *pool_arrays, len(pool), halves, lens, times, mptr, mem, order, coef, layers,
+            recomputed, recomputed_attention, split is not None, lookahead, frugal, stop_unaligned, WIDE_RING,
+        )  # fmt: skip
+        if status != compiled_alignment.FULL:
+            break
+        cap = max(2 * cap, 1)
+    # the split packs' halves as LocalBatches (those placed), then each rank's items in order
+    new_time, new_start, new_len, new_root = pool_arrays
+    placed = int(state[0])
+    ranks, codes = log_rank[:placed], log_item[:placed]
+    table: list[Item | None] = [*pool, *[None] * (int(state[1]) - len(pool))]
+    for k in np.unique(-1 - codes[codes < -len(pool)]).tolist():
+        at = int(new_start[k])
+        seq_ids = tuple(halves[at : at + int(new_len[k])].tolist())
+        table[k] = LocalBatch(seq_ids, pool[int(new_root[k])].ratio, float(new_time[k]))
+    placed_items = [x if x >= 0 else table[~x] for x in codes[np.argsort(ranks, kind="stable")].tolist()]
+    bounds = np.cumsum(np.bincount(ranks, minlength=n)).tolist()
+    out = [placed_items[a:b] for a, b in zip([0, *bounds[:-1]], bounds)]
+    pulled, deferred, splits, moved, reordered = counters.tolist()
+    return Ordered(out, clock.tolist(), pulled, deferred, splits, moved, reordered, unaligned[: int(state[2])].tolist())
 
 
 def _slot_search(runs, order, members, split: Splitter | None):

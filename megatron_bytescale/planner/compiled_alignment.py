@@ -1,0 +1,513 @@
+"""The slot-aligned pass (``slot_alignment._aligned``) compiled: the same choices, splits,
+moves and floats as the Python pass, over arrays instead of per-rank queues of objects.
+
+The Python pass keeps each rank's queue as a list of ring indices and ``LocalBatch`` objects
+and derives a view of it (its local micro-batches, their clock prefix, its load) after every
+change; that was most of a 32M-token PP plan's time. Here a queue is a row of item codes
+(a ring ``u >= 0``, local micro-batch ``k`` of the pool as ``-k - 1``) and what a view held
+is computed from the row when it is asked for (the rows are short: a rank's micro-batches).
+Splitting a pack (``planner._splitter``: sequences longest first, each to the half with fewer
+tokens; the halves timed by ``CostModel.layer_time``'s formula, whose coefficients come in
+``coef``) writes the halves into the pack's own slice of the sequence array, so nothing
+grows but the pool (at most two entries per split, one split per sequence beyond the first
+of a pack). A rank whose row fills up makes the pass return ``FULL``; the caller runs it
+again with longer rows (the pass is deterministic and its inputs are copied).
+
+``slot_alignment._aligned`` is what the tests check this against, item for item and float
+for float (tests/test_pipeline_fast_paths.py); it also runs where numba is missing.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+
+from .compiled import _compile
+
+DONE, STOPPED, FULL = 0, 1, 2  # the pass ended; it stopped at its first unaligned ring; a row overflowed
+
+
+def _aligned_pass(
+    q: np.ndarray,
+    qlen: np.ndarray,
+    ptime: np.ndarray,
+    pstart: np.ndarray,
+    plen: np.ndarray,
+    proot: np.ndarray,
+    npool: int,
+    seqs: np.ndarray,
+    lens: np.ndarray,
+    ring_time: np.ndarray,
+    mptr: np.ndarray,
+    mem: np.ndarray,
+    order: np.ndarray,
+    coef: np.ndarray,
+    layers: int,
+    recomputed: int,
+    recomputed_attention: int,
+    split: bool,
+    lookahead: int,
+    frugal: bool,
+    stop_unaligned: bool,
+    wide: int,
+):
+    """``slot_alignment._aligned`` over ``q`` (rows of item codes, ``qlen`` long; changed in
+    place, as are the pool ``ptime``/``pstart``/``plen``/``proot`` of ``npool`` entries and
+    ``seqs``). ``coef``: the cost model's a1, b1, g and forward share. Returns the status,
+    the placed items as (rank, item) in placing order, every rank's clock, the counters
+    (pulled, deferred, splits, moved, reordered), the unaligned rings and the pool's size."""
+    n = qlen.size
+    cap = q.shape[1]
+    a1, b1, g, share = coef[0], coef[1], coef[2], coef[3]
+    clock = np.zeros(n)
+    offset = np.zeros(n, dtype=np.int64)
+    fixed = np.zeros(n, dtype=np.bool_)
+    olen = np.zeros(n, dtype=np.int64)
+    nloc = np.zeros(n, dtype=np.int64)
+    own = np.zeros(n, dtype=np.int64)
+    load = np.zeros(n)
+    dirty = np.ones(n, dtype=np.bool_)
+    rings_left = np.zeros(n, dtype=np.int64)
+    supply = 0
+    items = 0
+    for r in range(n):
+        items += qlen[r]
+        for i in range(qlen[r]):
+            x = q[r, i]
+            if x >= 0:
+                rings_left[r] += 1
+            else:
+                supply += plen[-x - 1]
+    # every item placed once, plus one more per split (at most one per sequence)
+    log_rank = np.empty(items + supply + 1, dtype=np.int64)
+    log_item = np.empty(items + supply + 1, dtype=np.int64)
+    counters = np.zeros(5, dtype=np.int64)  # pulled, deferred, splits, moved, reordered
+    unaligned = np.empty(order.size, dtype=np.int64)
+    width = 1
+    for u in order:
+        width = max(width, mptr[u + 1] - mptr[u])
+    take = np.zeros(width, dtype=np.int64)  # per member of the ring being placed
+    cursor = np.zeros(width, dtype=np.int64)
+    shorts = np.zeros(width, dtype=np.int64)
+    reserve = np.zeros(n, dtype=np.int64)
+    pre = np.empty(items + supply + n + 1)  # the fixed members' clock prefixes, one after another
+    pre_at = np.zeros(width + 1, dtype=np.int64)
+    state = np.zeros(4, dtype=np.int64)  # log length, pool size, unaligned count, overflow
+    state[1] = npool
+
+    def time_of(x):
+        return ring_time[x] if x >= 0 else ptime[-x - 1]
+
+    def derive(r):  # _RankView's counts and load, from the row (the same sums in the same order)
+        count, seqs_in, total = 0, 0, 0.0
+        for i in range(qlen[r]):
+            x = q[r, i]
+            if x < 0:
+                count += 1
+                seqs_in += plen[-x - 1]
+                total += ptime[-x - 1]
+            else:
+                total += ring_time[x]
+        nloc[r] = count
+        own[r] = seqs_in - count if split else 0
+        load[r] = clock[r] + total
+        dirty[r] = False
+
+    def natural(r, u):  # local micro-batches before ring u on rank r
+        count = 0
+        for i in range(qlen[r]):
+            x = q[r, i]
+            if x == u:
+                return count
+            if x < 0:
+                count += 1
+        return count
+
+    def prefix(r, k):  # the clock after r's first k local micro-batches
+        c = clock[r]
+        i = 0
+        while k > 0:
+            x = q[r, i]
+            if x < 0:
+                c += ptime[-x - 1]
+                k -= 1
+            i += 1
+        return c
+
+    def last_within(r, slack):  # the most local micro-batches r runs with its clock <= slack
+        c = clock[r]
+        k = 0
+        for i in range(qlen[r]):
+            x = q[r, i]
+            if x < 0:
+                c += ptime[-x - 1]
+                if c > slack:
+                    return k
+                k += 1
+        return k
+
+    def log(r, x):
+        e = state[0]
+        log_rank[e] = r
+        log_item[e] = x
+        state[0] = e + 1
+
+    def insert(r, i, x):  # x at position i of r's row; False if the row is full
+        if qlen[r] == cap:
+            state[3] = 1
+            return False
+        for j in range(qlen[r], i, -1):
+            q[r, j] = q[r, j - 1]
+        q[r, i] = x
+        qlen[r] += 1
+        dirty[r] = True
+        return True
+
+    def remove(r, i):
+        for j in range(i, qlen[r] - 1):
+            q[r, j] = q[r, j + 1]
+        qlen[r] -= 1
+        dirty[r] = True
+
+    def halve(k):  # planner._splitter: pack k's halves, written into its slice; their pool indices
+        s, m = pstart[k], plen[k]
+        part = seqs[s : s + m].copy()
+        # longest first, ties to the lower sequence (an insertion sort: packs are small)
+        for i in range(1, m):
+            v = part[i]
+            j = i - 1
+            while j >= 0 and (lens[part[j]] < lens[v] or (lens[part[j]] == lens[v] and part[j] > v)):
+                part[j + 1] = part[j]
+                j -= 1
+            part[j + 1] = v
+        side = np.zeros(m, dtype=np.bool_)
+        tokens0, tokens1 = 0, 0
+        for i in range(m):
+            if tokens0 <= tokens1:
+                tokens0 += lens[part[i]]
+            else:
+                side[i] = True
+                tokens1 += lens[part[i]]
+        first = state[1]
+        state[1] = first + 2
+        w = s
+        for half in range(2):
+            tokens, pairs, start = 0, 0, w
+            for i in range(m):
+                if side[i] == (half == 1):
+                    seqs[w] = part[i]
+                    w += 1
+                    tokens += lens[part[i]]
+                    pairs += lens[part[i]] * lens[part[i]]
+            t = a1 * pairs + b1 * tokens + g
+            if recomputed_attention:  # CostModel.recompute_time
+                t += share * (a1 * pairs * recomputed_attention + (b1 * tokens + g) * recomputed) / layers
+            h = first + half
+            ptime[h] = layers * t
+            pstart[h] = start
+            plen[h] = w - start
+            proot[h] = proot[k]
+        return first, first + 1
+
+    def split_own(r, short):  # _State._split_own
+        while short > 0 and split:
+            big, big_i = -1, -1
+            for i in range(qlen[r]):
+                x = q[r, i]
+                if x < 0 and plen[-x - 1] > 1:
+                    k = -x - 1
+                    if big < 0 or plen[k] > plen[big] or (plen[k] == plen[big] and ptime[k] > ptime[big]):
+                        big, big_i = k, i
+            if big < 0:
+                break
+            h0, h1 = halve(big)
+            q[r, big_i] = -h0 - 1
+            if not insert(r, big_i + 1, -h1 - 1):
+                return short
+            dirty[r] = True
+            counters[2] += 1
+            short -= 1
+        return short
+
+    def borrow(r, short, u):  # _State._borrow
+        while short > 0:
+            donor, most = -1, -np.inf
+            for k in range(n):
+                if dirty[k]:
+                    derive(k)
+                if k != r and nloc[k] - reserve[k] > 0 and load[k] > most:
+                    donor, most = k, load[k]
+            if donor < 0:
+                return short
+            spare = nloc[donor] - reserve[donor]
+            last_i = qlen[donor] - 1
+            while q[donor, last_i] >= 0:
+                last_i -= 1
+            last = -q[donor, last_i] - 1
+            if spare == 1 and split and plen[last] > 1:  # the donor keeps half of its only pack
+                keep, gift = halve(last)
+                q[donor, last_i] = -keep - 1
+                counters[2] += 1
+            else:
+                gift = last
+                remove(donor, last_i)
+            dirty[donor] = True
+            at = 0
+            while q[r, at] != u:
+                at += 1
+            if not insert(r, at, -gift - 1):
+                return short
+            counters[3] += 1
+            short -= 1
+        return short
+
+    def start_at(slot, a, b):  # the latest clock of ring mem[a:b]'s fixed members run up to ``slot``
+        best = -np.inf
+        for j in range(b - a):
+            if fixed[mem[a + j]]:
+                v = pre[pre_at[j] + slot - cursor[j]]
+                if v > best:
+                    best = v
+        return best
+
+    def aligned_take(u, borrowing):  # _State.aligned_take: the takes in ``take``, or False
+        a, b = mptr[u], mptr[u + 1]
+        lo, anyfixed = 0, False
+        for j in range(b - a):
+            r = mem[a + j]
+            if dirty[r]:
+                derive(r)
+            if fixed[r]:
+                cursor[j] = offset[r] + olen[r]
+                if not anyfixed or cursor[j] > lo:
+                    lo = cursor[j]
+                anyfixed = True
+        missing = 0
+        for j in range(b - a):
+            r = mem[a + j]
+            if fixed[r]:
+                shorts[j] = lo - cursor[j] - nloc[r]
+                if shorts[j] - own[r] > 0:
+                    missing += shorts[j] - own[r]
+        if missing and not borrowing:
+            return False
+        if missing:
+            for j in range(b - a):
+                r = mem[a + j]
+                if fixed[r]:
+                    reserve[r] = max(0, lo - cursor[j])
+            spare = 0
+            for k in range(n):
+                if dirty[k]:
+                    derive(k)
+                have = nloc[k] - reserve[k]
+                if have > 0:
+                    spare += have + own[k]
+            if missing > spare:
+                for j in range(b - a):
+                    reserve[mem[a + j]] = 0
+                return False
+        for j in range(b - a):
+            r = mem[a + j]
+            if fixed[r] and shorts[j] > 0:
+                short = split_own(r, shorts[j])
+                if short > 0 and borrowing:
+                    short = borrow(r, short, u)
+                if short > 0 or state[3]:
+                    for i in range(b - a):
+                        reserve[mem[a + i]] = 0
+                    return False
+        for j in range(b - a):
+            reserve[mem[a + j]] = 0
+            if dirty[mem[a + j]]:
+                derive(mem[a + j])
+        planned = -np.inf
+        for j in range(b - a):
+            r = mem[a + j]
+            p = prefix(r, natural(r, u))
+            if p > planned:
+                planned = p
+        slack = planned * (1 + 1e-12)
+        if anyfixed:
+            hi = -1
+            w = 0
+            for j in range(b - a):  # the fixed members' prefixes, to time any slot
+                r = mem[a + j]
+                pre_at[j] = w
+                if fixed[r]:
+                    if hi < 0 or cursor[j] + nloc[r] < hi:
+                        hi = cursor[j] + nloc[r]
+                    c = clock[r]
+                    pre[w] = c
+                    w += 1
+                    for i in range(qlen[r]):
+                        x = q[r, i]
+                        if x < 0:
+                            c += ptime[-x - 1]
+                            pre[w] = c
+                            w += 1
+            lo_slot, hi_slot = lo, hi
+            if not frugal and start_at(lo, a, b) <= slack:
+                while lo_slot < hi_slot:
+                    mid = (lo_slot + hi_slot + 1) // 2
+                    if start_at(mid, a, b) <= slack:
+                        lo_slot = mid
+                    else:
+                        hi_slot = mid - 1
+            for j in range(b - a):
+                if fixed[mem[a + j]]:
+                    take[j] = lo_slot - cursor[j]
+            s = start_at(lo_slot, a, b)
+            if s > slack:
+                slack = s
+        for j in range(b - a):
+            r = mem[a + j]
+            if not fixed[r]:
+                take[j] = 0 if frugal else last_within(r, slack)
+        return True
+
+    def unaligned_take(u):  # _State.unaligned_take
+        a, b = mptr[u], mptr[u + 1]
+        lo, anyfixed = 0, False
+        for j in range(b - a):
+            r = mem[a + j]
+            if fixed[r]:
+                c = offset[r] + olen[r]
+                if not anyfixed or c > lo:
+                    lo = c
+                anyfixed = True
+        for j in range(b - a):
+            r = mem[a + j]
+            if dirty[r]:
+                derive(r)
+            take[j] = min(nloc[r], max(0, lo - offset[r] - olen[r])) if fixed[r] else 0
+
+    def hopeless(u, supply):  # _State.hopeless
+        a, b = mptr[u], mptr[u + 1]
+        count, most, total, left = 0, 0, 0, 0
+        for j in range(b - a):
+            r = mem[a + j]
+            left += rings_left[r]
+            if fixed[r]:
+                c = offset[r] + olen[r]
+                if count == 0 or c > most:
+                    most = c
+                total += c
+                count += 1
+        if count == 0:
+            return False
+        phi = count * most - total - supply
+        return phi > 0 and phi > left - (b - a)
+
+    def place(u, supply):  # _State.place; returns the sequences left in local micro-batches
+        a, b = mptr[u], mptr[u + 1]
+        start = 0.0
+        ran = 0
+        for j in range(b - a):
+            r = mem[a + j]
+            t, nat = take[j], natural(r, u)
+            if t > nat:
+                counters[0] += t - nat
+            else:
+                counters[1] += nat - t
+            end = prefix(r, t)
+            if end > start:
+                start = end
+            k = 0
+            i = 0
+            while k < t:  # the first t local micro-batches run before the ring
+                x = q[r, i]
+                if x < 0:
+                    log(r, x)
+                    ran += plen[-x - 1]
+                    k += 1
+                i += 1
+            olen[r] += t
+        slot, anyfixed = 0, False
+        for j in range(b - a):
+            r = mem[a + j]
+            if fixed[r]:
+                c = offset[r] + olen[r]
+                if not anyfixed or c > slot:
+                    slot = c
+                anyfixed = True
+        end = start + ring_time[u]
+        for j in range(b - a):
+            r = mem[a + j]
+            rings_left[r] -= 1
+            if not fixed[r]:
+                offset[r] = slot - olen[r]
+                fixed[r] = True
+            log(r, u)
+            olen[r] += 1
+            clock[r] = end
+            # the row without its first take[j] local micro-batches and u, in order
+            k, w = take[j], 0
+            for i in range(qlen[r]):
+                x = q[r, i]
+                if (x < 0 and k > 0) or x == u:
+                    if x < 0:
+                        k -= 1
+                    continue
+                q[r, w] = x
+                w += 1
+            qlen[r] = w
+            dirty[r] = True
+        return supply - ran
+
+    # the pending rings in schedule order, a doubly linked list (the lookahead deletes inside it)
+    count = order.size
+    nxt = np.arange(1, count + 1, dtype=np.int64)
+    prv = np.arange(-1, count - 1, dtype=np.int64)
+    if count:
+        nxt[count - 1] = -1
+    head = 0 if count else -1
+    while head >= 0:
+        # the first ring (in schedule order) that can take one slot from what its members
+        # have; if none of the next ``lookahead`` can, the first borrows local work (one call
+        # site of ``aligned_take``: each call site of a closure is compiled apart)
+        p, k, borrowing = head, 0, False
+        while True:
+            u = order[p]
+            if aligned_take(u, borrowing):
+                break
+            if state[3]:
+                return FULL, log_rank, log_item, state, clock, counters, unaligned
+            if borrowing:  # no local work left anywhere: this ring cannot be aligned
+                unaligned[state[2]] = u
+                state[2] += 1
+                if stop_unaligned:
+                    return STOPPED, log_rank, log_item, state, clock, counters, unaligned
+                unaligned_take(u)
+                break
+            if stop_unaligned and mptr[u + 1] - mptr[u] >= wide and hopeless(u, supply):
+                unaligned[state[2]] = u
+                state[2] += 1
+                return STOPPED, log_rank, log_item, state, clock, counters, unaligned
+            p = nxt[p]
+            k += 1
+            if p < 0 or k >= lookahead:
+                p, k, borrowing = head, 0, True
+        if k > 0:
+            counters[4] += 1
+        if prv[p] >= 0:
+            nxt[prv[p]] = nxt[p]
+        else:
+            head = nxt[p]
+        if nxt[p] >= 0:
+            prv[nxt[p]] = prv[p]
+        supply = place(u, supply)
+    for r in range(n):  # what is left of every row runs after its last ring
+        for i in range(qlen[r]):
+            x = q[r, i]
+            log(r, x)
+            clock[r] += time_of(x)
+        qlen[r] = 0
+    return DONE, log_rank, log_item, state, clock, counters, unaligned
+
+
+@cache
+def aligned_pass():
+    """``_aligned_pass`` compiled, or None where numba is missing."""
+    return _compile(_aligned_pass)
