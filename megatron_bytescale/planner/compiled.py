@@ -7,7 +7,8 @@ numba is imported on a kernel's first use (about 0.2 s), not with the planner. A
 compiled on its first use in an environment (about a second more) and cached on disk (numba's
 ``cache=True``: beside this module, or in a per-user directory where that is not writable),
 so later processes load it in a few milliseconds (where no cache directory is writable, each
-process compiles it).
+process compiles it). The slot-aligned pass's kernel, the largest, has its own module
+(``compiled_alignment``).
 """
 
 from __future__ import annotations
