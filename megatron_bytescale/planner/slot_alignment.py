@@ -411,7 +411,8 @@ def _aligned_compiled(
     n = len(runs)
     # items as codes: a ring its index, the k-th local micro-batch (in rank order) -k - 1
     items = list(chain.from_iterable(runs))
-    pool: list[LocalBatch] = [x for x in items if type(x) is LocalBatch]  # slots: no subclasses
+    # (``type is``: the planner makes LocalBatch itself; anything else must convert to an int)
+    pool: list[LocalBatch] = [x for x in items if type(x) is LocalBatch]
     number = count(1)
     flat = np.fromiter((-next(number) if type(x) is LocalBatch else x for x in items), dtype=np.int64, count=len(items))
     lengths = np.fromiter(map(len, runs), dtype=np.int64, count=n)
