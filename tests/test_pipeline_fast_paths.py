@@ -7,7 +7,6 @@ from its queue, a wide ring's shortfall from per-rank counts instead of its memb
 rings placed again by level for all nodes at once instead of node by node, and in compiled
 code rank by rank."""
 
-from contextlib import nullcontext
 from unittest import mock
 
 import numpy as np
@@ -20,6 +19,7 @@ from megatron_bytescale.planner.contract import PipelineGraph, encode_stage_orde
 from megatron_bytescale.planner.pipeline_times import (
     PipelineArrays,
     _first_of_unit,
+    edge_arrays,
     graph_ends,
     longest_path_ends_by_level,
 )
@@ -103,7 +103,13 @@ def test_numpy_longest_paths_match_the_contracts_walk(walk, keys, stages, chunks
     """The same end of every node, to the bit (one sum and one maximum per node either way),
     barriers included; on a deadlock both give None and leave the same nodes waiting. Both
     walks of ``longest_path_ends``: the compiled kernel and the numpy levels (numba missing)."""
-    with mock.patch.object(compiled, "longest_path", lambda: None) if walk == "by_level" else nullcontext():
+    if walk == "by_level":
+        with (
+            mock.patch.object(compiled, "longest_path", lambda: None),
+            mock.patch.object(compiled, "pipeline_ends", lambda: None),
+        ):
+            _check_longest_paths(keys, stages, chunks, data)
+    else:
         _check_longest_paths(keys, stages, chunks, data)
 
 
@@ -145,6 +151,27 @@ def test_compiled_longest_paths_match_the_levels_on_any_graph(nodes, data):
         assert done < nodes
     else:
         assert done == nodes and end.tolist() == plain_end.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(0, 3), st.data())
+def test_the_pipeline_walk_matches_the_walk_over_edge_arrays(units, vp, barriers, data):
+    """``compiled._pipeline_ends`` (sequence edges read in place, chains by arithmetic) against
+    ``_longest_path`` over ``edge_arrays``: any sequences of any nodes (repeats, cycles,
+    barrier nodes past the chains, empty resources) give the same ends to the bit, or both a
+    cycle with the same in-degrees left and the same count."""
+    nodes = 2 * units * vp + barriers
+    rows = data.draw(st.lists(st.lists(st.integers(0, nodes - 1), max_size=8), min_size=1, max_size=5))
+    flat = np.array([v for row in rows for v in row], dtype=np.int64)
+    lens = np.array([len(row) for row in rows], dtype=np.int64)
+    duration = np.array(data.draw(st.lists(st.floats(0.0, 5.0), min_size=nodes, max_size=nodes)))
+    graph = mock.Mock(units=units, vp=vp)
+    src, dst = edge_arrays(graph, flat, lens, barriers)
+    want = compiled.longest_path()(nodes, src, dst, duration)
+    got = compiled.pipeline_ends()(flat, lens, units, vp, duration)
+    assert got[1].tolist() == want[1].tolist() and got[2] == want[2]
+    if want[2] == nodes:
+        assert got[0].tolist() == want[0].tolist()
 
 
 @settings(max_examples=60, deadline=None)

@@ -62,6 +62,73 @@ def _longest_path(nodes: int, src: np.ndarray, dst: np.ndarray, duration: np.nda
     return end, indeg, tail
 
 
+def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, duration: np.ndarray):
+    """``_longest_path`` over ``pipeline_times.edge_arrays``' graph without building its edge
+    arrays: each resource's consecutive operations (``flat``, resources of ``lens`` one after
+    the other; a pair of equal ids is no edge) are read here, and the chain of a micro-batch's
+    virtual stages (``vp`` of them, for ``units`` micro-batches: ids ``(unit vp + vs) 2 +
+    direction``) is arithmetic: forward ``vs`` -> forward ``vs + 1``, the last forward -> the
+    last backward, backward ``vs`` -> backward ``vs - 1``. Nodes past ``2 units vp`` (barriers)
+    have no chain. The same ends, in-degrees left and count as ``_longest_path``."""
+    nodes = duration.size
+    total = 2 * units * vp
+    indeg = np.zeros(nodes, dtype=np.int64)
+    first = np.zeros(nodes + 1, dtype=np.int64)
+    at = 0
+    for k in range(lens.size):
+        for i in range(at, at + lens[k] - 1):
+            a, b = flat[i], flat[i + 1]
+            if a != b:
+                first[a + 1] += 1
+                indeg[b] += 1
+        at += lens[k]
+    for v in range(nodes):
+        first[v + 1] += first[v]
+    succ = np.empty(first[nodes], dtype=np.int64)
+    fill = first[:-1].copy()
+    at = 0
+    for k in range(lens.size):
+        for i in range(at, at + lens[k] - 1):
+            a, b = flat[i], flat[i + 1]
+            if a != b:
+                succ[fill[a]] = b
+                fill[a] += 1
+        at += lens[k]
+    for v in range(total):  # every chain predecessor: all but the first forward of a micro-batch
+        if v % 2 == 1 or (v // 2) % vp > 0:
+            indeg[v] += 1
+    start = np.zeros(nodes)
+    end = np.zeros(nodes)
+    ready = np.empty(nodes, dtype=np.int64)
+    tail = 0
+    for v in range(nodes):
+        if indeg[v] == 0:
+            ready[tail] = v
+            tail += 1
+    head = 0
+    while head < tail:
+        v = ready[head]
+        head += 1
+        e = start[v] + duration[v]
+        end[v] = e
+        nxt = -1  # the chain's successor
+        if v < total:
+            vs = (v // 2) % vp
+            if v % 2 == 0:
+                nxt = v + 2 if vs < vp - 1 else v + 1
+            elif vs > 0:
+                nxt = v - 2
+        for k in range(first[v], first[v + 1] + (nxt >= 0)):
+            w = succ[k] if k < first[v + 1] else nxt
+            if e > start[w]:
+                start[w] = e
+            indeg[w] -= 1
+            if indeg[w] == 0:
+                ready[tail] = w
+                tail += 1
+    return end, indeg, tail
+
+
 def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn: int):
     """``slot_alignment._place_by_level``'s picks for rings of ``sizes`` (in placement order,
     lasting ``times``) over ``load.size`` ranks of ``rpn`` per node: the same choices and
@@ -444,6 +511,12 @@ def _compile(kernel):
 def longest_path():
     """``_longest_path`` compiled, or None where numba is missing."""
     return _compile(_longest_path)
+
+
+@cache
+def pipeline_ends():
+    """``_pipeline_ends`` compiled, or None where numba is missing."""
+    return _compile(_pipeline_ends)
 
 
 @cache

@@ -225,9 +225,13 @@ def graph_ends(
 
 
 def _ends(graph: PipelineGraph | PipelineArrays, flat: np.ndarray, lens: np.ndarray, barriers: int = 0):
-    src, dst = edge_arrays(graph, flat, lens, barriers)
     duration = np.zeros(graph.total + barriers)
     duration[: graph.total] = graph.dur
+    kernel = compiled.pipeline_ends()  # the walk reads the sequences and chains: no edge arrays
+    if kernel is not None:
+        end, indeg, done = kernel(flat, lens, graph.units, graph.vp, duration)
+        return (end if done == duration.size else None), indeg
+    src, dst = edge_arrays(graph, flat, lens, barriers)
     return longest_path_ends(graph.total + barriers, src, dst, duration)
 
 
