@@ -174,6 +174,16 @@ def test_the_pipeline_walk_matches_the_walk_over_edge_arrays(units, vp, barriers
         assert got[0].tolist() == want[0].tolist()
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(ring_keys(), st.lists(st.lists(st.one_of(st.none(), st.integers(0, 4)), max_size=6), max_size=6)))
+def test_compiled_slot_offsets_match_the_python_walk(keys):
+    """``compiled._slot_offsets`` against ``slot_offsets``' walk in Python: the same offsets, or
+    both None (rings whose members' index differences disagree, a ring twice on one rank)."""
+    with mock.patch.object(compiled, "slot_offsets", lambda: None):
+        plain = slot_offsets(keys)
+    assert slot_offsets(keys) == plain
+
+
 @settings(max_examples=60, deadline=None)
 @given(ring_keys(), st.integers(1, 4), st.integers(1, 3))
 def test_cut_per_rank_matches_cutting_each_rank_alone(keys, stages, chunks):

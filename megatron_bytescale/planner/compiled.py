@@ -129,6 +129,79 @@ def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, dura
     return end, indeg, tail
 
 
+def _slot_offsets(keys: np.ndarray, lens: np.ndarray, units: int):
+    """``slot_alignment.slot_offsets`` over integer ring keys (``keys``: every rank's keys one
+    rank after another, ``lens`` per rank; -1 for local work, rings in ``[0, units)``): each
+    later member of a ring is tied to its first (in rank order) by the difference of their
+    indices, the ranks a ring ties are walked from the lowest, and each group's least offset
+    is 0. Returns the offsets and whether they are consistent (no two ties disagree); the
+    offsets are the same whatever the order of the walk."""
+    n = lens.size
+    first_rank = np.full(units, -1, dtype=np.int64)
+    first_index = np.zeros(units, dtype=np.int64)
+    degree = np.zeros(n + 1, dtype=np.int64)
+    at = 0
+    for r in range(n):  # the ties: each ring's later members to its first, both ways
+        for i in range(lens[r]):
+            k = keys[at + i]
+            if k >= 0:
+                if first_rank[k] < 0:
+                    first_rank[k] = r
+                    first_index[k] = i
+                else:
+                    degree[first_rank[k] + 1] += 1
+                    degree[r + 1] += 1
+        at += lens[r]
+    for r in range(n):
+        degree[r + 1] += degree[r]
+    other = np.empty(degree[n], dtype=np.int64)
+    shift = np.empty(degree[n], dtype=np.int64)
+    fill = degree[:-1].copy()
+    at = 0
+    for r in range(n):
+        for i in range(lens[r]):
+            k = keys[at + i]
+            if k >= 0 and (first_rank[k] != r or first_index[k] != i):  # not the ring's first member
+                r0, i0 = first_rank[k], first_index[k]
+                other[fill[r0]] = r
+                shift[fill[r0]] = i0 - i
+                fill[r0] += 1
+                other[fill[r]] = r0
+                shift[fill[r]] = i - i0
+                fill[r] += 1
+        at += lens[r]
+    off = np.zeros(n, dtype=np.int64)
+    seen = np.zeros(n, dtype=np.bool_)
+    todo = np.empty(n, dtype=np.int64)
+    group = np.empty(n, dtype=np.int64)
+    for s in range(n):
+        if seen[s]:
+            continue
+        seen[s] = True
+        todo[0], group[0] = s, s
+        top, size = 1, 1
+        while top:
+            top -= 1
+            a = todo[top]
+            for e in range(degree[a], degree[a + 1]):
+                b = other[e]
+                if not seen[b]:
+                    seen[b] = True
+                    off[b] = off[a] + shift[e]
+                    todo[top] = b
+                    top += 1
+                    group[size] = b
+                    size += 1
+                elif off[b] != off[a] + shift[e]:
+                    return off, False
+        low = off[group[0]]
+        for j in range(1, size):
+            low = min(low, off[group[j]])
+        for j in range(size):
+            off[group[j]] -= low
+    return off, True
+
+
 def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn: int):
     """``slot_alignment._place_by_level``'s picks for rings of ``sizes`` (in placement order,
     lasting ``times``) over ``load.size`` ranks of ``rpn`` per node: the same choices and
@@ -517,6 +590,12 @@ def longest_path():
 def pipeline_ends():
     """``_pipeline_ends`` compiled, or None where numba is missing."""
     return _compile(_pipeline_ends)
+
+
+@cache
+def slot_offsets():
+    """``_slot_offsets`` compiled, or None where numba is missing."""
+    return _compile(_slot_offsets)
 
 
 @cache

@@ -1027,7 +1027,19 @@ def _run_one_pipeline(fwd: Sequence[float], bwd: Sequence[float], stages: int, c
 def slot_offsets(ring_keys: Sequence[Sequence[object | None]]) -> list[int] | None:
     """Per rank, the offset of its micro-batch indices such that every ring micro-batch sits at
     one slot (index + offset) on all its members (``order_runs``' alignment), the smallest
-    offset of each group of ranks joined by rings 0; None if no such offsets exist."""
+    offset of each group of ranks joined by rings 0; None if no such offsets exist. Compiled
+    (``compiled.slot_offsets``) where the keys are the planner's (integers from 0)."""
+    kernel = compiled.slot_offsets()
+    if kernel is not None:
+        try:
+            ids = np.array([-1 if k is None else k for k in chain.from_iterable(ring_keys)])
+        except ValueError:  # keys of different shapes (tuples)
+            ids = None
+        nones = sum(row.count(None) for row in ring_keys)
+        if ids is not None and ids.ndim == 1 and ids.dtype.kind == "i" and np.count_nonzero(ids < 0) == nones:
+            lens = np.fromiter(map(len, ring_keys), dtype=np.int64, count=len(ring_keys))
+            off, ok = kernel(ids.astype(np.int64), lens, int(ids.max(initial=-1)) + 1)
+            return off.tolist() if ok else None
     where: dict[object, list[tuple[int, int]]] = defaultdict(list)
     for r, keys in enumerate(ring_keys):
         for i, k in enumerate(keys):
