@@ -7,6 +7,7 @@ from its queue, a wide ring's shortfall from per-rank counts instead of its memb
 rings placed again by level for all nodes at once instead of node by node, and in compiled
 code rank by rank."""
 
+from contextlib import nullcontext
 from unittest import mock
 
 import numpy as np
@@ -102,14 +103,8 @@ def test_unrolled_micro_batch_edges_match_next_op(keys, stages, chunks):
 def test_numpy_longest_paths_match_the_contracts_walk(walk, keys, stages, chunks, data):
     """The same end of every node, to the bit (one sum and one maximum per node either way),
     barriers included; on a deadlock both give None and leave the same nodes waiting. Both
-    walks of ``longest_path_ends``: the compiled kernel and the numpy levels (numba missing)."""
-    if walk == "by_level":
-        with (
-            mock.patch.object(compiled, "longest_path", lambda: None),
-            mock.patch.object(compiled, "pipeline_ends", lambda: None),
-        ):
-            _check_longest_paths(keys, stages, chunks, data)
-    else:
+    walks of ``graph_ends``: the compiled kernel and the numpy levels (numba missing)."""
+    with mock.patch.object(compiled, "pipeline_ends", lambda: None) if walk == "by_level" else nullcontext():
         _check_longest_paths(keys, stages, chunks, data)
 
 
@@ -134,17 +129,19 @@ def _check_longest_paths(keys, stages, chunks, data):
 @given(st.integers(1, 40), st.data())
 def test_compiled_longest_paths_match_the_levels_on_any_graph(nodes, data):
     """Any graph (several edges between two nodes, fan-in and fan-out of a ring's operation,
-    cycles): the kernel's ends are the levels' to the bit, or both None with the same
-    in-degrees left."""
+    cycles), each edge given to the kernel as a resource of two operations and no chains:
+    the kernel's ends are the levels' to the bit, or both None with the same in-degrees left."""
     pairs = data.draw(st.lists(st.tuples(st.integers(0, nodes - 1), st.integers(0, nodes - 1)), max_size=4 * nodes))
+    pairs = [(a, b) for a, b in pairs if a != b]  # two equal ids in a row are no edge
     if not data.draw(st.booleans()):  # mostly acyclic: edges only forward
-        pairs = [(a, b) if a < b else (b, a) for a, b in pairs if a != b]
+        pairs = [(a, b) if a < b else (b, a) for a, b in pairs]
     src = np.array([a for a, _ in pairs], dtype=np.int64)
     dst = np.array([b for _, b in pairs], dtype=np.int64)
     duration = np.array(data.draw(st.lists(st.floats(0.0, 5.0), min_size=nodes, max_size=nodes)))
-    kernel = compiled.longest_path()
+    kernel = compiled.pipeline_ends()
     assert kernel is not None  # numba is a dependency
-    end, indeg, done = kernel(nodes, src, dst, duration)
+    flat = np.stack([src, dst], axis=1).ravel()
+    end, indeg, done = kernel(flat, np.full(src.size, 2, dtype=np.int64), 0, 1, duration)
     plain_end, plain_indeg = longest_path_ends_by_level(nodes, src, dst, duration)
     assert indeg.tolist() == plain_indeg.tolist()
     if plain_end is None:
@@ -157,9 +154,9 @@ def test_compiled_longest_paths_match_the_levels_on_any_graph(nodes, data):
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(0, 3), st.data())
 def test_the_pipeline_walk_matches_the_walk_over_edge_arrays(units, vp, barriers, data):
     """``compiled._pipeline_ends`` (sequence edges read in place, chains by arithmetic) against
-    ``_longest_path`` over ``edge_arrays``: any sequences of any nodes (repeats, cycles,
+    the numpy levels over ``edge_arrays``: any sequences of any nodes (repeats, cycles,
     barrier nodes past the chains, empty resources) give the same ends to the bit, or both a
-    cycle with the same in-degrees left and the same count."""
+    cycle with the same in-degrees left."""
     nodes = 2 * units * vp + barriers
     rows = data.draw(st.lists(st.lists(st.integers(0, nodes - 1), max_size=8), min_size=1, max_size=5))
     flat = np.array([v for row in rows for v in row], dtype=np.int64)
@@ -167,11 +164,11 @@ def test_the_pipeline_walk_matches_the_walk_over_edge_arrays(units, vp, barriers
     duration = np.array(data.draw(st.lists(st.floats(0.0, 5.0), min_size=nodes, max_size=nodes)))
     graph = mock.Mock(units=units, vp=vp)
     src, dst = edge_arrays(graph, flat, lens, barriers)
-    want = compiled.longest_path()(nodes, src, dst, duration)
-    got = compiled.pipeline_ends()(flat, lens, units, vp, duration)
-    assert got[1].tolist() == want[1].tolist() and got[2] == want[2]
-    if want[2] == nodes:
-        assert got[0].tolist() == want[0].tolist()
+    want, left = longest_path_ends_by_level(nodes, src, dst, duration)
+    end, indeg, done = compiled.pipeline_ends()(flat, lens, units, vp, duration)
+    assert indeg.tolist() == left.tolist() and (done == nodes) == (want is not None)
+    if want is not None:
+        assert end.tolist() == want.tolist()
 
 
 @settings(max_examples=200, deadline=None)
@@ -401,10 +398,10 @@ def test_the_kernel_compiles_where_no_cache_directory_is_writable(monkeypatch):
 
     monkeypatch.setattr(caching.CacheImpl, "_locator_classes", [])
     with pytest.raises(RuntimeError, match="no locator"):  # what the fallback is for
-        caching.FunctionCache(compiled._longest_path)
-    kernel = compiled.longest_path.__wrapped__()
+        caching.FunctionCache(compiled._pipeline_ends)
+    kernel = compiled.pipeline_ends.__wrapped__()
     assert isinstance(kernel, Dispatcher)
-    end, indeg, done = kernel(3, np.array([0, 1]), np.array([1, 2]), np.array([1.0, 2.0, 0.5]))
+    end, indeg, done = kernel(np.array([0, 1, 2]), np.array([3]), 0, 1, np.array([1.0, 2.0, 0.5]))
     assert end.tolist() == [1.0, 3.0, 3.5] and indeg.tolist() == [0, 0, 0] and done == 3
 
 

@@ -367,8 +367,7 @@ def _aligned_pass(
                 take[j] = 0 if frugal else last_within(r, slack)
         return True
 
-    def unaligned_take(u):  # _State.unaligned_take
-        a, b = mptr[u], mptr[u + 1]
+    def latest_slot(a, b):  # the latest next slot of ring mem[a:b]'s fixed members (0 without)
         lo, anyfixed = 0, False
         for j in range(b - a):
             r = mem[a + j]
@@ -377,6 +376,11 @@ def _aligned_pass(
                 if not anyfixed or c > lo:
                     lo = c
                 anyfixed = True
+        return lo
+
+    def unaligned_take(u):  # _State.unaligned_take
+        a, b = mptr[u], mptr[u + 1]
+        lo = latest_slot(a, b)
         for j in range(b - a):
             r = mem[a + j]
             if dirty[r]:
@@ -424,14 +428,7 @@ def _aligned_pass(
                     k += 1
                 i += 1
             olen[r] += t
-        slot, anyfixed = 0, False
-        for j in range(b - a):
-            r = mem[a + j]
-            if fixed[r]:
-                c = offset[r] + olen[r]
-                if not anyfixed or c > slot:
-                    slot = c
-                anyfixed = True
+        slot = latest_slot(a, b)
         end = start + ring_time[u]
         for j in range(b - a):
             r = mem[a + j]

@@ -1,6 +1,6 @@
 """The pipeline graph's longest paths as arrays: what ``contract.PipelineGraph.evaluate``
 gives (the same floats: every end is one sum of a start and a duration, every start one
-maximum), in compiled code (``compiled.longest_path``) or, without numba, with numpy level by
+maximum), in compiled code (``compiled.pipeline_ends``) or, without numba, with numpy level by
 level.
 
 The contract stays the standard library (``Plan.validate`` and the deadlock check use its
@@ -169,27 +169,14 @@ def edge_arrays(
     )
 
 
-def longest_path_ends(
+def longest_path_ends_by_level(
     nodes: int, src: np.ndarray, dst: np.ndarray, duration: np.ndarray
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """End time of every node of the graph ``src -> dst`` (a node starts at the latest end of
     its predecessors), and the in-degrees left: None and the nodes of a cycle (and all behind
-    them) with in-degree > 0 if it has one (``PipelineGraph.stuck`` names them). Node by node
-    in compiled code (``compiled.longest_path()``: a 512M-token step's graphs of ~7 x 10^5
-    operations are ~10^3 levels deep, where each level's array operations cost more than its
-    nodes), else level by level (``longest_path_ends_by_level``); the same floats."""
-    kernel = compiled.longest_path()
-    if kernel is None:
-        return longest_path_ends_by_level(nodes, src, dst, duration)
-    end, indeg, done = kernel(nodes, src, dst, duration)
-    return (end if done == nodes else None), indeg
-
-
-def longest_path_ends_by_level(
-    nodes: int, src: np.ndarray, dst: np.ndarray, duration: np.ndarray
-) -> tuple[np.ndarray | None, np.ndarray]:
-    """``longest_path_ends`` with numpy, one level (the nodes whose predecessors have all
-    ended) at a time."""
+    them) with in-degree > 0 if it has one (``PipelineGraph.stuck`` names them). With numpy,
+    one level (the nodes whose predecessors have all ended) at a time: where numba is
+    missing (``compiled._pipeline_ends`` walks node by node otherwise, the same floats)."""
     indeg = np.bincount(dst, minlength=nodes)
     succ = dst[np.argsort(src)]  # successors, grouped by source (CSR; their order is moot)
     first = np.zeros(nodes + 1, dtype=np.int64)
@@ -218,7 +205,8 @@ def longest_path_ends_by_level(
 def graph_ends(
     graph: PipelineGraph, seqs: Sequence[Sequence[int]], barriers: int = 0
 ) -> tuple[np.ndarray | None, np.ndarray]:
-    """``longest_path_ends`` of the graph of ``seqs`` (``barriers`` barrier nodes last, lasting 0)."""
+    """The ends and in-degrees left (``longest_path_ends_by_level``) of the graph of ``seqs``
+    (``barriers`` barrier nodes last, lasting 0)."""
     lens = np.fromiter(map(len, seqs), np.int64, len(seqs))
     flat = np.fromiter(chain.from_iterable(seqs), np.int64, int(lens.sum()))
     return _ends(graph, flat, lens, barriers)
@@ -232,7 +220,7 @@ def _ends(graph: PipelineGraph | PipelineArrays, flat: np.ndarray, lens: np.ndar
         end, indeg, done = kernel(flat, lens, graph.units, graph.vp, duration)
         return (end if done == duration.size else None), indeg
     src, dst = edge_arrays(graph, flat, lens, barriers)
-    return longest_path_ends(graph.total + barriers, src, dst, duration)
+    return longest_path_ends_by_level(graph.total + barriers, src, dst, duration)
 
 
 def end_times(graph: PipelineGraph, seqs: Sequence[Sequence[int]], barriers: int = 0) -> list[float] | None:
