@@ -6,7 +6,7 @@ and derives a view of it (its local micro-batches, their clock prefix, its load)
 change; that was most of a 32M-token PP plan's time. Here a queue is a row of item codes
 (a ring ``u >= 0``, local micro-batch ``k`` of the pool as ``-k - 1``) and what a view held
 is computed from the row when it is asked for (the rows are short: a rank's micro-batches).
-Splitting a pack (``planner._splitter``: sequences longest first, each to the half with fewer
+Splitting a pack (``slot_alignment.PackSplitter``: sequences longest first, each to the half with fewer
 tokens; the halves timed by ``CostModel.layer_time``'s formula, whose coefficients come in
 ``coef``) writes the halves into the pack's own slice of the sequence array, so nothing
 grows but the pool (at most two entries per split, one split per sequence beyond the first
@@ -170,7 +170,7 @@ def _aligned_pass(
         qlen[r] -= 1
         dirty[r] = True
 
-    def halve(k):  # planner._splitter: pack k's halves, written into its slice; their pool indices
+    def halve(k):  # PackSplitter: pack k's halves, written into its slice; their pool indices
         s, m = pstart[k], plen[k]
         part = seqs[s : s + m].copy()
         # longest first, ties to the lower sequence (an insertion sort: packs are small)
@@ -223,9 +223,8 @@ def _aligned_pass(
                 break
             h0, h1 = halve(big)
             q[r, big_i] = -h0 - 1
-            if not insert(r, big_i + 1, -h1 - 1):
+            if not insert(r, big_i + 1, -h1 - 1):  # (insert marks the row changed)
                 return short
-            dirty[r] = True
             counters[2] += 1
             short -= 1
         return short

@@ -356,7 +356,7 @@ def _order(
         assignment.members,
         {u: units[u].time for u in assignment.members},
         config.pipeline_stages,
-        _splitter(lens, cost),
+        PackSplitter(lens, cost),
         placer.ranks_per_node,
         fallback=fallback,
         forward_share=cost.forward_share,
@@ -685,11 +685,6 @@ def _pack_times(lens, packs: list[tuple[int, ...]], cost: CostModel) -> list[flo
     tokens = np.add.reduceat(s, first)  # whole numbers: exact
     pairs = np.add.reduceat(s * s, first)
     return (cost.num_layers * cost.layer_time(tokens, pairs)).tolist()
-
-
-def _splitter(lens, cost: CostModel) -> PackSplitter:
-    """Split a pack into two micro-batches of about equal tokens (to fill a pipeline slot)."""
-    return PackSplitter(lens, cost)
 
 
 def _build(
