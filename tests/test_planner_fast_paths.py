@@ -177,8 +177,13 @@ def test_two_level_curves_of_many_lengths_match_one_length_at_a_time():
         sizer = RingSizer(512, cost, True, 64, 8, stages)
         for target in (0.0, 1e-3, 0.05, 0.2, 1.0, 1e9):
             starts = sizer.first_within(lengths, target)
-            assert [sizer.size(s, target, k) for s, k in zip(lengths, starts)] == [
-                sizer.size(s, target) for s in lengths
+            one_by_one = [sizer.size(s, target) for s in lengths]
+            assert [sizer.size(s, target, k) for s, k in zip(lengths, starts)] == one_by_one
+            # and the sizes of all lengths at once (most read off the curves): the same
+            # rings, ratios (the floor's, 0.0 where every share fits, else offloading) and
+            # two-level group sizes
+            assert sizer.size_many(lengths, target) == [
+                (d, r, sizer.heads_split(s, d)) for s, (d, r, _) in zip(lengths, one_by_one)
             ]
 
 

@@ -276,21 +276,24 @@ class RingSizer:
         """The least time any ring gives this sequence's members (pipeline fill included)."""
         return self.stages * float(self.curve(seq_len)[1].min())
 
+    def _table_of(self, seq_lens: list[int]) -> _CurveTable:
+        """The curves of ``seq_lens`` end to end: ``balanced_target``'s table when it holds
+        these lengths in this order (it does in a planned step), else a new one."""
+        table = self._table
+        if table is not None and table.seq_lens == seq_lens:
+            return table
+        return _CurveTable(self, seq_lens)
+
     def first_within(self, seq_lens: Sequence[int], target: float) -> list[int]:
         """``size``'s starting point for many lengths at once: per length, the index of the
         first ring whose share time is within ``target``, else of the first within 0.1% of
         its fastest ring (one pass over all their curves end to end)."""
-        self.prepare(seq_lens)
         if not len(seq_lens):
             return []
-        table = self._table
-        if table is not None and table.seq_lens == list(seq_lens):  # balanced_target's, end to end already
-            counts, first, times = table.counts, table.first, table.times
-        else:
-            curves = [self._curves[int(s)][1] for s in seq_lens]
-            counts = np.array([c.size for c in curves])
-            first = np.concatenate(([0], np.cumsum(counts)[:-1]))
-            times = np.concatenate(curves)
+        return self._first_within(self._table_of([int(s) for s in seq_lens]), target).tolist()
+
+    def _first_within(self, table: _CurveTable, target: float) -> np.ndarray:
+        counts, first, times = table.counts, table.first, table.times
 
         def first_true(mask: np.ndarray) -> np.ndarray:
             at = np.flatnonzero(mask)  # ascending, so each segment's first hit is where it starts
@@ -302,10 +305,30 @@ class RingSizer:
 
         k = first_true(self.stages * times <= target)
         if (k < 0).any():
-            fastest = np.minimum.reduceat(times, first)
-            near = first_true(times <= np.repeat(fastest * (1 + 1e-3), counts))
+            near = first_true(times <= np.repeat(table.least * (1 + 1e-3), counts))
             k = np.where(k < 0, near, k)
-        return k.tolist()
+        return k
+
+    def size_many(self, seq_lens: list[int], target: float) -> list[tuple[int, float, int]]:
+        """``(ring size, offload ratio, two-level group size)`` of each length for ``target``:
+        ``size(s, target)`` and ``heads_split`` of its ring, the same values, read off the
+        curves for all lengths at once: the floor ring takes the floor's ratio, a larger ring
+        on which every share fits offloads nothing; only larger rings that offload (a few
+        lengths a step) go through ``size``."""
+        if not seq_lens:
+            return []
+        table = self._table_of(seq_lens)
+        k = self._first_within(table, target)
+        at = table.first + k
+        ranks = table.sizes[at]
+        ratios = np.where(k == 0, table.floor_ratios(self), 0.0)
+        out = list(zip(ranks.tolist(), ratios.tolist(), table.splits(self)[at].tolist()))
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        for i in np.flatnonzero((k > 0) & (-(-lens // ranks) > self.capacity)).tolist():
+            s = seq_lens[i]
+            d, r, _ = self.size(s, target, int(k[i]))
+            out[i] = (d, r, self.heads_split(s, d))
+        return out
 
     def size(self, seq_len: int, target: float | None, start: int | None = None) -> tuple[int, float, float]:
         """(ring size, offload ratio, share time): the memory floor when ``target`` is None,
@@ -345,6 +368,20 @@ class _CurveTable:
         self.counts = np.array([c[0].size for c in curves], dtype=np.int64)
         self.first = np.concatenate(([0], np.cumsum(self.counts)[:-1]))  # where each length starts
         self.least = np.minimum.reduceat(self.times, self.first)  # each length's fastest ring
+        self._splits: np.ndarray | None = None
+        self._floor_ratios: np.ndarray | None = None
+
+    def splits(self, sizer: RingSizer) -> np.ndarray:
+        """Each entry's two-level group size (1: the plain ring), end to end like the rest."""
+        if self._splits is None:
+            self._splits = np.concatenate([sizer._splits[s] for s in self.seq_lens])
+        return self._splits
+
+    def floor_ratios(self, sizer: RingSizer) -> np.ndarray:
+        """Each length's offload ratio on its floor ring (its first entry)."""
+        if self._floor_ratios is None:
+            self._floor_ratios = np.array([sizer.floor(s).ratio for s in self.seq_lens], dtype=np.float64)
+        return self._floor_ratios
 
     def first_min(self, values: np.ndarray) -> np.ndarray:
         """Per length, the index within its curve of the first minimum of ``values``."""
@@ -378,7 +415,7 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     floor = float(short_times[-1]) if short.size else 0.0
     long_lens, counts = np.unique(lens[lens > cap], return_counts=True)
     table = _CurveTable(sizer, long_lens.tolist()) if long_lens.size else None
-    sizer._table = table  # plan_ring_sizes reads the same curves next (``first_within``)
+    sizer._table = table  # plan_ring_sizes reads the same curves next (``size_many``)
     if table is not None:  # per length: its floor ring and its fastest ring
         floor = max(floor, float((p * table.least).max()))
         best0 = p * table.times[table.first]  # the floor ring's time, pipeline fill included
@@ -469,9 +506,7 @@ def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | N
                 by_len[s] = (d.ranks, d.ratio, 1)
     else:
         distinct = sorted(set(long_lens))  # as balanced_target lists them: its curves are reused
-        for s, k in zip(distinct, sizer.first_within(distinct, target)):
-            d, r, _ = sizer.size(s, target, k)
-            by_len[s] = (d, r, sizer.heads_split(s, d))
+        by_len = dict(zip(distinct, sizer.size_many(distinct, target)))
     return {i: _shard(i, s, *by_len[s]) for i, s in zip(long_ids, long_lens)}
 
 
