@@ -1,17 +1,21 @@
 """HDP flags inside Megatron-LM's real argument system (core_v0.16.1 checkout).
 
 Runs only when MEGATRON_LM_DIR points at a Megatron-LM checkout (skipped otherwise; a skip is
-not a pass). Each check runs in a subprocess with the checkout first on PYTHONPATH: Megatron's
-parser plus add_hdp_arguments, Megatron's validate_args, then validate_hdp_args.
+not a pass). The checks run in a subprocess with the checkout first on PYTHONPATH (one for all
+of them, ``run``): Megatron's parser plus add_hdp_arguments, Megatron's validate_args, then
+validate_hdp_args.
 Optional modules Megatron's training package imports but does not need for argument handling
 (triton, regex) are stubbed when absent, so this also runs on a CPU-only machine (where Megatron's
 validate_args cannot take its CUDA-only branches, e.g. --context-parallel-size > 1).
 """
 
+import atexit
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -50,14 +54,69 @@ def validated(extra):
 """
 
 
+# One Python process runs every check of this module (and test_scripts.py's): importing
+# Megatron's training package takes most of a check's ~10 s, so each check's body is sent to a
+# process that imported it once and runs there in a fresh namespace, its printed lines sent back.
+# (Bodies only parse and validate: nothing they do outlives them but the imports.)
+SERVE = r"""
+import contextlib, io, traceback
+_fresh = dict(globals())
+for _request in sys.stdin:
+    _printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(_printed):
+            exec(json.loads(_request), dict(_fresh))
+        _reply = {"printed": _printed.getvalue(), "error": None}
+    except BaseException:
+        _reply = {"printed": _printed.getvalue(), "error": traceback.format_exc()}
+    sys.__stdout__.write("@@reply " + json.dumps(_reply) + "\n")
+    sys.__stdout__.flush()
+"""
+TIMEOUT = 300  # seconds a check may take (the first one includes the imports)
+_worker: dict = {}
+
+
+def _server() -> subprocess.Popen:
+    proc = _worker.get("proc")
+    if proc is None or proc.poll() is not None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([MEGATRON_LM_DIR, str(ROOT)]), WORLD_SIZE="8", RANK="0")
+        env.pop("LOCAL_WORLD_SIZE", None)
+        log = tempfile.TemporaryFile("w+")  # its stderr: a file, so nothing blocks on a full pipe
+        proc = subprocess.Popen(
+            [sys.executable, "-c", PRELUDE + SERVE],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        atexit.register(proc.kill)
+        _worker.update(proc=proc, log=log)
+    return proc
+
+
 def run(body: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([MEGATRON_LM_DIR, str(ROOT)]), WORLD_SIZE="8", RANK="0")
-    env.pop("LOCAL_WORLD_SIZE", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", PRELUDE + body], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Run ``body`` after PRELUDE in the checks' process; the JSON object it printed last."""
+    proc = _server()
+    proc.stdin.write(json.dumps(body) + "\n")
+    proc.stdin.flush()
+    watchdog = threading.Timer(TIMEOUT, proc.kill)  # a hung check ends the process: EOF below
+    watchdog.start()
+    try:
+        line = ""
+        while line := proc.stdout.readline():
+            if line.startswith("@@reply "):
+                break
+    finally:
+        watchdog.cancel()
+    if not line:
+        log = _worker["log"]
+        log.seek(0)
+        raise AssertionError(f"the checks' process ended (exit {proc.wait()}): {log.read()[-4000:]}")
+    reply = json.loads(line[len("@@reply ") :])
+    assert reply["error"] is None, reply["error"][-4000:]
+    return json.loads(reply["printed"].strip().splitlines()[-1])
 
 
 def test_megatron_has_every_arg_we_read_and_none_of_ours():
