@@ -6,11 +6,12 @@ once) is checked against a plain one-at-a-time version on random inputs, ties in
 """
 
 import heapq
+import random
 from contextlib import contextmanager
 from unittest import mock
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_bytescale.planner import balance, compiled, two_level
@@ -708,3 +709,46 @@ def test_best_schedules_stopped_early_match_every_target_scheduled(case, ordered
     assert [(c[0], c[5]) for c in got] == [(k, scale) for k, scale, _ in plain]
     assert [c[4].runs for c in got] == [a.runs for _, _, a in plain]
     assert [c[4].members for c in got] == [a.members for _, _, a in plain]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.sampled_from([8, 20, 64]),
+    st.lists(
+        st.tuples(st.sampled_from(["short", "short", "short", "ring", "long", "pack"]), st.integers(1, 64)), max_size=60
+    ),
+    st.randoms(use_true_random=False),
+)
+# two bins left with equal room: the next sequence goes to the earlier one
+@example(1, 10, [("short", 6), ("short", 6), ("short", 3), ("short", 3), ("ring", 1)], random.Random(0))
+def test_compiled_rank_items_match_the_python_walk(num_ranks, capacity, specs, rng):
+    """``planner._rank_items`` compiled (``compiled.stretch_packs``) and in Python: the same
+    items per rank (ring indices, micro-batches of the same sequences in the same order, the
+    same ratios and seconds): stretches of short sequences that fit together or do not (then
+    packed best-fit, with tied lengths), one alone, at a rank's start or end or between rings,
+    long units and hdp-naive packs, ranks with nothing."""
+    from megatron_bytescale.planner import planner
+    from megatron_bytescale.planner.balance import Assignment, Unit
+
+    lens, units = [], []
+    for kind, size in specs:
+        ids = tuple(range(len(lens), len(lens) + (2 if kind == "pack" else 1)))
+        tokens = 1 + (size - 1) % capacity if kind in ("short", "pack") else capacity + size
+        lens += [tokens] * len(ids)
+        ring = min(num_ranks, 1 + size % 3) if kind == "ring" else 1
+        units.append(Unit(kind, ids, ring, 1e-3 * size, tokens, 0.25 if kind == "long" else 0.0))
+    runs = [[] for _ in range(num_ranks)]
+    for u, unit in enumerate(units):
+        for r in rng.sample(range(num_ranks), unit.ring_size):
+            runs[r].insert(rng.randint(0, len(runs[r])), u)
+    assignment = Assignment(runs, {}, np.zeros(num_ranks), np.zeros(num_ranks), np.zeros(num_ranks))
+    cost = small_cost()
+
+    def flat(items):
+        return [x if isinstance(x, int) else (x.seq_ids, x.ratio, x.time) for x in items]
+
+    fast = planner._rank_items(lens, units, assignment, capacity, cost)
+    with mock.patch.object(compiled, "stretch_packs", lambda: None):
+        slow = planner._rank_items(lens, units, assignment, capacity, cost)
+    assert [flat(r) for r in fast] == [flat(r) for r in slow]

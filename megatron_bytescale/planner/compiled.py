@@ -529,6 +529,120 @@ def _pp_balance(
     return ev_rank[:e], ev_unit[:e], given[:n_given], members[:n_members], clock, key, idle, True
 
 
+def _stretch_packs(
+    flat: np.ndarray, bounds: np.ndarray, kind: np.ndarray, seq: np.ndarray, lens: np.ndarray, capacity: int
+):
+    """``planner._rank_items``' walk over every rank's run (``flat``, rank ``r``'s units at
+    ``bounds[r]:bounds[r + 1]``; ``kind`` per unit: 0 a short sequence ``seq[u]``, 1 a ring, 2 a
+    local micro-batch of its own): the short sequences between two of a rank's other units
+    (a stretch) make one micro-batch in run order where they fit ``capacity`` together (or are
+    one), else are packed best-fit decreasing as ``sharding.pack_best_fit`` packs them (longest
+    first, ties by the lower id; each to the open bin it leaves least room in, ties by the
+    earlier bin; bins in the order opened). Returns each rank's items (``codes`` at
+    ``item_bounds[r]:item_bounds[r + 1]``: a unit's index, or ``-p - 1`` for micro-batch ``p``)
+    and the micro-batches' sequences (``pack_seq`` at ``pack_ends[p - 1]:pack_ends[p]``), in
+    the order the Python walk makes them."""
+    n_ranks = bounds.size - 1
+    codes = np.empty(flat.size, dtype=np.int64)
+    item_bounds = np.zeros(n_ranks + 1, dtype=np.int64)
+    pack_seq = np.empty(flat.size, dtype=np.int64)
+    pack_ends = np.empty(flat.size + 1, dtype=np.int64)
+    stretch = np.empty(flat.size, dtype=np.int64)
+    sizes = np.empty(flat.size, dtype=np.int64)
+    bin_of = np.empty(flat.size, dtype=np.int64)  # per placed item (sorted order): its bin
+    free_room = np.empty(flat.size, dtype=np.int64)  # open bins with room: (room, bin) ascending
+    free_bin = np.empty(flat.size, dtype=np.int64)
+    fill = np.empty(flat.size, dtype=np.int64)
+    n_codes = 0
+    n_packs = 0
+    n_seq = 0
+    for r in range(n_ranks):
+        n = 0
+        tokens = 0
+        for j in range(bounds[r], bounds[r + 1] + 1):
+            u = flat[j] if j < bounds[r + 1] else -1
+            if u >= 0 and kind[u] == 0:
+                stretch[n] = seq[u]
+                tokens += lens[seq[u]]
+                n += 1
+                continue
+            if n > 0:
+                if n == 1 or tokens <= capacity:  # one micro-batch, in run order
+                    for i in range(n):
+                        pack_seq[n_seq] = stretch[i]
+                        n_seq += 1
+                    codes[n_codes] = -n_packs - 1
+                    n_codes += 1
+                    pack_ends[n_packs] = n_seq
+                    n_packs += 1
+                else:
+                    for i in range(n):
+                        sizes[i] = lens[stretch[i]]
+                    # longest first, ties by the lower id: a stable sort by size of the ids sorted
+                    by_id = np.argsort(stretch[:n], kind="mergesort")
+                    order = by_id[np.argsort(-sizes[:n][by_id], kind="mergesort")]
+                    n_bins = 0
+                    n_free = 0
+                    for i in range(n):
+                        size = sizes[order[i]]
+                        lo, hi = 0, n_free  # the first open bin with at least ``size`` room
+                        while lo < hi:
+                            mid = (lo + hi) // 2
+                            if free_room[mid] < size:
+                                lo = mid + 1
+                            else:
+                                hi = mid
+                        if lo == n_free:
+                            b = n_bins
+                            n_bins += 1
+                            left = capacity - size
+                        else:
+                            b = free_bin[lo]
+                            left = free_room[lo] - size
+                            for k in range(lo, n_free - 1):
+                                free_room[k] = free_room[k + 1]
+                                free_bin[k] = free_bin[k + 1]
+                            n_free -= 1
+                        bin_of[i] = b
+                        if left > 0:  # back in the list at its (room, bin) place
+                            at = n_free
+                            while at > 0 and (
+                                free_room[at - 1] > left or (free_room[at - 1] == left and free_bin[at - 1] > b)
+                            ):
+                                free_room[at] = free_room[at - 1]
+                                free_bin[at] = free_bin[at - 1]
+                                at -= 1
+                            free_room[at] = left
+                            free_bin[at] = b
+                            n_free += 1
+                    # the bins in the order opened, each with its items in the order placed
+                    for b in range(n_bins):
+                        fill[b] = 0
+                    for i in range(n):
+                        fill[bin_of[i]] += 1
+                    start = n_seq
+                    for b in range(n_bins):
+                        count = fill[b]
+                        fill[b] = start
+                        start += count
+                    for i in range(n):
+                        pack_seq[fill[bin_of[i]]] = stretch[order[i]]
+                        fill[bin_of[i]] += 1
+                    for b in range(n_bins):
+                        codes[n_codes] = -n_packs - 1
+                        n_codes += 1
+                        n_seq = fill[b]
+                        pack_ends[n_packs] = n_seq
+                        n_packs += 1
+                n = 0
+                tokens = 0
+            if u >= 0:
+                codes[n_codes] = u
+                n_codes += 1
+        item_bounds[r + 1] = n_codes
+    return codes[:n_codes], item_bounds, pack_seq[:n_seq], pack_ends[:n_packs]
+
+
 def _compile(kernel):
     """``kernel`` compiled, or None where numba is missing (the caller takes its numpy version)."""
     try:
@@ -563,3 +677,9 @@ def level_placement():
 def pp_balance():
     """``_pp_balance`` compiled, or None where numba is missing."""
     return _compile(_pp_balance)
+
+
+@cache
+def stretch_packs():
+    """``_stretch_packs`` compiled, or None where numba is missing."""
+    return _compile(_stretch_packs)

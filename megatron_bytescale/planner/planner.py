@@ -33,11 +33,13 @@ from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain, pairwise, repeat
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
 from ..errors import ConfigError, PlanError
-from . import two_level
+from . import compiled, two_level
 from .balance import BALANCE_MODES, Assignment, Unit, schedule
 from .contract import MicroBatch, Piece, Plan, encode_stage_orders, micro_batch, ring_pieces, whole_pieces
 from .contract.slots import check_expert_parallel
@@ -631,6 +633,9 @@ def _rank_items(lens, units: list[Unit], assignment: Assignment, capacity: int, 
 
     Short sequences are packed best-fit within each stretch between two of the rank's ring
     or long micro-batches, so the rank still reaches each ring when the schedule expects."""
+    kernel = compiled.stretch_packs()
+    if kernel is not None:  # the same walk compiled: the same items
+        return _rank_items_compiled(kernel, lens, units, assignment, capacity, cost)
     # the local micro-batches are timed all at once at the end (one vectorised layer_time)
     packed: list[tuple[int, ...]] = []  # their sequences
     where: list[tuple[list, int]] = []  # their place: (a rank's items, index)
@@ -672,19 +677,60 @@ def _rank_items(lens, units: list[Unit], assignment: Assignment, capacity: int, 
     return out
 
 
+def _rank_items_compiled(
+    kernel, lens, units: list[Unit], assignment: Assignment, capacity: int, cost: CostModel
+) -> list[list[Item]]:
+    """``_rank_items`` with the walk and the packing in ``compiled.stretch_packs``."""
+    n = len(units)
+    kind = np.fromiter(map(_KIND_CODES.get, map(_kind_of, units), repeat(2, n)), dtype=np.int8, count=n)
+    seq = np.fromiter(map(itemgetter(0), map(_seq_ids_of, units)), dtype=np.int64, count=n)
+    runs = assignment.runs
+    bounds = np.zeros(len(runs) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, runs), dtype=np.int64, count=len(runs)), out=bounds[1:])
+    flat = np.fromiter(chain.from_iterable(runs), dtype=np.int64, count=int(bounds[-1]))
+    lens_array = np.asarray(lens, dtype=np.int64)
+    codes, item_bounds, pack_seq, pack_ends = kernel(flat, bounds, kind, seq, lens_array, capacity)
+    starts = np.concatenate((np.zeros(1, dtype=np.int64), pack_ends))[:-1]
+    seqs = pack_seq.tolist()
+    packs = [
+        LocalBatch(tuple(seqs[a:b]), 0.0, t)
+        for a, b, t in zip(starts.tolist(), pack_ends.tolist(), _segment_times(lens_array, pack_seq, starts, cost))
+    ]
+    # every item by its code shifted by the number of packs: packs (last first), then units
+    # (a ring: its index; a local unit, on one rank only: its micro-batch)
+    lookup = packs[::-1] + list(range(n))
+    for u in np.flatnonzero(kind == 2).tolist():
+        unit = units[u]
+        lookup[len(packs) + u] = LocalBatch(unit.seq_ids, unit.ratio, unit.time)
+    items = list(map(lookup.__getitem__, (codes + len(packs)).tolist()))
+    return [items[a:b] for a, b in pairwise(item_bounds.tolist())]
+
+
+_KIND_CODES = {"short": 0, "ring": 1}  # anything else: 2, a local micro-batch of its own
+_kind_of = attrgetter("kind")
+_seq_ids_of = attrgetter("seq_ids")
+
+
+def _segment_times(lens: np.ndarray, flat: np.ndarray, first: np.ndarray, cost: CostModel) -> list[float]:
+    """Seconds (all layers) of packs of whole sequences given end to end (``flat``, each pack
+    from its ``first`` index on; none empty): ``_pack_times``' arithmetic."""
+    if not first.size:
+        return []
+    s = lens[flat]
+    tokens = np.add.reduceat(s, first)  # whole numbers: exact
+    pairs = np.add.reduceat(s * s, first)
+    return (cost.num_layers * cost.layer_time(tokens, pairs)).tolist()
+
+
 def _pack_times(lens, packs: list[tuple[int, ...]], cost: CostModel) -> list[float]:
     """Seconds (all layers) of each pack of whole sequences: ``num_layers * _pack_time``,
     the same figures, computed for all packs at once."""
     if not packs:
         return []
     sizes = np.fromiter((len(b) for b in packs), dtype=np.int64, count=len(packs))
-    s = np.asarray(lens, dtype=np.int64)[
-        np.fromiter((i for b in packs for i in b), dtype=np.int64, count=int(sizes.sum()))
-    ]
+    flat = np.fromiter((i for b in packs for i in b), dtype=np.int64, count=int(sizes.sum()))
     first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    tokens = np.add.reduceat(s, first)  # whole numbers: exact
-    pairs = np.add.reduceat(s * s, first)
-    return (cost.num_layers * cost.layer_time(tokens, pairs)).tolist()
+    return _segment_times(np.asarray(lens, dtype=np.int64), flat, first, cost)
 
 
 def _build(
