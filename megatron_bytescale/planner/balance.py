@@ -80,18 +80,11 @@ class Assignment:
 
 def make_buckets(order: Sequence[int], weights: Sequence[float], num_buckets: int) -> list[list[int]]:
     """Cut ``order`` (heaviest first) into at most ``num_buckets`` runs of about equal weight."""
-    total = float(sum(map(weights.__getitem__, order)))  # added in order, as a loop would
     w = np.asarray(weights, dtype=np.float64)[np.asarray(order, dtype=np.int64)] if len(order) else np.zeros(0)
+    running = np.cumsum(w)  # added one by one in order, as a loop would
+    total = float(running[-1]) if w.size else 0.0
     if w.size and w.min() >= 0:
-        # a new bucket starts at the first unit whose preceding weight reaches the next
-        # share of the total (the running sum, added in order, is nondecreasing)
-        before = np.concatenate(([0.0], np.cumsum(w)[:-1]))
-        starts = [0]
-        while len(starts) < num_buckets:
-            i = max(starts[-1] + 1, int(np.searchsorted(before, total * len(starts) / num_buckets, side="left")))
-            if i >= len(order):
-                break
-            starts.append(i)
+        starts = _bucket_starts(running, num_buckets)
         order = list(order)
         return [order[a:b] for a, b in zip(starts, starts[1:] + [len(order)])]
     buckets: list[list[int]] = [[]]
@@ -102,6 +95,21 @@ def make_buckets(order: Sequence[int], weights: Sequence[float], num_buckets: in
         buckets[-1].append(u)
         acc += weights[u]
     return buckets
+
+
+def _bucket_starts(running: np.ndarray, num_buckets: int) -> list[int]:
+    """Where ``make_buckets``' buckets start, from the running sum of the ordered weights
+    (none negative, so it never falls): a new bucket starts at the first unit whose preceding
+    weight reaches the next share of the total."""
+    total = float(running[-1])
+    before = np.concatenate(([0.0], running[:-1]))
+    starts = [0]
+    while len(starts) < num_buckets:
+        i = max(starts[-1] + 1, int(np.searchsorted(before, total * len(starts) / num_buckets, side="left")))
+        if i >= running.size:
+            break
+        starts.append(i)
+    return starts
 
 
 def _round(key, clock, count, peak, seconds, tokens, bubble: int, by_tokens: bool):
@@ -446,9 +454,22 @@ def schedule(
     # heaviest first, ties by sequence ids: every sequence is in one unit, so the first id
     # alone decides a tie (one numpy sort instead of a Python sort on tuple keys)
     first = np.fromiter((u.seq_ids[0] for u in units), dtype=np.int64, count=len(units))
-    order = np.lexsort((first, -np.asarray(weights, dtype=np.float64))).tolist()
+    weights_array = np.asarray(weights, dtype=np.float64)
+    order_array = np.lexsort((first, -weights_array))
     if mode == "pp" and (kernel := compiled.pp_balance()) is not None:  # the same, compiled
-        return _compiled_pp(kernel, units, placer, order, weights, num_buckets, slack, pipeline_stages, give_up_above)
+        return _compiled_pp(
+            kernel,
+            units,
+            placer,
+            order_array,
+            weights,
+            weights_array,
+            num_buckets,
+            slack,
+            pipeline_stages,
+            give_up_above,
+        )
+    order = order_array.tolist()
     loads = _Loads(placer.num_ranks, pipeline_stages, by_tokens)
     runs: list[list[int]] = [[] for _ in range(placer.num_ranks)]
     members: dict[int, tuple[int, ...]] = {}
@@ -551,25 +572,30 @@ def _compiled_pp(
     kernel,
     units: Sequence[Unit],
     placer: RingPlacer,
-    order: list[int],
+    order: np.ndarray,
     weights: list[float],
+    weights_array: np.ndarray,
     num_buckets: int,
     slack: float,
     pipeline_stages: int,
     give_up_above: float,
 ) -> Assignment | None:
     """``schedule``'s PP balance in ``compiled.pp_balance``: the same buckets and level, the
-    same assignment (or None)."""
+    same assignment (or None). ``weights_array``: ``weights`` as an array."""
     n = len(units)
-    buckets = make_buckets(order, weights, num_buckets) if order else []
+    if n and weights_array.min() >= 0:  # make_buckets' cuts, without its lists
+        starts = _bucket_starts(np.cumsum(weights_array[order]), num_buckets)
+        ends = np.array([*starts[1:], n], dtype=np.int64)
+    else:
+        buckets = make_buckets(order.tolist(), weights, num_buckets) if n else []
+        ends = np.cumsum([len(b) for b in buckets], dtype=np.int64)
     water = _water(weights, slack, placer.num_ranks)
     sizes = np.fromiter((u.ring_size for u in units), dtype=np.int64, count=n)
     groups = np.fromiter((u.heads_split for u in units), dtype=np.int64, count=n)
-    ends = np.cumsum([len(b) for b in buckets], dtype=np.int64)
     ev_rank, ev_unit, given, members, clock, key, idle, done = kernel(
-        np.asarray(order, dtype=np.int64),
+        order,
         ends,
-        np.asarray(weights, dtype=np.float64),
+        weights_array,
         sizes,
         groups,
         placer.num_ranks,
@@ -592,4 +618,4 @@ def _compiled_pp(
     cuts = np.cumsum(sizes[rings]).tolist()
     flat_members = members.tolist()
     ring_members = {u: tuple(flat_members[a:b]) for u, a, b in zip(rings.tolist(), [0, *cuts], cuts)}
-    return Assignment(runs, ring_members, clock, key, idle, len(buckets), given.tolist())
+    return Assignment(runs, ring_members, clock, key, idle, ends.size, given.tolist())
