@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from megatron_bytescale.planner import compiled, compiled_alignment, slot_alignment
 from megatron_bytescale.planner.contract import PipelineGraph, encode_stage_orders, interleaved_order, longest_paths
+from megatron_bytescale.planner.contract import pipelined_finish_times as walked_finish_times
 from megatron_bytescale.planner.pipeline_times import (
     PipelineArrays,
     _first_of_unit,
@@ -26,12 +27,14 @@ from megatron_bytescale.planner.pipeline_times import (
 )
 from megatron_bytescale.planner.slot_alignment import (
     LocalBatch,
+    Ordered,
     PackSplitter,
     _cut_per_rank,
     _level_pick,
     _place_by_level,
     _RankView,
     _run_one_pipeline,
+    item_arrays,
     order_runs,
     slot_offsets,
 )
@@ -503,3 +506,33 @@ def test_a_compiled_pass_whose_row_fills_up_runs_again_with_longer_rows():
     assert statuses == [compiled_alignment.FULL, compiled_alignment.DONE]
     assert (fast.moved, fast.splits) == (2, 1)
     assert _every_field(fast) == _every_field(slow)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ring_keys(), st.integers(2, 4), st.integers(1, 3), st.data())
+def test_rank_estimates_from_item_arrays_match_the_lists(keys, stages, chunks, data):
+    """``rank_estimates`` reads the graph from ``item_arrays`` (no Python step per item): the
+    same rings and seconds as ``unit_keys`` and the times lists, the same graph arrays as
+    ``PipelineArrays`` of those lists, and the same finish per rank as the lists' estimate
+    (the contract's walk where the graph is small, forced past it here); a deadlock too."""
+    ring_time = {u: data.draw(st.floats(0.5, 4.0)) for u in {k for row in keys for k in row if k is not None}}
+    runs = [
+        [k if k is not None else LocalBatch((0,), 0.0, data.draw(st.floats(0.0, 4.0))) for k in row] for row in keys
+    ]
+    times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in runs]
+    rings, seconds, counts = item_arrays(runs, ring_time)
+    assert rings.tolist() == [-1 if k is None else k for row in keys for k in row]
+    assert seconds.tolist() == [t for row in times for t in row] and counts == [len(row) for row in keys]
+    fast = PipelineArrays.of_rings(rings, seconds, counts, stages, 0.4, chunks)
+    plain = PipelineArrays(keys, times, stages, 0.4, chunks)
+    assert fast.unit.tolist() == plain.unit.tolist() and fast.dur.tolist() == plain.dur.tolist()
+    assert fast.rank.tolist() == plain.rank.tolist() and fast.units == plain.units
+    known = {}
+    with mock.patch.object(slot_alignment, "is_small", lambda *a: False):
+        estimate = slot_alignment.rank_estimates(
+            Ordered(runs, [0.0] * len(runs)), stages, ring_time, 0.4, chunks, known
+        )
+    walked = walked_finish_times(keys, times, stages, 0.4, None, chunks)
+    assert known[None][1] == walked
+    if walked is not None:
+        assert estimate == walked

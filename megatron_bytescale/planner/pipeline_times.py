@@ -68,14 +68,29 @@ class PipelineArrays:
     maxima), the same operation ids. ``unit_keys``, ``times``: as ``pipelined_finish_times``."""
 
     def __init__(self, unit_keys, times, stages: int, forward_share: float, chunks: int = 1):
-        self.p, self.v, self.vp, self.n = stages, chunks, stages * chunks, len(unit_keys)
-        self.counts = [len(keys) for keys in unit_keys]
         keys = list(chain.from_iterable(unit_keys))
-        same = _first_of_unit(keys)  # each micro-batch's first of its unit
+        t = np.fromiter(chain.from_iterable(times), np.float64, len(keys))
+        self._build([len(k) for k in unit_keys], _first_of_unit(keys), t, stages, forward_share, chunks)
+
+    @classmethod
+    def of_rings(
+        cls, rings: np.ndarray, t: np.ndarray, counts: list[int], stages: int, forward_share: float, chunks: int = 1
+    ) -> PipelineArrays:
+        """The same from arrays: every micro-batch's ring (-1: local work) and seconds, the
+        ranks' ``counts`` of them one after the other (``slot_alignment.item_arrays``)."""
+        self = cls.__new__(cls)
+        self._build(counts, _first_of_ring(rings), t, stages, forward_share, chunks)
+        return self
+
+    def _build(
+        self, counts: list[int], same: np.ndarray, t: np.ndarray, stages: int, forward_share: float, chunks: int
+    ):
+        """``same``: each micro-batch's first of its unit (``_first_of_unit``)."""
+        self.p, self.v, self.vp, self.n = stages, chunks, stages * chunks, len(counts)
+        self.counts = counts
         firsts, self.unit = np.unique(same, return_inverse=True)  # units in order of first appearance
         self.units = firsts.size
         self.total = self.units * self.vp * 2
-        t = np.fromiter(chain.from_iterable(times), np.float64, len(keys))
         fwd, bwd = np.zeros(self.units), np.zeros(self.units)
         np.maximum.at(fwd, self.unit, forward_share * t / chunks)  # a unit lasts its slowest member's
         np.maximum.at(bwd, self.unit, (1.0 - forward_share) * t / chunks)
@@ -126,15 +141,21 @@ def _first_of_unit(keys: list) -> np.ndarray:
     except ValueError:  # keys of different shapes (tuples)
         ids = None
     if ids is not None and ids.ndim == 1 and ids.dtype.kind == "i" and np.count_nonzero(ids == -1) == keys.count(None):
-        at = np.flatnonzero(ids != -1)
-        rings = ids[at]
-        distinct, first = np.unique(rings, return_index=True)  # the first occurrence of each
-        same[at] = at[first[np.searchsorted(distinct, rings)]]
-        return same
+        return _first_of_ring(ids)
     seen: dict = {}  # a ring's first micro-batch, over all ranks in order
     for i, key in enumerate(keys):
         if key is not None:
             same[i] = seen.setdefault(key, i)
+    return same
+
+
+def _first_of_ring(rings: np.ndarray) -> np.ndarray:
+    """``_first_of_unit`` where every micro-batch's key is an integer: its ring, -1 for local work."""
+    same = np.arange(rings.size, dtype=np.int64)
+    at = np.flatnonzero(rings != -1)
+    ids = rings[at]
+    distinct, first = np.unique(ids, return_index=True)  # the first occurrence of each
+    same[at] = at[first[np.searchsorted(distinct, ids)]]
     return same
 
 
@@ -235,10 +256,20 @@ def pipelined_finish_times(unit_keys, times, stages: int, forward_share: float, 
     """``contract.pipelined_finish_times`` (finish per rank, None if it deadlocks): for the
     default orders and ``ArrayOrders`` through ``PipelineArrays`` and the numpy walk, other
     orders and graphs under ``SMALL_GRAPH`` operations by the contract's walk."""
-    if (orders is not None and not isinstance(orders, ArrayOrders)) or (
-        2 * stages * chunks * sum(map(len, unit_keys)) < SMALL_GRAPH
+    if (orders is not None and not isinstance(orders, ArrayOrders)) or is_small(
+        sum(map(len, unit_keys)), stages, chunks
     ):
         return walked_finish_times(unit_keys, times, stages, forward_share, orders, chunks)
-    pipes = PipelineArrays(unit_keys, times, stages, forward_share, chunks)
+    return finish_times(PipelineArrays(unit_keys, times, stages, forward_share, chunks), orders)
+
+
+def is_small(micro_batches: int, stages: int, chunks: int = 1) -> bool:
+    """Whether ``pipelined_finish_times`` walks this graph with the contract's loop."""
+    return 2 * stages * chunks * micro_batches < SMALL_GRAPH
+
+
+def finish_times(pipes: PipelineArrays, orders: ArrayOrders | None = None) -> list[float] | None:
+    """Finish per rank of ``pipes`` under ``orders`` (None: the default ones), None if that
+    deadlocks: ``pipelined_finish_times`` once the graph's arrays are made."""
     end = _ends(pipes, *pipes.sequences(orders))[0]
     return None if end is None else pipes.finish(end)
