@@ -536,3 +536,20 @@ def test_rank_estimates_from_item_arrays_match_the_lists(keys, stages, chunks, d
     assert known[None][1] == walked
     if walked is not None:
         assert estimate == walked
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 4),
+    st.integers(1, 5),
+    st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), max_size=14),
+)
+def test_compiled_one_pipeline_matches_the_python_run(stages, chunks, slot_times):
+    """``compiled.one_pipeline`` runs ``_run_one_pipeline``'s pipeline: the same ops on every
+    device in the same order, with tied starts (equal and zero times: a backward first, then the
+    lower device) and partial groups (micro-batch counts not a multiple of ``stages``)."""
+    fwd = [float(f) for f, _ in slot_times]
+    bwd = [float(b) for _, b in slot_times]
+    plain = [[tuple(op) for op in order] for order in _run_one_pipeline(fwd, bwd, stages, chunks)]
+    fast = slot_alignment._one_pipeline_rows(fwd, bwd, stages, chunks)
+    assert [[tuple(row) for row in order.tolist()] for order in fast] == plain

@@ -643,6 +643,85 @@ def _stretch_packs(
     return codes[:n_codes], item_bounds, pack_seq[:n_seq], pack_ends[:n_packs]
 
 
+def _one_pipeline(fwd: np.ndarray, bwd: np.ndarray, p: int, v: int):
+    """``slot_alignment._run_one_pipeline``: the same run (Megatron's sequence of chunk
+    forwards in groups of ``p`` micro-batches, backwards with the chunks reversed; each step
+    the device whose candidate starts first, a backward before a forward at the same start,
+    the lower device on a tie; a forward only under the device's warm-up cap), the same
+    floats. Returns each device's ops as (direction, micro-batch, chunk) rows and how many
+    each ran (all of them: ``2 count v``, unless the caps stopped the run)."""
+    count = fwd.size
+    n = count * v
+    fm = np.empty(n, dtype=np.int64)  # Megatron's forward sequence: (micro-batch, chunk)
+    fc = np.empty(n, dtype=np.int64)
+    bm = np.empty(n, dtype=np.int64)  # the backward one: the chunks reversed
+    bc = np.empty(n, dtype=np.int64)
+    i = 0
+    for g in range(0, count, p):
+        hi = min(g + p, count)
+        for c in range(v):
+            for m in range(g, hi):
+                fm[i] = m
+                fc[i] = c
+                bm[i] = m
+                bc[i] = v - 1 - c
+                i += 1
+    last = p * v - 1
+    f_done = np.zeros((count, p * v), dtype=np.bool_)
+    b_done = np.zeros((count, p * v), dtype=np.bool_)
+    f_end = np.zeros((count, p * v))
+    b_end = np.zeros((count, p * v))
+    nf = np.zeros(p, dtype=np.int64)
+    nb = np.zeros(p, dtype=np.int64)
+    free = np.zeros(p)
+    ops = np.empty((p, 2 * n, 3), dtype=np.int64)
+    ran = np.zeros(p, dtype=np.int64)
+    for _ in range(2 * n * p):
+        best_d = -1
+        best_start = 0.0
+        best_kind = 0
+        for d in range(p):
+            if nb[d] < n:  # the device's next backward, once the stage after it is done
+                m = bm[nb[d]]
+                vs = bc[nb[d]] * p + d
+                ready = f_done[m, last] if vs == last else b_done[m, vs + 1]
+                if ready:
+                    start = max(free[d], f_end[m, last] if vs == last else b_end[m, vs + 1])
+                    if best_d < 0 or start < best_start or (start == best_start and best_kind > 0):
+                        best_d, best_start, best_kind = d, start, 0
+            if nf[d] < n and nf[d] - nb[d] < 2 * (p - 1 - d) + (v - 1) * p + 1:  # its next forward
+                m = fm[nf[d]]
+                vs = fc[nf[d]] * p + d
+                if vs == 0 or f_done[m, vs - 1]:
+                    start = max(free[d], f_end[m, vs - 1] if vs > 0 else 0.0)
+                    if best_d < 0 or start < best_start or (start == best_start and best_kind > 1):
+                        best_d, best_start, best_kind = d, start, 1
+        if best_d < 0:
+            break
+        d = best_d
+        if best_kind == 0:
+            m, c = bm[nb[d]], bc[nb[d]]
+            vs = c * p + d
+            end = best_start + bwd[m] / v
+            b_done[m, vs] = True
+            b_end[m, vs] = end
+            nb[d] += 1
+        else:
+            m, c = fm[nf[d]], fc[nf[d]]
+            vs = c * p + d
+            end = best_start + fwd[m] / v
+            f_done[m, vs] = True
+            f_end[m, vs] = end
+            nf[d] += 1
+        free[d] = end
+        k = ran[d]
+        ops[d, k, 0] = 1 - best_kind  # FORWARD 0, BACKWARD 1
+        ops[d, k, 1] = m
+        ops[d, k, 2] = c
+        ran[d] = k + 1
+    return ops, ran
+
+
 def _compile(kernel):
     """``kernel`` compiled, or None where numba is missing (the caller takes its numpy version)."""
     try:
@@ -683,3 +762,9 @@ def pp_balance():
 def stretch_packs():
     """``_stretch_packs`` compiled, or None where numba is missing."""
     return _compile(_stretch_packs)
+
+
+@cache
+def one_pipeline():
+    """``_one_pipeline`` compiled, or None where numba is missing."""
+    return _compile(_one_pipeline)

@@ -1154,14 +1154,27 @@ def slot_interleaved_orders(
         fwd, bwd = [forward_share * t for t in longest], [(1.0 - forward_share) * t for t in longest]
     else:
         fwd, bwd = [1.0] * slots, [2.0] * slots
-    full = _run_one_pipeline(fwd, bwd, stages, chunks)
-    return _cut_per_rank(full, off, ring_keys, stages)
+    return _cut_per_rank(_one_pipeline_rows(fwd, bwd, stages, chunks), off, ring_keys, stages)
+
+
+def _one_pipeline_rows(fwd: Sequence[float], bwd: Sequence[float], stages: int, chunks: int) -> list:
+    """``_run_one_pipeline``'s orders, each device's as (direction, micro-batch, chunk) rows:
+    run by ``compiled.one_pipeline`` (the same run), in Python where numba is missing."""
+    kernel = compiled.one_pipeline()
+    if kernel is None:
+        return _run_one_pipeline(fwd, bwd, stages, chunks)
+    ops, ran = kernel(np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64), stages, chunks)
+    if (ran != 2 * len(fwd) * chunks).any():  # cannot happen: the caps admit every warm-up
+        raise AssertionError(
+            f"interleaved order for {len(fwd)} micro-batches over {stages} x {chunks} stages did not complete"
+        )
+    return list(ops)
 
 
 def _cut_per_rank(full: list[list[Op]], offsets: Sequence[int], ring_keys, stages: int) -> ArrayOrders:
     """Each rank's part of one long pipeline's orders: the ops of its slots ``[o, o + len)``,
     renumbered from 0 (ranks with the same slots share one array per device)."""
-    whole = [np.array(order, dtype=np.int64).reshape(-1, 3) for order in full]
+    whole = [np.asarray(order, dtype=np.int64).reshape(-1, 3) for order in full]  # Op lists or rows
     cut: dict[tuple[int, int], list[np.ndarray]] = {}
     per_device = []
     for o, keys in zip(offsets, ring_keys):
