@@ -284,13 +284,15 @@ def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
     flat, placed = (kernel or _level_placement)(load, sizes, times, rpn)
     if placed < len(order):
         return None
-    rings: list[list[int]] = [[] for _ in range(n)]
-    new_members: dict[int, tuple[int, ...]] = {}
-    for u, chosen in zip(order, np.split(flat, np.cumsum(sizes)[:-1])):
-        new_members[u] = tuple(chosen.tolist())
-        for r in new_members[u]:
-            rings[r].append(u)
-    return [rings[r] + locals_[r] for r in range(n)], new_members, order
+    # each ring's members: its slice of ``flat``; each rank's rings in the order placed (a
+    # stable sort of the placements by rank)
+    ends = np.cumsum(sizes).tolist()
+    chosen = flat.tolist()
+    new_members = {u: tuple(chosen[a:b]) for u, a, b in zip(order, [0, *ends], ends)}
+    by_rank = np.argsort(flat, kind="stable")
+    ring_of = np.repeat(np.asarray(order, dtype=np.int64), sizes)[by_rank].tolist()
+    bounds = [0, *np.cumsum(np.bincount(flat, minlength=n)).tolist()]
+    return [ring_of[bounds[r] : bounds[r + 1]] + locals_[r] for r in range(n)], new_members, order
 
 
 def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn: int):
