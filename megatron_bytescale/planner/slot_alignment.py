@@ -17,7 +17,7 @@ from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, chain, compress, count, repeat
+from itertools import accumulate, chain, compress, repeat
 from operator import attrgetter
 
 import numpy as np
@@ -461,9 +461,12 @@ def _aligned_compiled(
     # items as codes: a ring its index, the k-th local micro-batch (in rank order) -k - 1
     items = list(chain.from_iterable(runs))
     # (``type is``: the planner makes LocalBatch itself; anything else must convert to an int)
-    pool: list[LocalBatch] = [x for x in items if type(x) is LocalBatch]
-    number = count(1)
-    flat = np.fromiter((-next(number) if type(x) is LocalBatch else x for x in items), dtype=np.int64, count=len(items))
+    is_local = [type(x) is LocalBatch for x in items]
+    pool: list[LocalBatch] = list(compress(items, is_local))
+    local = np.array(is_local, dtype=bool)
+    flat = np.empty(len(items), dtype=np.int64)
+    flat[local] = -np.arange(1, len(pool) + 1)
+    flat[~local] = np.fromiter(compress(items, (~local).tolist()), dtype=np.int64, count=len(items) - len(pool))
     lengths = np.fromiter(map(len, runs), dtype=np.int64, count=n)
     sizes = np.fromiter((len(x.seq_ids) for x in pool), dtype=np.int64, count=len(pool))
     supply = int(sizes.sum())
@@ -517,7 +520,9 @@ def _aligned_compiled(
         at = int(new_start[k])
         seq_ids = tuple(halves[at : at + int(new_len[k])].tolist())
         table[k] = LocalBatch(seq_ids, pool[int(new_root[k])].ratio, float(new_time[k]))
-    placed_items = [x if x >= 0 else table[~x] for x in codes[np.argsort(ranks, kind="stable")].tolist()]
+    # code x looked up at x + len(table): table[~x] for a local micro-batch, x for a ring
+    lookup = [*reversed(table), *range(units)]
+    placed_items = list(map(lookup.__getitem__, (codes[np.argsort(ranks, kind="stable")] + len(table)).tolist()))
     bounds = np.cumsum(np.bincount(ranks, minlength=n)).tolist()
     out = [placed_items[a:b] for a, b in zip([0, *bounds[:-1]], bounds)]
     pulled, deferred, splits, moved, reordered = counters.tolist()
