@@ -17,7 +17,7 @@ from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, chain, compress, repeat
+from itertools import accumulate, chain, compress
 from operator import attrgetter
 
 import numpy as np
@@ -227,18 +227,22 @@ def item_arrays(
     """Every rank's items one after the other as arrays: each item's ring (-1: local work) and
     seconds (a ring's from ``ring_time``), and each rank's count: ``unit_keys`` and the times
     ``rank_estimates`` reads, without a Python step per item (~6 x 10^4 items a 512M-token step)."""
-    counts = list(map(len, runs))
-    flat = list(chain.from_iterable(runs))
-    n = len(flat)
-    local = np.fromiter(map(isinstance, flat, repeat(LocalBatch)), dtype=bool, count=n)
-    ring_items = list(compress(flat, (~local).tolist()))
-    local_items = compress(flat, local.tolist())
-    rings = np.full(n, -1, dtype=np.int64)
+    local, ring_items, local_items = _split_items(list(chain.from_iterable(runs)))
+    rings = np.full(local.size, -1, dtype=np.int64)
     rings[~local] = ring_items
-    seconds = np.empty(n)
+    seconds = np.empty(local.size)
     seconds[~local] = np.fromiter(map(ring_time.__getitem__, ring_items), dtype=np.float64, count=len(ring_items))
-    seconds[local] = np.fromiter(map(_time_of, local_items), dtype=np.float64, count=n - len(ring_items))
-    return rings, seconds, counts
+    seconds[local] = np.fromiter(map(_time_of, local_items), dtype=np.float64, count=len(local_items))
+    return rings, seconds, list(map(len, runs))
+
+
+def _split_items(items: list[Item]) -> tuple[np.ndarray, list[int], list[LocalBatch]]:
+    """Which items are local micro-batches (a mask), the others (rings) and those, each in
+    order, without a Python branch per item. (``type is``: the planner makes LocalBatch
+    itself; anything else is a ring, which must convert to an int.)"""
+    is_local = [type(x) is LocalBatch for x in items]
+    local = np.array(is_local, dtype=bool)
+    return local, list(compress(items, (~local).tolist())), list(compress(items, is_local))
 
 
 _time_of = attrgetter("time")
@@ -460,13 +464,10 @@ def _aligned_compiled(
     n = len(runs)
     # items as codes: a ring its index, the k-th local micro-batch (in rank order) -k - 1
     items = list(chain.from_iterable(runs))
-    # (``type is``: the planner makes LocalBatch itself; anything else must convert to an int)
-    is_local = [type(x) is LocalBatch for x in items]
-    pool: list[LocalBatch] = list(compress(items, is_local))
-    local = np.array(is_local, dtype=bool)
+    local, ring_items, pool = _split_items(items)
     flat = np.empty(len(items), dtype=np.int64)
     flat[local] = -np.arange(1, len(pool) + 1)
-    flat[~local] = np.fromiter(compress(items, (~local).tolist()), dtype=np.int64, count=len(items) - len(pool))
+    flat[~local] = ring_items
     lengths = np.fromiter(map(len, runs), dtype=np.int64, count=n)
     sizes = np.fromiter((len(x.seq_ids) for x in pool), dtype=np.int64, count=len(pool))
     supply = int(sizes.sum())
