@@ -456,7 +456,9 @@ def schedule(
     first = np.fromiter((u.seq_ids[0] for u in units), dtype=np.int64, count=len(units))
     weights_array = np.asarray(weights, dtype=np.float64)
     order_array = np.lexsort((first, -weights_array))
-    if mode == "pp" and (kernel := compiled.pp_balance()) is not None:  # the same, compiled
+    # the same, compiled: the kernel places rings as RingPlacer does (a subclass such as
+    # expert_slots.GroupPlacer, whole EP groups, takes the Python path)
+    if mode == "pp" and type(placer) is RingPlacer and (kernel := compiled.pp_balance()) is not None:
         return _compiled_pp(
             kernel,
             units,
