@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from unittest import mock
 
 import numpy as np
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -593,24 +594,63 @@ def test_ring_sizes_without_offload_checks_where_shares_fit_match_ratio_for_rank
     st.lists(
         st.tuples(st.integers(1, 16).map(lambda v: v / 8), st.sampled_from([1, 1, 1, 2, 3])), min_size=1, max_size=60
     ),
-    st.sampled_from([2, 4]),
+    st.sampled_from([1, 2, 4]),
     st.floats(0.0, 1.2),
+    st.sampled_from(["pp", "dp", "tokens"]),
 )
-def test_pp_schedule_gives_up_only_once_its_bound_passes_the_limit(specs, stages, share):
-    """``give_up_above``: None only where the schedule's own bound (``key.max()``) is above the
-    limit, and otherwise the very schedule made without it."""
+def test_schedule_gives_up_only_once_its_bound_passes_the_limit(specs, stages, share, mode):
+    """``give_up_above`` (PP balance's candidates, the retargets of the other modes): None
+    only where the schedule's own bound (``key.max()``) is above the limit, and otherwise the
+    very schedule made without it."""
     from megatron_bytescale.planner.balance import Unit, schedule
 
-    units = [Unit("ring" if n > 1 else "short", (i,), n, t, 10) for i, (t, n) in enumerate(specs)]
-    plain = schedule(units, RingPlacer(8, 4), "pp", 0.05, stages)
+    units = [Unit("ring" if n > 1 else "short", (i,), n, t, 10 + i % 3) for i, (t, n) in enumerate(specs)]
+    plain = schedule(units, RingPlacer(8, 4), mode, 0.05, stages)
     limit = share * float(plain.key.max())
-    got = schedule(units, RingPlacer(8, 4), "pp", 0.05, stages, give_up_above=limit)
+    got = schedule(units, RingPlacer(8, 4), mode, 0.05, stages, give_up_above=limit)
     if got is None:
         assert float(plain.key.max()) > limit
     else:
         assert got.runs == plain.runs and got.members == plain.members and got.key.tolist() == plain.key.tolist()
     if share < 1e-9 and len(units) > 1:  # the first unit already passes a limit of 0
         assert got is None
+
+
+@pytest.mark.parametrize("dataset", ["github", "byted"])
+@pytest.mark.parametrize("mode", ["dp", "ep"])
+def test_retargets_stopped_early_give_the_plan_of_every_target_in_full(dataset, mode):
+    """The retargets of DP balance (and EP's): a target's schedule stops once its bound
+    passes the best step so far, and the plan is the one made with every target scheduled in
+    full. Batches of the simulator's workloads that retarget (4M tokens, 512 GPUs)."""
+    from megatron_bytescale.data.workloads import sample_lengths
+    from megatron_bytescale.planner import planner
+    from megatron_bytescale.planner.cost_model import CostModel
+    from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
+
+    model, tp, ep = ("llama-7b", 1, 1) if mode == "dp" else ("mistral-8x7b", 4, 8)
+    cost = CostModel.analytic(ModelSpec.load(model), HardwareSpec.load("h100"), tp=tp)
+    config = planner.PlannerConfig(
+        num_ranks=512 // tp, capacity=8192, ranks_per_node=8 // tp, balance="dp", expert_parallel=ep
+    )
+    schedule = planner.schedule
+    given_up = []
+
+    def counted(*args, **kwargs):
+        got = schedule(*args, **kwargs)
+        given_up.append(got is None)
+        return got
+
+    def in_full(*args, give_up_above=None, **kwargs):
+        return schedule(*args, **kwargs)
+
+    for seed in (0, 1):
+        lens = sample_lengths(dataset, 4 << 20, 2 << 20, np.random.default_rng(seed))
+        with mock.patch.object(planner, "schedule", counted):
+            plan = planner.plan_step(lens, config, cost)
+        with mock.patch.object(planner, "schedule", in_full):
+            full = planner.plan_step(lens, config, cost)
+        assert plan.to_dict() | {"meta": None} == full.to_dict() | {"meta": None}
+    assert any(given_up)  # the batches retarget, and some schedules stop early
 
 
 @st.composite

@@ -518,11 +518,15 @@ def schedule(
             if units[u].ring_size > 1:
                 if singles:
                     give_singles()
+                if loads.top > give_up_above:
+                    return None
                 give_ring(u)
             else:
                 singles.append(u)
         if singles:
             give_singles()
+        if loads.top > give_up_above:
+            return None
         return Assignment(runs, members, np.array(loads.clock), loads.key, np.array(loads.idle), len(buckets), given)
 
     # pp: the same order, in runs: the least-loaded rank takes the next unit and goes on

@@ -225,7 +225,12 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
                     shards = round_rings_to_groups(shards, config.expert_parallel, config.num_ranks)
                 units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts, share_times)
                 mode = config.balance if balanced else "tokens"
-                assignment = schedule(units, placer, mode, config.slack, stages)
+                # a schedule whose largest key passes the best step so far cannot be chosen:
+                # it stops there (its key never falls as units are given out)
+                limit = best[0] if best is not None else float("inf")
+                assignment = schedule(units, placer, mode, config.slack, stages, give_up_above=limit)
+                if assignment is None:
+                    continue
                 step = float(assignment.key.max())
                 if best is None or step < best[0]:
                     best = (step, shards, target, units, assignment, scale)
