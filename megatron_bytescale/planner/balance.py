@@ -456,9 +456,9 @@ def schedule(
     first = np.fromiter((u.seq_ids[0] for u in units), dtype=np.int64, count=len(units))
     weights_array = np.asarray(weights, dtype=np.float64)
     order_array = np.lexsort((first, -weights_array))
-    # the same, compiled: the kernel places rings as RingPlacer does (a subclass such as
-    # expert_slots.GroupPlacer, whole EP groups, takes the Python path)
-    if mode == "pp" and type(placer) is RingPlacer and (kernel := compiled.pp_balance()) is not None:
+    # PP and DP balance compiled, the same assignment: the kernel places rings as RingPlacer
+    # does (a subclass such as expert_slots.GroupPlacer, whole EP groups, takes the Python path)
+    if mode != "tokens" and type(placer) is RingPlacer and (kernel := compiled.pp_balance()) is not None:
         return _compiled_pp(
             kernel,
             units,
@@ -470,6 +470,7 @@ def schedule(
             slack,
             pipeline_stages,
             give_up_above,
+            runs=mode == "pp",
         )
     order = order_array.tolist()
     loads = _Loads(placer.num_ranks, pipeline_stages, by_tokens)
@@ -585,9 +586,10 @@ def _compiled_pp(
     slack: float,
     pipeline_stages: int,
     give_up_above: float,
+    runs: bool = True,
 ) -> Assignment | None:
-    """``schedule``'s PP balance in ``compiled.pp_balance``: the same buckets and level, the
-    same assignment (or None). ``weights_array``: ``weights`` as an array."""
+    """``schedule``'s PP balance (``runs``) or DP balance in ``compiled.pp_balance``: the same
+    buckets and level, the same assignment (or None). ``weights_array``: ``weights`` as an array."""
     n = len(units)
     if n and weights_array.min() >= 0:  # make_buckets' cuts, without its lists
         starts = _bucket_starts(np.cumsum(weights_array[order]), num_buckets)
@@ -609,6 +611,7 @@ def _compiled_pp(
         pipeline_stages - 1,
         water,
         give_up_above,
+        runs,
     )
     if not done:
         return None

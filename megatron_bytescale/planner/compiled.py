@@ -334,9 +334,13 @@ def _pp_balance(
     bubble: int,
     water: float,
     give_up_above: float,
+    runs: bool = True,
 ):
     """``balance.schedule``'s PP balance (``mode="pp"``, rings placed as ``RingPlacer`` places
-    them, in two-level groups included): the same units to the same ranks in the same order,
+    them, in two-level groups included), or with ``runs`` False its DP balance (``mode="dp"``:
+    each single-rank unit on its own to the least-loaded rank, ``water`` unused; the key's
+    largest is then checked against ``give_up_above`` before every unit, not only before rings
+    and at the end, which settles the same): the same units to the same ranks in the same order,
     the same floats (every clock, key and idle the same sum in the same order). ``order``: the
     units heaviest first, cut into buckets ending at ``bucket_ends``; ``group``: each unit's
     two-level group size (``Unit.heads_split``). PP balance balances seconds, so no token
@@ -518,7 +522,7 @@ def _pp_balance(
                 if first:
                     level = max(water, top[0])
                     first = False
-                if i >= hi or ring_size[order[i]] > 1:
+                if i >= hi or ring_size[order[i]] > 1 or not runs:  # DP balance: one unit a rank
                     break
                 w = seconds[order[i]]
                 if clock[r] + w + bubble * max(peak[r], w) > level:
