@@ -693,7 +693,8 @@ def test_compiled_balance_matches_its_python_version(case, mode):
 
     units, placer, stages, slack, limit = case
     assert compiled.pp_balance() is not None  # numba is a dependency
-    got = schedule(units, placer, mode, slack, stages, give_up_above=limit)
+    with mock.patch.object(balance, "COMPILED_DP_MIN_UNITS", 0):  # DP compiled at any size
+        got = schedule(units, placer, mode, slack, stages, give_up_above=limit)
     with python_pp_balance():
         fresh = RingPlacer(placer.num_ranks, placer.ranks_per_node)  # a placer keeps state between calls
         want = schedule(units, fresh, mode, slack, stages, give_up_above=limit)

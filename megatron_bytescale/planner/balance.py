@@ -53,6 +53,10 @@ DEFAULT_BUCKETS = 8
 BULK_RUN = 2048  # runs of single-rank units at least this long are given out in rounds
 MIN_ROUND = 256  # ... while a round places at least this many
 REBUILD_SHARE = 4  # a ring over at least 1 / REBUILD_SHARE of the ranks rebuilds the load heap
+# DP balance takes the compiled kernel from this many units: below, Python takes milliseconds,
+# and a small job (the demo, a CPU run) is spared the kernel's compile (~16 s, once per
+# environment, in every rank process at once) that PP balance needs anyway
+COMPILED_DP_MIN_UNITS = 1024
 
 
 @dataclass(eq=False, slots=True)  # slots: ~6 x 10^4 units a step at 16K ranks, built and read fast
@@ -456,9 +460,11 @@ def schedule(
     first = np.fromiter((u.seq_ids[0] for u in units), dtype=np.int64, count=len(units))
     weights_array = np.asarray(weights, dtype=np.float64)
     order_array = np.lexsort((first, -weights_array))
-    # PP and DP balance compiled, the same assignment: the kernel places rings as RingPlacer
-    # does (a subclass such as expert_slots.GroupPlacer, whole EP groups, takes the Python path)
-    if mode != "tokens" and type(placer) is RingPlacer and (kernel := compiled.pp_balance()) is not None:
+    # PP and DP balance compiled (DP from COMPILED_DP_MIN_UNITS units), the same assignment: the
+    # kernel places rings as RingPlacer does (a subclass such as expert_slots.GroupPlacer, whole
+    # EP groups, takes the Python path)
+    compiled_mode = mode == "pp" or (mode == "dp" and len(units) >= COMPILED_DP_MIN_UNITS)
+    if compiled_mode and type(placer) is RingPlacer and (kernel := compiled.pp_balance()) is not None:
         return _compiled_pp(
             kernel,
             units,
