@@ -448,9 +448,10 @@ def schedule(
     num_buckets: int = DEFAULT_BUCKETS,
     give_up_above: float = float("inf"),
 ) -> Assignment | None:
-    """Every unit to ranks (``Assignment``). With ``give_up_above`` (PP balance): None as soon
-    as the largest key passes it, which settles that the schedule's own (``key.max()``,
-    which never falls as units are given) would too."""
+    """Every unit to ranks (``Assignment``). With ``give_up_above`` (PP balance's candidates,
+    the other modes' retargets): None exactly where the schedule's own bound (``key.max()``) is
+    above it, found as soon as the largest key passes it (keys never fall as units are given),
+    the same in every mode and in the compiled path."""
     if mode not in ("dp", "pp", "tokens"):
         raise ConfigError(f"unknown balance mode {mode!r}; choose dp, pp or tokens")
     by_tokens = mode == "tokens"
@@ -572,6 +573,8 @@ def schedule(
                 i = j
                 continue
             i = loads.give_run(bucket, i, water, seconds, tokens, single, runs, given)
+    if loads.top > give_up_above:  # passed by the last run
+        return None
     return Assignment(runs, members, np.array(loads.clock), loads.key, np.array(loads.idle), len(buckets), given)
 
 
@@ -619,7 +622,7 @@ def _compiled_pp(
         give_up_above,
         runs,
     )
-    if not done:
+    if not done or key.max(initial=0.0) > give_up_above:  # gave up, or passed by the last unit
         return None
     # every rank's run: the appends grouped by rank, each rank's in the order made
     by_rank = np.argsort(ev_rank, kind="stable")

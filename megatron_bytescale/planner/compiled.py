@@ -338,9 +338,8 @@ def _pp_balance(
 ):
     """``balance.schedule``'s PP balance (``mode="pp"``, rings placed as ``RingPlacer`` places
     them, in two-level groups included), or with ``runs`` False its DP balance (``mode="dp"``:
-    each single-rank unit on its own to the least-loaded rank, ``water`` unused; the key's
-    largest is then checked against ``give_up_above`` before every unit, not only before rings
-    and at the end, which settles the same): the same units to the same ranks in the same order,
+    each single-rank unit on its own to the least-loaded rank, ``water`` unused): the same
+    units to the same ranks in the same order,
     the same floats (every clock, key and idle the same sum in the same order). ``order``: the
     units heaviest first, cut into buckets ending at ``bucket_ends``; ``group``: each unit's
     two-level group size (``Unit.heads_split``). PP balance balances seconds, so no token
