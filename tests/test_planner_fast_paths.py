@@ -5,6 +5,7 @@ running sum, ring placement told which ranks changed, two-level curves of many l
 once) is checked against a plain one-at-a-time version on random inputs, ties included.
 """
 
+import copy
 import heapq
 import random
 from contextlib import contextmanager
@@ -655,11 +656,13 @@ def test_retargets_stopped_early_give_the_plan_of_every_target_in_full(dataset, 
 @st.composite
 def pp_schedule_cases(draw):
     """Units of coarse times (ties common) over a cluster shape: rings inside a node, over
-    several nodes, in two-level groups; a limit to give up above, sometimes."""
+    several nodes, in two-level groups, on whole EP groups; a limit to give up above, sometimes."""
     from megatron_bytescale.planner.balance import Unit
+    from megatron_bytescale.planner.expert_slots import GroupPlacer
 
     rpn = draw(st.sampled_from([1, 2, 4, 8]))
     n = rpn * draw(st.integers(1, 6))
+    ep = draw(st.sampled_from([e for e in (1, 1, 2, 4) if n % e == 0]))
     specs = draw(
         st.lists(
             st.tuples(
@@ -677,15 +680,17 @@ def pp_schedule_cases(draw):
         for i, (t, k, g, tokens) in enumerate(specs)
     ]
     limit = draw(st.one_of(st.just(float("inf")), st.integers(1, 40).map(float)))
-    return units, RingPlacer(n, rpn), draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([0.0, 0.05])), limit
+    placer = GroupPlacer(n, rpn, ep) if ep > 1 else RingPlacer(n, rpn)
+    return units, placer, draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([0.0, 0.05])), limit
 
 
 @settings(max_examples=400, deadline=None)
 @given(pp_schedule_cases(), st.sampled_from(["pp", "dp"]))
 def test_compiled_balance_matches_its_python_version(case, mode):
-    """``compiled.pp_balance`` against ``schedule``'s Python PP and DP balance: the same runs,
-    ring members (and their order), order of giving, clocks, keys and idle seconds, bit for
-    bit, and the same give-up."""
+    """``compiled.pp_balance`` against ``schedule``'s Python PP and DP balance, rings placed
+    by ``RingPlacer`` or on whole EP groups by ``GroupPlacer``: the same runs, ring members
+    (and their order), order of giving, clocks, keys and idle seconds, bit for bit, and the
+    same give-up."""
     from megatron_bytescale.planner.balance import schedule
 
     units, placer, stages, slack, limit = case
@@ -693,7 +698,7 @@ def test_compiled_balance_matches_its_python_version(case, mode):
     with mock.patch.object(balance, "COMPILED_DP_MIN_UNITS", 0):  # DP compiled at any size
         got = schedule(units, placer, mode, slack, stages, give_up_above=limit)
     with python_pp_balance():
-        fresh = RingPlacer(placer.num_ranks, placer.ranks_per_node)  # a placer keeps state between calls
+        fresh = copy.deepcopy(placer)  # a placer keeps state between calls
         want = schedule(units, fresh, mode, slack, stages, give_up_above=limit)
     assert (got is None) == (want is None)
     if got is not None:

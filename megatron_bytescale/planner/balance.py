@@ -44,6 +44,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import compiled
+from .expert_slots import GroupPlacer
 from .placement import RingPlacer
 
 # the balance modes: "none" (hdp-naive: equal tokens), "dp" and "pp" (hdp-balanced, this scheduler);
@@ -462,10 +463,11 @@ def schedule(
     weights_array = np.asarray(weights, dtype=np.float64)
     order_array = np.lexsort((first, -weights_array))
     # PP and DP balance compiled (DP from COMPILED_DP_MIN_UNITS units), the same assignment: the
-    # kernel places rings as RingPlacer does (a subclass such as expert_slots.GroupPlacer, whole
-    # EP groups, takes the Python path)
+    # kernel places rings as RingPlacer does, or as GroupPlacer does (whole EP groups); another
+    # subclass takes the Python path
     compiled_mode = mode == "pp" or (mode == "dp" and len(units) >= COMPILED_DP_MIN_UNITS)
-    if compiled_mode and type(placer) is RingPlacer and (kernel := compiled.pp_balance()) is not None:
+    compiled_placer = type(placer) in (RingPlacer, GroupPlacer)
+    if compiled_mode and compiled_placer and (kernel := compiled.pp_balance()) is not None:
         return _compiled_pp(
             kernel,
             units,
@@ -621,6 +623,7 @@ def _compiled_pp(
         water,
         give_up_above,
         runs,
+        placer.expert_parallel if isinstance(placer, GroupPlacer) else 1,
     )
     if not done or key.max(initial=0.0) > give_up_above:  # gave up, or passed by the last unit
         return None

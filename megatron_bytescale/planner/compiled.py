@@ -335,11 +335,14 @@ def _pp_balance(
     water: float,
     give_up_above: float,
     runs: bool = True,
+    ep: int = 1,
 ):
     """``balance.schedule``'s PP balance (``mode="pp"``, rings placed as ``RingPlacer`` places
     them, in two-level groups included), or with ``runs`` False its DP balance (``mode="dp"``:
-    each single-rank unit on its own to the least-loaded rank, ``water`` unused): the same
-    units to the same ranks in the same order,
+    each single-rank unit on its own to the least-loaded rank, ``water`` unused). With ``ep``
+    > 1 rings are placed as ``expert_slots.GroupPlacer`` places them: a ring whose size is a
+    multiple of ``ep`` (and not in two-level groups) on whole EP groups of ``ep`` consecutive
+    ranks. The same units to the same ranks in the same order,
     the same floats (every clock, key and idle the same sum in the same order). ``order``: the
     units heaviest first, cut into buckets ending at ``bucket_ends``; ``group``: each unit's
     two-level group size (``Unit.heads_split``). PP balance balances seconds, so no token
@@ -379,6 +382,7 @@ def _pp_balance(
     events = np.zeros(1, dtype=np.int64)  # (arrays: the inner functions below change them)
     top = np.zeros(1)  # the largest key
     pick = np.empty(rpn, dtype=np.int64)
+    busiest = np.zeros(n // ep)  # each EP group's busiest member's key (ep > 1)
 
     def run(r, start, u):  # rank r runs unit u from ``start`` (its own clock, or a ring's)
         idle[r] += start - clock[r]
@@ -393,6 +397,9 @@ def _pp_balance(
 
     def changed(r):  # rank r's key rose: up the tree, and its node's order goes stale
         stale[r // rpn] = True
+        if ep > 1:
+            g = r // ep
+            busiest[g] = key[g * ep : g * ep + ep].max()
         v = (size + r) // 2
         while v >= 1:
             a, b = tree[2 * v], tree[2 * v + 1]
@@ -424,6 +431,26 @@ def _pp_balance(
                     tied -= 1
                 out[m] = r
                 m += 1
+        return out
+
+    def whole_groups(k):  # ``GroupPlacer.place_ranks``: the k // ep least busy EP groups, ties
+        # to the lower group, in group order (``least_ranks`` over the groups)
+        wanted = k // ep
+        out = np.empty(k, dtype=np.int64)
+        threshold = busiest.min()
+        if np.count_nonzero(busiest == threshold) < wanted:
+            threshold = np.partition(busiest, wanted - 1)[wanted - 1]
+        tied = wanted - np.count_nonzero(busiest < threshold)
+        m = 0
+        for g in range(n // ep):
+            if busiest[g] < threshold or (busiest[g] == threshold and tied > 0):
+                if busiest[g] == threshold:
+                    tied -= 1
+                for q in range(ep):
+                    out[m] = g * ep + q
+                    m += 1
+                if m == k:
+                    break
         return out
 
     def in_groups(k, g):  # ``RingPlacer._in_groups``: a ring of k members in groups of g
@@ -472,7 +499,9 @@ def _pp_balance(
             k = ring_size[u]
             if k > 1:  # a ring: placed, then every member runs it from its slowest member's clock
                 at = n_members
-                if k <= rpn:  # inside one node: earliest start, least idle, lowest node
+                if ep > 1 and k % ep == 0 and group[u] == 1:  # on whole EP groups
+                    ranks = whole_groups(k)
+                elif k <= rpn:  # inside one node: earliest start, least idle, lowest node
                     best_node, best_start, best_idle = -1, 0.0, 0.0
                     for g in range(nodes):
                         sort_node(g)
