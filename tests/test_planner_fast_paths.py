@@ -433,7 +433,7 @@ def test_placement_in_groups_keeps_to_the_plain_rule_as_loads_change(data, group
 @contextmanager
 def python_pp_balance():
     """``schedule``'s PP balance in Python (what runs where numba is missing), not compiled."""
-    with mock.patch.object(compiled, "pp_balance", lambda: None):
+    with mock.patch.object(compiled, "schedule", lambda: None):
         yield
 
 
@@ -687,14 +687,14 @@ def pp_schedule_cases(draw):
 @settings(max_examples=400, deadline=None)
 @given(pp_schedule_cases(), st.sampled_from(["pp", "dp"]))
 def test_compiled_balance_matches_its_python_version(case, mode):
-    """``compiled.pp_balance`` against ``schedule``'s Python PP and DP balance, rings placed
+    """``compiled.schedule`` against ``schedule``'s Python PP and DP balance, rings placed
     by ``RingPlacer`` or on whole EP groups by ``GroupPlacer``: the same runs, ring members
     (and their order), order of giving, clocks, keys and idle seconds, bit for bit, and the
     same give-up."""
     from megatron_bytescale.planner.balance import schedule
 
     units, placer, stages, slack, limit = case
-    assert compiled.pp_balance() is not None  # numba is a dependency
+    assert compiled.schedule() is not None  # numba is a dependency
     with mock.patch.object(balance, "COMPILED_DP_MIN_UNITS", 0):  # DP compiled at any size
         got = schedule(units, placer, mode, slack, stages, give_up_above=limit)
     with python_pp_balance():

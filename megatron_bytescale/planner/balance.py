@@ -25,9 +25,10 @@ The sharding decisions inside the units (ring sizes, offload ratios) are kept.
 With ``pipeline_stages = p > 1`` a rank's load counts its fill and drain:
 ``sum(times) + (p - 1) * max(time)``.
 
-The PP balance runs compiled (``compiled.pp_balance``: the same assignment, bit for bit,
-2-4x faster with the conversions around it) where numba is present; its Python version below
-is the reference the tests check it against and what runs without numba.
+PP and DP balance run compiled (``compiled.schedule``: the same assignment, bit for bit,
+2-4x faster with the conversions around it; DP from ``COMPILED_DP_MIN_UNITS`` units; rings
+placed by ``RingPlacer`` or EP's ``GroupPlacer``) where numba is present; the Python version
+below is the reference the tests check it against and what runs without numba.
 
 A ring goes to ``RingPlacer.place``'s members; it starts when its last member is free
 (the wait is counted) and all members run it at the same step of the global order, so
@@ -467,8 +468,8 @@ def schedule(
     # subclass takes the Python path
     compiled_mode = mode == "pp" or (mode == "dp" and len(units) >= COMPILED_DP_MIN_UNITS)
     compiled_placer = type(placer) in (RingPlacer, GroupPlacer)
-    if compiled_mode and compiled_placer and (kernel := compiled.pp_balance()) is not None:
-        return _compiled_pp(
+    if compiled_mode and compiled_placer and (kernel := compiled.schedule()) is not None:
+        return _compiled_schedule(
             kernel,
             units,
             placer,
@@ -586,7 +587,7 @@ def _water(weights: Sequence[float], slack: float, num_ranks: int) -> float:
     return (1 + slack) * sum(weights) / num_ranks
 
 
-def _compiled_pp(
+def _compiled_schedule(
     kernel,
     units: Sequence[Unit],
     placer: RingPlacer,
@@ -599,7 +600,7 @@ def _compiled_pp(
     give_up_above: float,
     runs: bool = True,
 ) -> Assignment | None:
-    """``schedule``'s PP balance (``runs``) or DP balance in ``compiled.pp_balance``: the same
+    """``schedule``'s PP balance (``runs``) or DP balance in ``compiled.schedule``: the same
     buckets and level, the same assignment (or None). ``weights_array``: ``weights`` as an array."""
     n = len(units)
     if n and weights_array.min() >= 0:  # make_buckets' cuts, without its lists

@@ -323,7 +323,7 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
     return out, sizes.size
 
 
-def _pp_balance(
+def _schedule(
     order: np.ndarray,
     bucket_ends: np.ndarray,
     seconds: np.ndarray,
@@ -342,13 +342,13 @@ def _pp_balance(
     each single-rank unit on its own to the least-loaded rank, ``water`` unused). With ``ep``
     > 1 rings are placed as ``expert_slots.GroupPlacer`` places them: a ring whose size is a
     multiple of ``ep`` (and not in two-level groups) on whole EP groups of ``ep`` consecutive
-    ranks. The same units to the same ranks in the same order,
-    the same floats (every clock, key and idle the same sum in the same order). ``order``: the
-    units heaviest first, cut into buckets ending at ``bucket_ends``; ``group``: each unit's
-    two-level group size (``Unit.heads_split``). PP balance balances seconds, so no token
-    counts are kept. The least-loaded rank (least key, ties to the lowest rank) comes from a
-    tournament tree over the ranks instead of the lazy heap; each node's keys are kept sorted
-    for rings inside one node and groups.
+    ranks. The same units to the same ranks in the same order, the same floats (every clock,
+    key and idle the same sum in the same order). ``order``: the units heaviest first, cut
+    into buckets ending at ``bucket_ends``; ``group``: each unit's two-level group size
+    (``Unit.heads_split``). PP balance balances seconds, so no token counts are kept. The
+    least-loaded rank (least key, ties to the lowest rank) comes from a tournament tree over
+    the ranks instead of the lazy heap; each node's keys are kept sorted for rings inside one
+    node and groups.
 
     Returns the (rank, unit) appends of every rank's run, in order; the units in the order
     given; each ring's members one ring after another (in that order); the clocks, keys and
@@ -785,9 +785,9 @@ def level_placement():
 
 
 @cache
-def pp_balance():
-    """``_pp_balance`` compiled, or None where numba is missing."""
-    return _compile(_pp_balance)
+def schedule():
+    """``_schedule`` compiled, or None where numba is missing."""
+    return _compile(_schedule)
 
 
 @cache
