@@ -27,7 +27,6 @@ from .contract.slots import ep_groups, slot_nodes
 from .cost_model import CostModel
 from .estimate import crosses_nodes, micro_batch_time, whole_sequences_time
 from .placement import RingPlacer
-from .sharding import Shard
 
 EMPTY = micro_batch(())  # an empty slot: the rank runs one padding token through the model
 
@@ -169,20 +168,20 @@ def _ring_slots(holders: list[list[int]], rings_of: list[list[tuple[int, int]]])
     return slot if done == len(holders) else None
 
 
-def round_rings_to_groups(shards: dict, expert_parallel: int, num_ranks: int) -> dict:
-    """Ring sizes (``sharding.Shard``) rounded up to whole EP groups, where the sequence and
-    the cluster allow; a larger ring holds fewer tokens per member, so memory still fits."""
+def round_rings_to_groups(expert_parallel: int, num_ranks: int):
+    """A ring decision ``(ring size, offload ratio, two-level group)`` of a sequence's length
+    rounded up to whole EP groups, where the sequence and the cluster allow (a larger ring
+    holds fewer tokens per member, so memory still fits): ``sharding.plan_ring_sizes``'
+    ``resize``, applied once per distinct length."""
     e = expert_parallel
-    out = {}
-    for sid, sh in shards.items():
-        n = sh.ring_size
+
+    def resize(seq_len: int, n: int, ratio: float, split: int) -> tuple[int, float, int]:
         rounded = -(-n // e) * e
-        if n > 1 and rounded != n and rounded <= min(num_ranks, sh.seq_len):
-            split = sh.heads_split if rounded % sh.heads_split == 0 else 1
-            # made directly: dataclasses.replace is ~5x slower (~10^4 rings a 512M step, per target)
-            sh = Shard(sh.seq_id, sh.seq_len, rounded, sh.ratio, split)
-        out[sid] = sh
-    return out
+        if n > 1 and rounded != n and rounded <= min(num_ranks, seq_len):
+            return rounded, ratio, split if rounded % split == 0 else 1
+        return n, ratio, split
+
+    return resize
 
 
 class GroupPlacer(RingPlacer):

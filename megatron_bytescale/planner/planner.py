@@ -215,14 +215,16 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         )
         shorts = None if config.balance == "none" else _short_units(lens, config, cost, placer.ranks_per_node)
         share_times: dict = {}
+        # under EP rings are rounded up to whole EP groups (expert_slots.py)
+        on_groups = (
+            round_rings_to_groups(config.expert_parallel, config.num_ranks) if config.expert_parallel > 1 else None
+        )
         for factor in factors:
             sizer = _ring_sizer(config, cost, factor, host)
             base = balanced_target(np.asarray(lens), sizer) if balanced else None
             for scale in RETARGET if balanced else (1.0,):
                 target = None if base is None else base * scale
-                shards = plan_ring_sizes(lens, sizer, target)
-                if config.expert_parallel > 1:
-                    shards = round_rings_to_groups(shards, config.expert_parallel, config.num_ranks)
+                shards = plan_ring_sizes(lens, sizer, target, on_groups)
                 units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts, share_times)
                 mode = config.balance if balanced else "tokens"
                 # a schedule whose largest key passes the best step so far cannot be chosen:

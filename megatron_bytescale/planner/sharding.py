@@ -492,9 +492,11 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     return hi
 
 
-def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | None) -> dict[int, Shard]:
+def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | None, resize=None) -> dict[int, Shard]:
     """Shards of every sequence longer than the capacity: the memory floor when ``target``
-    is None (as hdp-naive uses), else the smallest ring within ``target``."""
+    is None (as hdp-naive uses), else the smallest ring within ``target``. ``resize``: a
+    function of (length, ring size, ratio, two-level group) giving them anew, applied to each
+    distinct length's decision (EP's rounding to whole groups)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     long_ids = np.flatnonzero(lens > sizer.capacity).tolist()
     long_lens = lens[long_ids].tolist()
@@ -507,6 +509,8 @@ def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | N
     else:
         distinct = sorted(set(long_lens))  # as balanced_target lists them: its curves are reused
         by_len = dict(zip(distinct, sizer.size_many(distinct, target)))
+    if resize is not None:
+        by_len = {s: resize(s, *d) for s, d in by_len.items()}
     return {i: _shard(i, s, *by_len[s]) for i, s in zip(long_ids, long_lens)}
 
 
