@@ -130,3 +130,34 @@ def test_pipelined_estimate_equals_the_simulated_step(case, p):
     plan = plan_step(lens, config, cost).validate()
     timeline = simulate(plan, Cluster(config.num_ranks * p, pp=p, gpus_per_node=config.ranks_per_node), cost)
     assert plan.meta["est_time_max_s"] == pytest.approx(timeline.step_time, rel=1e-6)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(1, 3_000_000),
+    st.integers(1, 64),
+    st.sampled_from([0.0, 0.25, 0.5]),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([1e12, 1e5]),
+    st.data(),
+)
+def test_a_micro_batch_of_one_piece_takes_the_time_of_the_general_sum(
+    seq_len, ring, ratio, inter, recompute, bw_offload, data
+):
+    """``micro_batch_time``'s one-piece path (``piece_time``, with or without the ring's
+    exposed time given) against its sum over pieces, reached by adding an empty piece (no
+    tokens, no pairs): the same float."""
+    from megatron_bytescale.planner.contract import MicroBatch
+    from megatron_bytescale.planner.contract.plan import Piece, ring_pieces, whole_piece
+    from megatron_bytescale.planner.estimate import micro_batch_time, piece_time, ring_exposed_time
+
+    cost = comm_cost(num_layers=8, bw_offload=bw_offload, **({"recomputed_layers": 3} if recompute else {}))
+    ring = min(ring, seq_len)
+    pieces = ring_pieces(0, seq_len, tuple(range(ring))) if ring > 1 else [whole_piece(0, seq_len, 0)]
+    p = data.draw(st.sampled_from(pieces))
+    empty = Piece(1, 0, (), (p.ring[0],))
+    one = micro_batch_time(cost, MicroBatch((p,), ratio), inter)
+    assert one == micro_batch_time(cost, MicroBatch((p, empty), ratio), inter)
+    exposed = ring_exposed_time(cost, seq_len, ring, inter) if ring > 1 else None
+    assert one == piece_time(cost, seq_len, ring, p.tokens, ratio, inter, exposed)

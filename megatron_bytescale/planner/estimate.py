@@ -63,6 +63,10 @@ def ring_share_time(cost: CostModel, seq_len: int, ring_size: int, inter_node: b
 def micro_batch_time(cost: CostModel, mb: MicroBatch, inter_node: bool = False) -> float:
     """Seconds of one micro-batch on one member (every member of a ring takes the same time
     up to one token, except for the whole sequences packed next to the ring's pieces)."""
+    pieces = mb.pieces
+    if len(pieces) == 1:  # most micro-batches: a ring member's share or one sequence
+        p = pieces[0]
+        return piece_time(cost, p.seq_len, len(p.ring), p.tokens, mb.offload_ratio, inter_node)
     tokens = 0
     pairs = 0.0
     dist_pairs = 0.0
@@ -81,6 +85,37 @@ def micro_batch_time(cost: CostModel, mb: MicroBatch, inter_node: bool = False) 
     if ring is not None:
         per_layer += exposed_ring_time(cost, dist_pairs, block, len(ring), inter_node)
     return cost.num_layers * per_layer + offload_time(cost, tokens, pairs, mb.offload_ratio)
+
+
+def piece_time(
+    cost: CostModel,
+    seq_len: int,
+    ring_size: int,
+    tokens: int,
+    ratio: float,
+    inter_node: bool,
+    exposed: float | None = None,
+) -> float:
+    """``micro_batch_time`` of a micro-batch of one piece (``tokens`` of a sequence of
+    ``seq_len`` on a ring of ``ring_size``, 1: whole), the same sums in the same order.
+    ``exposed``: the ring's ``exposed_ring_time``, where the caller knows it (it is the same on
+    every member)."""
+    if ring_size > 1:
+        pairs = seq_len * seq_len / ring_size
+        if exposed is None:
+            exposed = ring_exposed_time(cost, seq_len, ring_size, inter_node)
+        per_layer = cost.layer_time(tokens, pairs) + exposed
+    else:
+        pairs = 0.0 + seq_len * seq_len  # a float, as the sum over pieces makes it
+        per_layer = cost.layer_time(tokens, pairs)
+    return cost.num_layers * per_layer + offload_time(cost, tokens, pairs, ratio)
+
+
+def ring_exposed_time(cost: CostModel, seq_len: int, ring_size: int, inter_node: bool) -> float:
+    """``exposed_ring_time`` of one member's share of a sequence on a ring (``piece_time``'s
+    ``exposed``)."""
+    pairs = seq_len * seq_len / ring_size
+    return exposed_ring_time(cost, pairs, rank_tokens(seq_len, ring_size, 0), ring_size, inter_node)
 
 
 def ring_time(cost: CostModel, mbs: Sequence[MicroBatch], inter_node: bool = False) -> float:

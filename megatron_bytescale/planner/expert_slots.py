@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from .contract import MicroBatch, Plan, longest_paths, micro_batch
 from .contract.slots import ep_groups, slot_nodes
 from .cost_model import CostModel
-from .estimate import crosses_nodes, micro_batch_time, whole_sequences_time
+from .estimate import crosses_nodes, micro_batch_time, piece_time, ring_exposed_time, whole_sequences_time
 from .placement import RingPlacer
 
 EMPTY = micro_batch(())  # an empty slot: the rank runs one padding token through the model
@@ -389,16 +389,31 @@ class SlotTimer:
         self.cost = cost
         self.e = expert_parallel
         self.known: dict[tuple, float] = {}
+        # a ring's exposed communication (the same on every member: the members of a ring
+        # differ by at most one token, so most rings time two distinct pieces)
+        self.exposed: dict[tuple, float] = {}
 
     def time(self, mb: MicroBatch, ring_inter: bool, group_inter: bool) -> float:
         pieces = mb.pieces
         if len(pieces) == 1:
             p = pieces[0]
-            key = (p.seq_len, len(p.ring), p.tokens, mb.offload_ratio, ring_inter, group_inter)
-        elif pieces:
+            n = len(p.ring)
+            tokens = p.tokens
+            key = (p.seq_len, n, tokens, mb.offload_ratio, ring_inter, group_inter)
+            t = self.known.get(key)
+            if t is None:
+                exposed = None
+                if n > 1:
+                    ring = (p.seq_len, n, ring_inter)
+                    exposed = self.exposed.get(ring)
+                    if exposed is None:
+                        exposed = self.exposed[ring] = ring_exposed_time(self.cost, *ring)
+                t = piece_time(self.cost, p.seq_len, n, tokens, mb.offload_ratio, ring_inter, exposed)
+                t = self.known[key] = t + all_to_all_time(self.cost, max(tokens, 1), self.e, group_inter)
+            return t
+        if pieces:
             return self._several(mb, ring_inter, group_inter)
-        else:  # an empty slot
-            key = (None, None, None, mb.offload_ratio, ring_inter, group_inter)
+        key = (None, None, None, mb.offload_ratio, ring_inter, group_inter)  # an empty slot
         t = self.known.get(key)
         if t is None:
             t = self.known[key] = self._compute(mb, ring_inter, group_inter)
