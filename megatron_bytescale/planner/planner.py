@@ -768,6 +768,7 @@ def _build(
         s = lens[sid]
         ring_t = tuple(ring)
         ratio = unit.ratio
+        key = (ring_t, (sid,))  # MicroBatch.ring_key, one tuple for all members
         per_member = {}
         for r, share in zip(ring, zigzag_ranges(s, len(ring))):  # what ``ring_pieces`` gives, in ring order
             piece = new(Piece)
@@ -781,6 +782,7 @@ def _build(
             d = mb.__dict__
             d["pieces"] = (piece,)
             d["offload_ratio"] = ratio
+            d["ring_key"] = key
             per_member[r] = mb
         ring_mbs[u] = per_member
     ranges_of: dict[int, tuple] = {}  # shared by the whole pieces of one length

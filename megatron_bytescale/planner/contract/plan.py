@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from ...errors import PlanError
@@ -95,11 +96,12 @@ class MicroBatch:
     def distributed_seq_ids(self) -> tuple[int, ...]:
         return tuple(sorted([p.seq_id for p in self.pieces if len(p.ring) > 1]))
 
-    @property
+    @cached_property
     def ring_key(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """What names this ring micro-batch the same on every member of its ring: (ring,
         distributed sequence ids); None for local work (or pieces on several rings, which
-        ``Plan.validate`` rejects)."""
+        ``Plan.validate`` rejects). Kept once asked (the micro-batch is immutable; a plan's
+        alignment and estimates ask each one several times), outside the dataclass' fields."""
         pieces = self.pieces
         if len(pieces) == 1:  # most micro-batches: one ring member's share, or one sequence
             p = pieces[0]
