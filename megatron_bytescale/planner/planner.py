@@ -214,7 +214,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
             cost, float(sum(lens)) / config.num_ranks, config.expert_parallel, placer.ranks_per_node
         )
         shorts = None if config.balance == "none" else _short_units(lens, config, cost, placer.ranks_per_node)
-        share_times: dict = {}
+        memo = _UnitMemo()  # what the targets share of their units
         # under EP rings are rounded up to whole EP groups (expert_slots.py)
         on_groups = (
             round_rings_to_groups(config.expert_parallel, config.num_ranks) if config.expert_parallel > 1 else None
@@ -225,7 +225,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
             for scale in RETARGET if balanced else (1.0,):
                 target = None if base is None else base * scale
                 shards = plan_ring_sizes(lens, sizer, target, on_groups)
-                units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts, share_times)
+                units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts, memo)
                 mode = config.balance if balanced else "tokens"
                 # a schedule whose largest key passes the best step so far cannot be chosen:
                 # it stops there (its key never falls as units are given out)
@@ -457,7 +457,7 @@ def _pipeline_targets(lens, config: PlannerConfig, cost: CostModel, placer: Ring
     base = balanced_target(np.asarray(lens), sizer)
     targets, previous = [], None
     shorts = _short_units(lens, config, cost, placer.ranks_per_node)  # the same for every target
-    share_times: dict = {}
+    memo = _UnitMemo()  # what the targets share of their units
     for position, scale in enumerate(PIPELINE_RETARGET):
         target = base * scale
         shards = plan_ring_sizes(lens, sizer, target)
@@ -465,7 +465,7 @@ def _pipeline_targets(lens, config: PlannerConfig, cost: CostModel, placer: Ring
         if sizes == previous:
             continue
         previous = sizes
-        units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts, share_times)
+        units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts, memo)
         targets.append((position, target, shards, units))
     return targets
 
@@ -509,6 +509,19 @@ def _compute_bound(lens, cost: CostModel, num_ranks: int) -> float:
 
 
 # ----------------------------------------------------------------------------- units
+class _UnitMemo:
+    """What the candidate targets of one step share: ring share times by (length, ring size,
+    across nodes), and the long units themselves by (sequence, ring size, ratio, two-level
+    group), which is all a long unit depends on within a step (most of a step's rings keep
+    their size from one target to the next: a 512M-token step's targets time ~6 x 10^4 rings,
+    ~8 x 10^3 of them different). Units are not changed once made, except hdp-naive's, whose
+    packs fill their rings: those are made fresh (``_units``)."""
+
+    def __init__(self):
+        self.share_times: dict[tuple, float] = {}
+        self.units: dict[tuple, Unit] = {}
+
+
 def _units(
     lens,
     shards: dict[int, Shard],
@@ -516,25 +529,23 @@ def _units(
     cost: CostModel,
     ranks_per_node: int,
     shorts: list[Unit] | None = None,
-    share_times: dict | None = None,
+    memo: _UnitMemo | None = None,
 ) -> list[Unit]:
     """The long sequences' units for ``shards``, then the short sequences' (``shorts``: the
-    ones ``_short_units`` made, shared by candidates that only resize rings; ``share_times``:
-    ``_long_units``' memo, shared by them too)."""
-    units = _long_units(shards, cost, ranks_per_node, share_times)
+    ones ``_short_units`` made, shared by candidates that only resize rings; ``memo``: what
+    they share of the long ones)."""
     if config.balance == "none":
+        units = _long_units(shards, cost, ranks_per_node)
         short_ids = np.flatnonzero(np.asarray(lens, dtype=np.int64) <= config.capacity).tolist()
         return units + _naive_packs(units, short_ids, lens, config.capacity, cost, ranks_per_node)
+    a2a = None
     if config.expert_parallel > 1:
         # every micro-batch also runs the MoE all-to-alls: counted so that the scheduler evens
-        # them out too (a rank of many short sequences sends more tokens than one of a ring share);
-        # one figure per token count (~10^4 units a 512M step, per target, of far fewer counts)
-        a2a: dict[int, float] = {}
-        for u in units:
-            t = a2a.get(u.tokens)
-            if t is None:
-                t = a2a[u.tokens] = ep_all_to_all_time(cost, u.tokens, config.expert_parallel, ranks_per_node)
-            u.time += t
+        # them out too (a rank of many short sequences sends more tokens than one of a ring share)
+        def a2a(tokens: int) -> float:
+            return ep_all_to_all_time(cost, tokens, config.expert_parallel, ranks_per_node)
+
+    units = _long_units(shards, cost, ranks_per_node, memo, a2a)
     return units + (shorts if shorts is not None else _short_units(lens, config, cost, ranks_per_node))
 
 
@@ -554,48 +565,52 @@ def _short_units(lens, config: PlannerConfig, cost: CostModel, ranks_per_node: i
 
 
 def _long_units(
-    shards: dict[int, Shard], cost: CostModel, ranks_per_node: int, share_times: dict | None = None
+    shards: dict[int, Shard],
+    cost: CostModel,
+    ranks_per_node: int,
+    memo: _UnitMemo | None = None,
+    a2a=None,
 ) -> list[Unit]:
-    """A unit per long sequence of ``shards``. ``share_times``: a memo of ``ring_share_time``
-    by (length, ring size, across nodes), for the candidate targets of one step (most of a
-    step's rings keep their size from one target to the next: a 512M-token step's 9 targets
-    time ~6 x 10^4 rings, ~8 x 10^3 of them different)."""
-    memo = {} if share_times is None else share_times
-    units = []
+    """A unit per long sequence of ``shards``, made once per step where ``memo`` is shared
+    (``_UnitMemo``). ``a2a``: a function of a unit's tokens giving the seconds it adds (EP's
+    all-to-alls), or None."""
+    memo = _UnitMemo() if memo is None else memo
+    made, share_times = memo.units, memo.share_times
+    keys = [(sid, sh.ring_size, sh.ratio, sh.heads_split) for sid, sh in shards.items()]
+    missing = [key for key in keys if key not in made]
     # two-level rings (head all-to-all in each node, ring across nodes): timed all at once per
     # group size, elementwise, so each is the float ``two_level.share_time`` gives alone
     grouped: dict[int, list[int]] = {}  # group size -> sequence ids
-    for sid, sh in shards.items():
-        if sh.ring_size > 1 and sh.heads_split > 1:
-            grouped.setdefault(sh.heads_split, []).append(sid)
+    for sid, size, _, split in missing:
+        if size > 1 and split > 1:
+            grouped.setdefault(split, []).append(sid)
     two_level_time: dict[int, float] = {}  # sequence id -> seconds
     for u, sids in grouped.items():
         lens = np.array([shards[sid].seq_len for sid in sids], dtype=np.int64)
         sizes = np.array([shards[sid].ring_size for sid in sids], dtype=np.int64)
         two_level_time.update(zip(sids, two_level.share_times(cost, lens, sizes, u, ranks_per_node).tolist()))
-    for sid, sh in shards.items():
-        if sh.ring_size == 1:
-            units.append(Unit("long", (sid,), 1, cost.num_layers * cost.layer_time(sh.seq_len), sh.seq_len, sh.ratio))
+    added: dict[int, float] = {}  # a2a's seconds per token count
+    for key in missing:
+        sid, size, ratio, split = key
+        s = shards[sid].seq_len
+        if size == 1:
+            unit = Unit("long", (sid,), 1, cost.num_layers * cost.layer_time(s), s, ratio)
         else:
-            if sh.heads_split > 1:
+            if split > 1:
                 t = two_level_time[sid]
             else:
-                key = (sh.seq_len, sh.ring_size, sh.ring_size > ranks_per_node)
-                t = memo.get(key)
+                timed = (s, size, size > ranks_per_node)
+                t = share_times.get(timed)
                 if t is None:
-                    t = memo[key] = ring_share_time(cost, *key)
-            units.append(
-                Unit(
-                    "ring",
-                    (sid,),
-                    sh.ring_size,
-                    t,
-                    -(-sh.seq_len // sh.ring_size),
-                    sh.ratio,
-                    heads_split=sh.heads_split,
-                )
-            )
-    return units
+                    t = share_times[timed] = ring_share_time(cost, *timed)
+            unit = Unit("ring", (sid,), size, t, -(-s // size), ratio, heads_split=split)
+        if a2a is not None:
+            extra = added.get(unit.tokens)
+            if extra is None:
+                extra = added[unit.tokens] = a2a(unit.tokens)
+            unit.time += extra
+        made[key] = unit
+    return [made[key] for key in keys]
 
 
 def _naive_packs(
