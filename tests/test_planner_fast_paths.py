@@ -653,6 +653,52 @@ def test_retargets_stopped_early_give_the_plan_of_every_target_in_full(dataset, 
     assert any(given_up)  # the batches retarget, and some schedules stop early
 
 
+@pytest.mark.parametrize("mode", ["dp", "ep", "pp"])
+def test_targets_sharing_their_units_give_the_plan_of_units_made_afresh(mode):
+    """The candidate targets of a step share their long units (``planner._UnitMemo``): the
+    plan, its estimates included, equals the plan with every target's units made anew, so no
+    unit is changed once made; and the targets did share some (GitHub-like batches that
+    retarget, 4M tokens on 512 GPUs, seeds 0-1)."""
+    from megatron_bytescale.data.workloads import sample_lengths
+    from megatron_bytescale.planner import planner
+    from megatron_bytescale.planner.cost_model import CostModel
+    from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
+
+    layouts = {"dp": ("llama-7b", 1, 1, 1), "ep": ("mistral-8x7b", 4, 8, 1), "pp": ("llama-7b", 1, 1, 4)}
+    model, tp, ep, pp = layouts[mode]
+    cost = CostModel.analytic(ModelSpec.load(model), HardwareSpec.load("h100"), tp=tp, pp=pp)
+    config = planner.PlannerConfig(
+        num_ranks=512 // (tp * pp),
+        capacity=8192,
+        ranks_per_node=8 // tp,
+        balance="pp" if pp > 1 else "dp",
+        pipeline_stages=pp,
+        expert_parallel=ep,
+    )
+    units_of = planner._units
+    shared = []
+
+    def counted(*args):
+        memo = args[-1]
+        before = 0 if memo is None else len(memo.units)
+        got = units_of(*args)
+        shared.append(sum(1 for u in got if u.kind != "short") - (0 if memo is None else len(memo.units) - before))
+        return got
+
+    def afresh(*args):
+        return units_of(*args[:-1], None)
+
+    for seed in (0, 1):
+        lens = sample_lengths("github", 4 << 20, 2 << 20, np.random.default_rng(seed))
+        with mock.patch.object(planner, "_units", counted):
+            plan = planner.plan_step(lens, config, cost)
+        with mock.patch.object(planner, "_units", afresh):
+            fresh = planner.plan_step(lens, config, cost)
+        drop = {"plan_time_s": None}
+        assert plan.to_dict() | {"meta": plan.meta | drop} == fresh.to_dict() | {"meta": fresh.meta | drop}
+    assert any(shared)  # some target reused units another made
+
+
 @st.composite
 def pp_schedule_cases(draw):
     """Units of coarse times (ties common) over a cluster shape: rings inside a node, over
