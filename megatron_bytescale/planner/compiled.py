@@ -418,39 +418,31 @@ def _schedule(
                 q -= 1
             by_node[g, q] = x
 
-    def least_ranks(k):  # ``RingPlacer.place_ranks``' k least-loaded ranks (O(n), not a sort)
+    def least_of(values, k):  # the k least values' indices, ties to the lowest, in index order
+        # (``RingPlacer.place_ranks``' rule; O(n), not a sort)
         out = np.empty(k, dtype=np.int64)
-        threshold = key.min()
-        if np.count_nonzero(key == threshold) < k:  # not all at the least load: the k-th least
-            threshold = np.partition(key, k - 1)[k - 1]
-        tied = k - np.count_nonzero(key < threshold)  # ranks at the threshold taken, lowest first
+        threshold = values.min()
+        if np.count_nonzero(values == threshold) < k:  # not all at the least: the k-th least
+            threshold = np.partition(values, k - 1)[k - 1]
+        tied = k - np.count_nonzero(values < threshold)  # those at the threshold taken, lowest first
         m = 0
-        for r in range(n):
-            if key[r] < threshold or (key[r] == threshold and tied > 0):
-                if key[r] == threshold:
+        for i in range(values.size):
+            if m == k:
+                break
+            if values[i] < threshold or (values[i] == threshold and tied > 0):
+                if values[i] == threshold:
                     tied -= 1
-                out[m] = r
+                out[m] = i
                 m += 1
         return out
 
-    def whole_groups(k):  # ``GroupPlacer.place_ranks``: the k // ep least busy EP groups, ties
-        # to the lower group, in group order (``least_ranks`` over the groups)
-        wanted = k // ep
+    def whole_groups(k):  # ``GroupPlacer.place_ranks``: the k // ep least busy EP groups (by
+        # their busiest member), ties to the lower group, in group order
         out = np.empty(k, dtype=np.int64)
-        threshold = busiest.min()
-        if np.count_nonzero(busiest == threshold) < wanted:
-            threshold = np.partition(busiest, wanted - 1)[wanted - 1]
-        tied = wanted - np.count_nonzero(busiest < threshold)
-        m = 0
-        for g in range(n // ep):
-            if busiest[g] < threshold or (busiest[g] == threshold and tied > 0):
-                if busiest[g] == threshold:
-                    tied -= 1
-                for q in range(ep):
-                    out[m] = g * ep + q
-                    m += 1
-                if m == k:
-                    break
+        chosen = least_of(busiest, k // ep)
+        for i in range(chosen.size):
+            for q in range(ep):
+                out[i * ep + q] = chosen[i] * ep + q
         return out
 
     def in_groups(k, g):  # ``RingPlacer._in_groups``: a ring of k members in groups of g
@@ -522,7 +514,7 @@ def _schedule(
                 elif group[u] > 1 and k % group[u] == 0 and rpn % group[u] == 0:
                     ranks = in_groups(k, group[u])
                 else:  # the k least-loaded ranks, ties to the lowest, in rank order
-                    ranks = least_ranks(k)
+                    ranks = least_of(key, k)
                 start = clock[ranks[0]]
                 for q in range(1, k):
                     start = max(start, clock[ranks[q]])
