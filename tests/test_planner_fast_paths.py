@@ -731,17 +731,21 @@ def pp_schedule_cases(draw):
 
 
 @settings(max_examples=400, deadline=None)
-@given(pp_schedule_cases(), st.sampled_from(["pp", "dp"]))
-def test_compiled_balance_matches_its_python_version(case, mode):
+@given(pp_schedule_cases(), st.sampled_from(["pp", "dp"]), st.sampled_from([1, compiled.TREE_PICK]))
+def test_compiled_balance_matches_its_python_version(case, mode, tree_pick):
     """``compiled.schedule`` against ``schedule``'s Python PP and DP balance, rings placed
     by ``RingPlacer`` or on whole EP groups by ``GroupPlacer``: the same runs, ring members
     (and their order), order of giving, clocks, keys and idle seconds, bit for bit, and the
-    same give-up."""
+    same give-up. ``tree_pick`` 1: every ring over several nodes takes its least-loaded ranks
+    from the kernel's tournament tree (at these cluster sizes the default takes none)."""
     from megatron_bytescale.planner.balance import schedule
 
     units, placer, stages, slack, limit = case
     assert compiled.schedule() is not None  # numba is a dependency
-    with mock.patch.object(balance, "COMPILED_DP_MIN_UNITS", 0):  # DP compiled at any size
+    with (
+        mock.patch.object(balance, "COMPILED_DP_MIN_UNITS", 0),  # DP compiled at any size
+        mock.patch.object(compiled, "TREE_PICK", tree_pick),
+    ):
         got = schedule(units, placer, mode, slack, stages, give_up_above=limit)
     with python_pp_balance():
         fresh = copy.deepcopy(placer)  # a placer keeps state between calls

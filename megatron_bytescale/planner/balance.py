@@ -625,6 +625,7 @@ def _compiled_schedule(
         give_up_above,
         runs,
         placer.expert_parallel if isinstance(placer, GroupPlacer) else 1,
+        compiled.TREE_PICK,
     )
     if not done or key.max(initial=0.0) > give_up_above:  # gave up, or passed by the last unit
         return None

@@ -17,6 +17,10 @@ from functools import cache
 
 import numpy as np
 
+# ``_schedule`` takes a ring's k least-loaded ranks from its tournament tree (k walks of
+# log n) where k x TREE_PICK <= n, else by one selection over all ranks (a few passes of n);
+# the same ranks either way
+TREE_PICK = 16
 
 def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, duration: np.ndarray):
     """``pipeline_times.longest_path_ends_by_level`` over ``edge_arrays``' graph, node by node
@@ -336,6 +340,7 @@ def _schedule(
     give_up_above: float,
     runs: bool = True,
     ep: int = 1,
+    tree_pick: int = TREE_PICK,
 ):
     """``balance.schedule``'s PP balance (``mode="pp"``, rings placed as ``RingPlacer`` places
     them, in two-level groups included), or with ``runs`` False its DP balance (``mode="dp"``:
@@ -347,8 +352,9 @@ def _schedule(
     into buckets ending at ``bucket_ends``; ``group``: each unit's two-level group size
     (``Unit.heads_split``). PP balance balances seconds, so no token counts are kept. The
     least-loaded rank (least key, ties to the lowest rank) comes from a tournament tree over
-    the ranks instead of the lazy heap; each node's keys are kept sorted for rings inside one
-    node and groups.
+    the ranks instead of the lazy heap, and so do a ring's k least-loaded ranks where k x
+    ``tree_pick`` <= n (the same ranks as one selection over all); each node's keys are kept
+    sorted for rings inside one node and groups.
 
     Returns the (rank, unit) appends of every rank's run, in order; the units in the order
     given; each ring's members one ring after another (in that order); the clocks, keys and
@@ -436,6 +442,24 @@ def _schedule(
                 m += 1
         return out
 
+    def least_by_tree(k):  # ``least_of(key, k)`` for k much smaller than n: the tree's
+        # least (key, rank) k times, each taken out of the tree (its path recomputed); the
+        # caller's ``changed`` puts every member back with its new key
+        out = np.empty(k, dtype=np.int64)
+        for m in range(k):
+            r = tree[1]
+            out[m] = r
+            tree[size + r] = -1
+            v = (size + r) // 2
+            while v >= 1:
+                a, b = tree[2 * v], tree[2 * v + 1]
+                tree[v] = a if b < 0 or (a >= 0 and key[a] <= key[b]) else b
+                v //= 2
+        out.sort()
+        for m in range(k):
+            tree[size + out[m]] = out[m]
+        return out
+
     def whole_groups(k):  # ``GroupPlacer.place_ranks``: the k // ep least busy EP groups (by
         # their busiest member), ties to the lower group, in group order
         out = np.empty(k, dtype=np.int64)
@@ -447,7 +471,7 @@ def _schedule(
 
     def in_groups(k, g):  # ``RingPlacer._in_groups``: a ring of k members in groups of g
         out = np.empty(k, dtype=np.int64)
-        least = key.min()
+        least = key[tree[1]]  # key.min()
         if np.count_nonzero(key == least) >= k:  # enough ranks at the least load: whole groups of them
             whole = np.empty(nodes, dtype=np.int64)  # per node: its ranks at the least load, in whole groups
             for node in range(nodes):
@@ -470,7 +494,7 @@ def _schedule(
             sort_node(node)
             for q in range(per):
                 busiest[node * per + q] = by_node[node, q * g + g - 1]
-        chosen = np.sort(np.argsort(busiest, kind="mergesort")[: k // g])  # ties: the lower node and group
+        chosen = least_of(busiest, k // g)  # ties: the lower node and group
         for i in range(chosen.size):
             node, q = chosen[i] // per, chosen[i] % per
             local = np.argsort(key[node * rpn : (node + 1) * rpn], kind="mergesort")  # ties: the lower rank
@@ -513,7 +537,9 @@ def _schedule(
                     ranks = np.sort(pick[:k])
                 elif group[u] > 1 and k % group[u] == 0 and rpn % group[u] == 0:
                     ranks = in_groups(k, group[u])
-                else:  # the k least-loaded ranks, ties to the lowest, in rank order
+                elif k * tree_pick <= n:  # the k least-loaded ranks, ties to the lowest, in rank order
+                    ranks = least_by_tree(k)
+                else:
                     ranks = least_of(key, k)
                 start = clock[ranks[0]]
                 for q in range(1, k):
