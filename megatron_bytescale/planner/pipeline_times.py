@@ -237,7 +237,7 @@ def _ends(graph: PipelineGraph | PipelineArrays, flat: np.ndarray, lens: np.ndar
     duration = np.zeros(graph.total + barriers)
     duration[: graph.total] = graph.dur
     kernel = compiled.pipeline_ends()  # the walk reads the sequences and chains: no edge arrays
-    if kernel is not None:
+    if kernel is not None and max(flat.size, duration.size) < 2**31:  # its indices are 32-bit
         end, indeg, done = kernel(flat, lens, graph.units, graph.vp, duration)
         return (end if done == duration.size else None), indeg
     src, dst = edge_arrays(graph, flat, lens, barriers)
