@@ -22,6 +22,31 @@ import numpy as np
 # the same ranks either way
 TREE_PICK = 16
 
+
+def _least_of(values: np.ndarray, k: int) -> np.ndarray:
+    """The indices of the k least ``values``, ties to the lowest index, in index order
+    (``RingPlacer.place_ranks``' rule; O(n), not a sort): a helper the kernels call, compiled
+    with them (``_HELPERS``)."""
+    out = np.empty(k, dtype=np.int64)
+    threshold = values.min()
+    if np.count_nonzero(values == threshold) < k:  # not all at the least: the k-th least
+        threshold = np.partition(values, k - 1)[k - 1]
+    tied = k - np.count_nonzero(values < threshold)  # those at the threshold taken, lowest first
+    m = 0
+    for i in range(values.size):
+        if m == k:
+            break
+        if values[i] < threshold or (values[i] == threshold and tied > 0):
+            if values[i] == threshold:
+                tied -= 1
+            out[m] = i
+            m += 1
+    return out
+
+
+_HELPERS = ("_least_of",)  # module functions the kernels call: compiled before any kernel
+
+
 def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, duration: np.ndarray):
     """``pipeline_times.longest_path_ends_by_level`` over ``edge_arrays``' graph, node by node
     in Kahn's order (a 512M-token step's graphs of ~8 x 10^5 operations are ~10^3 levels deep,
@@ -189,6 +214,8 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
     least = np.empty(sizes.size + 2)
     by_level = np.empty(n, dtype=np.int64)
     node_at = np.empty(nodes, dtype=np.int64)
+    cand = np.empty(nodes, dtype=np.int64)
+    vals = np.empty(nodes)
     top = 0  # the highest level
     # per node and ring size up to a node: its best pick, while ``known``
     known = np.zeros((nodes, rpn + 1), dtype=np.bool_)
@@ -281,15 +308,40 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
                         i += 1
                     count[m], busiest[m] = c, hi
                     m += 1
-                order = np.argsort(busiest[:m], kind="mergesort")  # ties: the lower node
+                # nodes with more ranks at the level first, each count's nodes least busy
+                # first (ties: the lower node), until the ring is full: only which ranks
+                # counts (they are sorted next), so each count takes its t least busy nodes
+                # by one selection, the t-th of them (the greatest taken) only in part
                 k = 0
-                for c in range(rpn, 0, -1):  # more ranks at the level first
-                    for q in order:
+                for c in range(rpn, 0, -1):
+                    if k == size:
+                        break
+                    b = 0  # the count's nodes, ascending
+                    for q in range(m):
                         if count[q] == c:
-                            for i in range(node_at[q], node_at[q] + c):
-                                if k < size:
-                                    pick[k] = by_level[i]
-                                    k += 1
+                            cand[b] = q
+                            b += 1
+                    need = size - k
+                    t = min(b, -(-need // c))
+                    if t == 0:
+                        continue
+                    for j in range(b):
+                        vals[j] = busiest[cand[j]]
+                    if t < b:  # the t least busy, kept in node order
+                        taken = _least_of(vals[:b], t)
+                        for j in range(t):  # (taken[j] >= j: read before overwritten)
+                            cand[j], vals[j] = cand[taken[j]], vals[taken[j]]
+                    last = -1  # where the t nodes hold more ranks than needed: the greatest
+                    if t * c > need:  # (busiest, node), which the order would take last
+                        for j in range(t):
+                            if last < 0 or vals[j] >= vals[last]:
+                                last = j
+                    for j in range(t):
+                        q = cand[j]
+                        take = c if t * c <= need or j != last else need - (t - 1) * c
+                        for i in range(node_at[q], node_at[q] + take):
+                            pick[k] = by_level[i]
+                            k += 1
                 chosen = np.sort(pick[:size])
                 loads = load[chosen]
                 start = loads.max()
@@ -427,25 +479,7 @@ def _schedule(
                 q -= 1
             by_node[g, q] = x
 
-    def least_of(values, k):  # the k least values' indices, ties to the lowest, in index order
-        # (``RingPlacer.place_ranks``' rule; O(n), not a sort)
-        out = np.empty(k, dtype=np.int64)
-        threshold = values.min()
-        if np.count_nonzero(values == threshold) < k:  # not all at the least: the k-th least
-            threshold = np.partition(values, k - 1)[k - 1]
-        tied = k - np.count_nonzero(values < threshold)  # those at the threshold taken, lowest first
-        m = 0
-        for i in range(values.size):
-            if m == k:
-                break
-            if values[i] < threshold or (values[i] == threshold and tied > 0):
-                if values[i] == threshold:
-                    tied -= 1
-                out[m] = i
-                m += 1
-        return out
-
-    def least_by_tree(k):  # ``least_of(key, k)`` for k much smaller than n: the tree's
+    def least_by_tree(k):  # ``_least_of(key, k)`` for k much smaller than n: the tree's
         # least (key, rank) k times, each taken out of the tree (its path recomputed); the
         # caller's ``changed`` puts every member back with its new key
         out = np.empty(k, dtype=np.int64)
@@ -466,7 +500,7 @@ def _schedule(
     def whole_groups(k):  # ``GroupPlacer.place_ranks``: the k // ep least busy EP groups (by
         # their busiest member), ties to the lower group, in group order
         out = np.empty(k, dtype=np.int64)
-        chosen = least_of(busiest, k // ep)
+        chosen = _least_of(busiest, k // ep)
         for i in range(chosen.size):
             for q in range(ep):
                 out[i * ep + q] = chosen[i] * ep + q
@@ -497,7 +531,7 @@ def _schedule(
             sort_node(node)
             for q in range(per):
                 busiest[node * per + q] = by_node[node, q * g + g - 1]
-        chosen = least_of(busiest, k // g)  # ties: the lower node and group
+        chosen = _least_of(busiest, k // g)  # ties: the lower node and group
         for i in range(chosen.size):
             node, q = chosen[i] // per, chosen[i] % per
             local = np.argsort(key[node * rpn : (node + 1) * rpn], kind="mergesort")  # ties: the lower rank
@@ -543,7 +577,7 @@ def _schedule(
                 elif k * tree_pick <= n:  # the k least-loaded ranks, ties to the lowest, in rank order
                     ranks = least_by_tree(k)
                 else:
-                    ranks = least_of(key, k)
+                    ranks = _least_of(key, k)
                 start = clock[ranks[0]]
                 for q in range(1, k):
                     start = max(start, clock[ranks[q]])
@@ -781,10 +815,18 @@ def _compile(kernel):
         from numba import njit
     except ImportError:  # pragma: no cover - numba is a dependency; its absence is the fallback's case
         return None
+    module = globals()
+    for name in _HELPERS:  # a kernel's calls resolve to these when it compiles
+        if not hasattr(module[name], "py_func"):
+            module[name] = _njit(njit, module[name])
+    return _njit(njit, kernel)
+
+
+def _njit(njit, function):
     try:
-        return njit(cache=True, nogil=True)(kernel)
+        return njit(cache=True, nogil=True)(function)
     except RuntimeError:  # no writable cache directory (numba names none): compiled in each process
-        return njit(nogil=True)(kernel)
+        return njit(nogil=True)(function)
 
 
 @cache
