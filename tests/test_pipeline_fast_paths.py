@@ -21,6 +21,7 @@ from megatron_bytescale.planner.contract import pipelined_finish_times as walked
 from megatron_bytescale.planner.pipeline_times import (
     PipelineArrays,
     _first_of_unit,
+    _operation_ids,
     edge_arrays,
     graph_ends,
     longest_path_ends_by_level,
@@ -172,6 +173,34 @@ def test_the_pipeline_walk_matches_the_walk_over_edge_arrays(units, vp, barriers
     assert indeg.tolist() == left.tolist() and (done == nodes) == (want is not None)
     if want is not None:
         assert end.tolist() == want.tolist()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 4), st.booleans(), st.data())
+def test_compiled_operation_ids_match_the_array_operations(p, v, n, chunked, data):
+    """``compiled._operation_ids`` against ``pipeline_times._operation_ids``' array operations:
+    the same id for every op of any devices' rows (empty devices included), chunk or
+    virtual-stage numbering, ranks of any micro-batch counts."""
+    counts = data.draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
+    units = max(sum(counts), 1)
+    unit = np.array(data.draw(st.lists(st.integers(0, units - 1), min_size=sum(counts), max_size=sum(counts))))
+    row_start = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    rows, lens = [], []
+    for r in range(n):
+        for _ in range(p):
+            ops = (
+                data.draw(st.lists(st.tuples(st.integers(0, 1), st.integers(0, counts[r] - 1), st.integers(0, v - 1))))
+                if counts[r]
+                else []
+            )
+            rows += ops
+            lens.append(len(ops))
+    ops = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    lens = np.array(lens, dtype=np.int64)
+    vp = p * v
+    want = _operation_ids(ops, lens, unit.astype(np.int64), row_start, p, vp, chunked)
+    got = compiled.operation_ids()(ops, lens, unit.astype(np.int64), row_start, p, vp, chunked)
+    assert got.tolist() == want.tolist()
 
 
 @settings(max_examples=200, deadline=None)

@@ -122,6 +122,22 @@ def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, dura
     return end, indeg, tail
 
 
+def _operation_ids(
+    ops: np.ndarray, lens: np.ndarray, unit: np.ndarray, row_start: np.ndarray, p: int, vp: int, chunked: bool
+) -> np.ndarray:
+    """``pipeline_times._operation_ids`` op by op: the same integers."""
+    out = np.empty(ops.shape[0], dtype=np.int64)
+    i = 0
+    for d in range(lens.size):
+        base = row_start[d // p]
+        k = d % p
+        for _ in range(lens[d]):
+            virtual = ops[i, 2] * p + k if chunked else ops[i, 2]
+            out[i] = (unit[base + ops[i, 1]] * vp + virtual) * 2 + ops[i, 0]
+            i += 1
+    return out
+
+
 def _slot_offsets(keys: np.ndarray, lens: np.ndarray, units: int):
     """``slot_alignment.slot_offsets`` over integer ring keys (``keys``: every rank's keys one
     rank after another, ``lens`` per rank; -1 for local work, rings in ``[0, units)``): each
@@ -833,6 +849,12 @@ def _njit(njit, function):
 def pipeline_ends():
     """``_pipeline_ends`` compiled, or None where numba is missing."""
     return _compile(_pipeline_ends)
+
+
+@cache
+def operation_ids():
+    """``_operation_ids`` compiled, or None where numba is missing."""
+    return _compile(_operation_ids)
 
 
 @cache
