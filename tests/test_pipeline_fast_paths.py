@@ -405,7 +405,8 @@ def test_a_level_pick_takes_tied_part_nodes_from_the_lowest_rank():
 @settings(max_examples=40, deadline=None)
 @given(schedules(max_ranks=16), st.sampled_from([1, 2, 4, 8]))
 def test_rings_placed_again_by_level_all_have_run_as_many_rings_before(case, ranks_per_node):
-    """Every ring placed again by level meets each member after the same number of rings."""
+    """Every ring placed again by level meets each member after the same number of rings;
+    the ranks' clocks (rings compiled, then local work) are ``_sequential``'s to the bit."""
     runs, order, members, ring_time = case
     n = len(runs) - len(runs) % ranks_per_node if len(runs) > ranks_per_node else len(runs)
     runs = [[x for x in run if not isinstance(x, int)] for run in runs[:n]]  # ranks of whole nodes
@@ -414,7 +415,10 @@ def test_rings_placed_again_by_level_all_have_run_as_many_rings_before(case, ran
     placed = _place_by_level(runs, list(members), members, ring_time, ranks_per_node)
     if placed is None:
         return
-    new_runs, new_members, ring_order = placed
+    new_runs, new_members, ring_order, clock = placed
+    with mock.patch.object(compiled, "ring_clocks", lambda: None):  # the clocks by _sequential
+        plain = slot_alignment.order_by_level(runs, list(members), members, ring_time, ranks_per_node)
+    assert plain.runs == new_runs and plain.members == new_members and plain.clock == clock
     assert sorted(ring_order) == sorted(members) and {u: len(m) for u, m in new_members.items()} == {
         u: len(m) for u, m in members.items()
     }

@@ -398,6 +398,24 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
     return out, sizes.size
 
 
+def _ring_clocks(flat: np.ndarray, sizes: np.ndarray, times: np.ndarray, n: int) -> np.ndarray:
+    """Each of ``n`` ranks' clock after its rings, run in order (ring ``u``'s members at
+    ``flat``'s next ``sizes[u]``, lasting ``times[u]``) from 0, each starting when its last
+    member is free: ``slot_alignment._sequential``'s sums for runs of rings alone."""
+    clock = np.zeros(n)
+    at = 0
+    for u in range(sizes.size):
+        start = 0.0
+        for i in range(at, at + sizes[u]):
+            if clock[flat[i]] > start:
+                start = clock[flat[i]]
+        end = start + times[u]
+        for i in range(at, at + sizes[u]):
+            clock[flat[i]] = end
+        at += sizes[u]
+    return clock
+
+
 def _schedule(
     order: np.ndarray,
     bucket_ends: np.ndarray,
@@ -867,6 +885,12 @@ def slot_offsets():
 def level_placement():
     """``_level_placement`` compiled, or None where numba is missing."""
     return _compile(_level_placement)
+
+
+@cache
+def ring_clocks():
+    """``_ring_clocks`` compiled, or None where numba is missing."""
+    return _compile(_ring_clocks)
 
 
 @cache

@@ -265,8 +265,11 @@ def order_by_level(
     placed = _place_by_level(runs, ring_order, members, ring_time, ranks_per_node)
     if placed is None:
         return None
-    runs_by_level, new_members, order = placed
-    again = _sequential(runs_by_level, order, new_members, ring_time)  # no local work before a ring
+    runs_by_level, new_members, order, clock = placed
+    if clock is None:  # no local work before a ring: rings one after another, then the rest
+        again = _sequential(runs_by_level, order, new_members, ring_time)
+    else:
+        again = Ordered(runs_by_level, clock)
     again.members = new_members
     return again
 
@@ -276,7 +279,9 @@ def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
     before it; local micro-batches run after a rank's last ring. Rings go largest first,
     each to the least-loaded ranks at one level (a ring that fits a node, inside one node),
     so the level its members reach holds at least as many ranks as any later ring needs
-    (node bounds aside: then None). Returns the runs, the new members and the ring order."""
+    (node bounds aside: then None). Returns the runs, the new members, the ring order and,
+    where numba is, each rank's clock as ``_sequential`` gives it for these runs (the rings'
+    clocks compiled, ``compiled.ring_clocks``; else None)."""
     n = len(runs)
     locals_ = [[x for x in run if isinstance(x, LocalBatch)] for run in runs]
     load = np.array([sum(x.time for x in batches) for batches in locals_])  # locals run last, but count
@@ -296,7 +301,16 @@ def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
     by_rank = np.argsort(flat, kind="stable")
     ring_of = np.repeat(np.asarray(order, dtype=np.int64), sizes)[by_rank].tolist()
     bounds = [0, *np.cumsum(np.bincount(flat, minlength=n)).tolist()]
-    return [ring_of[bounds[r] : bounds[r + 1]] + locals_[r] for r in range(n)], new_members, order
+    runs_by_level = [ring_of[bounds[r] : bounds[r + 1]] + locals_[r] for r in range(n)]
+    clock = None
+    if (ring_clocks := compiled.ring_clocks()) is not None:
+        clock = ring_clocks(flat, sizes, times, n).tolist()
+        for r, batches in enumerate(locals_):  # then the local work, summed in run order
+            c = clock[r]
+            for x in batches:
+                c += x.time
+            clock[r] = c
+    return runs_by_level, new_members, order, clock
 
 
 def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn: int):
