@@ -297,22 +297,26 @@ def timed_slots(plan: Plan, cost: CostModel, ranks_per_node: int):
     timer = SlotTimer(cost, plan.expert_parallel)
     ring_inter: dict[tuple, bool] = {}
     slots: list[list[tuple[tuple, float, tuple]]] = []
+    time = timer.time
     for group in groups:
         group_inter = crosses_nodes(group, ranks_per_node)
         mine = []
-        for column in zip(*(plan.ranks[r] for r in group)):
+        for column in zip(*[plan.ranks[r] for r in group]):
             t = 0.0
             keys = ()
+            last = inter = None  # the previous member's ring key (one tuple for all members) and crossing
             for mb in column:
                 key = mb.ring_key
-                inter = False
-                if key is not None:
+                if key is None:
+                    inter = False
+                elif key is not last:
                     if not keys or keys[-1] != key:
                         keys += (key,)
                     inter = ring_inter.get(key)
                     if inter is None:
                         inter = ring_inter[key] = crosses_nodes(key[0], ranks_per_node)
-                seconds = timer.time(mb, inter, group_inter)
+                last = key
+                seconds = time(mb, inter, group_inter)
                 if seconds > t:
                     t = seconds
             mine.append((column, t, keys))
@@ -398,7 +402,9 @@ class SlotTimer:
         if len(pieces) == 1:
             p = pieces[0]
             n = len(p.ring)
-            tokens = p.tokens
+            tokens = 0
+            for start, end in p.ranges:  # Piece.tokens, inlined (~10^5 calls a step)
+                tokens += end - start
             key = (p.seq_len, n, tokens, mb.offload_ratio, ring_inter, group_inter)
             t = self.known.get(key)
             if t is None:
