@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .contract import BACKWARD, FORWARD, Op, PipelineGraph, interleaved_order
-from .pipeline_times import end_times, pipelined_finish_times
+from .pipeline_times import end_times, finish_times_of
 from .slot_alignment import slot_interleaved_orders, slot_offsets
 
 _EPS = 1e-12
@@ -268,7 +268,8 @@ def chunk_schedule(
     megatron_cap = p * chunks + p - 1  # Megatron's interleaved warm-up, first device
     cands = []
     known = known or {}
-    _, finish = known.get(None) or (None, pipelined_finish_times(ring_keys, times, p, forward_share, None, chunks))
+    finish_of = finish_times_of(ring_keys, times, p, forward_share, chunks)  # the graph's arrays made once
+    _, finish = known.get(None) or (None, finish_of(None))
     if finish is not None:
         cands.append((max(finish, default=0.0), None, finish, "the interleaved order"))
     # Megatron's groups of p slots, shifted by phantom slots so that a group starts where some
@@ -287,9 +288,7 @@ def chunk_schedule(
                     ring_keys, times, p, chunks, forward_share, slot_times, megatron, shift, offsets
                 )
             )
-            finish = (
-                None if orders is None else pipelined_finish_times(ring_keys, times, p, forward_share, orders, chunks)
-            )
+            finish = None if orders is None else finish_of(orders)
         if finish is not None:
             name = (
                 "the slot-aligned "
