@@ -229,9 +229,20 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
     best = np.empty(n, dtype=np.int64)
     count = np.zeros(nodes, dtype=np.int64)
     busiest = np.empty(nodes)
-    per_level = np.zeros(sizes.size + 2, dtype=np.int64)
-    least = np.empty(sizes.size + 2)
-    by_level = np.empty(n, dtype=np.int64)
+    # the ranks by level (level lv's in rank order at by_level[lstart[lv]:lstart[lv + 1]]) and
+    # each level's least load, kept as rings move their members up while a ring over several
+    # nodes is still to come (they read them)
+    last_big = -1
+    for u in range(sizes.size):
+        if sizes[u] > rpn:
+            last_big = u
+    by_level = np.arange(n)
+    lstart = np.zeros(sizes.size + 3, dtype=np.int64)
+    lstart[1] = n
+    least = np.full(sizes.size + 2, np.inf)
+    if n:
+        least[0] = load.min()
+    spare = np.empty(n, dtype=np.int64)
     node_at = np.empty(nodes, dtype=np.int64)
     cand = np.empty(nodes, dtype=np.int64)
     vals = np.empty(nodes)
@@ -300,21 +311,10 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
         found = False
         b_start, b_idle, b_level, b_node = 0.0, 0.0, 0, 0
         if size > rpn:  # whole nodes of a level first, then the fullest, least busy, lowest
-            # the ranks by level (a counting sort: rank order within a level) and each level's
-            # least load, so that only levels that hold the ring and might start it no later
-            # than the best so far are looked at, and only at their own ranks
-            for lv in range(top + 2):
-                per_level[lv], least[lv] = 0, np.inf
-            for r in range(n):
-                per_level[level[r] + 1] += 1
-                least[level[r]] = min(least[level[r]], load[r])
+            # only levels that hold the ring and might start it no later than the best so far
+            # are looked at, and only at their own ranks (``by_level``)
             for lv in range(top + 1):
-                per_level[lv + 1] += per_level[lv]  # now where each level's ranks begin
-            for r in range(n):
-                by_level[per_level[level[r]]] = r
-                per_level[level[r]] += 1  # ... and, once all are in, where they end
-            for lv in range(top + 1):
-                lo, hi_end = (per_level[lv - 1] if lv else 0), per_level[lv]
+                lo, hi_end = lstart[lv], lstart[lv + 1]
                 if hi_end - lo < size or (found and least[lv] > b_start):
                     continue
                 m, i = 0, lo  # the level's nodes, ascending: their first rank, count and busiest
@@ -389,15 +389,41 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
         if not found:
             return out, u
         end = b_start + times[u]  # the pick's start is its busiest member's load
+        lv = level[best[0]]  # every member's level
         for i in range(size):
             r = best[i]
             load[r] = end
             level[r] += 1
-            top = max(top, level[r])
             out[at + i] = r
         for i in range(size):
             known[best[i] // rpn, :] = False
         at += size
+        if lv + 1 > top:
+            top = lv + 1
+            lstart[top + 1] = n
+        if u < last_big:  # the members, in rank order, from level lv's ranks to lv + 1's
+            a, b, c = lstart[lv], lstart[lv + 1], lstart[lv + 2]
+            w, j, low = a, 0, np.inf
+            for i in range(a, b):
+                r = by_level[i]
+                if j < size and r == best[j]:
+                    j += 1
+                else:
+                    by_level[w] = r
+                    w += 1
+                    low = min(low, load[r])
+            least[lv] = low
+            spare[: c - b] = by_level[b:c]
+            i, j = 0, 0
+            for q in range(w, c):  # merged with lv + 1's, in rank order
+                if j == size or (i < c - b and spare[i] < best[j]):
+                    by_level[q] = spare[i]
+                    i += 1
+                else:
+                    by_level[q] = best[j]
+                    j += 1
+            lstart[lv + 1] = w
+            least[lv + 1] = end if b == c else min(least[lv + 1], end)
     return out, sizes.size
 
 
