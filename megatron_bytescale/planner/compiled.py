@@ -572,7 +572,13 @@ def _schedule(
     def in_groups(k, g):  # ``RingPlacer._in_groups``: a ring of k members in groups of g
         out = np.empty(k, dtype=np.int64)
         least = key[tree[1]]  # key.min()
-        if np.count_nonzero(key == least) >= k:  # enough ranks at the least load: whole groups of them
+        at_least = 0  # ranks at the least load, counted until there are k
+        for r in range(n):
+            if key[r] == least:
+                at_least += 1
+                if at_least == k:
+                    break
+        if at_least >= k:  # enough ranks at the least load: whole groups of them
             whole = np.empty(nodes, dtype=np.int64)  # per node: its ranks at the least load, in whole groups
             for node in range(nodes):
                 whole[node] = np.count_nonzero(key[node * rpn : (node + 1) * rpn] == least) // g * g
@@ -595,10 +601,27 @@ def _schedule(
             for q in range(per):
                 busiest[node * per + q] = by_node[node, q * g + g - 1]
         chosen = _least_of(busiest, k // g)  # ties: the lower node and group
-        for i in range(chosen.size):
+        local = np.empty(rpn, dtype=np.int64)  # a node's ranks by (key, rank), once per node
+        block = np.empty(g, dtype=np.int64)
+        last = -1
+        for i in range(chosen.size):  # (a node's chosen groups one after another)
             node, q = chosen[i] // per, chosen[i] % per
-            local = np.argsort(key[node * rpn : (node + 1) * rpn], kind="mergesort")  # ties: the lower rank
-            block = np.sort(local[q * g : (q + 1) * g])
+            if node != last:  # a stable insertion sort: ties keep the lower rank first
+                last = node
+                for j in range(rpn):
+                    x = key[node * rpn + j]
+                    p = j
+                    while p > 0 and key[node * rpn + local[p - 1]] > x:
+                        local[p] = local[p - 1]
+                        p -= 1
+                    local[p] = j
+            for j in range(g):  # the group's ranks in rank order
+                x = local[q * g + j]
+                p = j
+                while p > 0 and block[p - 1] > x:
+                    block[p] = block[p - 1]
+                    p -= 1
+                block[p] = x
             for j in range(g):
                 out[i * g + j] = node * rpn + block[j]
         return out
