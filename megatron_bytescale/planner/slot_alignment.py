@@ -501,9 +501,8 @@ def _aligned_compiled(
     counts = np.zeros(units + 1, dtype=np.int64)
     counts[order + 1] = [len(members[u]) for u in ring_order]
     mptr = np.cumsum(counts)
-    mem = np.zeros(int(mptr[-1]), dtype=np.int64)
-    for u in ring_order:
-        mem[mptr[u] : mptr[u + 1]] = members[u]
+    # each ring's members at mptr[u]:mptr[u + 1], the rings in index order
+    mem = np.fromiter(chain.from_iterable(map(members.__getitem__, sorted(ring_order))), np.int64, int(mptr[-1]))
     if split is None:
         lens, coef, layers, recomputed, recomputed_attention = np.zeros(1, dtype=np.int64), np.zeros(4), 1, 0, 0
     else:
