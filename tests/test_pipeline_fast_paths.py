@@ -19,6 +19,8 @@ from megatron_bytescale.planner import compiled, compiled_alignment, slot_alignm
 from megatron_bytescale.planner.contract import PipelineGraph, encode_stage_orders, interleaved_order, longest_paths
 from megatron_bytescale.planner.contract import pipelined_finish_times as walked_finish_times
 from megatron_bytescale.planner.pipeline_times import (
+    ArrayOrders,
+    Longer,
     PipelineArrays,
     _first_of_unit,
     _operation_ids,
@@ -145,7 +147,7 @@ def test_compiled_longest_paths_match_the_levels_on_any_graph(nodes, data):
     kernel = compiled.pipeline_ends()
     assert kernel is not None  # numba is a dependency
     flat = np.stack([src, dst], axis=1).ravel()
-    end, indeg, done = kernel(flat, np.full(src.size, 2, dtype=np.int64), 0, 1, duration)
+    end, indeg, done = kernel(flat, np.full(src.size, 2, dtype=np.int64), 0, 1, duration, np.inf)
     plain_end, plain_indeg = longest_path_ends_by_level(nodes, src, dst, duration)
     assert indeg.tolist() == plain_indeg.tolist()
     if plain_end is None:
@@ -160,7 +162,9 @@ def test_the_pipeline_walk_matches_the_walk_over_edge_arrays(units, vp, barriers
     """``compiled._pipeline_ends`` (sequence edges read in place, chains by arithmetic) against
     the numpy levels over ``edge_arrays``: any sequences of any nodes (repeats, cycles,
     barrier nodes past the chains, empty resources) give the same ends to the bit, or both a
-    cycle with the same in-degrees left."""
+    cycle with the same in-degrees left. Given a limit, the walk stops exactly where some
+    chain operation it reaches ends after it: on a graph walked to the end, where the latest
+    finish of a micro-batch (its first virtual stage's backward) is after the limit."""
     nodes = 2 * units * vp + barriers
     rows = data.draw(st.lists(st.lists(st.integers(0, nodes - 1), max_size=8), min_size=1, max_size=5))
     flat = np.array([v for row in rows for v in row], dtype=np.int64)
@@ -169,10 +173,19 @@ def test_the_pipeline_walk_matches_the_walk_over_edge_arrays(units, vp, barriers
     graph = mock.Mock(units=units, vp=vp)
     src, dst = edge_arrays(graph, flat, lens, barriers)
     want, left = longest_path_ends_by_level(nodes, src, dst, duration)
-    end, indeg, done = compiled.pipeline_ends()(flat, lens, units, vp, duration)
+    kernel = compiled.pipeline_ends()
+    end, indeg, done = kernel(flat, lens, units, vp, duration, np.inf)
     assert indeg.tolist() == left.tolist() and (done == nodes) == (want is not None)
     if want is not None:
         assert end.tolist() == want.tolist()
+    limit = data.draw(st.floats(0.0, 30.0))
+    _, _, stopped = kernel(flat, lens, units, vp, duration, limit)
+    if want is not None:
+        latest = max(want[np.arange(units) * 2 * vp + 1], default=0.0)  # each micro-batch's last operation
+        assert (stopped == -1) == (latest > limit)
+        assert stopped == -1 or stopped == nodes
+    elif stopped != -1:  # a deadlock reached before any chain operation ended after the limit
+        assert stopped == done
 
 
 @settings(max_examples=150, deadline=None)
@@ -437,7 +450,7 @@ def test_the_kernel_compiles_where_no_cache_directory_is_writable(monkeypatch):
         caching.FunctionCache(compiled._pipeline_ends)
     kernel = compiled.pipeline_ends.__wrapped__()
     assert isinstance(kernel, Dispatcher)
-    end, indeg, done = kernel(np.array([0, 1, 2]), np.array([3]), 0, 1, np.array([1.0, 2.0, 0.5]))
+    end, indeg, done = kernel(np.array([0, 1, 2]), np.array([3]), 0, 1, np.array([1.0, 2.0, 0.5]), np.inf)
     assert end.tolist() == [1.0, 3.0, 3.5] and indeg.tolist() == [0, 0, 0] and done == 3
 
 
@@ -569,6 +582,41 @@ def test_rank_estimates_from_item_arrays_match_the_lists(keys, stages, chunks, d
     assert known[None][1] == walked
     if walked is not None:
         assert estimate == walked
+
+
+@pytest.mark.parametrize(
+    "not_megatron, megatron, kept",
+    [
+        ([2.0, 1.0], [1.0, 2.0], "not_megatron"),  # equal steps: not Megatron's, as when it came first
+        ([1.0, 3.0], [2.0, 2.0], "megatron"),
+        ([1.0, 1.5], [2.0, 2.0], "not_megatron"),
+        (Longer(2.0), [2.0, 2.0], "megatron"),  # its walk stopped at Megatron's step
+        ([1.0, 1.0], Longer(3.0), "not_megatron"),  # Megatron's stopped at the caller's limit
+    ],
+)
+def test_slot_aligned_orders_are_walked_megatrons_first_and_the_shorter_kept(not_megatron, megatron, kept):
+    """Where the interleaved order deadlocks, Megatron's slot-aligned order is walked first
+    (given the caller's limit) and the other one stopped at its step: the shorter estimate
+    kept, the other on a tie, as when they were walked in the other order without limits."""
+    orders = {False: ArrayOrders([], 2), True: ArrayOrders([], 2)}
+    finish = {id(orders[False]): not_megatron, id(orders[True]): megatron}
+    bounds = []
+
+    def walk(pipes, o=None, bound=np.inf):
+        bounds.append(bound)
+        return None if o is None else finish[id(o)]  # the interleaved order deadlocks
+
+    runs = [[0], [0]]
+    with (
+        mock.patch.object(slot_alignment, "is_small", lambda *a: False),
+        mock.patch.object(slot_alignment, "slot_offsets", lambda keys: [0, 0]),
+        mock.patch.object(slot_alignment, "slot_interleaved_orders", lambda *a, megatron, **k: orders[megatron]),
+        mock.patch.object(slot_alignment, "finish_times", walk),
+    ):
+        got = slot_alignment.rank_estimates(Ordered(runs, [0.0, 0.0]), 2, {0: 1.0}, 0.4, 2, None, 3.0)
+    assert got == {"not_megatron": not_megatron, "megatron": megatron}[kept]
+    step = max(megatron) if isinstance(megatron, list) else 3.0
+    assert bounds == [np.inf, 3.0, step]  # the interleaved order to the end; Megatron's; the other
 
 
 @settings(max_examples=150, deadline=None)

@@ -3,11 +3,14 @@ stage's work, the interleaved bubble is (p - 1)/V of a stage time, chunk orders 
 list schedule are complete, safe and within their memory cap, and plans with V > 1 hold
 every token once and are estimated as the simulator runs them."""
 
+from unittest import mock
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_bytescale.errors import ConfigError
+from megatron_bytescale.planner import slot_alignment
 from megatron_bytescale.planner.contract import (
     BACKWARD,
     FORWARD,
@@ -21,9 +24,17 @@ from megatron_bytescale.planner.contract import (
     whole_piece,
 )
 from megatron_bytescale.planner.cost_model import FORWARD_SHARE, CostModel
+from megatron_bytescale.planner.estimate import one_f_one_b_time
+from megatron_bytescale.planner.pipeline_times import Longer
 from megatron_bytescale.planner.plan_cli import check_vpp
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
-from megatron_bytescale.planner.slot_alignment import _run_one_pipeline
+from megatron_bytescale.planner.slot_alignment import (
+    LocalBatch,
+    Ordered,
+    _run_one_pipeline,
+    rank_estimates,
+    slot_interleaved_orders,
+)
 from megatron_bytescale.planner.stage_schedule import chunk_schedule, stage_schedule
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import evaluate, pipeline_ring_floor, simulate
@@ -283,6 +294,63 @@ def test_slot_aligned_interleaved_orders_never_deadlock(case):
     if orders is not None:
         check_stage_orders(keys, orders, p, v)
     assert max(finish, default=0.0) <= shortest + 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.one_of(slot_aligned_pipelines(), ring_pipelines(ranks=(1, 4), max_rings=3, before=2, after=2, chunks=[2, 3])),
+    st.booleans(),
+    st.floats(0.5, 1.5),
+    st.data(),
+)
+def test_a_limit_stops_only_the_walks_of_orders_that_could_not_be_kept(case, whole, scale, data):
+    """``rank_estimates`` given the step of a candidate before (``limit``) is its estimate
+    without one, or ``Longer`` where that is over the limit; the orders it stopped were over
+    the step they were stopped at; and where it is kept (not over), ``chunk_schedule``
+    reading what it evaluated chooses the same orders as from the unlimited estimate's.
+    Rings at one slot (the slot-aligned orders exist) or anywhere (where the interleaved order
+    deadlocks, 1F1B's makespans); the graphs are walked by the compiled kernel (the
+    contract's walk ignores a limit)."""
+    keys, times, p, v = case
+    if whole:  # whole seconds: orders of equal steps (the tie rule)
+        times = [[float(round(t)) for t in row] for row in times]
+    ids = {k: i for i, k in enumerate(dict.fromkeys(k for row in keys for k in row if k is not None))}
+    keys = [[None if k is None else ids[k] for k in row] for row in keys]  # the planner's rings are ints
+    ring_time = {k: times[r][i] for r, row in enumerate(keys) for i, k in enumerate(row) if k is not None}
+    runs = [[k if k is not None else LocalBatch((0,), 0.0, t) for k, t in zip(row, ts)] for row, ts in zip(keys, times)]
+    times = [[ring_time[k] if k is not None else t for k, t in zip(row, ts)] for row, ts in zip(keys, times)]
+    ordered = Ordered(runs, [0.0] * len(runs))
+    # the estimate's rule, by the contract's walks: the interleaved order unless it deadlocks,
+    # then the shorter slot-aligned one (not Megatron's on a tie), then 1F1B's makespans
+    want = pipelined_finish_times(keys, times, p, FORWARD_SHARE, None, v)
+    if want is None:
+        slot = [slot_interleaved_orders(keys, times, p, v, FORWARD_SHARE, megatron=m) for m in (False, True)]
+        walked = [pipelined_finish_times(keys, times, p, FORWARD_SHARE, o, v) for o in slot if o is not None]
+        walked = [w for w in walked if w is not None]
+        want = min(walked, key=max) if walked else [one_f_one_b_time(t, p, FORWARD_SHARE) for t in times]
+    with mock.patch.object(slot_alignment, "is_small", lambda *a: False):
+        full = {}
+        assert rank_estimates(ordered, p, ring_time, FORWARD_SHARE, v) == want
+        limit = scale * max(want, default=0.0) if data.draw(st.booleans()) else max(want, default=0.0)
+        got = rank_estimates(ordered, p, ring_time, FORWARD_SHARE, v, full, limit)
+    if isinstance(got, Longer):
+        assert got.limit == limit and max(want) > limit
+        return
+    assert got == want
+    for _, (orders, finish) in full.items():  # each order evaluated: its walk, or stopped over that step
+        walked = pipelined_finish_times(keys, times, p, FORWARD_SHARE, orders, v)
+        if isinstance(finish, Longer):
+            assert max(walked) > finish.limit
+        else:
+            assert finish == walked
+    with mock.patch("megatron_bytescale.planner.pipeline_times.is_small", lambda *a: False):
+        kept = chunk_schedule(keys, times, p, FORWARD_SHARE, v, full)
+    plain = chunk_schedule(keys, times, p, FORWARD_SHARE, v)  # every order walked by the contract
+    assert kept[1:3] == plain[1:3] and _codes(kept[0], v) == _codes(plain[0], v)
+
+
+def _codes(orders, chunks):
+    return None if orders is None else (orders.codes(chunks) if hasattr(orders, "codes") else orders)
 
 
 def test_interleaved_order_is_megatrons_schedule():

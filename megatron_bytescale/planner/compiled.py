@@ -47,7 +47,7 @@ def _least_of(values: np.ndarray, k: int) -> np.ndarray:
 _HELPERS = ("_least_of",)  # module functions the kernels call: compiled before any kernel
 
 
-def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, duration: np.ndarray):
+def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, duration: np.ndarray, limit: float):
     """``pipeline_times.longest_path_ends_by_level`` over ``edge_arrays``' graph, node by node
     in Kahn's order (a 512M-token step's graphs of ~8 x 10^5 operations are ~10^3 levels deep,
     where each level's array operations cost more than its nodes), without building the edge
@@ -62,7 +62,10 @@ def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, dura
     where all nodes ended), the in-degrees left and how many nodes ended (fewer than
     ``duration.size``: a cycle). Memory is what the walk waits on (~10 ns a step at 8 x 10^5
     nodes): its indices are 32-bit (the caller keeps nodes and ``flat`` under 2^31) and each
-    node's start, duration and in-degree (a float: whole numbers, exact) sit side by side."""
+    node's start, duration and in-degree (a float: whole numbers, exact) sit side by side.
+    The walk stops (no ends, -1 nodes) once an operation of a chain ends after ``limit``: its
+    micro-batch's last backward, which follows it, ends later still (ends only grow along
+    edges), so some rank finishes after ``limit`` (``math.inf``: walk to the end)."""
     nodes = duration.size
     total = 2 * units * vp
     indeg = np.zeros(nodes, dtype=np.int32)
@@ -105,6 +108,8 @@ def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, dura
         e = state[v, 0] + state[v, 1]
         nxt = -1  # the chain's successor
         if v < total:
+            if e > limit:
+                return np.empty(0), indeg, -1
             vs = (v // 2) % vp
             if v % 2 == 0:
                 nxt = v + 2 if vs < vp - 1 else v + 1

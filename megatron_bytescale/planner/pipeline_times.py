@@ -13,7 +13,9 @@ of array operations, and such graphs are 10^2-10^3 levels deep.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain
 
@@ -27,6 +29,16 @@ from .contract.graph import _default_pattern
 # Graphs smaller than this many operations are walked by the contract's Python loop: the array
 # operations of a level cost more than walking a few hundred nodes (one pipeline's 1F1B time).
 SMALL_GRAPH = 2048
+
+
+@dataclass(frozen=True)
+class Longer:
+    """What a walk given a limit gives where it stopped: an operation ended after ``limit``,
+    so the step (the latest rank's finish) is longer; the rest of the graph was not walked
+    (whether it deadlocks further on is not known). Where the caller only wants steps up to
+    a bound it already has, a losing order costs part of a walk instead of all of it."""
+
+    limit: float
 
 
 class ArrayOrders(Sequence):
@@ -249,12 +261,22 @@ def graph_ends(
     return _ends(graph, flat, lens, barriers)
 
 
-def _ends(graph: PipelineGraph | PipelineArrays, flat: np.ndarray, lens: np.ndarray, barriers: int = 0):
+def _ends(
+    graph: PipelineGraph | PipelineArrays,
+    flat: np.ndarray,
+    lens: np.ndarray,
+    barriers: int = 0,
+    limit: float = math.inf,
+):
+    """The ends (None: a deadlock) and in-degrees left; ``Longer(limit)`` for the ends where
+    the compiled walk stopped at ``limit`` (the numpy levels walk to the end)."""
     duration = np.zeros(graph.total + barriers)
     duration[: graph.total] = graph.dur
     kernel = compiled.pipeline_ends()  # the walk reads the sequences and chains: no edge arrays
     if kernel is not None and max(flat.size, duration.size) < 2**31:  # its indices are 32-bit
-        end, indeg, done = kernel(flat, lens, graph.units, graph.vp, duration)
+        end, indeg, done = kernel(flat, lens, graph.units, graph.vp, duration, limit)
+        if done < 0:
+            return Longer(limit), indeg
         return (end if done == duration.size else None), indeg
     src, dst = edge_arrays(graph, flat, lens, barriers)
     return longest_path_ends_by_level(graph.total + barriers, src, dst, duration)
@@ -278,16 +300,16 @@ def pipelined_finish_times(unit_keys, times, stages: int, forward_share: float, 
 def finish_times_of(unit_keys, times, stages: int, forward_share: float, chunks: int = 1):
     """``pipelined_finish_times`` of these runs as a function of the orders, for several
     orders of the same runs: the graph's arrays are made once, on first use (~20 ms at 512M
-    tokens)."""
+    tokens). A ``limit`` reaches ``finish_times`` (the contract's walk ignores it)."""
     made: list[PipelineArrays] = []
     small = is_small(sum(map(len, unit_keys)), stages, chunks)
 
-    def finish(orders=None) -> list[float] | None:
+    def finish(orders=None, limit: float = math.inf) -> list[float] | Longer | None:
         if (orders is not None and not isinstance(orders, ArrayOrders)) or small:
             return walked_finish_times(unit_keys, times, stages, forward_share, orders, chunks)
         if not made:
             made.append(PipelineArrays(unit_keys, times, stages, forward_share, chunks))
-        return finish_times(made[0], orders)
+        return finish_times(made[0], orders, limit)
 
     return finish
 
@@ -297,8 +319,11 @@ def is_small(micro_batches: int, stages: int, chunks: int = 1) -> bool:
     return 2 * stages * chunks * micro_batches < SMALL_GRAPH
 
 
-def finish_times(pipes: PipelineArrays, orders: ArrayOrders | None = None) -> list[float] | None:
+def finish_times(
+    pipes: PipelineArrays, orders: ArrayOrders | None = None, limit: float = math.inf
+) -> list[float] | Longer | None:
     """Finish per rank of ``pipes`` under ``orders`` (None: the default ones), None if that
-    deadlocks: ``pipelined_finish_times`` once the graph's arrays are made."""
-    end = _ends(pipes, *pipes.sequences(orders))[0]
-    return None if end is None else pipes.finish(end)
+    deadlocks: ``pipelined_finish_times`` once the graph's arrays are made. With a ``limit``
+    the compiled walk may stop once some rank is bound to finish after it: ``Longer``."""
+    end = _ends(pipes, *pipes.sequences(orders), limit=limit)[0]
+    return end if end is None or isinstance(end, Longer) else pipes.finish(end)

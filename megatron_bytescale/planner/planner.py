@@ -54,7 +54,7 @@ from .expert_slots import (
     round_rings_to_groups,
 )
 from .offload_policy import host_capacity
-from .pipeline_times import ArrayOrders
+from .pipeline_times import ArrayOrders, Longer
 from .placement import RingPlacer, check_shape
 from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
 from .slot_alignment import (
@@ -403,12 +403,13 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
         ring_time = {u: units[u].time for u in assignment.members}
         for ordered in _candidate_orders(lens, units, assignment, config, cost, placer):
             known: dict = {}
+            limit = float("inf") if best is None else best[0]  # only a shorter step is kept
             finish = (
                 None
                 if ordered.deadlock
-                else rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages, known)
+                else rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages, known, limit)
             )
-            step = float("inf") if finish is None else max(finish, default=0.0)
+            step = float("inf") if finish is None or isinstance(finish, Longer) else max(finish, default=0.0)
             if best is None or step < best[0]:
                 best = (step, shards, target, units, assignment, scale, ordered, finish, known)
     step, shards, target, units, assignment, scale, ordered, finish, known = best

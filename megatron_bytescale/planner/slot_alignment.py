@@ -13,6 +13,7 @@ docs/design.md, "Pipeline order".
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from .contract import BACKWARD, FORWARD, Op, find_pipeline_deadlock
 from .contract.ops import megatron_interleaved_orders
 from .cost_model import FORWARD_SHARE, CostModel
 from .estimate import one_f_one_b_time
-from .pipeline_times import ArrayOrders, PipelineArrays, finish_times, is_small, pipelined_finish_times
+from .pipeline_times import ArrayOrders, Longer, PipelineArrays, finish_times, is_small, pipelined_finish_times
 
 LOOKAHEAD = 16  # rings of the schedule tried for the next slot before local work moves between ranks
 # Rings with at least this many members check their shortfall with numpy over the members'
@@ -158,7 +159,8 @@ def rank_estimates(
     forward_share: float = FORWARD_SHARE,
     chunks: int = 1,
     known: dict | None = None,
-) -> list[float]:
+    limit: float = math.inf,
+) -> list[float] | Longer:
     """Estimated seconds per rank. Without pipelines: its clock (micro-batches back to back,
     each ring starting when its last member reaches it). With pipelines: its finish when
     every rank runs 1F1B and rings start on each stage when all members are ready there
@@ -169,7 +171,11 @@ def rank_estimates(
     order that would deadlock gets each rank's 1F1B makespan
     (``estimate.one_f_one_b_time``) or clock, the longer. With chunks, ``known`` (a dict)
     receives each order evaluated, for ``stage_schedule.chunk_schedule`` to reuse: None (the
-    interleaved order) or (slot_times, megatron, shift) -> (orders, finish)."""
+    interleaved order) or (slot_times, megatron, shift) -> (orders, finish). ``limit``: a
+    step the caller already has; the slot-aligned orders' walks stop once they are bound to be
+    longer (they cannot deadlock, ``slot_interleaved_orders``, so one stopped is longer
+    whatever follows), and where every order the estimate could come from is longer, this
+    is ``Longer(limit)`` (``known`` then holds ``Longer`` for the orders stopped)."""
     if stages <= 1:
         return list(ordered.clock)
     runs = ordered.runs
@@ -189,18 +195,21 @@ def rank_estimates(
             )
         return lists
 
-    def finish_of(orders):
+    def finish_of(orders, bound=math.inf):
         if pipes is not None and (orders is None or isinstance(orders, ArrayOrders)):
-            return finish_times(pipes, orders)
+            return finish_times(pipes, orders, bound)
         return pipelined_finish_times(*keys_and_times(), stages, forward_share, orders, chunks)
 
     known = {} if known is None else known
-    finish = finish_of(None)
+    finish = finish_of(None)  # walked to the end: whether it deadlocks decides what follows
     known[None] = (None, finish)
     if finish is None and chunks > 1:  # the slot-aligned interleaved orders are safe where rings share slots
         keys, times = keys_and_times()
         offsets = slot_offsets(keys)
-        for megatron in (False, True):
+        # Megatron's first (the shorter on most batches), so that the other's walk may stop
+        # at its step; the first of (not Megatron, Megatron) wins a tie, as in that order
+        found = {}
+        for megatron in (True, False):
             orders = (
                 None
                 if offsets is None
@@ -208,12 +217,17 @@ def rank_estimates(
                     keys, times, stages, chunks, forward_share, megatron=megatron, offsets=offsets
                 )
             )
-            found = None
-            if orders is not None:
-                found = finish_of(orders)
-            known[False, megatron, 0] = (orders, found)
-            if found is not None and (finish is None or max(found) < max(finish)):
-                finish = found
+            bound = limit if finish is None else min(limit, max(finish))
+            found[megatron] = None if orders is None else finish_of(orders, bound)
+            known[False, megatron, 0] = (orders, found[megatron])
+            if isinstance(found[megatron], list) and (
+                finish is None
+                or max(found[megatron]) < max(finish)
+                or (not megatron and max(found[megatron]) == max(finish))
+            ):
+                finish = found[megatron]
+        if finish is None and any(isinstance(f, Longer) for f in found.values()):
+            return Longer(limit)
     if finish is not None:
         return finish
     return [

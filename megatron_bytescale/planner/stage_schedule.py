@@ -15,11 +15,12 @@ cannot deadlock, and what the search buys on which batches: docs/design.md, "Sta
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .contract import BACKWARD, FORWARD, Op, PipelineGraph, interleaved_order
-from .pipeline_times import end_times, finish_times_of
+from .pipeline_times import Longer, end_times, finish_times_of
 from .slot_alignment import slot_interleaved_orders, slot_offsets
 
 _EPS = 1e-12
@@ -263,13 +264,16 @@ def chunk_schedule(
     the list schedule over chunk operations (``stage_schedule``). Returns (orders, None for
     the default; finish per rank; the most chunk forwards a device may hold under them; what
     was kept), or None if every candidate deadlocks. ``known``: orders already evaluated for
-    these runs (``slot_alignment.rank_estimates``' ``known``), reused instead of evaluated again."""
+    these runs (``slot_alignment.rank_estimates``' ``known``), reused instead of evaluated again;
+    a slot-aligned order's walk stops once it is longer than the shortest so far (``Longer``,
+    named in what was kept as "over" that step)."""
     p = stages
     megatron_cap = p * chunks + p - 1  # Megatron's interleaved warm-up, first device
     cands = []
     known = known or {}
     finish_of = finish_times_of(ring_keys, times, p, forward_share, chunks)  # the graph's arrays made once
     _, finish = known.get(None) or (None, finish_of(None))
+    longer = []  # (name, limit) of the orders whose walks stopped once longer than a shorter one
     if finish is not None:
         cands.append((max(finish, default=0.0), None, finish, "the interleaved order"))
     # Megatron's groups of p slots, shifted by phantom slots so that a group starts where some
@@ -288,15 +292,18 @@ def chunk_schedule(
                     ring_keys, times, p, chunks, forward_share, slot_times, megatron, shift, offsets
                 )
             )
-            finish = None if orders is None else finish_of(orders)
-        if finish is not None:
-            name = (
-                "the slot-aligned "
-                + ("Megatron " if megatron else "")
-                + "interleaved order"
-                + (" (slot times)" if slot_times else "")
-                + (f" (shifted {shift})" if shift else "")
-            )
+            # the walk may stop once longer than the shortest so far: it could not be kept
+            finish = None if orders is None else finish_of(orders, min((c[0] for c in cands), default=math.inf))
+        name = (
+            "the slot-aligned "
+            + ("Megatron " if megatron else "")
+            + "interleaved order"
+            + (" (slot times)" if slot_times else "")
+            + (f" (shifted {shift})" if shift else "")
+        )
+        if isinstance(finish, Longer):
+            longer.append((name, finish.limit))
+        elif finish is not None:
             cands.append((max(finish, default=0.0), orders, finish, name))
     best = min(cands, key=lambda c: c[0]) if cands else None
     ops = 2 * p * chunks * sum(len(k) for k in ring_keys)
@@ -310,5 +317,7 @@ def chunk_schedule(
             return found.orders, found.finish, found.cap, what
     if best is None:
         return None
-    others = ", ".join(f"{c[3]} {c[0]:.4g} s" for c in cands if c is not best)
+    others = ", ".join(
+        [f"{c[3]} {c[0]:.4g} s" for c in cands if c is not best] + [f"{n} over {t:.4g} s" for n, t in longer]
+    )
     return best[1], best[2], megatron_cap, f"{best[3]} ({best[0]:.4g} s" + (f"; {others})" if others else ")")
