@@ -24,6 +24,7 @@ from megatron_bytescale.planner.pipeline_times import (
     PipelineArrays,
     _first_of_unit,
     _operation_ids,
+    _shared_rows,
     edge_arrays,
     graph_ends,
     longest_path_ends_by_level,
@@ -192,28 +193,39 @@ def test_the_pipeline_walk_matches_the_walk_over_edge_arrays(units, vp, barriers
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 4), st.booleans(), st.data())
 def test_compiled_operation_ids_match_the_array_operations(p, v, n, chunked, data):
     """``compiled._operation_ids`` against ``pipeline_times._operation_ids``' array operations:
-    the same id for every op of any devices' rows (empty devices included), chunk or
-    virtual-stage numbering, ranks of any micro-batch counts."""
+    the same id for every op of any devices' rows (empty devices included; some devices
+    sharing an earlier device's array, as ``_shared_rows`` gives them), chunk or
+    virtual-stage numbering, ranks of any micro-batch counts; and both against the ids of
+    each device's rows read one by one."""
     counts = data.draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
     units = max(sum(counts), 1)
     unit = np.array(data.draw(st.lists(st.integers(0, units - 1), min_size=sum(counts), max_size=sum(counts))))
     row_start = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-    rows, lens = [], []
+    per_device = []
     for r in range(n):
         for _ in range(p):
-            ops = (
+            same = [a for d, a in enumerate(per_device) if counts[d // p] == counts[r]]
+            if same and data.draw(st.booleans()):
+                per_device.append(data.draw(st.sampled_from(same)))
+                continue
+            rows = (
                 data.draw(st.lists(st.tuples(st.integers(0, 1), st.integers(0, counts[r] - 1), st.integers(0, v - 1))))
                 if counts[r]
                 else []
             )
-            rows += ops
-            lens.append(len(ops))
-    ops = np.array(rows, dtype=np.int64).reshape(-1, 3)
-    lens = np.array(lens, dtype=np.int64)
+            per_device.append(np.array(rows, dtype=np.int64).reshape(-1, 3))
+    ops, at, lens = _shared_rows(per_device)
+    assert lens.tolist() == [len(a) for a in per_device]
     vp = p * v
-    want = _operation_ids(ops, lens, unit.astype(np.int64), row_start, p, vp, chunked)
-    got = compiled.operation_ids()(ops, lens, unit.astype(np.int64), row_start, p, vp, chunked)
+    want = _operation_ids(ops, at, lens, unit.astype(np.int64), row_start, p, vp, chunked)
+    got = compiled.operation_ids()(ops, at, lens, unit.astype(np.int64), row_start, p, vp, chunked)
     assert got.tolist() == want.tolist()
+    one_by_one = [
+        (unit[row_start[d // p] + m] * vp + (c * p + d % p if chunked else c)) * 2 + direction
+        for d, a in enumerate(per_device)
+        for direction, m, c in a.tolist()
+    ]
+    assert want.tolist() == one_by_one
 
 
 @settings(max_examples=200, deadline=None)

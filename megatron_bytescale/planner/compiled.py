@@ -131,18 +131,27 @@ def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, dura
 
 
 def _operation_ids(
-    ops: np.ndarray, lens: np.ndarray, unit: np.ndarray, row_start: np.ndarray, p: int, vp: int, chunked: bool
+    ops: np.ndarray,
+    at: np.ndarray,
+    lens: np.ndarray,
+    unit: np.ndarray,
+    row_start: np.ndarray,
+    p: int,
+    vp: int,
+    chunked: bool,
 ) -> np.ndarray:
     """``pipeline_times._operation_ids`` op by op: the same integers."""
-    out = np.empty(ops.shape[0], dtype=np.int64)
+    out = np.empty(lens.sum(), dtype=np.int64)
     i = 0
     for d in range(lens.size):
         base = row_start[d // p]
         k = d % p
+        j = at[d]
         for _ in range(lens[d]):
-            virtual = ops[i, 2] * p + k if chunked else ops[i, 2]
-            out[i] = (unit[base + ops[i, 1]] * vp + virtual) * 2 + ops[i, 0]
+            virtual = ops[j, 2] * p + k if chunked else ops[j, 2]
+            out[i] = (unit[base + ops[j, 1]] * vp + virtual) * 2 + ops[j, 0]
             i += 1
+            j += 1
     return out
 
 
