@@ -49,7 +49,7 @@ _HELPERS = ("_least_of",)  # module functions the kernels call: compiled before 
 
 def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, duration: np.ndarray, limit: float):
     """``pipeline_times.longest_path_ends_by_level`` over ``edge_arrays``' graph, node by node
-    in Kahn's order (a 512M-token step's graphs of ~8 x 10^5 operations are ~10^3 levels deep,
+    by Kahn's algorithm (a 512M-token step's graphs of ~8 x 10^5 operations are ~10^3 levels deep,
     where each level's array operations cost more than its nodes), without building the edge
     arrays: each resource's consecutive operations (``flat``, resources of ``lens`` one after
     the other; a pair of equal ids is no edge) are read here, and the chain of a micro-batch's
@@ -101,10 +101,13 @@ def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, dura
         if indeg[v] == 0:
             ready[tail] = v
             tail += 1
-    head = 0
-    while head < tail:
-        v = ready[head]
-        head += 1
+    done = 0  # nodes taken; the ready ones are a stack: the node just made ready (most often
+    # the next virtual stage of the same micro-batch, next in memory) is walked next, ~10% faster
+    # than first in, first out at 512M tokens, and the ends are the same whatever the order
+    while tail > 0:
+        tail -= 1
+        v = ready[tail]
+        done += 1
         e = state[v, 0] + state[v, 1]
         nxt = -1  # the chain's successor
         if v < total:
@@ -127,7 +130,7 @@ def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, dura
     for v in range(nodes):  # the same sums as in the walk, written in order
         end[v] = state[v, 0] + state[v, 1]
         indeg[v] = np.int32(state[v, 2])
-    return end, indeg, tail
+    return end, indeg, done
 
 
 def _operation_ids(
