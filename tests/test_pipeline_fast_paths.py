@@ -440,10 +440,11 @@ def test_rings_placed_again_by_level_all_have_run_as_many_rings_before(case, ran
     placed = _place_by_level(runs, list(members), members, ring_time, ranks_per_node)
     if placed is None:
         return
-    new_runs, new_members, ring_order, clock = placed
+    new_runs, new_members, ring_order, clock, _ = placed
     with mock.patch.object(compiled, "ring_clocks", lambda: None):  # the clocks by _sequential
         plain = slot_alignment.order_by_level(runs, list(members), members, ring_time, ranks_per_node)
     assert plain.runs == new_runs and plain.members == new_members and plain.clock == clock
+    _check_items(plain, ring_time)
     assert sorted(ring_order) == sorted(members) and {u: len(m) for u, m in new_members.items()} == {
         u: len(m) for u, m in members.items()
     }
@@ -535,6 +536,16 @@ def test_the_compiled_aligned_pass_matches_its_python_version(
             slow = slot_alignment._aligned(*args, frugal=frugal, stop_unaligned=stop)
     assert fast is not None  # numba is a dependency: the compiled pass ran
     assert _every_field(fast) == _every_field(slow)
+    _check_items(fast, ring_time)
+
+
+def _check_items(ordered, ring_time):
+    """``Ordered.items`` as the compiled passes leave them: what ``item_arrays`` makes of the
+    runs, every float to the bit (``rank_estimates`` reads them instead)."""
+    assert ordered.items is not None
+    want = item_arrays(ordered.runs, ring_time)
+    got = slot_alignment.ordered_item_arrays(ordered, ring_time)
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist() and got[2] == want[2]
 
 
 def test_a_compiled_pass_whose_row_fills_up_runs_again_with_longer_rows():

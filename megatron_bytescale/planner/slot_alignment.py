@@ -95,6 +95,10 @@ class Ordered:
     searched: bool = False  # the slots came from the time-blind search over the ring structure
     members: dict[int, tuple[int, ...]] | None = None  # new ring members, if the rings had to be placed again
     deadlock: str | None = None  # set when no order safe for 1F1B was found
+    # where a compiled pass made the runs: every item's ring (-1: local work) and the local
+    # items' seconds (NaN for rings), rank after rank, which ``rank_estimates`` reads instead
+    # of a Python step per item (``item_arrays``); the runs are not changed after
+    items: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def order_runs(
@@ -179,7 +183,7 @@ def rank_estimates(
     if stages <= 1:
         return list(ordered.clock)
     runs = ordered.runs
-    rings, seconds, counts = item_arrays(runs, ring_time)
+    rings, seconds, counts = ordered_item_arrays(ordered, ring_time)
     # the graph's arrays, made once from the items' arrays for every order evaluated; the
     # lists of keys and times only where the contract's walk or the slot orders read them
     pipes = None
@@ -250,6 +254,19 @@ def item_arrays(
     return rings, seconds, list(map(len, runs))
 
 
+def ordered_item_arrays(ordered: Ordered, ring_time: dict[int, float]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """``item_arrays(ordered.runs, ring_time)``, from ``Ordered.items`` where a compiled pass
+    left them (the rings' seconds looked up once per ring)."""
+    if ordered.items is None:
+        return item_arrays(ordered.runs, ring_time)
+    rings, seconds = ordered.items
+    seconds = seconds.copy()
+    at = np.flatnonzero(rings >= 0)
+    distinct, which = np.unique(rings[at], return_inverse=True)
+    seconds[at] = np.fromiter(map(ring_time.__getitem__, distinct.tolist()), np.float64, distinct.size)[which]
+    return rings, seconds, list(map(len, ordered.runs))
+
+
 def _split_items(items: list[Item]) -> tuple[np.ndarray, list[int], list[LocalBatch]]:
     """Which items are local micro-batches (a mask), the others (rings) and those, each in
     order, without a Python branch per item. (``type is``: the planner makes LocalBatch
@@ -279,12 +296,13 @@ def order_by_level(
     placed = _place_by_level(runs, ring_order, members, ring_time, ranks_per_node)
     if placed is None:
         return None
-    runs_by_level, new_members, order, clock = placed
+    runs_by_level, new_members, order, clock, items = placed
     if clock is None:  # no local work before a ring: rings one after another, then the rest
         again = _sequential(runs_by_level, order, new_members, ring_time)
     else:
         again = Ordered(runs_by_level, clock)
     again.members = new_members
+    again.items = items
     return again
 
 
@@ -293,9 +311,9 @@ def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
     before it; local micro-batches run after a rank's last ring. Rings go largest first,
     each to the least-loaded ranks at one level (a ring that fits a node, inside one node),
     so the level its members reach holds at least as many ranks as any later ring needs
-    (node bounds aside: then None). Returns the runs, the new members, the ring order and,
+    (node bounds aside: then None). Returns the runs, the new members, the ring order,
     where numba is, each rank's clock as ``_sequential`` gives it for these runs (the rings'
-    clocks compiled, ``compiled.ring_clocks``; else None)."""
+    clocks compiled, ``compiled.ring_clocks``; else None), and the runs' ``Ordered.items``."""
     n = len(runs)
     locals_ = [[x for x in run if isinstance(x, LocalBatch)] for run in runs]
     load = np.array([sum(x.time for x in batches) for batches in locals_])  # locals run last, but count
@@ -316,6 +334,17 @@ def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
     ring_of = np.repeat(np.asarray(order, dtype=np.int64), sizes)[by_rank].tolist()
     bounds = [0, *np.cumsum(np.bincount(flat, minlength=n)).tolist()]
     runs_by_level = [ring_of[bounds[r] : bounds[r + 1]] + locals_[r] for r in range(n)]
+    # the items' arrays: each rank's rings, then its local work
+    rings_per_rank = np.diff(bounds)
+    local_counts = np.fromiter(map(len, locals_), np.int64, n)
+    before = np.cumsum(rings_per_rank + local_counts) - local_counts  # each rank's first local item
+    local_at = np.repeat(before - np.cumsum(local_counts) + local_counts, local_counts) + np.arange(local_counts.sum())
+    item_rings = np.full(len(flat) + int(local_counts.sum()), -1, dtype=np.int64)
+    ring_at = np.ones(item_rings.size, dtype=bool)
+    ring_at[local_at] = False
+    item_rings[ring_at] = ring_of
+    seconds = np.full(item_rings.size, np.nan)
+    seconds[local_at] = np.fromiter((x.time for x in chain.from_iterable(locals_)), np.float64, local_at.size)
     clock = None
     if (ring_clocks := compiled.ring_clocks()) is not None:
         clock = ring_clocks(flat, sizes, times, n).tolist()
@@ -324,7 +353,7 @@ def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
             for x in batches:
                 c += x.time
             clock[r] = c
-    return runs_by_level, new_members, order, clock
+    return runs_by_level, new_members, order, clock, (item_rings, seconds)
 
 
 def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn: int):
@@ -550,11 +579,20 @@ def _aligned_compiled(
         table[k] = LocalBatch(seq_ids, pool[int(new_root[k])].ratio, float(new_time[k]))
     # code x looked up at x + len(table): table[~x] for a local micro-batch, x for a ring
     lookup = [*reversed(table), *range(units)]
-    placed_items = list(map(lookup.__getitem__, (codes[np.argsort(ranks, kind="stable")] + len(table)).tolist()))
+    in_order = codes[np.argsort(ranks, kind="stable")]
+    placed_items = list(map(lookup.__getitem__, (in_order + len(table)).tolist()))
     bounds = np.cumsum(np.bincount(ranks, minlength=n)).tolist()
     out = [placed_items[a:b] for a, b in zip([0, *bounds[:-1]], bounds)]
     pulled, deferred, splits, moved, reordered = counters.tolist()
-    return Ordered(out, clock.tolist(), pulled, deferred, splits, moved, reordered, unaligned[: int(state[2])].tolist())
+    # the items' arrays: a local item's seconds are its LocalBatch's (the pool's own, or a
+    # split half's from the pass)
+    local = in_order < 0
+    local_time = np.concatenate((ptime[: len(pool)], new_time[len(pool) : len(table)]))
+    seconds = np.full(in_order.size, np.nan)
+    seconds[local] = local_time[-1 - in_order[local]]
+    items = (np.where(local, -1, in_order), seconds)
+    unaligned_rings = unaligned[: int(state[2])].tolist()
+    return Ordered(out, clock.tolist(), pulled, deferred, splits, moved, reordered, unaligned_rings, items=items)
 
 
 def _slot_search(runs, order, members, split: Splitter | None):
