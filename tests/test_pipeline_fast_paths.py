@@ -592,6 +592,7 @@ def test_rank_estimates_from_item_arrays_match_the_lists(keys, stages, chunks, d
     rings, seconds, counts = item_arrays(runs, ring_time)
     assert rings.tolist() == [-1 if k is None else k for row in keys for k in row]
     assert seconds.tolist() == [t for row in times for t in row] and counts == [len(row) for row in keys]
+    assert slot_alignment.run_lists(rings, seconds, counts) == (keys, times)
     fast = PipelineArrays.of_rings(rings, seconds, counts, stages, 0.4, chunks)
     plain = PipelineArrays(keys, times, stages, 0.4, chunks)
     assert fast.unit.tolist() == plain.unit.tolist() and fast.dur.tolist() == plain.dur.tolist()

@@ -64,7 +64,9 @@ from .slot_alignment import (
     PackSplitter,
     order_by_level,
     order_runs,
+    ordered_item_arrays,
     rank_estimates,
+    run_lists,
     unit_keys,
 )
 from .stage_schedule import chunk_schedule, stage_schedule
@@ -260,8 +262,8 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         # orders (at most Megatron's p V + p - 1 chunk forwards in flight) and the list
         # schedule over chunk ops (p V first: the activations of 1F1B's p micro-batches, what
         # capacity, offload ratios and the host budget are sized for); the shortest safe one.
-        times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
-        chosen = chunk_schedule(unit_keys(ordered.runs), times, stages, cost.forward_share, chunks, known)
+        keys, times = run_lists(*ordered_item_arrays(ordered, ring_time))
+        chosen = chunk_schedule(keys, times, stages, cost.forward_share, chunks, known)
         if chosen is None:
             raise PlanError(
                 f"no deadlock-free order of {chunks} model chunks over {stages} pipeline stages found for this batch; "

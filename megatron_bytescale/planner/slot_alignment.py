@@ -18,7 +18,7 @@ from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, chain, compress
+from itertools import accumulate, chain, compress, pairwise
 from operator import attrgetter
 
 import numpy as np
@@ -182,7 +182,6 @@ def rank_estimates(
     is ``Longer(limit)`` (``known`` then holds ``Longer`` for the orders stopped)."""
     if stages <= 1:
         return list(ordered.clock)
-    runs = ordered.runs
     rings, seconds, counts = ordered_item_arrays(ordered, ring_time)
     # the graph's arrays, made once from the items' arrays for every order evaluated; the
     # lists of keys and times only where the contract's walk or the slot orders read them
@@ -193,10 +192,7 @@ def rank_estimates(
 
     def keys_and_times():
         if not lists:
-            lists[:] = (
-                unit_keys(runs),
-                [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in runs],
-            )
+            lists[:] = run_lists(rings, seconds, counts)
         return lists
 
     def finish_of(orders, bound=math.inf):
@@ -252,6 +248,15 @@ def item_arrays(
     seconds[~local] = np.fromiter(map(ring_time.__getitem__, ring_items), dtype=np.float64, count=len(ring_items))
     seconds[local] = np.fromiter(map(_time_of, local_items), dtype=np.float64, count=len(local_items))
     return rings, seconds, list(map(len, runs))
+
+
+def run_lists(rings: np.ndarray, seconds: np.ndarray, counts: list[int]) -> tuple[list, list]:
+    """``item_arrays``' arrays as the lists the contract's walk and the slot orders read: per
+    rank, each item's ring (None: local work, ``unit_keys``) and its seconds."""
+    keys = [None if k < 0 else k for k in rings.tolist()]
+    times = seconds.tolist()
+    bounds = list(accumulate(counts, initial=0))
+    return [keys[a:b] for a, b in pairwise(bounds)], [times[a:b] for a, b in pairwise(bounds)]
 
 
 def ordered_item_arrays(ordered: Ordered, ring_time: dict[int, float]) -> tuple[np.ndarray, np.ndarray, list[int]]:
