@@ -8,7 +8,9 @@
 """
 
 from collections import defaultdict
+from contextlib import nullcontext
 from graphlib import CycleError, TopologicalSorter
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_bytescale.errors import ConfigError
-from megatron_bytescale.planner import expert_slots
+from megatron_bytescale.planner import compiled, expert_slots
 from megatron_bytescale.planner.contract import Plan, micro_batch, ring_pieces, whole_piece
 from megatron_bytescale.planner.contract.slots import ep_groups, slot_nodes
 from megatron_bytescale.planner.estimate import crosses_nodes, micro_batch_time, whole_sequences_time
@@ -71,11 +73,15 @@ def ring_plans(draw, aligned: bool = False):
     return Plan(num_ranks=n, capacity=100, num_layers=6, seq_lens=tuple(lens), ranks=ranks, expert_parallel=e)
 
 
+@pytest.mark.parametrize("path", ["compiled", "python"])
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ring_plans())
-def test_slots_from_ring_times_are_the_scans_slots(plan):
+@given(plan=ring_plans())
+def test_slots_from_ring_times_are_the_scans_slots(path, plan):
+    """Both paths of ``_slots_from_ring_times`` (the compiled pass, and Python where numba is
+    missing) against the scan: the same slot of every micro-batch, None where it raises."""
     queues, keys = zip(*(expert_slots._longest_first(mbs) for mbs in plan.ranks))
-    fast = expert_slots._slots_from_ring_times(queues, keys)
+    with mock.patch.object(compiled, "item_slots", lambda: None) if path == "python" else nullcontext():
+        fast = expert_slots._slots_from_ring_times(queues, keys)
     try:
         plain = expert_slots._slots_by_scan([list(q) for q in queues])
     except ConfigError:
@@ -87,6 +93,19 @@ def test_slots_from_ring_times_are_the_scans_slots(plan):
     assert fast is not None  # each ring is held once by each member here: only cycles fall back
     assert [sorted(d) for d in fast] == [sorted(d) for d in plain]
     assert all(fast[r][s] is plain[r][s] for r in range(len(plain)) for s in plain[r])
+
+
+@pytest.mark.parametrize("path", ["compiled", "python"])
+def test_a_ring_missing_from_a_member_or_held_by_another_rank_is_left_out(path):
+    """A ring key whose ranks do not all hold it, or held by a rank outside it: no slots from
+    ring times (``align_expert_slots`` then scans), on either path."""
+    shares = ring_pieces(0, 10, (0, 1))
+    one = [[micro_batch((shares[0],))], []]  # rank 1 never holds its share
+    other = [[micro_batch((shares[0],))], [], [micro_batch((shares[1],))]]  # rank 2 holds rank 1's
+    with mock.patch.object(compiled, "item_slots", lambda: None) if path == "python" else nullcontext():
+        for lists in (one, other):
+            keys = [[mb.ring_key for mb in mbs] for mbs in lists]
+            assert expert_slots._slots_from_ring_times(lists, keys) is None
 
 
 def test_a_ring_held_twice_by_its_members_is_left_to_the_scan():

@@ -462,6 +462,92 @@ def _ring_clocks(flat: np.ndarray, sizes: np.ndarray, times: np.ndarray, n: int)
     return clock
 
 
+def _item_slots(number: np.ndarray, counts: np.ndarray, rings: int):
+    """``expert_slots._slots_from_ring_times``' slots, item by item: ``number`` each item's
+    ring (0 to ``rings - 1``; -1: local), rank after rank (``counts`` per rank). A ring runs
+    at the latest, over its members, of max(slot of the member's previous ring + 1, its
+    position in the member's queue), found in Kahn's order over the rings (``_ring_slots``);
+    a rank's local items take, in order, the first slots none of its rings holds. Returns
+    each item's slot and whether every ring was reached (False: they wait in a cycle)."""
+    n = counts.size
+    total = number.size
+    start = np.zeros(n + 1, dtype=np.int64)
+    for r in range(n):
+        start[r + 1] = start[r] + counts[r]
+    held = np.zeros(rings + 1, dtype=np.int64)  # each ring's holders, CSR
+    for i in range(total):
+        if number[i] >= 0:
+            held[number[i] + 1] += 1
+    for i in range(rings):
+        held[i + 1] += held[i]
+    holder = np.empty(held[rings], dtype=np.int64)
+    fill = held[:-1].copy()
+    for r in range(n):
+        for i in range(start[r], start[r + 1]):
+            if number[i] >= 0:
+                holder[fill[number[i]]] = r
+                fill[number[i]] += 1
+    slot = np.zeros(rings, dtype=np.int64)
+    left = held[1:] - held[:-1]  # members yet to reach each ring
+    at = start[:-1].copy()  # each rank's next item that may be a ring
+    ready = np.empty(rings, dtype=np.int64)
+    top = 0
+    prev = np.full(n, -1, dtype=np.int64)  # each rank's previous ring's slot
+    todo = np.arange(n)  # ranks that move on to their next ring
+    count = n
+    done = 0
+    while True:
+        for t in range(count):  # each rank in ``todo`` reaches its next ring, if any
+            r = todo[t]
+            while at[r] < start[r + 1] and number[at[r]] < 0:
+                at[r] += 1
+            if at[r] == start[r + 1]:
+                continue
+            i = number[at[r]]
+            pos = at[r] - start[r]
+            s = prev[r] + 1 if prev[r] >= pos else pos
+            if s > slot[i]:
+                slot[i] = s
+            left[i] -= 1
+            if left[i] == 0:
+                ready[top] = i
+                top += 1
+        if top == 0:
+            break
+        top -= 1
+        i = ready[top]
+        done += 1
+        count = held[i + 1] - held[i]
+        for c in range(count):  # its members move past it
+            r = holder[held[i] + c]
+            prev[r] = slot[i]
+            at[r] += 1
+            todo[c] = r
+    out = np.empty(total, dtype=np.int64)
+    if done < rings:
+        return out, False
+    for r in range(n):  # rings at their slots, local items in the first free ones, in order
+        free = 0
+        for i in range(start[r], start[r + 1]):
+            if number[i] >= 0:
+                out[i] = slot[number[i]]
+        j = start[r]  # the next ring item, whose slot a local item skips
+        while j < start[r + 1] and number[j] < 0:
+            j += 1
+        for i in range(start[r], start[r + 1]):
+            if number[i] >= 0:
+                continue
+            while j < start[r + 1] and slot[number[j]] <= free:
+                if slot[number[j]] == free:
+                    free += 1
+                j += 1
+                while j < start[r + 1] and number[j] < 0:
+                    j += 1
+            out[i] = free
+            free += 1
+    return out, True
+
+
 def _schedule(
     order: np.ndarray,
     bucket_ends: np.ndarray,
@@ -960,6 +1046,12 @@ def level_placement():
 def ring_clocks():
     """``_ring_clocks`` compiled, or None where numba is missing."""
     return _compile(_ring_clocks)
+
+
+@cache
+def item_slots():
+    """``_item_slots`` compiled, or None where numba is missing."""
+    return _compile(_item_slots)
 
 
 @cache

@@ -18,10 +18,12 @@ contract's (``contract.slots``); its proof, the alignment and the costs: docs/de
 from __future__ import annotations
 
 from graphlib import CycleError
+from itertools import accumulate, chain
 
 import numpy as np
 
 from ..errors import ConfigError
+from . import compiled
 from .contract import MicroBatch, Plan, longest_paths, micro_batch
 from .contract.slots import ep_groups, slot_nodes
 from .cost_model import CostModel
@@ -106,7 +108,11 @@ def _slots_from_ring_times(queues, keys) -> list[dict[int, MicroBatch]] | None:
     slots, while it has any left, so its locals fill the other slots in order. A ring reaches
     the head of member r's queue at ``max(slot of r's previous ring + 1, its queue position)``
     (both: every earlier ring has run, and every earlier local has had a slot) and runs at
-    the latest such slot of its members: a longest path over the rings, in Kahn's order."""
+    the latest such slot of its members: a longest path over the rings, in Kahn's order.
+    Compiled where numba is (``compiled.item_slots``), else in Python below."""
+    kernel = compiled.item_slots()
+    if kernel is not None:
+        return _slots_compiled(kernel, queues, keys)
     ids: dict[tuple, int] = {}  # ring key -> ring number (keys are hashed once)
     holders: list[list[int]] = []  # ring number -> ranks holding it
     rings_of: list[list[tuple[int, int]]] = []  # rank -> (queue position, ring number), in order
@@ -136,6 +142,35 @@ def _slots_from_ring_times(queues, keys) -> list[dict[int, MicroBatch]] | None:
         mine.update(zip(free, local))
         slotted.append(mine)
     return slotted
+
+
+def _slots_compiled(kernel, queues, keys) -> list[dict[int, MicroBatch]] | None:
+    """``_slots_from_ring_times`` with the rings numbered here (each key hashed once), the
+    check that each ring is held once by each of its members done on arrays, and every
+    item's slot from the compiled pass (``compiled._item_slots``)."""
+    ids: dict[tuple, int] = {}
+    flat = list(chain.from_iterable(keys))
+    number = np.fromiter((-1 if k is None else ids.setdefault(k, len(ids)) for k in flat), np.int64, len(flat))
+    ring = number >= 0
+    counts = np.fromiter(map(len, keys), np.int64, len(keys))
+    nums = number[ring]
+    held_by = np.repeat(np.arange(len(keys)), counts)[ring]
+    holders = held_by[np.lexsort((held_by, nums))]  # each ring's holders ascending, rings in order
+    members = [key[0] for key in ids]  # in ring number order
+    sizes = np.fromiter(map(len, members), np.int64, len(members))
+    if not np.array_equal(np.bincount(nums, minlength=len(ids)), sizes):
+        return None
+    member = np.fromiter(chain.from_iterable(members), np.int64, int(sizes.sum()))
+    of = np.repeat(np.arange(len(ids)), sizes)
+    member = member[np.lexsort((member, of))]  # each ring's members ascending, rings in order
+    if not np.array_equal(member, holders) or np.any((member[1:] == member[:-1]) & (of[1:] == of[:-1])):
+        return None  # some ring not held exactly once by each member (nor by others)
+    slots, whole = kernel(number, counts, len(ids))
+    if not whole:
+        return None  # a cycle: the scan reports it
+    slots = slots.tolist()
+    bounds = list(accumulate(counts.tolist(), initial=0))
+    return [dict(zip(slots[a:b], q)) for q, a, b in zip(queues, bounds, bounds[1:])]
 
 
 def _ring_slots(holders: list[list[int]], rings_of: list[list[tuple[int, int]]]) -> list[int] | None:
