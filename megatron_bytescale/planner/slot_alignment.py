@@ -98,7 +98,7 @@ class Ordered:
     # where a compiled pass made the runs: every item's ring (-1: local work) and the local
     # items' seconds (NaN for rings), rank after rank, which ``rank_estimates`` reads instead
     # of a Python step per item (``item_arrays``); the runs are not changed after
-    items: tuple[np.ndarray, np.ndarray] | None = None
+    items: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
 
 
 def order_runs(
