@@ -466,7 +466,7 @@ def _item_slots(number: np.ndarray, counts: np.ndarray, rings: int):
     """``expert_slots._slots_from_ring_times``' slots, item by item: ``number`` each item's
     ring (0 to ``rings - 1``; -1: local), rank after rank (``counts`` per rank). A ring runs
     at the latest, over its members, of max(slot of the member's previous ring + 1, its
-    position in the member's queue), found in Kahn's order over the rings (``_ring_slots``);
+    position in the member's queue), found in Kahn's order over the rings;
     a rank's local items take, in order, the first slots none of its rings holds. Returns
     each item's slot and whether every ring was reached (False: they wait in a cycle)."""
     n = counts.size

@@ -108,46 +108,10 @@ def _slots_from_ring_times(queues, keys) -> list[dict[int, MicroBatch]] | None:
     slots, while it has any left, so its locals fill the other slots in order. A ring reaches
     the head of member r's queue at ``max(slot of r's previous ring + 1, its queue position)``
     (both: every earlier ring has run, and every earlier local has had a slot) and runs at
-    the latest such slot of its members: a longest path over the rings, in Kahn's order.
-    Compiled where numba is (``compiled.item_slots``), else in Python below."""
-    kernel = compiled.item_slots()
-    if kernel is not None:
-        return _slots_compiled(kernel, queues, keys)
-    ids: dict[tuple, int] = {}  # ring key -> ring number (keys are hashed once)
-    holders: list[list[int]] = []  # ring number -> ranks holding it
-    rings_of: list[list[tuple[int, int]]] = []  # rank -> (queue position, ring number), in order
-    for rank, ks in enumerate(keys):
-        mine = []
-        for pos, key in enumerate(ks):
-            if key is not None:
-                i = ids.setdefault(key, len(ids))
-                if i == len(holders):
-                    holders.append([])
-                holders[i].append(rank)
-                mine.append((pos, i))
-        rings_of.append(mine)
-    for key, i in ids.items():
-        ring = set(key[0])
-        if not len(holders[i]) == len(ring) == len(key[0]) or set(holders[i]) != ring:
-            return None
-    slot = _ring_slots(holders, rings_of)
-    if slot is None:
-        return None  # a cycle: the scan reports it
-    slotted = []
-    for q, ks, rings in zip(queues, keys, rings_of):
-        mine = {slot[i]: q[pos] for pos, i in rings}
-        local = [mb for mb, key in zip(q, ks) if key is None]
-        # the first len(local) slots that hold no ring (all among the first len(q) slots)
-        free = sorted(set(range(len(q))).difference(mine))
-        mine.update(zip(free, local))
-        slotted.append(mine)
-    return slotted
-
-
-def _slots_compiled(kernel, queues, keys) -> list[dict[int, MicroBatch]] | None:
-    """``_slots_from_ring_times`` with the rings numbered here (each key hashed once), the
-    check that each ring is held once by each of its members done on arrays, and every
-    item's slot from the compiled pass (``compiled._item_slots``)."""
+    the latest such slot of its members: a longest path over the rings, in Kahn's order
+    (``compiled._item_slots``, run as Python where numba is missing). The rings are numbered
+    here (each key hashed once), and the check that each is held once by each of its members
+    is made on arrays."""
     ids: dict[tuple, int] = {}
     flat = list(chain.from_iterable(keys))
     number = np.fromiter((-1 if k is None else ids.setdefault(k, len(ids)) for k in flat), np.int64, len(flat))
@@ -165,42 +129,12 @@ def _slots_compiled(kernel, queues, keys) -> list[dict[int, MicroBatch]] | None:
     member = member[np.lexsort((member, of))]  # each ring's members ascending, rings in order
     if not np.array_equal(member, holders) or np.any((member[1:] == member[:-1]) & (of[1:] == of[:-1])):
         return None  # some ring not held exactly once by each member (nor by others)
-    slots, whole = kernel(number, counts, len(ids))
+    slots, whole = (compiled.item_slots() or compiled._item_slots)(number, counts, len(ids))
     if not whole:
         return None  # a cycle: the scan reports it
     slots = slots.tolist()
     bounds = list(accumulate(counts.tolist(), initial=0))
     return [dict(zip(slots[a:b], q)) for q, a, b in zip(queues, bounds, bounds[1:])]
-
-
-def _ring_slots(holders: list[list[int]], rings_of: list[list[tuple[int, int]]]) -> list[int] | None:
-    """The slot of each ring (``_slots_from_ring_times``): the latest, over its members, of
-    ``max(slot of the member's previous ring + 1, position in its queue)``; a ring is taken
-    once every member has reached it (Kahn's order). None if rings wait in a cycle."""
-    slot = [0] * len(holders)  # so far: the latest slot a member that reached it can run it at
-    left = [len(ranks) for ranks in holders]  # members yet to reach it
-    ready = []
-    nxt = [0] * len(rings_of)  # rank -> index in rings_of[rank] of the ring it waits at
-    pending = [(rings[0], -1) for rings in rings_of if rings]  # (position, ring), previous slot
-    done = 0
-    while True:
-        for (pos, i), before in pending:
-            at = before + 1 if before >= pos else pos
-            if at > slot[i]:
-                slot[i] = at
-            left[i] -= 1
-            if not left[i]:
-                ready.append(i)
-        if not ready:
-            break
-        i = ready.pop()
-        done += 1
-        pending = []
-        for rank in holders[i]:
-            j = nxt[rank] = nxt[rank] + 1
-            if j < len(rings_of[rank]):
-                pending.append((rings_of[rank][j], slot[i]))
-    return slot if done == len(holders) else None
 
 
 def round_rings_to_groups(expert_parallel: int, num_ranks: int):
