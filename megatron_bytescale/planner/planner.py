@@ -67,7 +67,6 @@ from .slot_alignment import (
     ordered_item_arrays,
     rank_estimates,
     run_lists,
-    unit_keys,
 )
 from .stage_schedule import chunk_schedule, stage_schedule
 
@@ -376,8 +375,8 @@ def _order(
 
 def _search_stage_orders(ordered: Ordered, stages: int, ring_time: dict[int, float], cost: CostModel):
     """Per-stage orders shorter than 1F1B for the ordered runs (``stage_schedule``), or None."""
-    times = [[x.time if isinstance(x, LocalBatch) else ring_time[x] for x in run] for run in ordered.runs]
-    return stage_schedule(unit_keys(ordered.runs), times, stages, cost.forward_share)
+    keys, times = run_lists(*ordered_item_arrays(ordered, ring_time))
+    return stage_schedule(keys, times, stages, cost.forward_share)
 
 
 def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: RingPlacer):
