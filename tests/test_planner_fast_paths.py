@@ -616,6 +616,19 @@ def test_schedule_gives_up_only_once_its_bound_passes_the_limit(specs, stages, s
         assert got is None
 
 
+def test_schedule_refuses_the_columns_of_other_units():
+    """``schedule`` reads the units' ``UnitColumns`` where the planner passes them: columns
+    of another unit count are a caller's bug, refused rather than read past or short."""
+    from megatron_bytescale.planner.balance import Unit, UnitColumns, schedule
+
+    units = [Unit("short", (i,), 1, 0.5 + i, 10) for i in range(4)]
+    given = schedule(units, RingPlacer(4, 4), "pp", 0.05, 2, columns=UnitColumns.of(units))
+    plain = schedule(units, RingPlacer(4, 4), "pp", 0.05, 2)
+    assert given.runs == plain.runs and given.key.tolist() == plain.key.tolist()
+    with pytest.raises(ValueError, match="columns of 3 units given for 4 units"):
+        schedule(units, RingPlacer(4, 4), "pp", 0.05, 2, columns=UnitColumns.of(units[:3]))
+
+
 @pytest.mark.parametrize("dataset", ["github", "byted"])
 @pytest.mark.parametrize("mode", ["dp", "ep"])
 def test_retargets_stopped_early_give_the_plan_of_every_target_in_full(dataset, mode):
@@ -783,15 +796,19 @@ def test_best_schedules_stopped_early_match_every_target_scheduled(case, ordered
     schedules as scheduling every target in full and sorting by bound (ties to the earlier
     target), though schedules that cannot be among the best stop early."""
     from megatron_bytescale.planner import planner
-    from megatron_bytescale.planner.balance import schedule
+    from megatron_bytescale.planner.balance import UnitColumns, schedule
 
     lens, config = case
     cost = small_cost()
     placer = RingPlacer(config.num_ranks, config.ranks_per_node)
     targets = planner._pipeline_targets(planner.check_lengths(lens), config, cost, placer)
+    for *_, units, columns in targets:  # the short units' columns read once, joined to each target's long ones
+        whole = UnitColumns.of(units)
+        for got, want in zip(columns._columns(), whole._columns(), strict=True):
+            assert got.dtype == want.dtype and np.array_equal(got, want)
     full = [
         (float(a.key.max()), planner.PIPELINE_RETARGET[position], a)
-        for position, _, _, units in targets
+        for position, _, _, units, _ in targets
         for a in [schedule(units, placer, "pp", config.slack, config.pipeline_stages)]
     ]
     plain = sorted(full, key=lambda c: c[0])[:ordered]

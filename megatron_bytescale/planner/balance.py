@@ -73,6 +73,39 @@ class Unit:
     heads_split: int = 1  # a ring's two-level group size: placed in whole groups on nodes
 
 
+@dataclass(frozen=True)
+class UnitColumns:
+    """What ``schedule`` reads of every unit, as arrays in the units' order: seconds, tokens,
+    first sequence id, ring size and two-level group size. A 512M-token step's ~4 x 10^4
+    units take ~9 ms to read, once per candidate target; most of them are the short units,
+    which every target shares, so the planner reads theirs once per step and joins each
+    target's long units' to them (``join``)."""
+
+    time: np.ndarray
+    tokens: np.ndarray
+    first: np.ndarray
+    ring_size: np.ndarray
+    heads_split: np.ndarray
+
+    @classmethod
+    def of(cls, units: Sequence[Unit]) -> UnitColumns:
+        n = len(units)
+        return cls(
+            np.fromiter((u.time for u in units), np.float64, n),
+            np.fromiter((u.tokens for u in units), np.float64, n),  # whole numbers below 2^53: exact
+            np.fromiter((u.seq_ids[0] for u in units), np.int64, n),
+            np.fromiter((u.ring_size for u in units), np.int64, n),
+            np.fromiter((u.heads_split for u in units), np.int64, n),
+        )
+
+    def join(self, after: UnitColumns) -> UnitColumns:
+        """These units' columns followed by ``after``'s."""
+        return UnitColumns(*(np.concatenate((a, b)) for a, b in zip(self._columns(), after._columns(), strict=True)))
+
+    def _columns(self) -> tuple[np.ndarray, ...]:
+        return self.time, self.tokens, self.first, self.ring_size, self.heads_split
+
+
 @dataclass
 class Assignment:
     runs: list[list[int]]  # per rank: unit indices in run order
@@ -449,20 +482,25 @@ def schedule(
     pipeline_stages: int = 1,
     num_buckets: int = DEFAULT_BUCKETS,
     give_up_above: float = float("inf"),
+    columns: UnitColumns | None = None,
 ) -> Assignment | None:
     """Every unit to ranks (``Assignment``). With ``give_up_above`` (PP balance's candidates,
     the other modes' retargets): None exactly where the schedule's own bound (``key.max()``) is
     above it, found as soon as the largest key passes it (keys never fall as units are given),
-    the same in every mode and in the compiled path."""
+    the same in every mode and in the compiled path. ``columns``: ``UnitColumns.of(units)``,
+    where the caller has it."""
     if mode not in ("dp", "pp", "tokens"):
         raise ConfigError(f"unknown balance mode {mode!r}; choose dp, pp or tokens")
+    if columns is None:
+        columns = UnitColumns.of(units)
+    elif columns.time.size != len(units):
+        raise ValueError(f"columns of {columns.time.size} units given for {len(units)} units")
     by_tokens = mode == "tokens"
-    weights = [float(u.tokens) if by_tokens else u.time for u in units]
+    weights_array = columns.tokens if by_tokens else columns.time
+    weights = weights_array.tolist()
     # heaviest first, ties by sequence ids: every sequence is in one unit, so the first id
     # alone decides a tie (one numpy sort instead of a Python sort on tuple keys)
-    first = np.fromiter((u.seq_ids[0] for u in units), dtype=np.int64, count=len(units))
-    weights_array = np.asarray(weights, dtype=np.float64)
-    order_array = np.lexsort((first, -weights_array))
+    order_array = np.lexsort((columns.first, -weights_array))
     # PP and DP balance compiled (DP from COMPILED_DP_MIN_UNITS units), the same assignment: the
     # kernel places rings as RingPlacer does, or as GroupPlacer does (whole EP groups); another
     # subclass takes the Python path
@@ -471,7 +509,7 @@ def schedule(
     if compiled_mode and compiled_placer and (kernel := compiled.schedule()) is not None:
         return _compiled_schedule(
             kernel,
-            units,
+            columns,
             placer,
             order_array,
             weights,
@@ -589,7 +627,7 @@ def _water(weights: Sequence[float], slack: float, num_ranks: int) -> float:
 
 def _compiled_schedule(
     kernel,
-    units: Sequence[Unit],
+    columns: UnitColumns,
     placer: RingPlacer,
     order: np.ndarray,
     weights: list[float],
@@ -601,8 +639,9 @@ def _compiled_schedule(
     runs: bool = True,
 ) -> Assignment | None:
     """``schedule``'s PP balance (``runs``) or DP balance in ``compiled.schedule``: the same
-    buckets and level, the same assignment (or None). ``weights_array``: ``weights`` as an array."""
-    n = len(units)
+    buckets and level, the same assignment (or None). ``weights_array``: ``weights`` as an array;
+    ``columns``: the units' (``UnitColumns``)."""
+    n = weights_array.size
     if n and weights_array.min() >= 0:  # make_buckets' cuts, without its lists
         starts = _bucket_starts(np.cumsum(weights_array[order]), num_buckets)
         ends = np.array([*starts[1:], n], dtype=np.int64)
@@ -610,14 +649,13 @@ def _compiled_schedule(
         buckets = make_buckets(order.tolist(), weights, num_buckets) if n else []
         ends = np.cumsum([len(b) for b in buckets], dtype=np.int64)
     water = _water(weights, slack, placer.num_ranks)
-    sizes = np.fromiter((u.ring_size for u in units), dtype=np.int64, count=n)
-    groups = np.fromiter((u.heads_split for u in units), dtype=np.int64, count=n)
+    sizes = columns.ring_size
     ev_rank, ev_unit, given, members, clock, key, idle, done = kernel(
         order,
         ends,
         weights_array,
         sizes,
-        groups,
+        columns.heads_split,
         placer.num_ranks,
         placer.ranks_per_node,
         pipeline_stages - 1,

@@ -40,7 +40,7 @@ import numpy as np
 
 from ..errors import ConfigError, PlanError
 from . import compiled, two_level
-from .balance import BALANCE_MODES, Assignment, Unit, schedule
+from .balance import BALANCE_MODES, Assignment, Unit, UnitColumns, schedule
 from .contract import MicroBatch, Piece, Plan, encode_stage_orders, micro_batch, ring_pieces, whole_pieces
 from .contract.slots import check_expert_parallel
 from .contract.zigzag import rank_tokens, zigzag_ranges
@@ -231,7 +231,8 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
                 # a schedule whose largest key passes the best step so far cannot be chosen:
                 # it stops there (its key never falls as units are given out)
                 limit = best[0] if best is not None else float("inf")
-                assignment = schedule(units, placer, mode, config.slack, stages, give_up_above=limit)
+                columns = _unit_columns(units, shorts, memo)
+                assignment = schedule(units, placer, mode, config.slack, stages, give_up_above=limit, columns=columns)
                 if assignment is None:
                     continue
                 step = float(assignment.key.max())
@@ -452,8 +453,8 @@ def _ring_sizer(config: PlannerConfig, cost: CostModel, factor: int, host: int |
 
 
 def _pipeline_targets(lens, config: PlannerConfig, cost: CostModel, placer: RingPlacer) -> list[tuple]:
-    """(position in ``PIPELINE_RETARGET``, target, ring sizes, units) of each target scale
-    that changes some ring from the scale before it."""
+    """(position in ``PIPELINE_RETARGET``, target, ring sizes, units, their ``UnitColumns``)
+    of each target scale that changes some ring from the scale before it."""
     stages = config.pipeline_stages
     sizer = _ring_sizer(config, cost, stages, host_capacity(cost, stages))
     base = balanced_target(np.asarray(lens), sizer)
@@ -468,14 +469,14 @@ def _pipeline_targets(lens, config: PlannerConfig, cost: CostModel, placer: Ring
             continue
         previous = sizes
         units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts, memo)
-        targets.append((position, target, shards, units))
+        targets.append((position, target, shards, units, _unit_columns(units, shorts, memo)))
     return targets
 
 
 def _best_schedules(targets: list, placer: RingPlacer, config: PlannerConfig, stages: int) -> list[tuple]:
     """The ``PIPELINE_ORDERED`` targets whose schedules have the smallest bound (the largest
     key; ties to the earlier target of ``PIPELINE_RETARGET``), best first, as (key, shards,
-    target, units, assignment, scale). ``targets``: (position, target, shards, units).
+    target, units, assignment, scale). ``targets``: (position, target, shards, units, columns).
 
     A schedule's largest key never falls as units are given out, so once it passes the
     ``PIPELINE_ORDERED``-th smallest bound of the schedules made so far the target cannot
@@ -489,9 +490,9 @@ def _best_schedules(targets: list, placer: RingPlacer, config: PlannerConfig, st
     while left:
         i = min(left, key=lambda j: (abs(j - best), -j))  # ties: the smaller scale
         left.remove(i)
-        position, target, shards, units = targets[i]
+        position, target, shards, units, columns = targets[i]
         limit = sorted(d[0] for d in done)[PIPELINE_ORDERED - 1] if len(done) >= PIPELINE_ORDERED else float("inf")
-        assignment = schedule(units, placer, config.balance, config.slack, stages, give_up_above=limit)
+        assignment = schedule(units, placer, config.balance, config.slack, stages, give_up_above=limit, columns=columns)
         if assignment is None:
             continue
         done.append((float(assignment.key.max()), position, i, assignment))
@@ -499,7 +500,7 @@ def _best_schedules(targets: list, placer: RingPlacer, config: PlannerConfig, st
             best = i
     out = []
     for key, position, i, assignment in sorted(done)[:PIPELINE_ORDERED]:
-        _, target, shards, units = targets[i]
+        _, target, shards, units, _ = targets[i]
         out.append((key, shards, target, units, assignment, PIPELINE_RETARGET[position]))
     return out
 
@@ -522,6 +523,17 @@ class _UnitMemo:
     def __init__(self):
         self.share_times: dict[tuple, float] = {}
         self.units: dict[tuple, Unit] = {}
+        self.short_columns: UnitColumns | None = None  # the short units' (``_unit_columns``)
+
+
+def _unit_columns(units: list[Unit], shorts: list[Unit] | None, memo: _UnitMemo) -> UnitColumns:
+    """``UnitColumns.of(units)`` for ``_units``' result, which ends with ``shorts`` where
+    those are given: theirs read once per step (``memo``), then joined to the long units'."""
+    if not shorts:
+        return UnitColumns.of(units)
+    if memo.short_columns is None:
+        memo.short_columns = UnitColumns.of(shorts)
+    return UnitColumns.of(units[: len(units) - len(shorts)]).join(memo.short_columns)
 
 
 def _units(
