@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -9,10 +11,12 @@ from megatron_bytescale.planner.estimate import ring_share_time
 from megatron_bytescale.planner.placement import RingPlacer
 from megatron_bytescale.planner.sharding import (
     RingSizer,
+    Shard,
     balanced_target,
     fill_ring_spare,
     pack_best_fit,
     plan_ring_sizes,
+    ring_decisions,
     ring_times,
 )
 
@@ -64,6 +68,40 @@ def test_ring_sizes_are_any_size_at_least_the_memory_floor():
     assert any(sh.ring_size not in (1, 2, 4, 8) for sh in shards.values())  # not powers of two
     naive = plan_ring_sizes(lens, sizer, None)
     assert all(naive[i].ring_size == sizer.floor(lens[i]).ranks for i in naive)
+
+
+@given(
+    st.lists(st.integers(1, 4000), min_size=1, max_size=40),
+    st.floats(0.2, 3.0),
+    st.floats(0.2, 3.0),
+    st.booleans(),
+)
+def test_ring_decisions_are_the_shards_per_sequence(lens, scale_a, scale_b, resized):
+    """``ring_decisions`` (the planner's arrays) holds, per sequence over the capacity in id
+    order, what ``plan_ring_sizes`` gives it, one decision per distinct length (``resize``
+    applied to each); ``same_rings`` is true exactly where two targets give every sequence
+    the same ring size and ratio (the planner then skips the second target)."""
+    cost = small_cost()
+    sizer = RingSizer(100, cost, True, 24, 4)
+    base = balanced_target(np.array(lens), sizer)
+    resize = (lambda s, n, r, u: (min(24, n + s % 2), r, u)) if resized else None  # odd lengths one rank more
+    a, b = (ring_decisions(lens, sizer, base * k, resize) for k in (scale_a, scale_b))
+    for rings, k in ((a, scale_a), (b, scale_b)):
+        expected = {}  # one sequence at a time: its smallest ring within the target, its two-level group
+        for i, s in enumerate(lens):
+            if s > 100:
+                d, r, _ = sizer.size(s, base * k)
+                decided = (d, r, sizer.heads_split(s, d))
+                expected[i] = Shard(i, s, *(resize(s, *decided) if resized else decided))
+        assert rings.shards() == plan_ring_sizes(lens, sizer, base * k, resize) == expected
+        assert list(rings.shards()) == list(expected)  # in sequence order
+    per_sequence = [{i: (sh.ring_size, sh.ratio) for i, sh in r.shards().items()} for r in (a, b)]
+    assert a.same_rings(b) == (per_sequence[0] == per_sequence[1])
+    assert a.same_rings(a) and not a.same_rings(None)
+    if a.seq_ids.size:  # another ratio alone is another ring decision
+        assert not a.same_rings(dataclasses.replace(a, ratio=a.ratio + 0.25))
+    floor = ring_decisions(lens, sizer, None)
+    assert floor.ring_size.tolist() == [sizer.floor(s).ranks for s in lens if s > 100]
 
 
 def test_target_is_a_fixed_point_of_the_spread():

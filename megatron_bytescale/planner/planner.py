@@ -56,7 +56,7 @@ from .expert_slots import (
 from .offload_policy import host_capacity
 from .pipeline_times import ArrayOrders, Longer
 from .placement import RingPlacer, check_shape
-from .sharding import RingSizer, Shard, balanced_target, fill_ring_spare, pack_best_fit, plan_ring_sizes
+from .sharding import RingDecisions, RingSizer, balanced_target, fill_ring_spare, pack_best_fit, ring_decisions
 from .slot_alignment import (
     Item,
     LocalBatch,
@@ -203,7 +203,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     # it evaluated (rank_estimates' ``known``)
     finish, known = None, {}
     if balanced and stages > 1:
-        shards, target, units, assignment, scale, ordered, finish, known = _pipeline_candidates(
+        rings, target, units, assignment, scale, ordered, finish, known = _pipeline_candidates(
             lens, config, cost, placer
         )
     else:
@@ -225,8 +225,8 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
             base = balanced_target(np.asarray(lens), sizer) if balanced else None
             for scale in RETARGET if balanced else (1.0,):
                 target = None if base is None else base * scale
-                shards = plan_ring_sizes(lens, sizer, target, on_groups)
-                units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts, memo)
+                rings = ring_decisions(lens, sizer, target, on_groups)
+                units = _units(lens, rings, config, cost, placer.ranks_per_node, shorts, memo)
                 mode = config.balance if balanced else "tokens"
                 # a schedule whose largest key passes the best step so far cannot be chosen:
                 # it stops there (its key never falls as units are given out)
@@ -237,10 +237,10 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
                     continue
                 step = float(assignment.key.max())
                 if best is None or step < best[0]:
-                    best = (step, shards, target, units, assignment, scale)
+                    best = (step, rings, target, units, assignment, scale)
                 if base is None or step <= (1 + config.slack) * base + allowance:
                     break
-        _, shards, target, units, assignment, scale = best
+        _, rings, target, units, assignment, scale = best
         ordered = _order(lens, units, assignment, config, cost, placer)
     if ordered.deadlock:
         raise PlanError(
@@ -304,7 +304,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         # and local slots moved into the waits before rings, where that is shorter
         plan, finish = fill_ring_waits(align_expert_slots(plan, config.expert_parallel), cost, placer.ranks_per_node)
         est = np.array(finish)
-    ring_hist = Counter(s.ring_size for s in shards.values())
+    ring_hist = Counter(rings.ring_size.tolist())
     plan.meta = {
         **plan.meta,  # expert_slots' counts
         "strategy": "hdp-balanced" if balanced else "hdp-naive",
@@ -321,7 +321,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         "est_time_mean_s": float(est.mean()),
         "est_rank_time_s": est.tolist(),
         "ring_sizes": {str(k): v for k, v in sorted(ring_hist.items())},
-        "offloaded_sequences": sum(1 for s in shards.values() if s.ratio > 0),
+        "offloaded_sequences": int(np.count_nonzero(rings.ratio > 0)),
         # how making the order safe for 1F1B changed the schedule's (all 0 without pipelines)
         "pipeline_order": {
             "pulled": ordered.pulled,
@@ -401,7 +401,7 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
     # Ordering for 1F1B is the slow part: only the candidates the scheduler's own bound
     # (sum + (p - 1) x max per rank) ranks best are ordered and estimated in full.
     best = None
-    for _, shards, target, units, assignment, scale in candidates:
+    for _, rings, target, units, assignment, scale in candidates:
         ring_time = {u: units[u].time for u in assignment.members}
         for ordered in _candidate_orders(lens, units, assignment, config, cost, placer):
             known: dict = {}
@@ -413,11 +413,11 @@ def _pipeline_candidates(lens, config: PlannerConfig, cost: CostModel, placer: R
             )
             step = float("inf") if finish is None or isinstance(finish, Longer) else max(finish, default=0.0)
             if best is None or step < best[0]:
-                best = (step, shards, target, units, assignment, scale, ordered, finish, known)
-    step, shards, target, units, assignment, scale, ordered, finish, known = best
+                best = (step, rings, target, units, assignment, scale, ordered, finish, known)
+    step, rings, target, units, assignment, scale, ordered, finish, known = best
     if ordered.deadlock:  # no candidate has a safe order of either kind: the searches of order_runs, on the first
         ordered, finish, known = _order(lens, units, assignment, config, cost, placer), None, {}
-    return shards, target, units, assignment, scale, ordered, finish, known
+    return rings, target, units, assignment, scale, ordered, finish, known
 
 
 def _candidate_orders(lens, units, assignment: Assignment, config: PlannerConfig, cost: CostModel, placer) -> list:
@@ -453,8 +453,8 @@ def _ring_sizer(config: PlannerConfig, cost: CostModel, factor: int, host: int |
 
 
 def _pipeline_targets(lens, config: PlannerConfig, cost: CostModel, placer: RingPlacer) -> list[tuple]:
-    """(position in ``PIPELINE_RETARGET``, target, ring sizes, units, their ``UnitColumns``)
-    of each target scale that changes some ring from the scale before it."""
+    """(position in ``PIPELINE_RETARGET``, target, its ``RingDecisions``, units, their
+    ``UnitColumns``) of each target scale that changes some ring from the scale before it."""
     stages = config.pipeline_stages
     sizer = _ring_sizer(config, cost, stages, host_capacity(cost, stages))
     base = balanced_target(np.asarray(lens), sizer)
@@ -463,20 +463,19 @@ def _pipeline_targets(lens, config: PlannerConfig, cost: CostModel, placer: Ring
     memo = _UnitMemo()  # what the targets share of their units
     for position, scale in enumerate(PIPELINE_RETARGET):
         target = base * scale
-        shards = plan_ring_sizes(lens, sizer, target)
-        sizes = {k: (v.ring_size, v.ratio) for k, v in shards.items()}
-        if sizes == previous:
+        rings = ring_decisions(lens, sizer, target)
+        if rings.same_rings(previous):
             continue
-        previous = sizes
-        units = _units(lens, shards, config, cost, placer.ranks_per_node, shorts, memo)
-        targets.append((position, target, shards, units, _unit_columns(units, shorts, memo)))
+        previous = rings
+        units = _units(lens, rings, config, cost, placer.ranks_per_node, shorts, memo)
+        targets.append((position, target, rings, units, _unit_columns(units, shorts, memo)))
     return targets
 
 
 def _best_schedules(targets: list, placer: RingPlacer, config: PlannerConfig, stages: int) -> list[tuple]:
     """The ``PIPELINE_ORDERED`` targets whose schedules have the smallest bound (the largest
-    key; ties to the earlier target of ``PIPELINE_RETARGET``), best first, as (key, shards,
-    target, units, assignment, scale). ``targets``: (position, target, shards, units, columns).
+    key; ties to the earlier target of ``PIPELINE_RETARGET``), best first, as (key, rings,
+    target, units, assignment, scale). ``targets``: (position, target, rings, units, columns).
 
     A schedule's largest key never falls as units are given out, so once it passes the
     ``PIPELINE_ORDERED``-th smallest bound of the schedules made so far the target cannot
@@ -490,7 +489,7 @@ def _best_schedules(targets: list, placer: RingPlacer, config: PlannerConfig, st
     while left:
         i = min(left, key=lambda j: (abs(j - best), -j))  # ties: the smaller scale
         left.remove(i)
-        position, target, shards, units, columns = targets[i]
+        position, target, rings, units, columns = targets[i]
         limit = sorted(d[0] for d in done)[PIPELINE_ORDERED - 1] if len(done) >= PIPELINE_ORDERED else float("inf")
         assignment = schedule(units, placer, config.balance, config.slack, stages, give_up_above=limit, columns=columns)
         if assignment is None:
@@ -500,8 +499,8 @@ def _best_schedules(targets: list, placer: RingPlacer, config: PlannerConfig, st
             best = i
     out = []
     for key, position, i, assignment in sorted(done)[:PIPELINE_ORDERED]:
-        _, target, shards, units, _ = targets[i]
-        out.append((key, shards, target, units, assignment, PIPELINE_RETARGET[position]))
+        _, target, rings, units, _ = targets[i]
+        out.append((key, rings, target, units, assignment, PIPELINE_RETARGET[position]))
     return out
 
 
@@ -538,18 +537,18 @@ def _unit_columns(units: list[Unit], shorts: list[Unit] | None, memo: _UnitMemo)
 
 def _units(
     lens,
-    shards: dict[int, Shard],
+    rings: RingDecisions,
     config: PlannerConfig,
     cost: CostModel,
     ranks_per_node: int,
     shorts: list[Unit] | None = None,
     memo: _UnitMemo | None = None,
 ) -> list[Unit]:
-    """The long sequences' units for ``shards``, then the short sequences' (``shorts``: the
+    """The long sequences' units for their ``rings``, then the short sequences' (``shorts``: the
     ones ``_short_units`` made, shared by candidates that only resize rings; ``memo``: what
     they share of the long ones)."""
     if config.balance == "none":
-        units = _long_units(shards, cost, ranks_per_node)
+        units = _long_units(rings, cost, ranks_per_node)
         short_ids = np.flatnonzero(np.asarray(lens, dtype=np.int64) <= config.capacity).tolist()
         return units + _naive_packs(units, short_ids, lens, config.capacity, cost, ranks_per_node)
     a2a = None
@@ -559,7 +558,7 @@ def _units(
         def a2a(tokens: int) -> float:
             return ep_all_to_all_time(cost, tokens, config.expert_parallel, ranks_per_node)
 
-    units = _long_units(shards, cost, ranks_per_node, memo, a2a)
+    units = _long_units(rings, cost, ranks_per_node, memo, a2a)
     return units + (shorts if shorts is not None else _short_units(lens, config, cost, ranks_per_node))
 
 
@@ -579,39 +578,43 @@ def _short_units(lens, config: PlannerConfig, cost: CostModel, ranks_per_node: i
 
 
 def _long_units(
-    shards: dict[int, Shard],
+    rings: RingDecisions,
     cost: CostModel,
     ranks_per_node: int,
     memo: _UnitMemo | None = None,
     a2a=None,
 ) -> list[Unit]:
-    """A unit per long sequence of ``shards``, made once per step where ``memo`` is shared
+    """A unit per long sequence of ``rings``, made once per step where ``memo`` is shared
     (``_UnitMemo``). ``a2a``: a function of a unit's tokens giving the seconds it adds (EP's
     all-to-alls), or None."""
     memo = _UnitMemo() if memo is None else memo
     made, share_times = memo.units, memo.share_times
-    keys = [(sid, sh.ring_size, sh.ratio, sh.heads_split) for sid, sh in shards.items()]
-    missing = [key for key in keys if key not in made]
+    columns = (rings.seq_ids, rings.ring_size, rings.ratio, rings.heads_split)
+    keys = list(zip(*(c.tolist() for c in columns)))
+    missing = [i for i, key in enumerate(keys) if key not in made]
+    seq_lens = rings.seq_lens.tolist() if missing else []
     # two-level rings (head all-to-all in each node, ring across nodes): timed all at once per
     # group size, elementwise, so each is the float ``two_level.share_time`` gives alone
-    grouped: dict[int, list[int]] = {}  # group size -> sequence ids
-    for sid, size, _, split in missing:
+    grouped: dict[int, list[int]] = {}  # group size -> indices into keys
+    for i in missing:
+        _, size, _, split = keys[i]
         if size > 1 and split > 1:
-            grouped.setdefault(split, []).append(sid)
-    two_level_time: dict[int, float] = {}  # sequence id -> seconds
-    for u, sids in grouped.items():
-        lens = np.array([shards[sid].seq_len for sid in sids], dtype=np.int64)
-        sizes = np.array([shards[sid].ring_size for sid in sids], dtype=np.int64)
-        two_level_time.update(zip(sids, two_level.share_times(cost, lens, sizes, u, ranks_per_node).tolist()))
+            grouped.setdefault(split, []).append(i)
+    two_level_time: dict[int, float] = {}  # index -> seconds
+    for u, at in grouped.items():
+        lens = np.array([seq_lens[i] for i in at], dtype=np.int64)
+        sizes = np.array([keys[i][1] for i in at], dtype=np.int64)
+        two_level_time.update(zip(at, two_level.share_times(cost, lens, sizes, u, ranks_per_node).tolist()))
     added: dict[int, float] = {}  # a2a's seconds per token count
-    for key in missing:
+    for i in missing:
+        key = keys[i]
         sid, size, ratio, split = key
-        s = shards[sid].seq_len
+        s = seq_lens[i]
         if size == 1:
             unit = Unit("long", (sid,), 1, cost.num_layers * cost.layer_time(s), s, ratio)
         else:
             if split > 1:
-                t = two_level_time[sid]
+                t = two_level_time[i]
             else:
                 timed = (s, size, size > ranks_per_node)
                 t = share_times.get(timed)

@@ -492,40 +492,73 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     return hi
 
 
+@dataclass(frozen=True, eq=False)
+class RingDecisions:
+    """``plan_ring_sizes``' decisions as arrays, one entry per sequence longer than the
+    capacity, in sequence order: its id, length, ring size, offload ratio and two-level group
+    size. The planner reads these for each candidate target (~12,000 long sequences a
+    512M-token step, 9 targets with pipelines); ``shards`` makes the ``Shard`` objects."""
+
+    seq_ids: np.ndarray
+    seq_lens: np.ndarray
+    ring_size: np.ndarray
+    ratio: np.ndarray
+    heads_split: np.ndarray
+
+    def same_rings(self, other: RingDecisions | None) -> bool:
+        """Whether ``other`` gives every sequence the same ring size and offload ratio."""
+        return (
+            other is not None
+            and np.array_equal(self.seq_ids, other.seq_ids)
+            and np.array_equal(self.ring_size, other.ring_size)
+            and np.array_equal(self.ratio, other.ratio)
+        )
+
+    def shards(self) -> dict[int, Shard]:
+        """The decisions as ``Shard``s by sequence id."""
+        # ``Shard(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (the
+        # same objects), as ``plan._piece`` builds pieces
+        shards = {}
+        new = _new_object
+        columns = (self.seq_ids, self.seq_lens, self.ring_size, self.ratio, self.heads_split)
+        for i, s, ring_size, ratio, heads_split in zip(*(c.tolist() for c in columns)):
+            sh = new(Shard)
+            d = sh.__dict__
+            d["seq_id"] = i
+            d["seq_len"] = s
+            d["ring_size"] = ring_size
+            d["ratio"] = ratio
+            d["heads_split"] = heads_split
+            shards[i] = sh
+        return shards
+
+
 def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | None, resize=None) -> dict[int, Shard]:
     """Shards of every sequence longer than the capacity: the memory floor when ``target``
     is None (as hdp-naive uses), else the smallest ring within ``target``. ``resize``: a
     function of (length, ring size, ratio, two-level group) giving them anew, applied to each
     distinct length's decision (EP's rounding to whole groups)."""
+    return ring_decisions(seq_lens, sizer, target, resize).shards()
+
+
+def ring_decisions(seq_lens: Sequence[int], sizer: RingSizer, target: float | None, resize=None) -> RingDecisions:
+    """``plan_ring_sizes``' decisions as arrays (``RingDecisions``): one per distinct length,
+    read off per sequence."""
     lens = np.asarray(seq_lens, dtype=np.int64)
-    long_ids = np.flatnonzero(lens > sizer.capacity).tolist()
-    long_lens = lens[long_ids].tolist()
-    by_len: dict[int, tuple[int, float, int]] = {}  # one decision per distinct length
+    long_ids = np.flatnonzero(lens > sizer.capacity)
+    long_lens = lens[long_ids]
+    distinct, which = np.unique(long_lens, return_inverse=True)  # as balanced_target lists them
+    distinct_list = distinct.tolist()
     if target is None:  # the memory floor needs no time curve
-        for s in long_lens:
-            if s not in by_len:
-                d = sizer.floor(s)
-                by_len[s] = (d.ranks, d.ratio, 1)
-    else:
-        distinct = sorted(set(long_lens))  # as balanced_target lists them: its curves are reused
-        by_len = dict(zip(distinct, sizer.size_many(distinct, target)))
+        decided = [(d.ranks, d.ratio, 1) for d in map(sizer.floor, distinct_list)]
+    else:  # its curves are reused
+        decided = sizer.size_many(distinct_list, target)
     if resize is not None:
-        by_len = {s: resize(s, *d) for s, d in by_len.items()}
-    # ``Shard(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (the same
-    # objects; ~12,000 a 512M-token step, per target), as ``plan._piece`` builds pieces
-    shards = {}
-    new = _new_object
-    for i, s in zip(long_ids, long_lens):
-        ring_size, ratio, heads_split = by_len[s]
-        sh = new(Shard)
-        d = sh.__dict__
-        d["seq_id"] = i
-        d["seq_len"] = s
-        d["ring_size"] = ring_size
-        d["ratio"] = ratio
-        d["heads_split"] = heads_split
-        shards[i] = sh
-    return shards
+        decided = [resize(s, *d) for s, d in zip(distinct_list, decided)]
+    ring_size = np.array([d[0] for d in decided], dtype=np.int64)
+    ratio = np.array([d[1] for d in decided], dtype=np.float64)
+    heads_split = np.array([d[2] for d in decided], dtype=np.int64)
+    return RingDecisions(long_ids, long_lens, ring_size[which], ratio[which], heads_split[which])
 
 
 _new_object = object.__new__
