@@ -40,6 +40,7 @@ from megatron_bytescale.planner.slot_alignment import (
     _run_one_pipeline,
     item_arrays,
     order_runs,
+    run_arrays,
     slot_offsets,
 )
 
@@ -437,7 +438,7 @@ def test_rings_placed_again_by_level_all_have_run_as_many_rings_before(case, ran
     runs = [[x for x in run if not isinstance(x, int)] for run in runs[:n]]  # ranks of whole nodes
     members = {u: tuple(r for r in m if r < n) for u, m in members.items()}
     members = {u: m for u, m in members.items() if m}
-    placed = _place_by_level(runs, list(members), members, ring_time, ranks_per_node)
+    placed = _place_by_level(runs, list(members), members, ring_time, ranks_per_node, run_arrays(runs))
     if placed is None:
         return
     new_runs, new_members, ring_order, clock, _ = placed
@@ -450,6 +451,27 @@ def test_rings_placed_again_by_level_all_have_run_as_many_rings_before(case, ran
     }
     for u, ring in new_members.items():
         assert len({[x for x in new_runs[r] if isinstance(x, int)].index(u) for r in ring}) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(schedules(max_ranks=16))
+def test_run_arrays_hold_every_item_of_the_runs(case):
+    """``run_arrays``: the runs' items as the compiled passes read them (rings by index, the
+    local micro-batches numbered in rank order with their seconds, sequence counts and
+    sequences), and each rank's local micro-batches as its slice of the pool."""
+    runs = case[0]
+    arrays = run_arrays(runs)
+    pool = [x for run in runs for x in run if not isinstance(x, int)]
+    assert arrays.pool == pool and arrays.counts.tolist() == [len(run) for run in runs]
+    it = iter(range(len(pool)))
+    assert arrays.codes.tolist() == [x if isinstance(x, int) else -1 - next(it) for run in runs for x in run]
+    assert arrays.local_time.tolist() == [x.time for x in pool]
+    assert arrays.local_size.tolist() == [len(x.seq_ids) for x in pool]
+    assert arrays.seqs.tolist() == [i for x in pool for i in x.seq_ids]
+    bounds = arrays.local_bounds()
+    assert [pool[a:b] for a, b in zip(bounds, bounds[1:])] == [
+        [x for x in run if not isinstance(x, int)] for run in runs
+    ]
 
 
 def test_the_kernel_compiles_where_no_cache_directory_is_writable(monkeypatch):

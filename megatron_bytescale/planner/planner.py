@@ -62,10 +62,12 @@ from .slot_alignment import (
     LocalBatch,
     Ordered,
     PackSplitter,
+    RunArrays,
     order_by_level,
     order_runs,
     ordered_item_arrays,
     rank_estimates,
+    run_arrays,
     run_lists,
 )
 from .stage_schedule import chunk_schedule, stage_schedule
@@ -356,11 +358,12 @@ def _order(
     placer: RingPlacer,
     fallback: bool = True,
     runs: list[list[Item]] | None = None,
+    arrays: RunArrays | None = None,
 ) -> Ordered:
     """Rings start when their last member reaches them (a member is held until the slowest
     is done). With pipelines each ring also takes one slot on all its members
     (slot_alignment.py), else 1F1B could deadlock. ``runs``: ``_rank_items``' result, if
-    made already."""
+    made already (``arrays``: their ``run_arrays``, if made)."""
     return order_runs(
         _rank_items(lens, units, assignment, config.capacity, cost) if runs is None else runs,
         [u for u in assignment.order if u in assignment.members],
@@ -371,6 +374,7 @@ def _order(
         placer.ranks_per_node,
         fallback=fallback,
         forward_share=cost.forward_share,
+        arrays=arrays,
     )
 
 
@@ -428,10 +432,11 @@ def _candidate_orders(lens, units, assignment: Assignment, config: PlannerConfig
     them. Neither wins everywhere (the level order is 20% shorter on some interleaved
     pipelines, longer on others), so both are estimated."""
     runs = _rank_items(lens, units, assignment, config.capacity, cost)
-    aligned = _order(lens, units, assignment, config, cost, placer, fallback=False, runs=runs)
+    arrays = run_arrays(runs)  # read by both passes
+    aligned = _order(lens, units, assignment, config, cost, placer, fallback=False, runs=runs, arrays=arrays)
     ring_order = [u for u in assignment.order if u in assignment.members]
     ring_time = {u: units[u].time for u in assignment.members}
-    by_level = order_by_level(runs, ring_order, assignment.members, ring_time, placer.ranks_per_node)
+    by_level = order_by_level(runs, ring_order, assignment.members, ring_time, placer.ranks_per_node, arrays)
     if by_level is None:
         return [aligned]
     by_level.unaligned = aligned.unaligned

@@ -101,6 +101,46 @@ class Ordered:
     items: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
 
 
+@dataclass(frozen=True, eq=False)
+class RunArrays:
+    """Every rank's items (runs) as arrays, as the compiled passes read them: ``codes`` per
+    item, rank after rank (``counts`` per rank): a ring its index, the k-th local micro-batch
+    (in rank order, ``pool[k]``) ``-k - 1``; per local micro-batch its seconds, its sequence
+    count and (``seqs``) its sequences end to end. A PP-balance candidate's runs are read by
+    the slot-aligned pass and the placement at levels: ``run_arrays`` once for both."""
+
+    codes: np.ndarray
+    counts: np.ndarray
+    pool: list[LocalBatch]
+    local_time: np.ndarray
+    local_size: np.ndarray
+    seqs: np.ndarray
+
+    def local_bounds(self) -> list[int]:
+        """Where each rank's local micro-batches start in ``pool``, and the end."""
+        n = self.counts.size
+        rank = np.repeat(np.arange(n, dtype=np.int64), self.counts)  # each item's
+        return [0, *accumulate(np.bincount(rank[self.codes < 0], minlength=n).tolist())]
+
+
+def run_arrays(runs: Sequence[Sequence[Item]]) -> RunArrays:
+    """``runs`` as ``RunArrays``."""
+    items = list(chain.from_iterable(runs))
+    local, ring_items, pool = _split_items(items)
+    codes = np.empty(len(items), dtype=np.int64)
+    codes[local] = -np.arange(1, len(pool) + 1)
+    codes[~local] = ring_items
+    sizes = np.fromiter((len(x.seq_ids) for x in pool), dtype=np.int64, count=len(pool))
+    return RunArrays(
+        codes,
+        np.fromiter(map(len, runs), dtype=np.int64, count=len(runs)),
+        pool,
+        np.fromiter((x.time for x in pool), dtype=np.float64, count=len(pool)),
+        sizes,
+        np.fromiter(chain.from_iterable(x.seq_ids for x in pool), dtype=np.int64, count=int(sizes.sum())),
+    )
+
+
 def order_runs(
     runs: Sequence[Sequence[Item]],
     ring_order: Sequence[int],
@@ -112,6 +152,7 @@ def order_runs(
     lookahead: int = LOOKAHEAD,
     fallback: bool = True,
     forward_share: float = FORWARD_SHARE,
+    arrays: RunArrays | None = None,
 ) -> Ordered:
     """Each rank's items in run order, and the estimated finish of each rank when every ring
     starts as soon as its last member reaches it. ``runs[r]`` holds ``r``'s rings in
@@ -119,10 +160,15 @@ def order_runs(
     ``Ordered.deadlock`` says why if no safe order was found. ``fallback=False`` skips the
     searches of step 2 (slow on large plans): the first ring left unaligned then sets
     ``deadlock`` and ends the pass (the runs are then incomplete: only ``deadlock`` counts).
-    ``forward_share``: the forward's share of a stage's time (``CostModel.forward_share``)."""
+    ``forward_share``: the forward's share of a stage's time (``CostModel.forward_share``);
+    ``arrays``: ``run_arrays(runs)``, where the caller has it."""
     if stages <= 1:
         return _sequential(runs, ring_order, members, ring_time)
-    result = _aligned(runs, ring_order, members, ring_time, split, lookahead, stop_unaligned=not fallback)
+    if arrays is None and compiled_alignment.aligned_pass() is not None:
+        arrays = run_arrays(runs)  # what the compiled passes below read of the runs, made once
+    result = _aligned(
+        runs, ring_order, members, ring_time, split, lookahead, stop_unaligned=not fallback, arrays=arrays
+    )
     if not result.unaligned:
         return result
     if not fallback:
@@ -134,7 +180,7 @@ def order_runs(
     # structure alone; and, if the placement admits no safe order (three rings on three
     # ranks, each pair sharing a rank, nothing else to run), the rings placed again.
     safe = []
-    frugal = _aligned(runs, ring_order, members, ring_time, split, lookahead, frugal=True)
+    frugal = _aligned(runs, ring_order, members, ring_time, split, lookahead, frugal=True, arrays=arrays)
     for candidate in (result, frugal):
         if not candidate.unaligned or not _deadlocks(candidate.runs, stages):
             safe.append(candidate)
@@ -145,7 +191,7 @@ def order_runs(
             again = _in_schedule_order(runs_by_slot, sorted(slots, key=slots.get), members, ring_time)
             again.searched = True
             safe.append(again)
-    again = order_by_level(runs, ring_order, members, ring_time, ranks_per_node)
+    again = order_by_level(runs, ring_order, members, ring_time, ranks_per_node, arrays)
     if again is not None:
         safe.append(again)
     if not safe:
@@ -290,6 +336,7 @@ def order_by_level(
     members: dict[int, tuple[int, ...]],
     ring_time: dict[int, float],
     ranks_per_node: int = 1,
+    arrays: RunArrays | None = None,
 ) -> Ordered | None:
     """The rings placed again at levels (``_place_by_level``: every member of a ring has run
     as many rings before it, local micro-batches after a rank's last ring) and timed like
@@ -297,8 +344,9 @@ def order_by_level(
     fits. Each ring takes one slot on all its members (its level), so 1F1B cannot deadlock
     (docs/design.md, "Pipeline order"; tests/test_planner_pipeline.py checks it), also where
     the schedule's placement admits no slot alignment (rings over most ranks, little short
-    work between them); the long rings run back to back on all their members."""
-    placed = _place_by_level(runs, ring_order, members, ring_time, ranks_per_node)
+    work between them); the long rings run back to back on all their members. ``arrays``:
+    ``run_arrays(runs)``, where the caller has it."""
+    placed = _place_by_level(runs, ring_order, members, ring_time, ranks_per_node, arrays or run_arrays(runs))
     if placed is None:
         return None
     runs_by_level, new_members, order, clock, items = placed
@@ -311,17 +359,21 @@ def order_by_level(
     return again
 
 
-def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
+def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int, arrays: RunArrays):
     """Place every ring again so that all its members have run the same number of rings
     before it; local micro-batches run after a rank's last ring. Rings go largest first,
     each to the least-loaded ranks at one level (a ring that fits a node, inside one node),
     so the level its members reach holds at least as many ranks as any later ring needs
     (node bounds aside: then None). Returns the runs, the new members, the ring order,
     where numba is, each rank's clock as ``_sequential`` gives it for these runs (the rings'
-    clocks compiled, ``compiled.ring_clocks``; else None), and the runs' ``Ordered.items``."""
+    clocks compiled, ``compiled.ring_clocks``; else None), and the runs' ``Ordered.items``.
+    ``arrays``: ``run_arrays(runs)``."""
     n = len(runs)
-    locals_ = [[x for x in run if isinstance(x, LocalBatch)] for run in runs]
-    load = np.array([sum(x.time for x in batches) for batches in locals_])  # locals run last, but count
+    # each rank's local micro-batches, in run order: its slice of the pool
+    bounds_local = arrays.local_bounds()
+    pool, times_local = arrays.pool, arrays.local_time.tolist()
+    locals_ = [pool[a:b] for a, b in pairwise(bounds_local)]
+    load = np.array([sum(times_local[a:b]) for a, b in pairwise(bounds_local)])  # locals run last, but count
     order = sorted(ring_order, key=lambda u: -len(members[u]))  # stable: schedule order among equals
     rpn = max(1, min(ranks_per_node, n))
     sizes = np.fromiter((len(members[u]) for u in order), dtype=np.int64, count=len(order))
@@ -341,7 +393,7 @@ def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
     runs_by_level = [ring_of[bounds[r] : bounds[r + 1]] + locals_[r] for r in range(n)]
     # the items' arrays: each rank's rings, then its local work
     rings_per_rank = np.diff(bounds)
-    local_counts = np.fromiter(map(len, locals_), np.int64, n)
+    local_counts = np.diff(bounds_local)
     before = np.cumsum(rings_per_rank + local_counts) - local_counts  # each rank's first local item
     local_at = np.repeat(before - np.cumsum(local_counts) + local_counts, local_counts) + np.arange(local_counts.sum())
     item_rings = np.full(len(flat) + int(local_counts.sum()), -1, dtype=np.int64)
@@ -349,14 +401,14 @@ def _place_by_level(runs, ring_order, members, ring_time, ranks_per_node: int):
     ring_at[local_at] = False
     item_rings[ring_at] = ring_of
     seconds = np.full(item_rings.size, np.nan)
-    seconds[local_at] = np.fromiter((x.time for x in chain.from_iterable(locals_)), np.float64, local_at.size)
+    seconds[local_at] = arrays.local_time
     clock = None
     if (ring_clocks := compiled.ring_clocks()) is not None:
         clock = ring_clocks(flat, sizes, times, n).tolist()
-        for r, batches in enumerate(locals_):  # then the local work, summed in run order
+        for r, (a, b) in enumerate(pairwise(bounds_local)):  # then the local work, summed in run order
             c = clock[r]
-            for x in batches:
-                c += x.time
+            for t in times_local[a:b]:
+                c += t
             clock[r] = c
     return runs_by_level, new_members, order, clock, (item_rings, seconds)
 
@@ -481,9 +533,17 @@ def _in_schedule_order(runs, ring_order, members, ring_time) -> Ordered:
 
 
 def _aligned(
-    runs, ring_order, members, ring_time, split, lookahead, frugal: bool = False, stop_unaligned: bool = False
+    runs,
+    ring_order,
+    members,
+    ring_time,
+    split,
+    lookahead,
+    frugal: bool = False,
+    stop_unaligned: bool = False,
+    arrays: RunArrays | None = None,
 ) -> Ordered:
-    fast = _aligned_compiled(runs, ring_order, members, ring_time, split, lookahead, frugal, stop_unaligned)
+    fast = _aligned_compiled(runs, ring_order, members, ring_time, split, lookahead, frugal, stop_unaligned, arrays)
     if fast is not None:
         return fast
     state = _State(runs, split, ring_time, frugal)
@@ -515,23 +575,18 @@ def _aligned(
 
 
 def _aligned_compiled(
-    runs, ring_order, members, ring_time, split, lookahead, frugal: bool, stop_unaligned: bool
+    runs, ring_order, members, ring_time, split, lookahead, frugal: bool, stop_unaligned: bool, arrays=None
 ) -> Ordered | None:
     """``_aligned`` by the compiled pass (``compiled_alignment``): the same ``Ordered``, its
     split packs new ``LocalBatch``es like those ``split`` gives. None where numba is missing
-    or ``split`` is not the planner's ``PackSplitter`` (the Python pass then runs)."""
+    or ``split`` is not the planner's ``PackSplitter`` (the Python pass then runs).
+    ``arrays``: ``run_arrays(runs)``, where the caller has it."""
     kernel = compiled_alignment.aligned_pass()
     if kernel is None or not (split is None or isinstance(split, PackSplitter)):
         return None
     n = len(runs)
-    # items as codes: a ring its index, the k-th local micro-batch (in rank order) -k - 1
-    items = list(chain.from_iterable(runs))
-    local, ring_items, pool = _split_items(items)
-    flat = np.empty(len(items), dtype=np.int64)
-    flat[local] = -np.arange(1, len(pool) + 1)
-    flat[~local] = ring_items
-    lengths = np.fromiter(map(len, runs), dtype=np.int64, count=n)
-    sizes = np.fromiter((len(x.seq_ids) for x in pool), dtype=np.int64, count=len(pool))
+    arrays = arrays or run_arrays(runs)
+    flat, lengths, pool, sizes, seqs = arrays.codes, arrays.counts, arrays.pool, arrays.local_size, arrays.seqs
     supply = int(sizes.sum())
     room = len(pool) + 2 * supply  # two halves per split, at most one split per sequence
     plen = np.zeros(room, dtype=np.int64)
@@ -539,9 +594,8 @@ def _aligned_compiled(
     pstart = np.zeros(room, dtype=np.int64)
     pstart[1 : len(pool)] = np.cumsum(sizes)[:-1]
     ptime = np.zeros(room)
-    ptime[: len(pool)] = np.fromiter((x.time for x in pool), dtype=np.float64, count=len(pool))
+    ptime[: len(pool)] = arrays.local_time
     proot = np.arange(room, dtype=np.int64)
-    seqs = np.fromiter(chain.from_iterable(x.seq_ids for x in pool), dtype=np.int64, count=supply)
     order = np.asarray(ring_order, dtype=np.int64)
     units = int(order.max(initial=-1)) + 1
     times = np.zeros(units)
