@@ -161,7 +161,7 @@ def test_compiled_longest_paths_match_the_levels_on_any_graph(nodes, data):
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(0, 3), st.data())
 def test_the_pipeline_walk_matches_the_walk_over_edge_arrays(units, vp, barriers, data):
-    """``compiled._pipeline_ends`` (sequence edges read in place, chains by arithmetic) against
+    """``compiled._pipeline_ends`` (a cursor per resource, chains by arithmetic) against
     the numpy levels over ``edge_arrays``: any sequences of any nodes (repeats, cycles,
     barrier nodes past the chains, empty resources) give the same ends to the bit, or both a
     cycle with the same in-degrees left. Given a limit, the walk stops exactly where some
