@@ -418,6 +418,16 @@ def test_compiled_level_placement_matches_its_numpy_version(data, rpn):
     assert got[: sizes[:placed].sum()].tolist() == want.tolist()
 
 
+def test_a_higher_level_that_starts_a_ring_as_early_wins_on_less_idle():
+    """One rank per node: the second ring starts at 1.0 on level 0 (ranks 0 and 3, one idle
+    0.5 s) and on level 1 (ranks 1 and 2, none idle), so level 1 takes it; both paths."""
+    load, sizes, times = np.array([0.5, 0.0, 0.0, 1.0]), np.array([2, 2]), np.array([1.0, 1.0])
+    want, placed = slot_alignment._level_placement(load, sizes, times, 1)
+    assert placed == 2 and want.tolist() == [1, 2, 1, 2]
+    got, placed = compiled.level_placement()(load, sizes, times, 1)
+    assert placed == 2 and got.tolist() == [1, 2, 1, 2]
+
+
 def test_a_level_pick_takes_tied_part_nodes_from_the_lowest_rank():
     """A ring of 9 on nodes of 8: node 2 whole at level 0, then one of two part-nodes tied in
     size and load: node 0's rank 1 comes before node 1's rank 8."""
