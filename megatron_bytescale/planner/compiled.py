@@ -356,6 +356,40 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
     c_idle = np.empty((nodes, rpn + 1))
     c_level = np.empty((nodes, rpn + 1), dtype=np.int64)
     c_pick = np.empty((nodes, rpn + 1, rpn), dtype=np.int64)
+    # per ring size up to a node: a tournament tree over the nodes' picks (leaf ``width + g``:
+    # node g, -1 without a pick; an inner node: the better of its two), made on the size's first
+    # ring, and the nodes a ring changed since (``dirty``), whose picks are made again then
+    width = 1
+    while width < nodes:
+        width *= 2
+    tree = np.full((rpn + 1, 2 * width), -1, dtype=np.int64)
+    built = np.zeros(rpn + 1, dtype=np.bool_)
+    dirty = np.empty((rpn + 1, max(nodes, 1)), dtype=np.int64)
+    dirty_top = np.zeros(rpn + 1, dtype=np.int64)
+
+    def better(a, b, size):  # the better of two nodes' picks: (start, idle, level, node) least
+        if a < 0:
+            return b
+        if b < 0:
+            return a
+        sa, sb = c_start[a, size], c_start[b, size]
+        if sa != sb:
+            return a if sa < sb else b
+        ia, ib = c_idle[a, size], c_idle[b, size]
+        if ia != ib:
+            return a if ia < ib else b
+        la, lb = c_level[a, size], c_level[b, size]
+        if la != lb:
+            return a if la < lb else b
+        return a if a < b else b
+
+    def set_leaf(g, size):  # node g's pick into the size's tree, and the path above it
+        i = width + g
+        tree[size, i] = g if has[g, size] else -1
+        i //= 2
+        while i >= 1:
+            tree[size, i] = better(tree[size, 2 * i], tree[size, 2 * i + 1], size)
+            i //= 2
 
     def node_pick(g, size):  # node g's least (start, idle, level) pick of ``size`` ranks of one level
         known[g, size], has[g, size] = True, False
@@ -411,7 +445,7 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
     for u in range(sizes.size):
         size = sizes[u]
         found = False
-        b_start, b_idle, b_level, b_node = 0.0, 0.0, 0, 0
+        b_start, b_idle = 0.0, 0.0
         if size > rpn:  # whole nodes of a level first, then the fullest, least busy, lowest
             # only levels that hold the ring and might start it no later than the best so far
             # are looked at, and only at their own ranks (``by_level``)
@@ -472,22 +506,26 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
                     found, b_start, b_idle = True, start, idle
                     best[:size] = chosen
         else:  # inside one node: its least-loaded ranks of one level, ties to the lower rank
-            # each node's best pick for this size, kept until a ring lands on the node: a ring
-            # changes one node or a few, so a pick costs one comparison per node
-            for g in range(nodes):  # nodes rise: equal (start, idle, level) keep the lower node
-                if not known[g, size]:
-                    node_pick(g, size)
-                if not has[g, size]:
-                    continue
-                start, idle, lv = c_start[g, size], c_idle[g, size], c_level[g, size]
-                if (
-                    not found
-                    or start < b_start
-                    or (start == b_start and (idle < b_idle or (idle == b_idle and lv < b_level)))
-                ):
-                    found, b_start, b_idle, b_level, b_node = True, start, idle, lv, g
-            if found:
-                best[:size] = c_pick[b_node, size, :size]
+            # each node's best pick for this size, kept until a ring lands on the node (a ring
+            # changes one node or a few), the least of them (equal (start, idle, level): the
+            # lower node) at the root of the size's tree
+            if not built[size]:
+                for g in range(nodes):
+                    if not known[g, size]:
+                        node_pick(g, size)
+                    tree[size, width + g] = g if has[g, size] else -1
+                for i in range(width - 1, 0, -1):
+                    tree[size, i] = better(tree[size, 2 * i], tree[size, 2 * i + 1], size)
+                built[size] = True
+            while dirty_top[size] > 0:
+                dirty_top[size] -= 1
+                g = dirty[size, dirty_top[size]]
+                node_pick(g, size)
+                set_leaf(g, size)
+            g = tree[size, 1]
+            if g >= 0:
+                found, b_start = True, c_start[g, size]
+                best[:size] = c_pick[g, size, :size]
         if not found:
             return out, u
         end = b_start + times[u]  # the pick's start is its busiest member's load
@@ -497,8 +535,13 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
             load[r] = end
             level[r] += 1
             out[at + i] = r
-        for i in range(size):
-            known[best[i] // rpn, :] = False
+        for i in range(size):  # the members' nodes make their picks again when next asked
+            g = best[i] // rpn
+            for k in range(1, rpn + 1):
+                if built[k] and known[g, k]:  # (once: a node stays dirty until made again)
+                    dirty[k, dirty_top[k]] = g
+                    dirty_top[k] += 1
+            known[g, :] = False
         at += size
         if lv + 1 > top:
             top = lv + 1
