@@ -180,6 +180,8 @@ def test_the_pipeline_walk_matches_the_walk_over_edge_arrays(units, vp, barriers
     assert indeg.tolist() == left.tolist() and (done == nodes) == (want is not None)
     if want is not None:
         assert end.tolist() == want.tolist()
+    narrow = kernel(flat.astype(np.int32), lens, units, vp, duration, np.inf)  # the planner's 32-bit ids
+    assert narrow[1].tolist() == indeg.tolist() and narrow[2] == done and narrow[0].tolist() == end.tolist()
     limit = data.draw(st.floats(0.0, 30.0))
     _, _, stopped = kernel(flat, lens, units, vp, duration, limit)
     if want is not None:
@@ -219,8 +221,10 @@ def test_compiled_operation_ids_match_the_array_operations(p, v, n, chunked, dat
     assert lens.tolist() == [len(a) for a in per_device]
     vp = p * v
     want = _operation_ids(ops, at, lens, unit.astype(np.int64), row_start, p, vp, chunked)
-    got = compiled.operation_ids()(ops, at, lens, unit.astype(np.int64), row_start, p, vp, chunked)
-    assert got.tolist() == want.tolist()
+    for dtype in (np.int32, np.int64):  # the planner's 32-bit ids, and 64-bit past 2^31 nodes
+        out = np.empty(int(lens.sum()), dtype=dtype)
+        got = compiled.operation_ids()(ops, at, lens, unit.astype(np.int64), row_start, p, vp, chunked, out)
+        assert got is out and got.tolist() == want.tolist()
     one_by_one = [
         (unit[row_start[d // p] + m] * vp + (c * p + d % p if chunked else c)) * 2 + direction
         for d, a in enumerate(per_device)

@@ -225,9 +225,10 @@ def _operation_ids(
     p: int,
     vp: int,
     chunked: bool,
+    out: np.ndarray,
 ) -> np.ndarray:
-    """``pipeline_times._operation_ids`` op by op: the same integers."""
-    out = np.empty(lens.sum(), dtype=np.int64)
+    """``pipeline_times._operation_ids`` op by op: the same integers, written into ``out`` (one
+    per op; 32-bit where the ids fit, which halves what the walk reads) and returned."""
     i = 0
     for d in range(lens.size):
         base = row_start[d // p]

@@ -122,7 +122,9 @@ class PipelineArrays:
         chunked = orders is not None  # the ops name chunks (else virtual stages)
         kernel = compiled.operation_ids()  # one pass instead of ~10 array operations over all ops
         if kernel is not None:
-            return kernel(ops, at, lens, self.unit, self.row_start, p, self.vp, chunked), lens
+            # 32-bit ids where they fit (below the nodes' count): half the memory the walk reads
+            out = np.empty(int(lens.sum()), dtype=np.int32 if self.total < 2**31 else np.int64)
+            return kernel(ops, at, lens, self.unit, self.row_start, p, self.vp, chunked, out), lens
         return _operation_ids(ops, at, lens, self.unit, self.row_start, p, self.vp, chunked), lens
 
     def _default_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
