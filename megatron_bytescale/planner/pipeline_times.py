@@ -304,8 +304,11 @@ def _ends(
 ):
     """The ends (None: a deadlock) and in-degrees left; ``Longer(limit)`` for the ends where
     the compiled walk stopped at ``limit`` (the numpy levels walk to the end)."""
-    duration = np.zeros(graph.total + barriers)
-    duration[: graph.total] = graph.dur
+    duration = graph.dur
+    if barriers or not (isinstance(duration, np.ndarray) and duration.dtype == np.float64):
+        duration = np.zeros(graph.total + barriers)  # the barriers last 0
+        duration[: graph.total] = graph.dur
+    # (``PipelineArrays.dur`` as it is otherwise: the walks only read it, ~1 ms a copy at 512M)
     kernel = compiled.pipeline_ends()  # the walk reads the sequences and chains: no edge arrays
     if kernel is not None and max(flat.size, duration.size) < 2**31:  # its indices are 32-bit
         end, indeg, done = kernel(flat, lens, graph.units, graph.vp, duration, limit)
