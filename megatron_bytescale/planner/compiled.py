@@ -510,10 +510,9 @@ def _level_placement(load: np.ndarray, sizes: np.ndarray, times: np.ndarray, rpn
             # each node's best pick for this size, kept until a ring lands on the node (a ring
             # changes one node or a few), the least of them (equal (start, idle, level): the
             # lower node) at the root of the size's tree
-            if not built[size]:
+            if not built[size]:  # no pick of this size made yet (only here and below are they)
                 for g in range(nodes):
-                    if not known[g, size]:
-                        node_pick(g, size)
+                    node_pick(g, size)
                     tree[size, width + g] = g if has[g, size] else -1
                 for i in range(width - 1, 0, -1):
                     tree[size, i] = better(tree[size, 2 * i], tree[size, 2 * i + 1], size)
