@@ -703,7 +703,10 @@ def _schedule(
     least-loaded rank (least key, ties to the lowest rank) comes from a tournament tree over
     the ranks instead of the lazy heap, and so do a ring's k least-loaded ranks where k x
     ``tree_pick`` <= n (the same ranks as one selection over all); each node's keys are kept
-    sorted for rings inside one node and groups.
+    sorted for rings inside one node and groups, and the node a ring inside one node goes to
+    comes from a tournament tree per ring size over the nodes, whose leaves are made again
+    only for the nodes whose keys changed (a 512M-token step's ~10,000 rings of 2-8 ranks
+    each read every node's before).
 
     Returns the (rank, unit) appends of every rank's run, in order; the units in the order
     given; each ring's members one ring after another (in that order); the clocks, keys and
@@ -738,6 +741,32 @@ def _schedule(
     top = np.zeros(1)  # the largest key
     pick = np.empty(rpn, dtype=np.int64)
     busiest = np.zeros(n // ep)  # each EP group's busiest member's key (ep > 1)
+    # per ring size up to a node: each node's earliest start for that many of its ranks and
+    # their waits, and a tournament tree over the nodes (leaf ``width + g``: node g; an inner
+    # node: the better of its two), made on the size's first ring; the nodes whose keys changed
+    # since (``dirty``) are set again before each ring of the size, not every node every ring
+    width = 1
+    while width < nodes:
+        width *= 2
+    c_start = np.empty((rpn + 1, max(nodes, 1)))
+    c_waits = np.empty((rpn + 1, max(nodes, 1)))
+    s_tree = np.full((rpn + 1, 2 * width), -1, dtype=np.int64)
+    built = np.zeros(rpn + 1, dtype=np.bool_)
+    dirty = np.empty((rpn + 1, max(nodes, 1)), dtype=np.int64)
+    dirty_top = np.zeros(rpn + 1, dtype=np.int64)
+    is_dirty = np.zeros((rpn + 1, max(nodes, 1)), dtype=np.bool_)
+    # per two-level group size g: a tournament tree over every node's groups (leaf ``g_width
+    # + node x (rpn / g) + q``: the node's q-th group of g of its ranks least-loaded first, as
+    # loaded as its busiest), made on the first ring that needs it, kept as ``s_tree`` is
+    g_width = 1
+    while g_width < nodes * max(rpn // 2, 1):
+        g_width *= 2
+    g_val = np.empty((rpn + 1, g_width))
+    g_tree = np.full((rpn + 1, 2 * g_width), -1, dtype=np.int64)
+    g_built = np.zeros(rpn + 1, dtype=np.bool_)
+    g_dirty = np.empty((rpn + 1, max(nodes, 1)), dtype=np.int64)
+    g_dirty_top = np.zeros(rpn + 1, dtype=np.int64)
+    g_is_dirty = np.zeros((rpn + 1, max(nodes, 1)), dtype=np.bool_)
 
     def run(r, start, u):  # rank r runs unit u from ``start`` (its own clock, or a ring's)
         idle[r] += start - clock[r]
@@ -751,7 +780,17 @@ def _schedule(
         events[0] += 1
 
     def changed(r):  # rank r's key rose: up the tree, and its node's order goes stale
-        stale[r // rpn] = True
+        g = r // rpn
+        stale[g] = True
+        for k in range(2, rpn + 1):  # and its picks for the ring sizes seen so far
+            if built[k] and not is_dirty[k, g]:
+                is_dirty[k, g] = True
+                dirty[k, dirty_top[k]] = g
+                dirty_top[k] += 1
+            if g_built[k] and not g_is_dirty[k, g]:
+                g_is_dirty[k, g] = True
+                g_dirty[k, g_dirty_top[k]] = g
+                g_dirty_top[k] += 1
         if ep > 1:
             g = r // ep
             busiest[g] = key[g * ep : g * ep + ep].max()
@@ -772,6 +811,93 @@ def _schedule(
                 by_node[g, q] = by_node[g, q - 1]
                 q -= 1
             by_node[g, q] = x
+
+    def node_pick(g, k):  # node g's k least-loaded ranks: when the last is free, and the waits
+        sort_node(g)
+        start = by_node[g, k - 1]
+        prefix = by_node[g, 0]
+        for q in range(1, k):
+            prefix += by_node[g, q]
+        c_start[k, g] = start
+        c_waits[k, g] = k * start - prefix
+
+    def better(a, b, k):  # of two nodes, the one with the least (start, waits, node)
+        if b < 0:
+            return a
+        if a < 0:
+            return b
+        if c_start[k, a] != c_start[k, b]:
+            return a if c_start[k, a] < c_start[k, b] else b
+        if c_waits[k, a] != c_waits[k, b]:
+            return a if c_waits[k, a] < c_waits[k, b] else b
+        return a if a < b else b
+
+    def best_node_of(k):  # ``in one node``: earliest start, least idle, lowest node
+        if not built[k]:
+            built[k] = True
+            for g in range(nodes):
+                node_pick(g, k)
+                s_tree[k, width + g] = g
+            for v in range(width - 1, 0, -1):
+                s_tree[k, v] = better(s_tree[k, 2 * v], s_tree[k, 2 * v + 1], k)
+        for d in range(dirty_top[k]):
+            g = dirty[k, d]
+            is_dirty[k, g] = False
+            node_pick(g, k)
+            v = (width + g) // 2
+            while v >= 1:
+                s_tree[k, v] = better(s_tree[k, 2 * v], s_tree[k, 2 * v + 1], k)
+                v //= 2
+        dirty_top[k] = 0
+        return s_tree[k, 1]
+
+    def g_better(a, b, g):  # of two groups, the one with the least (busiest key, index)
+        if b < 0:
+            return a
+        if a < 0:
+            return b
+        if g_val[g, a] != g_val[g, b]:
+            return a if g_val[g, a] < g_val[g, b] else b
+        return a if a < b else b
+
+    def g_climb(i, g):  # group i's path up the tree of size g
+        v = (g_width + i) // 2
+        while v >= 1:
+            g_tree[g, v] = g_better(g_tree[g, 2 * v], g_tree[g, 2 * v + 1], g)
+            v //= 2
+
+    def least_groups(count, g):  # the count least-loaded groups of g (``_least_of`` over every
+        # node's groups by their busiest member: ties to the lower node and group), in index
+        # order, each taken out of the tree; the caller's ``changed`` of their members puts
+        # them back (their nodes' leaves set again before the size's next ring)
+        per = rpn // g
+        if not g_built[g]:
+            g_built[g] = True
+            for node in range(nodes):
+                sort_node(node)
+                for q in range(per):
+                    g_val[g, node * per + q] = by_node[node, q * g + g - 1]
+                    g_tree[g, g_width + node * per + q] = node * per + q
+            for v in range(g_width - 1, 0, -1):
+                g_tree[g, v] = g_better(g_tree[g, 2 * v], g_tree[g, 2 * v + 1], g)
+        for d in range(g_dirty_top[g]):
+            node = g_dirty[g, d]
+            g_is_dirty[g, node] = False
+            sort_node(node)
+            for q in range(per):
+                i = node * per + q
+                g_val[g, i] = by_node[node, q * g + g - 1]
+                g_tree[g, g_width + i] = i
+                g_climb(i, g)
+        g_dirty_top[g] = 0
+        out = np.empty(count, dtype=np.int64)
+        for m in range(count):
+            i = g_tree[g, 1]
+            out[m] = i
+            g_tree[g, g_width + i] = -1
+            g_climb(i, g)
+        out.sort()
+        return out
 
     def least_by_tree(k):  # ``_least_of(key, k)`` for k much smaller than n: the tree's
         # least (key, rank) k times, each taken out of the tree (its path recomputed); the
@@ -826,12 +952,7 @@ def _schedule(
                                 m += 1
                 return out
         per = rpn // g  # each node's groups: its ranks least loaded first, cut every g
-        busiest = np.empty(nodes * per)
-        for node in range(nodes):
-            sort_node(node)
-            for q in range(per):
-                busiest[node * per + q] = by_node[node, q * g + g - 1]
-        chosen = _least_of(busiest, k // g)  # ties: the lower node and group
+        chosen = least_groups(k // g, g)  # ties: the lower node and group
         local = np.empty(rpn, dtype=np.int64)  # a node's ranks by (key, rank), once per node
         block = np.empty(g, dtype=np.int64)
         last = -1
@@ -872,23 +993,15 @@ def _schedule(
                 if ep > 1 and k % ep == 0 and group[u] == 1:  # on whole EP groups
                     ranks = whole_groups(k)
                 elif k <= rpn:  # inside one node: earliest start, least idle, lowest node
-                    best_node, best_start, best_idle = -1, 0.0, 0.0
-                    for g in range(nodes):
-                        sort_node(g)
-                        start = by_node[g, k - 1]
-                        if best_node >= 0 and start > best_start:
-                            continue
-                        prefix = by_node[g, 0]
-                        for q in range(1, k):
-                            prefix += by_node[g, q]
-                        waits = k * start - prefix
-                        if best_node < 0 or start < best_start or waits < best_idle:
-                            best_node, best_start, best_idle = g, start, waits
-                    base = best_node * rpn
-                    chosen = np.argsort(key[base : base + rpn], kind="mergesort")[:k]  # ties: the lower rank
-                    for q in range(k):
-                        pick[q] = base + chosen[q]
-                    ranks = np.sort(pick[:k])
+                    base = best_node_of(k) * rpn
+                    for j in range(rpn):  # the node's ranks by (key, rank): a stable insertion sort
+                        x = key[base + j]
+                        q = j
+                        while q > 0 and key[pick[q - 1]] > x:
+                            pick[q] = pick[q - 1]
+                            q -= 1
+                        pick[q] = base + j
+                    ranks = np.sort(pick[:k])  # its k least, in rank order
                 elif group[u] > 1 and k % group[u] == 0 and rpn % group[u] == 0:
                     ranks = in_groups(k, group[u])
                 elif k * tree_pick <= n:  # the k least-loaded ranks, ties to the lowest, in rank order
