@@ -694,9 +694,9 @@ def test_targets_sharing_their_units_give_the_plan_of_units_made_afresh(mode):
     def counted(*args):
         memo = args[-1]
         before = 0 if memo is None else len(memo.units)
-        got = units_of(*args)
+        got, columns = units_of(*args)
         shared.append(sum(1 for u in got if u.kind != "short") - (0 if memo is None else len(memo.units) - before))
-        return got
+        return got, columns
 
     def afresh(*args):
         return units_of(*args[:-1], None)
@@ -710,6 +710,64 @@ def test_targets_sharing_their_units_give_the_plan_of_units_made_afresh(mode):
         drop = {"plan_time_s": None}
         assert plan.to_dict() | {"meta": plan.meta | drop} == fresh.to_dict() | {"meta": fresh.meta | drop}
     assert any(shared)  # some target reused units another made
+
+
+@pytest.mark.parametrize(
+    "model, tp, ep, recompute",
+    [
+        ("llama-7b", 1, 1, None),
+        ("llama-7b", 1, 1, "full"),
+        ("mistral-8x7b", 4, 8, "selective"),
+        ("llama-70b", 8, 1, None),
+    ],
+)
+def test_long_units_take_their_seconds_from_the_columns_as_one_made_alone(model, tp, ep, recompute):
+    """``planner._units``' columns are ``UnitColumns.of`` its units (dtypes included), and each
+    long unit's seconds, computed for all of them at once (``_long_columns``), are what one
+    unit timed alone gets: its layers whole on one rank, ``ring_share_time`` of Python ints
+    (``max``, not numpy), ``two_level.share_time`` in two-level groups, plus EP's all-to-alls;
+    over every target of GitHub-like batches (rings inside and across nodes, two-level groups
+    and offloaded sequences on one rank among them), with and without recompute."""
+    from megatron_bytescale.data.workloads import sample_lengths
+    from megatron_bytescale.planner import planner
+    from megatron_bytescale.planner.balance import UnitColumns
+    from megatron_bytescale.planner.cost_model import CostModel
+    from megatron_bytescale.planner.estimate import ring_share_time
+    from megatron_bytescale.planner.expert_slots import ep_all_to_all_time
+    from megatron_bytescale.planner.sharding import balanced_target, ring_decisions
+    from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
+
+    cost = CostModel.analytic(ModelSpec.load(model), HardwareSpec.load("h100"), tp=tp)
+    if recompute:
+        full = recompute == "full"
+        cost = cost.with_recompute(recompute, "uniform" if full else None, 1 if full else None)
+    rpn = 8 // tp
+    config = planner.PlannerConfig(num_ranks=2048 // tp, capacity=8192, ranks_per_node=rpn, expert_parallel=ep)
+    lens = planner.check_lengths(sample_lengths("github", 16 << 20, 2 << 20, np.random.default_rng(3)))
+    sizer = planner._ring_sizer(config, cost, 1, None)
+    base = balanced_target(np.asarray(lens), sizer)
+    shorts = planner._short_units(lens, config, cost, rpn)
+    memo = planner._UnitMemo()
+    seen = {"long": 0, "ring": 0, "across": 0, "two-level": 0}
+    for scale in (1.0, 0.5, 0.2, 0.05):
+        rings = ring_decisions(lens, sizer, base * scale)
+        units, columns = planner._units(lens, rings, config, cost, rpn, shorts, memo)
+        for got, want in zip(columns._columns(), UnitColumns.of(units)._columns(), strict=True):
+            assert got.dtype == want.dtype and np.array_equal(got, want)
+        for u in units[: len(units) - len(shorts)]:
+            s = lens[u.seq_ids[0]]
+            if u.ring_size == 1:
+                alone, kind = cost.num_layers * cost.layer_time(s), "long"
+            elif u.heads_split > 1:
+                alone, kind = two_level.share_time(cost, s, u.ring_size, u.heads_split, rpn), "two-level"
+            else:
+                across = u.ring_size > rpn
+                alone, kind = ring_share_time(cost, s, u.ring_size, across), "across" if across else "ring"
+            if ep > 1:
+                alone += ep_all_to_all_time(cost, u.tokens, ep, rpn)
+            assert u.time == alone and u.tokens == (s if u.ring_size == 1 else -(-s // u.ring_size))
+            seen[kind] += 1
+    assert seen["across"] and (seen["ring"] and seen["two-level"] or tp == 8) and (seen["long"] or recompute), seen
 
 
 @st.composite

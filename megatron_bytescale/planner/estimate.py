@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from .contract import MicroBatch, graph, rank_tokens
 from .cost_model import FORWARD_SHARE, CostModel
 from .offload_policy import copy_exposure
@@ -37,23 +39,32 @@ def dkv_home_time(cost: CostModel, block_tokens: float, inter_node: bool) -> flo
     return cost.p2p_latency_s + block_tokens * cost.grad_bytes_per_token / bw
 
 
+def _positive_part(x):
+    """``max(0.0, x)``, elementwise where ``x`` is an array (the same values)."""
+    return np.maximum(x, 0.0) if isinstance(x, np.ndarray) else max(0.0, x)
+
+
 def exposed_ring_time(cost: CostModel, pairs: float, block_tokens: float, ring_size: int, inter_node: bool) -> float:
     """Seconds per layer that ring hops add beyond compute, for one member.
 
     ``pairs``: this member's attention pairs of the distributed sequences; ``block_tokens``:
-    the KV block a hop carries (the largest member share).
+    the KV block a hop carries (the largest member share). ``pairs``, ``block_tokens`` and
+    ``ring_size`` may be arrays (rings of 2 or more, one ``inter_node`` for all): the same
+    floats, elementwise.
     """
-    if ring_size <= 1:
+    if not isinstance(ring_size, np.ndarray) and ring_size <= 1:
         return 0.0
     step = cost.a1 * pairs / ring_size
-    fwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=False) - cost.forward_share * step)
-    bwd = max(0.0, cost.hop_time(block_tokens, inter_node, backward=True) - (1.0 - cost.forward_share) * step)
+    fwd = _positive_part(cost.hop_time(block_tokens, inter_node, backward=False) - cost.forward_share * step)
+    bwd = _positive_part(cost.hop_time(block_tokens, inter_node, backward=True) - (1.0 - cost.forward_share) * step)
     fwd *= 1.0 + cost.recompute_attention_share  # a recomputed attention runs its forward ring again
     return (ring_size - 1) * (fwd + bwd) + dkv_home_time(cost, block_tokens, inter_node)
 
 
 def ring_share_time(cost: CostModel, seq_len: int, ring_size: int, inter_node: bool) -> float:
-    """Seconds one member of a ring spends on its share of one sequence (a micro-batch of its own)."""
+    """Seconds one member of a ring spends on its share of one sequence (a micro-batch of its
+    own). ``seq_len`` and ``ring_size`` may be int64 arrays (rings of 2 or more, one
+    ``inter_node`` for all): the same floats, elementwise (squares below 2^53 are exact)."""
     share = -(-seq_len // ring_size)
     pairs = seq_len * seq_len / ring_size
     per_layer = cost.layer_time(share, pairs) + exposed_ring_time(cost, pairs, share, ring_size, inter_node)

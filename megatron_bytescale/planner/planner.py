@@ -228,12 +228,11 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
             for scale in RETARGET if balanced else (1.0,):
                 target = None if base is None else base * scale
                 rings = ring_decisions(lens, sizer, target, on_groups)
-                units = _units(lens, rings, config, cost, placer.ranks_per_node, shorts, memo)
+                units, columns = _units(lens, rings, config, cost, placer.ranks_per_node, shorts, memo)
                 mode = config.balance if balanced else "tokens"
                 # a schedule whose largest key passes the best step so far cannot be chosen:
                 # it stops there (its key never falls as units are given out)
                 limit = best[0] if best is not None else float("inf")
-                columns = _unit_columns(units, shorts, memo)
                 assignment = schedule(units, placer, mode, config.slack, stages, give_up_above=limit, columns=columns)
                 if assignment is None:
                     continue
@@ -472,8 +471,8 @@ def _pipeline_targets(lens, config: PlannerConfig, cost: CostModel, placer: Ring
         if rings.same_rings(previous):
             continue
         previous = rings
-        units = _units(lens, rings, config, cost, placer.ranks_per_node, shorts, memo)
-        targets.append((position, target, rings, units, _unit_columns(units, shorts, memo)))
+        units, columns = _units(lens, rings, config, cost, placer.ranks_per_node, shorts, memo)
+        targets.append((position, target, rings, units, columns))
     return targets
 
 
@@ -517,27 +516,16 @@ def _compute_bound(lens, cost: CostModel, num_ranks: int) -> float:
 
 # ----------------------------------------------------------------------------- units
 class _UnitMemo:
-    """What the candidate targets of one step share: ring share times by (length, ring size,
-    across nodes), and the long units themselves by (sequence, ring size, ratio, two-level
-    group), which is all a long unit depends on within a step (most of a step's rings keep
-    their size from one target to the next: a 512M-token step's targets time ~6 x 10^4 rings,
-    ~8 x 10^3 of them different). Units are not changed once made, except hdp-naive's, whose
-    packs fill their rings: those are made fresh (``_units``)."""
+    """What the candidate targets of one step share: the long units by (sequence, ring size,
+    ratio, two-level group), which is all a long unit depends on within a step (most of a
+    step's rings keep their size from one target to the next: a 512M-token step's targets
+    hold ~6 x 10^4 rings, ~8 x 10^3 of them different), and the short units' columns. Units
+    are not changed once made, except hdp-naive's, whose packs fill their rings: those are
+    made fresh (``_units``)."""
 
     def __init__(self):
-        self.share_times: dict[tuple, float] = {}
         self.units: dict[tuple, Unit] = {}
-        self.short_columns: UnitColumns | None = None  # the short units' (``_unit_columns``)
-
-
-def _unit_columns(units: list[Unit], shorts: list[Unit] | None, memo: _UnitMemo) -> UnitColumns:
-    """``UnitColumns.of(units)`` for ``_units``' result, which ends with ``shorts`` where
-    those are given: theirs read once per step (``memo``), then joined to the long units'."""
-    if not shorts:
-        return UnitColumns.of(units)
-    if memo.short_columns is None:
-        memo.short_columns = UnitColumns.of(shorts)
-    return UnitColumns.of(units[: len(units) - len(shorts)]).join(memo.short_columns)
+        self.short_columns: UnitColumns | None = None  # the short units' (``_units``)
 
 
 def _units(
@@ -548,23 +536,30 @@ def _units(
     ranks_per_node: int,
     shorts: list[Unit] | None = None,
     memo: _UnitMemo | None = None,
-) -> list[Unit]:
+) -> tuple[list[Unit], UnitColumns]:
     """The long sequences' units for their ``rings``, then the short sequences' (``shorts``: the
     ones ``_short_units`` made, shared by candidates that only resize rings; ``memo``: what
-    they share of the long ones)."""
+    they share of the long ones), and their ``UnitColumns``: the long units' from the rings'
+    arrays, the short units' read once per step (``memo``)."""
     if config.balance == "none":
-        units = _long_units(rings, cost, ranks_per_node)
+        units, _ = _long_units(rings, cost, ranks_per_node)
         short_ids = np.flatnonzero(np.asarray(lens, dtype=np.int64) <= config.capacity).tolist()
-        return units + _naive_packs(units, short_ids, lens, config.capacity, cost, ranks_per_node)
+        units += _naive_packs(units, short_ids, lens, config.capacity, cost, ranks_per_node)
+        return units, UnitColumns.of(units)
     a2a = None
     if config.expert_parallel > 1:
         # every micro-batch also runs the MoE all-to-alls: counted so that the scheduler evens
         # them out too (a rank of many short sequences sends more tokens than one of a ring share)
-        def a2a(tokens: int) -> float:
+        def a2a(tokens):
             return ep_all_to_all_time(cost, tokens, config.expert_parallel, ranks_per_node)
 
-    units = _long_units(rings, cost, ranks_per_node, memo, a2a)
-    return units + (shorts if shorts is not None else _short_units(lens, config, cost, ranks_per_node))
+    memo = _UnitMemo() if memo is None else memo
+    units, columns = _long_units(rings, cost, ranks_per_node, memo, a2a)
+    if shorts is None:
+        shorts = _short_units(lens, config, cost, ranks_per_node)
+    if memo.short_columns is None:
+        memo.short_columns = UnitColumns.of(shorts)
+    return units + shorts, columns.join(memo.short_columns)
 
 
 def _short_units(lens, config: PlannerConfig, cost: CostModel, ranks_per_node: int) -> list[Unit]:
@@ -582,57 +577,55 @@ def _short_units(lens, config: PlannerConfig, cost: CostModel, ranks_per_node: i
     return [Unit("short", (i,), 1, t, n) for i, t, n in zip(short.tolist(), times.tolist(), tokens.tolist())]
 
 
+def _long_columns(rings: RingDecisions, cost: CostModel, ranks_per_node: int, a2a=None) -> UnitColumns:
+    """The ``UnitColumns`` of ``rings``' long units, from the arrays: a sequence on one rank
+    takes its layers' time whole, a ring member its share's (``ring_share_time``, or
+    ``two_level.share_times`` in two-level groups), all elementwise, the same floats a unit
+    made alone gets; ``a2a``'s seconds (EP) added to each."""
+    s, size, split = rings.seq_lens, rings.ring_size, rings.heads_split
+    time = np.empty(s.size)
+    tokens = np.where(size == 1, s, -(-s // np.maximum(size, 1)))
+    one = size == 1
+    time[one] = cost.num_layers * cost.layer_time(s[one])
+    plain = ~one & (split <= 1)
+    for inter_node in (False, True):
+        at = np.flatnonzero(plain & ((size > ranks_per_node) == inter_node))
+        time[at] = ring_share_time(cost, s[at], size[at], inter_node)
+    # two-level rings (head all-to-all in each node, ring across nodes): per group size
+    for u in np.unique(split[~one & (split > 1)]).tolist():
+        at = np.flatnonzero(~one & (split == u))
+        time[at] = two_level.share_times(cost, s[at], size[at], u, ranks_per_node)
+    if a2a is not None:
+        time += a2a(tokens)
+    return UnitColumns(time, tokens.astype(np.float64), rings.seq_ids, size, np.where(one, 1, split))
+
+
 def _long_units(
     rings: RingDecisions,
     cost: CostModel,
     ranks_per_node: int,
     memo: _UnitMemo | None = None,
     a2a=None,
-) -> list[Unit]:
+) -> tuple[list[Unit], UnitColumns]:
     """A unit per long sequence of ``rings``, made once per step where ``memo`` is shared
-    (``_UnitMemo``). ``a2a``: a function of a unit's tokens giving the seconds it adds (EP's
+    (``_UnitMemo``), and their columns (``_long_columns``, whose seconds the new units take).
+    ``a2a``: a function of tokens (elementwise on arrays) giving the seconds they add (EP's
     all-to-alls), or None."""
-    memo = _UnitMemo() if memo is None else memo
-    made, share_times = memo.units, memo.share_times
-    columns = (rings.seq_ids, rings.ring_size, rings.ratio, rings.heads_split)
-    keys = list(zip(*(c.tolist() for c in columns)))
+    made = (_UnitMemo() if memo is None else memo).units
+    columns = _long_columns(rings, cost, ranks_per_node, a2a)
+    keys = list(zip(*(c.tolist() for c in (rings.seq_ids, rings.ring_size, rings.ratio, rings.heads_split))))
     missing = [i for i, key in enumerate(keys) if key not in made]
-    seq_lens = rings.seq_lens.tolist() if missing else []
-    # two-level rings (head all-to-all in each node, ring across nodes): timed all at once per
-    # group size, elementwise, so each is the float ``two_level.share_time`` gives alone
-    grouped: dict[int, list[int]] = {}  # group size -> indices into keys
-    for i in missing:
-        _, size, _, split = keys[i]
-        if size > 1 and split > 1:
-            grouped.setdefault(split, []).append(i)
-    two_level_time: dict[int, float] = {}  # index -> seconds
-    for u, at in grouped.items():
-        lens = np.array([seq_lens[i] for i in at], dtype=np.int64)
-        sizes = np.array([keys[i][1] for i in at], dtype=np.int64)
-        two_level_time.update(zip(at, two_level.share_times(cost, lens, sizes, u, ranks_per_node).tolist()))
-    added: dict[int, float] = {}  # a2a's seconds per token count
-    for i in missing:
-        key = keys[i]
-        sid, size, ratio, split = key
-        s = seq_lens[i]
-        if size == 1:
-            unit = Unit("long", (sid,), 1, cost.num_layers * cost.layer_time(s), s, ratio)
-        else:
-            if split > 1:
-                t = two_level_time[i]
+    if missing:
+        times = columns.time[missing].tolist()
+        tokens = columns.tokens[missing].astype(np.int64).tolist()
+        for i, t, n in zip(missing, times, tokens):
+            key = keys[i]
+            sid, size, ratio, split = key
+            if size == 1:
+                made[key] = Unit("long", (sid,), 1, t, n, ratio)
             else:
-                timed = (s, size, size > ranks_per_node)
-                t = share_times.get(timed)
-                if t is None:
-                    t = share_times[timed] = ring_share_time(cost, *timed)
-            unit = Unit("ring", (sid,), size, t, -(-s // size), ratio, heads_split=split)
-        if a2a is not None:
-            extra = added.get(unit.tokens)
-            if extra is None:
-                extra = added[unit.tokens] = a2a(unit.tokens)
-            unit.time += extra
-        made[key] = unit
-    return [made[key] for key in keys]
+                made[key] = Unit("ring", (sid,), size, t, n, ratio, heads_split=split)
+    return [made[key] for key in keys], columns
 
 
 def _naive_packs(
