@@ -222,12 +222,13 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         on_groups = (
             round_rings_to_groups(config.expert_parallel, config.num_ranks) if config.expert_parallel > 1 else None
         )
+        lengths = np.asarray(lens, dtype=np.int64)  # (once: every target reads them)
         for factor in factors:
             sizer = _ring_sizer(config, cost, factor, host)
-            base = balanced_target(np.asarray(lens), sizer) if balanced else None
+            base = balanced_target(lengths, sizer) if balanced else None
             for scale in RETARGET if balanced else (1.0,):
                 target = None if base is None else base * scale
-                rings = ring_decisions(lens, sizer, target, on_groups)
+                rings = ring_decisions(lengths, sizer, target, on_groups)
                 units, columns = _units(lens, rings, config, cost, placer.ranks_per_node, shorts, memo)
                 mode = config.balance if balanced else "tokens"
                 # a schedule whose largest key passes the best step so far cannot be chosen:
@@ -461,13 +462,14 @@ def _pipeline_targets(lens, config: PlannerConfig, cost: CostModel, placer: Ring
     ``UnitColumns``) of each target scale that changes some ring from the scale before it."""
     stages = config.pipeline_stages
     sizer = _ring_sizer(config, cost, stages, host_capacity(cost, stages))
-    base = balanced_target(np.asarray(lens), sizer)
+    lengths = np.asarray(lens, dtype=np.int64)  # (once: every target reads them)
+    base = balanced_target(lengths, sizer)
     targets, previous = [], None
     shorts = _short_units(lens, config, cost, placer.ranks_per_node)  # the same for every target
     memo = _UnitMemo()  # what the targets share of their units
     for position, scale in enumerate(PIPELINE_RETARGET):
         target = base * scale
-        rings = ring_decisions(lens, sizer, target)
+        rings = ring_decisions(lengths, sizer, target)
         if rings.same_rings(previous):
             continue
         previous = rings

@@ -164,6 +164,7 @@ class RingSizer:
         self._splits: dict[int, np.ndarray] = {}  # per curve entry: its two-level group size (1: plain)
         self._floors: dict[int, OffloadDecision] = {}
         self._table: _CurveTable | None = None  # the last lengths' curves end to end (balanced_target)
+        self._sized: dict[tuple[int, int], tuple[int, float, int]] = {}  # size_many's offloading rings
         self.two_level = two_level.valid_splits(cost, self.ranks_per_node) if num_ranks > self.ranks_per_node else []
 
     def floor(self, seq_len: int) -> OffloadDecision:
@@ -293,42 +294,40 @@ class RingSizer:
         return self._first_within(self._table_of([int(s) for s in seq_lens]), target).tolist()
 
     def _first_within(self, table: _CurveTable, target: float) -> np.ndarray:
-        counts, first, times = table.counts, table.first, table.times
-
-        def first_true(mask: np.ndarray) -> np.ndarray:
-            at = np.flatnonzero(mask)  # ascending, so each segment's first hit is where it starts
-            if not at.size:
-                return np.full(counts.size, -1)
-            found = at[np.minimum(np.searchsorted(at, first), at.size - 1)]
-            ok = (found >= first) & (found < first + counts)  # the hit is in this length's curve
-            return np.where(ok, found - first, -1)
-
-        k = first_true(self.stages * times <= target)
+        # each length's first entry within the target is in its curve up to its first minimum
+        # (where any entry is within, that one is), which most targets of a step read: cut once
+        pt, first, counts = table.to_first_min(self.stages)
+        k = _first_true(pt <= target, first, counts)
         if (k < 0).any():
-            near = first_true(times <= np.repeat(table.least * (1 + 1e-3), counts))
-            k = np.where(k < 0, near, k)
+            k = np.where(k < 0, table.near_fastest(), k)
         return k
 
     def size_many(self, seq_lens: list[int], target: float) -> list[tuple[int, float, int]]:
         """``(ring size, offload ratio, two-level group size)`` of each length for ``target``:
-        ``size(s, target)`` and ``heads_split`` of its ring, the same values, read off the
-        curves for all lengths at once: the floor ring takes the floor's ratio, a larger ring
-        on which every share fits offloads nothing; only larger rings that offload (a few
-        lengths a step) go through ``size``."""
+        ``size(s, target)`` and ``heads_split`` of its ring, the same values (``size_arrays``)."""
+        return list(zip(*(a.tolist() for a in self.size_arrays(seq_lens, target))))
+
+    def size_arrays(self, seq_lens: list[int], target: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``size_many``'s ring sizes, offload ratios and two-level group sizes as arrays, read
+        off the curves for all lengths at once: the floor ring takes the floor's ratio, a
+        larger ring on which every share fits offloads nothing; only larger rings that offload
+        (a few lengths a step) go through ``size``."""
         if not seq_lens:
-            return []
+            return np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64)
         table = self._table_of(seq_lens)
         k = self._first_within(table, target)
         at = table.first + k
         ranks = table.sizes[at]
         ratios = np.where(k == 0, table.floor_ratios(self), 0.0)
-        out = list(zip(ranks.tolist(), ratios.tolist(), table.splits(self)[at].tolist()))
-        lens = np.asarray(seq_lens, dtype=np.int64)
-        for i in np.flatnonzero((k > 0) & (-(-lens // ranks) > self.capacity)).tolist():
-            s = seq_lens[i]
-            d, r, _ = self.size(s, target, int(k[i]))
-            out[i] = (d, r, self.heads_split(s, d))
-        return out
+        splits = table.splits(self)[at]
+        sized = self._sized  # from a given start ``size`` does not read the target: once per step
+        for i in np.flatnonzero((k > 0) & (-(-table.lengths // ranks) > self.capacity)).tolist():
+            key = (seq_lens[i], int(k[i]))
+            if key not in sized:
+                d, r, _ = self.size(key[0], target, key[1])
+                sized[key] = (d, r, self.heads_split(key[0], d))
+            ranks[i], ratios[i], splits[i] = sized[key]
+        return ranks, ratios, splits
 
     def size(self, seq_len: int, target: float | None, start: int | None = None) -> tuple[int, float, float]:
         """(ring size, offload ratio, share time): the memory floor when ``target`` is None,
@@ -356,12 +355,24 @@ class RingSizer:
         return d.ranks, d.ratio, float(times[0])
 
 
+def _first_true(mask: np.ndarray, first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Per segment of ``mask`` (starting at ``first``, ``counts`` long), the index within it
+    of its first True, else -1."""
+    at = np.flatnonzero(mask)  # ascending, so each segment's first hit is where it starts
+    if not at.size:
+        return np.full(counts.size, -1)
+    found = at[np.minimum(np.searchsorted(at, first), at.size - 1)]
+    ok = (found >= first) & (found < first + counts)  # the hit is in this segment
+    return np.where(ok, found - first, -1)
+
+
 class _CurveTable:
     """The curves of many lengths end to end (``balanced_target``'s view of them)."""
 
     def __init__(self, sizer: RingSizer, seq_lens: list[int]):
         sizer.prepare(seq_lens)
         self.seq_lens = seq_lens
+        self.lengths = np.array(seq_lens, dtype=np.int64)
         curves = [sizer._curves[s] for s in seq_lens]
         self.sizes = np.concatenate([c[0] for c in curves])
         self.times = np.concatenate([c[1] for c in curves])
@@ -370,6 +381,9 @@ class _CurveTable:
         self.least = np.minimum.reduceat(self.times, self.first)  # each length's fastest ring
         self._splits: np.ndarray | None = None
         self._floor_ratios: np.ndarray | None = None
+        self._stage_min: tuple | None = None  # (stages, stages x times, each first minimum's index)
+        self._to_first_min: tuple | None = None
+        self._near: np.ndarray | None = None
 
     def splits(self, sizer: RingSizer) -> np.ndarray:
         """Each entry's two-level group size (1: the plain ring), end to end like the rest."""
@@ -388,6 +402,33 @@ class _CurveTable:
         low = np.repeat(np.minimum.reduceat(values, self.first), self.counts)
         at = np.flatnonzero(values == low)  # ascending: each length's first hit first
         return at[np.searchsorted(at, self.first)] - self.first
+
+    def stage_times(self, stages: int) -> tuple[np.ndarray, np.ndarray]:
+        """``stages`` x the times (pipeline fill included) and, per length, the index of their
+        first minimum, made once (``balanced_target`` and every target's sizing read them)."""
+        if self._stage_min is None or self._stage_min[0] != stages:
+            pt = stages * self.times
+            self._stage_min = (stages, pt, self.first_min(pt))
+        return self._stage_min[1], self._stage_min[2]
+
+    def to_first_min(self, stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``stage_times`` with each length's curve cut after its first minimum, end to end:
+        the entries, where each length starts and how many it keeps."""
+        if self._to_first_min is None or self._to_first_min[0] != stages:
+            pt, low = self.stage_times(stages)
+            stop = low + 1
+            start = np.concatenate(([0], np.cumsum(stop)[:-1]))
+            take = np.repeat(self.first - start, stop) + np.arange(int(stop.sum()))
+            self._to_first_min = (stages, pt[take], start, stop)
+        return self._to_first_min[1:]
+
+    def near_fastest(self) -> np.ndarray:
+        """Per length, the index of the first entry within 0.1% of its fastest ring."""
+        if self._near is None:
+            self._near = _first_true(
+                self.times <= np.repeat(self.least * (1 + 1e-3), self.counts), self.first, self.counts
+            )
+        return self._near
 
 
 def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
@@ -442,8 +483,8 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     # does, and there it equals the curve: so the first entry within t is read, and past
     # the first minimum neither falls.)
     if len(varying):
-        pt = p * table.times  # share times, pipeline fill included
-        stop = table.first_min(pt)[varying] + 1
+        pt, low = table.stage_times(p)  # share times, pipeline fill included
+        stop = low[varying] + 1
         first = np.concatenate([[0], np.cumsum(stop)[:-1]])
         last_k = stop - 1
         take = np.repeat(table.first[varying] - first, stop) + np.arange(int(stop.sum()))
@@ -549,15 +590,18 @@ def ring_decisions(seq_lens: Sequence[int], sizer: RingSizer, target: float | No
     long_lens = lens[long_ids]
     distinct, which = np.unique(long_lens, return_inverse=True)  # as balanced_target lists them
     distinct_list = distinct.tolist()
-    if target is None:  # the memory floor needs no time curve
-        decided = [(d.ranks, d.ratio, 1) for d in map(sizer.floor, distinct_list)]
-    else:  # its curves are reused
-        decided = sizer.size_many(distinct_list, target)
-    if resize is not None:
-        decided = [resize(s, *d) for s, d in zip(distinct_list, decided)]
-    ring_size = np.array([d[0] for d in decided], dtype=np.int64)
-    ratio = np.array([d[1] for d in decided], dtype=np.float64)
-    heads_split = np.array([d[2] for d in decided], dtype=np.int64)
+    if target is None or resize is not None:
+        if target is None:  # the memory floor needs no time curve
+            decided = [(d.ranks, d.ratio, 1) for d in map(sizer.floor, distinct_list)]
+        else:  # its curves are reused
+            decided = sizer.size_many(distinct_list, target)
+        if resize is not None:
+            decided = [resize(s, *d) for s, d in zip(distinct_list, decided)]
+        ring_size = np.array([d[0] for d in decided], dtype=np.int64)
+        ratio = np.array([d[1] for d in decided], dtype=np.float64)
+        heads_split = np.array([d[2] for d in decided], dtype=np.int64)
+    else:
+        ring_size, ratio, heads_split = sizer.size_arrays(distinct_list, target)
     return RingDecisions(long_ids, long_lens, ring_size[which], ratio[which], heads_split[which])
 
 
