@@ -190,6 +190,69 @@ def test_two_level_curves_of_many_lengths_match_one_length_at_a_time():
             ]
 
 
+def _prepared_both_ways(cost, num_ranks: int, per_node: int, lengths, offload: bool = True):
+    """Two sizers with ``lengths``' curves: one from ``compiled.ring_curves``, one numpy."""
+    assert compiled.ring_curves() is not None  # numba is a dependency
+    sizers = RingSizer(8192, cost, offload, num_ranks, per_node), RingSizer(8192, cost, offload, num_ranks, per_node)
+    sizers[0].prepare(lengths)
+    with mock.patch.object(compiled, "ring_curves", lambda: None):
+        sizers[1].prepare(lengths)
+    return sizers
+
+
+def _assert_same_curves(got: RingSizer, want: RingSizer, lengths) -> None:
+    from megatron_bytescale.planner.sharding import _CurveTable
+
+    for s in lengths:
+        for a, b in zip(got._entries(s), want._entries(s), strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+    # a step's lengths prepared at once are one block: the table's view of it equals the
+    # table put together length by length
+    one_block, by_length = _CurveTable(got, lengths), _CurveTable(want, lengths)
+    for name in ("sizes", "times", "splits", "counts", "first", "least"):
+        assert np.array_equal(getattr(one_block, name), getattr(by_length, name)), name
+
+
+MODELS_BY_NODE = {8: ("llama-7b", 1), 2: ("mistral-8x7b", 4), 1: ("llama-70b", 8)}  # HDP ranks per node: model, TP
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(sorted(MODELS_BY_NODE)),
+    st.sampled_from([64, 256, 1024]),
+    st.lists(st.integers(8193, 2 << 20), min_size=1, max_size=30, unique=True),
+    st.booleans(),
+)
+def test_compiled_curves_match_the_numpy_curves(per_node, num_ranks, lengths, offload):
+    """``compiled.ring_curves`` (``RingSizer.prepare``'s kernel) against the numpy curves
+    (``ring_times``, then each two-level group size where it is strictly faster), bit for
+    bit: every length's sizes, times and group sizes, and the curve table's view of them."""
+    from megatron_bytescale.planner.cost_model import CostModel
+    from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
+
+    model, tp = MODELS_BY_NODE[per_node]
+    cost = CostModel.analytic(ModelSpec.load(model), HardwareSpec.load("h100"), tp=tp)
+    lengths = sorted(s for s in lengths if s <= 8192 * num_ranks * (4 if offload else 1))
+    if lengths:
+        _assert_same_curves(*_prepared_both_ways(cost, num_ranks, per_node, lengths, offload), lengths)
+
+
+def test_compiled_curves_match_where_two_level_groups_win():
+    """The same on a GitHub-like batch's long lengths over 1,024 ranks of 8 per node, where
+    two-level groups of every size win somewhere on the curves (the kernel's other branch)."""
+    from megatron_bytescale.data.workloads import sample_lengths
+    from megatron_bytescale.planner.cost_model import CostModel
+    from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
+
+    cost = CostModel.analytic(ModelSpec.load("llama-7b"), HardwareSpec.load("h100"))
+    lens = sample_lengths("github", 32 << 20, 2 << 20, np.random.default_rng(0))
+    lengths = sorted({int(s) for s in lens if s > 8192})
+    compiled_sizer, numpy_sizer = _prepared_both_ways(cost, 1024, 8, lengths)
+    _assert_same_curves(compiled_sizer, numpy_sizer, lengths)
+    won = np.concatenate([compiled_sizer._entries(s)[2] for s in lengths])
+    assert set(np.unique(won).tolist()) == {1, 2, 4, 8}
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(coarse, min_size=2, max_size=10),

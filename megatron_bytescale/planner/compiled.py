@@ -1239,6 +1239,118 @@ def _one_pipeline(fwd: np.ndarray, bwd: np.ndarray, p: int, v: int):
     return ops, ran
 
 
+def _ring_curves(
+    lengths: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    spanning: np.ndarray,
+    rpn: int,
+    ring: np.ndarray,
+    us: np.ndarray,
+    per_u: np.ndarray,
+):
+    """``RingSizer.prepare``'s curves of many lengths at once: per length its ring sizes
+    ``lo .. hi`` end to end, the share time of each (``sharding.ring_times``) and, where the
+    length is ``spanning``, the two-level time of each group size in ``us`` (ascending) where
+    it applies and is strictly faster (``two_level.valid_share_times``), with the group size
+    taken (1: the plain ring). The same operations in the same order, one entry at a time.
+    ``ring``: a1, b1, g, KV bytes, KV + dKV bytes, dKV bytes, latency, intra- and inter-node
+    bandwidth, forward share, 1 - forward share, layers; ``per_u`` (a row per group size):
+    its query share of the heads, u x that share, u, 1 - 1 / u, the all-to-all bytes per token
+    (4 q + 2 kv) and four latencies. Returns sizes, times, group sizes and each length's count."""
+    a1, b1, g, kv, kvg, grad, lat, bw_in, bw_out, fs, bs, layers = (
+        ring[0],
+        ring[1],
+        ring[2],
+        ring[3],
+        ring[4],
+        ring[5],
+        ring[6],
+        ring[7],
+        ring[8],
+        ring[9],
+        ring[10],
+        ring[11],
+    )
+    counts = hi - lo + 1
+    total = 0
+    for i in range(lengths.size):
+        total += counts[i]
+    sizes = np.empty(total, dtype=np.int64)
+    times = np.empty(total)
+    splits = np.ones(total, dtype=np.int64)
+    at = 0
+    for i in range(lengths.size):
+        s = float(lengths[i])
+        for size in range(lo[i], hi[i] + 1):
+            d = float(size)
+            share = np.ceil(s / d)
+            compute = a1 * (s * s / d)
+            per_layer = compute + b1 * share
+            per_layer += g
+            bw = bw_out if size > rpn else bw_in
+            step = compute / d
+            hop_f = share * kv / bw + lat
+            hop_b = share * kvg / bw + lat
+            home = share * grad / bw + lat
+            hop_f -= fs * step
+            hop_b -= bs * step
+            exposed = max(hop_f, 0.0) + max(hop_b, 0.0)
+            exposed *= d - 1
+            exposed += home
+            if size <= 1:
+                exposed = 0.0
+            per_layer += exposed
+            per_layer *= layers
+            split = 1
+            if spanning[i] and size > rpn:
+                for j in range(us.size):
+                    u = us[j]
+                    if size % u:
+                        continue
+                    fq, ufq, uf, a2a_share, a2a_bytes, a2a_lat = (
+                        per_u[j, 0],
+                        per_u[j, 1],
+                        per_u[j, 2],
+                        per_u[j, 3],
+                        per_u[j, 4],
+                        per_u[j, 5],
+                    )
+                    m = d / uf
+                    c = s * s
+                    c /= d
+                    c *= ufq
+                    c *= a1  # a1 x pairs
+                    t = b1 * share
+                    t += c
+                    t += g
+                    step2 = c / m
+                    block = uf * share
+                    block *= fq
+                    f2 = block * kv / bw_out + lat
+                    b2 = block * kvg / bw_out + lat
+                    home2 = block * grad / bw_out + lat
+                    if m <= 1:
+                        home2 = 0.0
+                    f2 -= fs * step2
+                    b2 -= bs * step2
+                    exposed2 = max(0.0, f2) + max(0.0, b2)
+                    exposed2 *= m - 1
+                    a2a = share * a2a_share
+                    a2a *= a2a_bytes
+                    a2a /= bw_in
+                    a2a += a2a_lat
+                    home2 += a2a
+                    exposed2 += home2
+                    t += exposed2
+                    t *= layers
+                    if t < per_layer:
+                        per_layer, split = t, u
+            sizes[at], times[at], splits[at] = size, per_layer, split
+            at += 1
+    return sizes, times, splits, counts
+
+
 def _compile(kernel):
     """``kernel`` compiled, or None where numba is missing (the caller takes its numpy version)."""
     try:
@@ -1311,3 +1423,9 @@ def stretch_packs():
 def one_pipeline():
     """``_one_pipeline`` compiled, or None where numba is missing."""
     return _compile(_one_pipeline)
+
+
+@cache
+def ring_curves():
+    """``_ring_curves`` compiled, or None where numba is missing."""
+    return _compile(_ring_curves)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, PlanError
-from . import two_level
+from . import compiled, two_level
 from .cost_model import CostModel
 from .offload_policy import OffloadDecision, decide, ratio_for_ranks
 
@@ -160,8 +160,10 @@ class RingSizer:
         self.offload = offload
         self.num_ranks = num_ranks
         self.ranks_per_node = min(ranks_per_node, num_ranks)
-        self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._splits: dict[int, np.ndarray] = {}  # per curve entry: its two-level group size (1: plain)
+        # the curves, computed many lengths at a time: blocks of (sizes, times, two-level group
+        # sizes per entry, 1: the plain ring), each length's curve where it sits in its block
+        self._blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._where: dict[int, tuple[int, int, int]] = {}  # length -> (block, start, count)
         self._floors: dict[int, OffloadDecision] = {}
         self._table: _CurveTable | None = None  # the last lengths' curves end to end (balanced_target)
         self._sized: dict[tuple[int, int], tuple[int, float, int]] = {}  # size_many's offloading rings
@@ -189,12 +191,18 @@ class RingSizer:
     def prepare(self, seq_lens) -> None:
         """Compute the curves of many lengths at once (one vectorised ``ring_times`` over all
         of them instead of one small one per length: a 16K-rank step has ~7,000 lengths)."""
-        todo = [int(s) for s in dict.fromkeys(seq_lens) if int(s) not in self._curves]
+        todo = [int(s) for s in dict.fromkeys(seq_lens) if int(s) not in self._where]
         plain, spanning = [], []
         # ``_size_range`` and ``_two_level_hi`` of every length at once (the same operations)
         lo = [self.floor(s).ranks for s in todo]
         hi = self._range_ends(todo, lo, 1)
         wide = self._range_ends(todo, lo, max(self.two_level)).tolist() if self.two_level else None
+        kernel = compiled.ring_curves() if todo else None
+        if kernel is not None:  # every length in one pass, in order (one block), the same floats
+            hi = hi.tolist()
+            spans = [bool(self.two_level) and b > self.ranks_per_node for b in hi]  # rings that may span nodes
+            self._compiled_curves(kernel, todo, lo, [w if x else b for b, w, x in zip(hi, wide or hi, spans)], spans)
+            return
         for s, a, b, w in zip(todo, lo, hi.tolist(), wide or hi.tolist()):
             if self.two_level and b > self.ranks_per_node:  # rings that may span nodes
                 spanning.append((s, (a, w)))
@@ -207,12 +215,68 @@ class RingSizer:
         for chunk in _chunks(spanning):
             self._two_level_curves(chunk)
 
+    def _compiled_curves(self, kernel, todo: list[int], lo: list[int], hi: list[int], spanning: list[bool]) -> None:
+        """``prepare``'s curves from ``compiled.ring_curves``: each length of ``todo`` over
+        ring sizes ``lo .. hi``, in two-level groups too where ``spanning``."""
+        cost = self.cost
+        ring = np.array(
+            [
+                cost.a1,
+                cost.b1,
+                cost.g,
+                cost.kv_bytes_per_token,
+                cost.kv_bytes_per_token + cost.grad_bytes_per_token,
+                cost.grad_bytes_per_token,
+                cost.p2p_latency_s,
+                cost.bw_intra_node,
+                cost.bw_inter_node,
+                cost.forward_share,
+                1 - cost.forward_share,
+                cost.num_layers,
+            ],
+            dtype=np.float64,
+        )
+        us = np.array(self.two_level, dtype=np.int64)
+        per_u = np.array(
+            [
+                [
+                    two_level.head_fractions(cost, u)[0],
+                    u * two_level.head_fractions(cost, u)[0],
+                    u,
+                    1.0 - 1.0 / u,
+                    4 * cost.q_bytes_per_token + 2 * cost.kv_bytes_per_token,
+                    4 * cost.p2p_latency_s,
+                ]
+                for u in self.two_level
+            ],
+            dtype=np.float64,
+        ).reshape(len(self.two_level), 6)
+        sizes, times, splits, counts = kernel(
+            np.array(todo, dtype=np.int64),
+            np.array(lo, dtype=np.int64),
+            np.array(hi, dtype=np.int64),
+            np.array(spanning, dtype=np.bool_),
+            self.ranks_per_node,
+            ring,
+            us,
+            per_u,
+        )
+        self._store(todo, counts, sizes, times, splits)
+
     def _store(self, todo, counts, sizes, times, splits) -> None:
-        end = 0
-        for (s, _), n in zip(todo, counts.tolist()):
-            self._curves[s] = (sizes[end : end + n], times[end : end + n])
-            self._splits[s] = splits[end : end + n]
-            end += n
+        """A block of curves: ``todo``'s lengths (or ``(length, range)`` pairs) end to end."""
+        block = len(self._blocks)
+        self._blocks.append((sizes, times, splits))
+        starts = (np.cumsum(counts) - counts).tolist()
+        lengths = [t if isinstance(t, int) else t[0] for t in todo]
+        self._where.update(zip(lengths, zip([block] * len(lengths), starts, counts.tolist())))
+
+    def _entries(self, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A length's curve: its ring sizes, times and two-level group sizes."""
+        if seq_len not in self._where:
+            self.prepare((seq_len,))
+        block, start, count = self._where[seq_len]
+        return tuple(a[start : start + count] for a in self._blocks[block])
 
     def _range_ends(self, seq_lens: list[int], d_min: list[int], reach: int) -> np.ndarray:
         """``_size_range``'s upper ends (``reach`` 1) or ``_two_level_hi``'s (``reach``: the
@@ -263,15 +327,14 @@ class RingSizer:
     def curve(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Candidate ring sizes (from the memory floor up to where communication dominates)
         and the share time of each."""
-        if seq_len not in self._curves:
-            self.prepare((seq_len,))
-        return self._curves[seq_len]
+        sizes, times, _ = self._entries(seq_len)
+        return sizes, times
 
     def heads_split(self, seq_len: int, ring_size: int) -> int:
         """The two-level group size the curve chose for this ring size (1: plain ring)."""
-        sizes, _ = self.curve(seq_len)
+        sizes, _, splits = self._entries(seq_len)
         k = ring_size - int(sizes[0])
-        return int(self._splits[seq_len][k]) if 0 <= k < sizes.size else 1
+        return int(splits[k]) if 0 <= k < sizes.size else 1
 
     def fastest(self, seq_len: int) -> float:
         """The least time any ring gives this sequence's members (pipeline fill included)."""
@@ -319,7 +382,7 @@ class RingSizer:
         at = table.first + k
         ranks = table.sizes[at]
         ratios = np.where(k == 0, table.floor_ratios(self), 0.0)
-        splits = table.splits(self)[at]
+        splits = table.splits[at]
         sized = self._sized  # from a given start ``size`` does not read the target: once per step
         for i in np.flatnonzero((k > 0) & (-(-table.lengths // ranks) > self.capacity)).tolist():
             key = (seq_lens[i], int(k[i]))
@@ -373,23 +436,23 @@ class _CurveTable:
         sizer.prepare(seq_lens)
         self.seq_lens = seq_lens
         self.lengths = np.array(seq_lens, dtype=np.int64)
-        curves = [sizer._curves[s] for s in seq_lens]
-        self.sizes = np.concatenate([c[0] for c in curves])
-        self.times = np.concatenate([c[1] for c in curves])
-        self.counts = np.array([c[0].size for c in curves], dtype=np.int64)
+        where = np.array([sizer._where[s] for s in seq_lens], dtype=np.int64).reshape(-1, 3)
+        self.counts = where[:, 2]
         self.first = np.concatenate(([0], np.cumsum(self.counts)[:-1]))  # where each length starts
+        block, start = (int(where[0, 0]), int(where[0, 1])) if len(seq_lens) else (0, 0)
+        if len(seq_lens) and (where[:, 0] == block).all() and np.array_equal(where[:, 1] - start, self.first):
+            # the lengths lie end to end in one block (a step's: prepared at once): its entries
+            end = start + int(self.counts.sum())
+            self.sizes, self.times, splits = (a[start:end] for a in sizer._blocks[block])
+        else:
+            curves = [sizer._entries(s) for s in seq_lens]
+            self.sizes, self.times, splits = (np.concatenate([c[i] for c in curves]) for i in range(3))
         self.least = np.minimum.reduceat(self.times, self.first)  # each length's fastest ring
-        self._splits: np.ndarray | None = None
+        self.splits = splits  # each entry's two-level group size (1: the plain ring)
         self._floor_ratios: np.ndarray | None = None
         self._stage_min: tuple | None = None  # (stages, stages x times, each first minimum's index)
         self._to_first_min: tuple | None = None
         self._near: np.ndarray | None = None
-
-    def splits(self, sizer: RingSizer) -> np.ndarray:
-        """Each entry's two-level group size (1: the plain ring), end to end like the rest."""
-        if self._splits is None:
-            self._splits = np.concatenate([sizer._splits[s] for s in self.seq_lens])
-        return self._splits
 
     def floor_ratios(self, sizer: RingSizer) -> np.ndarray:
         """Each length's offload ratio on its floor ring (its first entry)."""
