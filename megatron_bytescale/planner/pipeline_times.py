@@ -100,8 +100,10 @@ class PipelineArrays:
         """``same``: each micro-batch's first of its unit (``_first_of_unit``)."""
         self.p, self.v, self.vp, self.n = stages, chunks, stages * chunks, len(counts)
         self.counts = counts
-        firsts, self.unit = np.unique(same, return_inverse=True)  # units in order of first appearance
-        self.units = firsts.size
+        # units in order of first appearance: a unit's first micro-batch is its own first
+        first = same == np.arange(same.size)
+        self.unit = (np.cumsum(first) - 1)[same]
+        self.units = int(np.count_nonzero(first))
         self.total = self.units * self.vp * 2
         fwd, bwd = np.zeros(self.units), np.zeros(self.units)
         np.maximum.at(fwd, self.unit, forward_share * t / chunks)  # a unit lasts its slowest member's
@@ -215,9 +217,17 @@ def _first_of_ring(rings: np.ndarray) -> np.ndarray:
     """``_first_of_unit`` where every micro-batch's key is an integer: its ring, -1 for local work."""
     same = np.arange(rings.size, dtype=np.int64)
     at = np.flatnonzero(rings != -1)
+    if not at.size:
+        return same
     ids = rings[at]
-    distinct, first = np.unique(ids, return_index=True)  # the first occurrence of each
-    same[at] = at[first[np.searchsorted(distinct, ids)]]
+    low, high = int(ids.min()), int(ids.max())
+    if high - low <= 4 * ids.size:  # ids in a narrow range (the planner's units): no sort
+        first = np.full(high - low + 1, rings.size, dtype=np.int64)
+        np.minimum.at(first, ids - low, at)  # the first occurrence of each
+        same[at] = first[ids - low]
+    else:
+        distinct, first = np.unique(ids, return_index=True)  # the first occurrence of each
+        same[at] = at[first[np.searchsorted(distinct, ids)]]
     return same
 
 

@@ -313,8 +313,13 @@ def ordered_item_arrays(ordered: Ordered, ring_time: dict[int, float]) -> tuple[
     rings, seconds = ordered.items
     seconds = seconds.copy()
     at = np.flatnonzero(rings >= 0)
-    distinct, which = np.unique(rings[at], return_inverse=True)
-    seconds[at] = np.fromiter(map(ring_time.__getitem__, distinct.tolist()), np.float64, distinct.size)[which]
+    if at.size:  # every ring's seconds by its unit, looked up in one table
+        units = np.fromiter(ring_time.keys(), np.int64, len(ring_time))
+        table = np.full(max(int(rings[at].max()), int(units.max(initial=-1))) + 1, np.nan)
+        table[units] = np.fromiter(ring_time.values(), np.float64, len(ring_time))
+        seconds[at] = table[rings[at]]
+        if np.isnan(seconds[at]).any():
+            raise KeyError(f"rings without a time: {sorted(set(rings[at][np.isnan(seconds[at])].tolist()))[:5]}")
     return rings, seconds, list(map(len, ordered.runs))
 
 
