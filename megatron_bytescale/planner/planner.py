@@ -53,6 +53,7 @@ from .expert_slots import (
     ep_all_to_all_time,
     round_rings_to_groups,
 )
+from .lengths import Lengths, lengths_array
 from .offload_policy import host_capacity
 from .pipeline_times import ArrayOrders, Longer
 from .placement import RingPlacer, check_shape
@@ -151,7 +152,7 @@ def check_lengths(seq_lens: Sequence[int]) -> tuple[int, ...]:
             f"sequence {i} has length {int(arr[i])}: lengths must be positive ({bad.size} bad); drop empty samples "
             "before planning"
         )
-    return tuple(arr.tolist())
+    return Lengths.of(arr)
 
 
 @contextmanager
@@ -222,7 +223,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         on_groups = (
             round_rings_to_groups(config.expert_parallel, config.num_ranks) if config.expert_parallel > 1 else None
         )
-        lengths = np.asarray(lens, dtype=np.int64)  # (once: every target reads them)
+        lengths = lengths_array(lens)
         for factor in factors:
             sizer = _ring_sizer(config, cost, factor, host)
             base = balanced_target(lengths, sizer) if balanced else None
@@ -295,7 +296,7 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         num_ranks=config.num_ranks,
         capacity=config.capacity,
         num_layers=cost.num_layers,
-        seq_lens=lens,
+        seq_lens=tuple(lens),  # a plain tuple: plans travel between processes
         ranks=ranks,
         host_capacity=host,
         recomputed_layers=cost.recomputed_layers,
@@ -462,7 +463,7 @@ def _pipeline_targets(lens, config: PlannerConfig, cost: CostModel, placer: Ring
     ``UnitColumns``) of each target scale that changes some ring from the scale before it."""
     stages = config.pipeline_stages
     sizer = _ring_sizer(config, cost, stages, host_capacity(cost, stages))
-    lengths = np.asarray(lens, dtype=np.int64)  # (once: every target reads them)
+    lengths = lengths_array(lens)
     base = balanced_target(lengths, sizer)
     targets, previous = [], None
     shorts = _short_units(lens, config, cost, placer.ranks_per_node)  # the same for every target
@@ -512,7 +513,7 @@ def _best_schedules(targets: list, placer: RingPlacer, config: PlannerConfig, st
 
 def _compute_bound(lens, cost: CostModel, num_ranks: int) -> float:
     """Seconds if all FLOPs of the batch were spread perfectly over all ranks."""
-    s = np.asarray(lens, dtype=np.float64)
+    s = lengths_array(lens).astype(np.float64)
     return float(cost.num_layers * np.sum(cost.a1 * s * s + cost.b1 * s)) / num_ranks
 
 
@@ -545,7 +546,7 @@ def _units(
     arrays, the short units' read once per step (``memo``)."""
     if config.balance == "none":
         units, _ = _long_units(rings, cost, ranks_per_node)
-        short_ids = np.flatnonzero(np.asarray(lens, dtype=np.int64) <= config.capacity).tolist()
+        short_ids = np.flatnonzero(lengths_array(lens) <= config.capacity).tolist()
         units += _naive_packs(units, short_ids, lens, config.capacity, cost, ranks_per_node)
         return units, UnitColumns.of(units)
     a2a = None
@@ -567,7 +568,7 @@ def _units(
 def _short_units(lens, config: PlannerConfig, cost: CostModel, ranks_per_node: int) -> list[Unit]:
     """One unit per short sequence (at most ``capacity`` tokens), in sequence order. They do
     not depend on the ring sizes, and nothing changes them once made."""
-    arr = np.asarray(lens, dtype=np.int64)
+    arr = lengths_array(lens)
     short = np.flatnonzero(arr <= config.capacity)
     # a short sequence's share of its micro-batch's fixed cost g, before packing decides it
     tokens = arr[short]
@@ -732,7 +733,7 @@ def _rank_items_compiled(
     bounds = np.zeros(len(runs) + 1, dtype=np.int64)
     np.cumsum(np.fromiter(map(len, runs), dtype=np.int64, count=len(runs)), out=bounds[1:])
     flat = np.fromiter(chain.from_iterable(runs), dtype=np.int64, count=int(bounds[-1]))
-    lens_array = np.asarray(lens, dtype=np.int64)
+    lens_array = lengths_array(lens)
     codes, item_bounds, pack_seq, pack_ends = kernel(flat, bounds, kind, seq, lens_array, capacity)
     starts = np.concatenate((np.zeros(1, dtype=np.int64), pack_ends))[:-1]
     seqs = pack_seq.tolist()
@@ -774,7 +775,7 @@ def _pack_times(lens, packs: list[tuple[int, ...]], cost: CostModel) -> list[flo
     sizes = np.fromiter((len(b) for b in packs), dtype=np.int64, count=len(packs))
     flat = np.fromiter((i for b in packs for i in b), dtype=np.int64, count=int(sizes.sum()))
     first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    return _segment_times(np.asarray(lens, dtype=np.int64), flat, first, cost)
+    return _segment_times(lengths_array(lens), flat, first, cost)
 
 
 def _build(

@@ -28,6 +28,7 @@ from .contract import BACKWARD, FORWARD, Op, find_pipeline_deadlock
 from .contract.ops import megatron_interleaved_orders
 from .cost_model import FORWARD_SHARE, CostModel
 from .estimate import one_f_one_b_time
+from .lengths import lengths_array
 from .pipeline_times import ArrayOrders, Longer, PipelineArrays, finish_times, is_small, pipelined_finish_times
 
 LOOKAHEAD = 16  # rings of the schedule tried for the next slot before local work moves between ranks
@@ -614,7 +615,7 @@ def _aligned_compiled(
         lens, coef, layers, recomputed, recomputed_attention = np.zeros(1, dtype=np.int64), np.zeros(4), 1, 0, 0
     else:
         c = split.cost
-        lens = np.asarray(split.lens, dtype=np.int64)
+        lens = lengths_array(split.lens)
         coef = np.array([c.a1, c.b1, c.g, c.forward_share])
         layers, recomputed, recomputed_attention = c.num_layers, c.recomputed_layers, c.recomputed_attention_layers
     rows = np.repeat(np.arange(n), lengths)
