@@ -107,7 +107,21 @@ def _levels_one_per_node(load: np.ndarray, sizes: np.ndarray, times: np.ndarray)
     return out, sizes.size
 
 
-_HELPERS = ("_least_of", "_levels_one_per_node")  # module functions the kernels call: compiled before any kernel
+def _better_leaf(a: int, b: int, first_a: float, first_b: float, then_a: float, then_b: float) -> int:
+    """A tournament tree's pick of two leaves (-1: none): the least (first key, second key,
+    index), a helper the kernels call (``_HELPERS``)."""
+    if b < 0:
+        return a
+    if a < 0:
+        return b
+    if first_a != first_b:
+        return a if first_a < first_b else b
+    if then_a != then_b:
+        return a if then_a < then_b else b
+    return a if a < b else b
+
+
+_HELPERS = ("_least_of", "_levels_one_per_node", "_better_leaf")  # module functions the kernels call: compiled first
 
 
 def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, duration: np.ndarray, limit: float):
@@ -822,15 +836,9 @@ def _schedule(
         c_waits[k, g] = k * start - prefix
 
     def better(a, b, k):  # of two nodes, the one with the least (start, waits, node)
-        if b < 0:
-            return a
-        if a < 0:
-            return b
-        if c_start[k, a] != c_start[k, b]:
-            return a if c_start[k, a] < c_start[k, b] else b
-        if c_waits[k, a] != c_waits[k, b]:
-            return a if c_waits[k, a] < c_waits[k, b] else b
-        return a if a < b else b
+        return _better_leaf(
+            a, b, c_start[k, max(a, 0)], c_start[k, max(b, 0)], c_waits[k, max(a, 0)], c_waits[k, max(b, 0)]
+        )
 
     def best_node_of(k):  # ``in one node``: earliest start, least idle, lowest node
         if not built[k]:
@@ -852,13 +860,7 @@ def _schedule(
         return s_tree[k, 1]
 
     def g_better(a, b, g):  # of two groups, the one with the least (busiest key, index)
-        if b < 0:
-            return a
-        if a < 0:
-            return b
-        if g_val[g, a] != g_val[g, b]:
-            return a if g_val[g, a] < g_val[g, b] else b
-        return a if a < b else b
+        return _better_leaf(a, b, g_val[g, max(a, 0)], g_val[g, max(b, 0)], 0.0, 0.0)
 
     def g_climb(i, g):  # group i's path up the tree of size g
         v = (g_width + i) // 2
