@@ -136,7 +136,7 @@ class PlannerConfig:
             raise ConfigError(f"slack must be in [0, 1) (a fraction of the maximum time), got {self.slack}")
 
 
-def check_lengths(seq_lens: Sequence[int]) -> tuple[int, ...]:
+def check_lengths(seq_lens: Sequence[int]) -> Lengths:
     arr = np.asarray(seq_lens)
     if arr.ndim != 1 or arr.size == 0:
         raise ConfigError("empty batch: plan_step needs the lengths of at least one sequence")

@@ -189,10 +189,10 @@ class RingSizer:
         return d_min, d_hi
 
     def prepare(self, seq_lens) -> None:
-        """Compute the curves of many lengths at once (one vectorised ``ring_times`` over all
-        of them instead of one small one per length: a 16K-rank step has ~7,000 lengths)."""
+        """Compute the curves of many lengths at once (a 16K-rank step has ~7,000 lengths): one
+        pass of ``compiled.ring_curves``, or where numba is missing one vectorised
+        ``ring_times`` over all of them (and ``_two_level_curves``), not one small one per length."""
         todo = [int(s) for s in dict.fromkeys(seq_lens) if int(s) not in self._where]
-        plain, spanning = [], []
         # ``_size_range`` and ``_two_level_hi`` of every length at once (the same operations)
         lo = [self.floor(s).ranks for s in todo]
         hi = self._range_ends(todo, lo, 1)
@@ -203,6 +203,7 @@ class RingSizer:
             spans = [bool(self.two_level) and b > self.ranks_per_node for b in hi]  # rings that may span nodes
             self._compiled_curves(kernel, todo, lo, [w if x else b for b, w, x in zip(hi, wide or hi, spans)], spans)
             return
+        plain, spanning = [], []
         for s, a, b, w in zip(todo, lo, hi.tolist(), wide or hi.tolist()):
             if self.two_level and b > self.ranks_per_node:  # rings that may span nodes
                 spanning.append((s, (a, w)))
