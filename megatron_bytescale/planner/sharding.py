@@ -430,6 +430,13 @@ def _first_true(mask: np.ndarray, first: np.ndarray, counts: np.ndarray) -> np.n
     return np.where(ok, found - first, -1)
 
 
+def _prefixes(first: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``keep`` entries of segments starting at ``first``, end to end: where each
+    segment starts among them, and the index of every entry kept."""
+    start = np.concatenate(([0], np.cumsum(keep)[:-1]))
+    return start, np.repeat(first - start, keep) + np.arange(int(keep.sum()))
+
+
 class _CurveTable:
     """The curves of many lengths end to end (``balanced_target``'s view of them)."""
 
@@ -481,8 +488,7 @@ class _CurveTable:
         if self._to_first_min is None or self._to_first_min[0] != stages:
             pt, low = self.stage_times(stages)
             stop = low + 1
-            start = np.concatenate(([0], np.cumsum(stop)[:-1]))
-            take = np.repeat(self.first - start, stop) + np.arange(int(stop.sum()))
+            start, take = _prefixes(self.first, stop)
             self._to_first_min = (stages, pt[take], start, stop)
         return self._to_first_min[1:]
 
@@ -549,9 +555,8 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     if len(varying):
         pt, low = table.stage_times(p)  # share times, pipeline fill included
         stop = low[varying] + 1
-        first = np.concatenate([[0], np.cumsum(stop)[:-1]])
+        first, take = _prefixes(table.first[varying], stop)
         last_k = stop - 1
-        take = np.repeat(table.first[varying] - first, stop) + np.arange(int(stop.sum()))
         cut_pt = pt[take]
         rank_seconds_all = table.sizes * table.times
         cut_rs = rank_seconds_all[take]
