@@ -717,10 +717,11 @@ def _schedule(
     least-loaded rank (least key, ties to the lowest rank) comes from a tournament tree over
     the ranks instead of the lazy heap, and so do a ring's k least-loaded ranks where k x
     ``tree_pick`` <= n (the same ranks as one selection over all); each node's keys are kept
-    sorted for rings inside one node and groups, and the node a ring inside one node goes to
-    comes from a tournament tree per ring size over the nodes, whose leaves are made again
-    only for the nodes whose keys changed (a 512M-token step's ~10,000 rings of 2-8 ranks
-    each read every node's before).
+    sorted for rings inside one node and groups; the node a ring inside one node goes to
+    comes from a tournament tree per ring size over the nodes, and a ring in two-level groups
+    takes its groups from a tree per group size over every node's groups, the leaves of both
+    made again only for the nodes whose keys changed (a 512M-token step's ~10,000 rings of
+    2-8 ranks each read every node's before).
 
     Returns the (rank, unit) appends of every rank's run, in order; the units in the order
     given; each ring's members one ring after another (in that order); the clocks, keys and
