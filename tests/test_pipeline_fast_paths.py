@@ -28,6 +28,7 @@ from megatron_bytescale.planner.pipeline_times import (
     edge_arrays,
     graph_ends,
     longest_path_ends_by_level,
+    walk_ends,
 )
 from megatron_bytescale.planner.slot_alignment import (
     LocalBatch,
@@ -146,10 +147,9 @@ def test_compiled_longest_paths_match_the_levels_on_any_graph(nodes, data):
     src = np.array([a for a, _ in pairs], dtype=np.int64)
     dst = np.array([b for _, b in pairs], dtype=np.int64)
     duration = np.array(data.draw(st.lists(st.floats(0.0, 5.0), min_size=nodes, max_size=nodes)))
-    kernel = compiled.pipeline_ends()
-    assert kernel is not None  # numba is a dependency
+    assert compiled.pipeline_ends() is not None  # numba is a dependency
     flat = np.stack([src, dst], axis=1).ravel()
-    end, indeg, done = kernel(flat, np.full(src.size, 2, dtype=np.int64), 0, 1, duration, np.inf)
+    end, indeg, done = walk_ends(flat, np.full(src.size, 2, dtype=np.int64), 0, 1, duration)
     plain_end, plain_indeg = longest_path_ends_by_level(nodes, src, dst, duration)
     assert indeg.tolist() == plain_indeg.tolist()
     if plain_end is None:
@@ -175,15 +175,16 @@ def test_the_pipeline_walk_matches_the_walk_over_edge_arrays(units, vp, barriers
     graph = mock.Mock(units=units, vp=vp)
     src, dst = edge_arrays(graph, flat, lens, barriers)
     want, left = longest_path_ends_by_level(nodes, src, dst, duration)
-    kernel = compiled.pipeline_ends()
-    end, indeg, done = kernel(flat, lens, units, vp, duration, np.inf)
+    end, indeg, done = walk_ends(flat, lens, units, vp, duration)
+    end, indeg = end.copy(), indeg.copy()  # the walk's kept arrays: the next walk writes them
     assert indeg.tolist() == left.tolist() and (done == nodes) == (want is not None)
     if want is not None:
         assert end.tolist() == want.tolist()
-    narrow = kernel(flat.astype(np.int32), lens, units, vp, duration, np.inf)  # the planner's 32-bit ids
-    assert narrow[1].tolist() == indeg.tolist() and narrow[2] == done and narrow[0].tolist() == end.tolist()
+    narrow = walk_ends(flat.astype(np.int32), lens, units, vp, duration)  # the planner's 32-bit ids
+    assert narrow[1].tolist() == indeg.tolist() and narrow[2] == done
+    assert done != nodes or narrow[0].tolist() == end.tolist()
     limit = data.draw(st.floats(0.0, 30.0))
-    _, _, stopped = kernel(flat, lens, units, vp, duration, limit)
+    _, _, stopped = walk_ends(flat, lens, units, vp, duration, limit)
     if want is not None:
         latest = max(want[np.arange(units) * 2 * vp + 1], default=0.0)  # each micro-batch's last operation
         assert (stopped == -1) == (latest > limit)
@@ -488,6 +489,19 @@ def test_run_arrays_hold_every_item_of_the_runs(case):
     ]
 
 
+def test_a_bounded_walk_stops_where_a_resources_work_left_passes_the_limit():
+    """Micro-batch 0 (forward 0, backward 1) runs on resource 0 around micro-batch 1's backward
+    (node 3), which resource 1 holds before its own forward (node 2): a cycle, so neither node 3
+    nor node 1 ever ends, and no operation that ends after the limit is reached. Once node 0
+    ends (1 s), resource 0 still has 2 + 4 s to run: the step is over 5 s whatever follows,
+    and the walk stops there rather than walking on to the deadlock; under 7 s it walks on."""
+    flat, lens = np.array([0, 3, 1, 3, 2]), np.array([3, 2])
+    duration = np.array([1.0, 4.0, 0.5, 2.0])
+    assert walk_ends(flat, lens, 2, 1, duration)[2] == 1  # unbounded: node 0 ends, then the cycle
+    assert walk_ends(flat, lens, 2, 1, duration, limit=6.9)[2] == -1
+    assert walk_ends(flat, lens, 2, 1, duration, limit=7.0)[2] == 1  # 1 + 2 + 4 is not over 7
+
+
 def test_the_kernel_compiles_where_no_cache_directory_is_writable(monkeypatch):
     """numba refuses ``cache=True`` when it finds no writable cache directory (a read-only
     install, no home): the kernel is then compiled without a cache, not an error."""
@@ -499,8 +513,11 @@ def test_the_kernel_compiles_where_no_cache_directory_is_writable(monkeypatch):
         caching.FunctionCache(compiled._pipeline_ends)
     kernel = compiled.pipeline_ends.__wrapped__()
     assert isinstance(kernel, Dispatcher)
-    end, indeg, done = kernel(np.array([0, 1, 2]), np.array([3]), 0, 1, np.array([1.0, 2.0, 0.5]), np.inf)
-    assert end.tolist() == [1.0, 3.0, 3.5] and indeg.tolist() == [0, 0, 0] and done == 3
+    wait, end = np.empty((3, 2), dtype=np.int32), np.empty(3)
+    done = kernel(
+        np.array([0, 1, 2]), np.array([3]), 0, 1, np.array([1.0, 2.0, 0.5]), np.inf, wait, end, np.empty(3, np.int32)
+    )
+    assert end.tolist() == [1.0, 3.0, 3.5] and wait[:, 0].tolist() == [0, 0, 0] and done == 3
 
 
 @settings(max_examples=300, deadline=None)

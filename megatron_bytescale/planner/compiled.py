@@ -124,7 +124,17 @@ def _better_leaf(a: int, b: int, first_a: float, first_b: float, then_a: float, 
 _HELPERS = ("_least_of", "_levels_one_per_node", "_better_leaf")  # module functions the kernels call: compiled first
 
 
-def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, duration: np.ndarray, limit: float):
+def _pipeline_ends(
+    flat: np.ndarray,
+    lens: np.ndarray,
+    units: int,
+    vp: int,
+    duration: np.ndarray,
+    limit: float,
+    wait: np.ndarray,
+    start: np.ndarray,
+    ready: np.ndarray,
+) -> int:
     """``pipeline_times.longest_path_ends_by_level`` over ``edge_arrays``' graph, node by node
     by Kahn's algorithm (a 512M-token step's graphs of ~8 x 10^5 operations are ~10^3 levels deep,
     where each level's array operations cost more than its nodes), without building the edge
@@ -138,38 +148,49 @@ def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, dura
     ``vs`` -> forward ``vs + 1``, the last forward -> the last backward, backward ``vs`` ->
     backward ``vs - 1``. Nodes past ``2 units vp`` (barriers) have no chain. Every node's end
     is its start plus its duration, its start the largest end of its predecessors (0
-    without), so the floats are those of the level-by-level walk, whatever the order. Returns
-    the ends (each node's start plus its duration, meaningful where all nodes ended), the
-    in-degrees left (the predecessors not ended: resources not yet at the node, and its chain
-    predecessor) and how many nodes ended (fewer than ``duration.size``: a cycle). Memory is
-    what the walk waits on (~10 ns a step at 8 x 10^5 nodes): the per-node counters are 32-bit
-    (the caller keeps nodes under 2^31). The walk stops (no ends, -1 nodes) once an operation
-    of a chain ends after ``limit``: its micro-batch's last backward, which follows it, ends
-    later still (ends only grow along edges), so some rank finishes after ``limit``
-    (``math.inf``: walk to the end)."""
+    without), so the floats are those of the level-by-level walk, whatever the order.
+
+    The per-node arrays are the caller's, at least one row per node, kept between walks
+    (``pipeline_times.walk_ends``): fresh ones of ~16 MB a walk at 512M tokens cost a page fault
+    every 4 KB, a third of the walks' time. Returns how many nodes ended (fewer than
+    ``duration.size``: a cycle); then ``start[:nodes]`` holds every node's end where all
+    ended, and ``wait[:nodes, 0]`` the in-degrees left (the predecessors not ended: resources
+    not yet at the node, and its chain predecessor). Memory is what the walk waits on (~10 ns
+    a step at 8 x 10^5 nodes): the per-node counters are 32-bit (the caller keeps nodes under
+    2^31).
+
+    The walk stops (-1 nodes) once some rank is bound to finish after ``limit`` (``math.inf``:
+    walk to the end): an operation of a chain ends after it (its micro-batch's last backward,
+    which follows it, ends later still: ends only grow along edges), or a resource's next
+    operation cannot start before the last one ended plus the seconds of every operation
+    left on it (the last of them, and so its micro-batch's last backward, ends after
+    ``limit``; a margin of 10^-9 of it covers the subtraction's rounding)."""
     nodes = duration.size
     total = 2 * units * vp
     resources = lens.size
     # per node: the predecessors not ended (one per run of it on a resource, one for a chain
     # predecessor) and the first resource waiting on it (-1: none; the rest linked by ``after``)
-    wait = np.zeros((nodes, 2), dtype=np.int32)
+    for v in range(nodes):
+        wait[v, 0] = 1 if v < total and (v % 2 == 1 or (v // 2) % vp > 0) else 0  # all but a first forward
+        wait[v, 1] = -1
+        start[v] = 0.0
     first = np.empty(resources + 1, dtype=np.int64)  # each resource's first operation in ``flat``
+    # per resource, the seconds of its operations not yet ended (a run once, barriers not
+    # counted; kept only with a ``limit``)
+    bounded = limit < np.inf
+    left = np.zeros(resources)
     at = 0
     for k in range(resources):
         first[k] = at
         for i in range(at, at + lens[k]):
             if i == at or flat[i] != flat[i - 1]:
                 wait[flat[i], 0] += 1
+                if bounded and flat[i] < total:
+                    left[k] += duration[flat[i]]
         at += lens[k]
     first[resources] = at
-    for v in range(nodes):
-        wait[v, 1] = -1
-        if v < total and (v % 2 == 1 or (v // 2) % vp > 0):  # all but a micro-batch's first forward
-            wait[v, 0] += 1
-    start = np.zeros(nodes)
     cursor = first[:-1].copy()
     after = np.empty(resources, dtype=np.int32)
-    ready = np.empty(nodes, dtype=np.int32)
     tail = 0
     for v in range(nodes):  # nothing to wait for: neither on a resource nor a chain's successor
         if wait[v, 0] == 0:
@@ -193,7 +214,7 @@ def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, dura
         e = start[v] + duration[v]
         if v < total:
             if e > limit:
-                return np.empty(0), wait[:, 0].copy(), -1
+                return -1
             vs = (v // 2) % vp
             nxt = -1  # the chain's successor
             if v % 2 == 0:
@@ -218,16 +239,20 @@ def _pipeline_ends(flat: np.ndarray, lens: np.ndarray, units: int, vp: int, dura
                 w = flat[i]
                 if e > start[w]:
                     start[w] = e
+                if bounded and v < total:
+                    left[k] -= duration[v]
+                    if w < total and (e + left[k]) * (1.0 - 1e-9) > limit:
+                        return -1
                 after[k], wait[w, 1] = wait[w, 1], k
                 wait[w, 0] -= 1
                 if wait[w, 0] == 0:
                     ready[tail] = w
                     tail += 1
             k = later
-    end = np.empty(nodes)
-    for v in range(nodes):  # the same sums as in the walk, written in order
-        end[v] = start[v] + duration[v]
-    return end, wait[:, 0].copy(), done
+    if done == nodes:
+        for v in range(nodes):  # the same sums as in the walk, written in order
+            start[v] = start[v] + duration[v]
+    return done
 
 
 def _operation_ids(

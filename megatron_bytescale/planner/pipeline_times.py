@@ -14,6 +14,7 @@ of array operations, and such graphs are 10^2-10^3 levels deep.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -302,7 +303,8 @@ def graph_ends(
     (``barriers`` barrier nodes last, lasting 0)."""
     lens = np.fromiter(map(len, seqs), np.int64, len(seqs))
     flat = np.fromiter(chain.from_iterable(seqs), np.int64, int(lens.sum()))
-    return _ends(graph, flat, lens, barriers)
+    end, indeg = _ends(graph, flat, lens, barriers)
+    return (None if end is None else end.copy()), indeg.copy()  # not the walk's kept arrays
 
 
 def _ends(
@@ -313,20 +315,53 @@ def _ends(
     limit: float = math.inf,
 ):
     """The ends (None: a deadlock) and in-degrees left; ``Longer(limit)`` for the ends where
-    the compiled walk stopped at ``limit`` (the numpy levels walk to the end)."""
+    the compiled walk stopped at ``limit`` (the numpy levels walk to the end). The compiled
+    walk's arrays are ``walk_ends``' kept ones: read them before the next walk."""
     duration = graph.dur
     if barriers or not (isinstance(duration, np.ndarray) and duration.dtype == np.float64):
         duration = np.zeros(graph.total + barriers)  # the barriers last 0
         duration[: graph.total] = graph.dur
     # (``PipelineArrays.dur`` as it is otherwise: the walks only read it, ~1 ms a copy at 512M)
-    kernel = compiled.pipeline_ends()  # the walk reads the sequences and chains: no edge arrays
-    if kernel is not None and max(flat.size, duration.size) < 2**31:  # its indices are 32-bit
-        end, indeg, done = kernel(flat, lens, graph.units, graph.vp, duration, limit)
+    if compiled.pipeline_ends() is not None and max(flat.size, duration.size) < 2**31:  # 32-bit indices
+        end, indeg, done = walk_ends(flat, lens, graph.units, graph.vp, duration, limit)
         if done < 0:
             return Longer(limit), indeg
         return (end if done == duration.size else None), indeg
     src, dst = edge_arrays(graph, flat, lens, barriers)
     return longest_path_ends_by_level(graph.total + barriers, src, dst, duration)
+
+
+class _WalkArrays(threading.local):
+    """The compiled walk's per-node arrays, kept between walks (per thread) and grown to the
+    largest graph walked: ~20 bytes a node, ~16 MB at 512M tokens."""
+
+    def __init__(self):
+        self.wait = np.zeros((0, 2), dtype=np.int32)
+        self.start = np.zeros(0)
+        self.ready = np.zeros(0, dtype=np.int32)
+
+    def of(self, nodes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if nodes > self.start.size:
+            self.wait = np.empty((nodes, 2), dtype=np.int32)
+            self.start = np.empty(nodes)
+            self.ready = np.empty(nodes, dtype=np.int32)
+        return self.wait, self.start, self.ready
+
+
+_WALK_ARRAYS = _WalkArrays()
+
+
+def walk_ends(
+    flat: np.ndarray, lens: np.ndarray, units: int, vp: int, duration: np.ndarray, limit: float = math.inf
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """``compiled._pipeline_ends`` on this thread's kept arrays: (every node's end, meaningful
+    where ``done`` is the node count; the in-degrees left; ``done``: nodes ended, -1 where it
+    stopped at ``limit``). The two arrays are views of the kept ones, valid until the next
+    walk on this thread: a caller that keeps them copies them."""
+    nodes = duration.size
+    wait, start, ready = _WALK_ARRAYS.of(nodes)
+    done = compiled.pipeline_ends()(flat, lens, units, vp, duration, limit, wait, start, ready)
+    return start[:nodes], wait[:nodes, 0], done
 
 
 def end_times(graph: PipelineGraph, seqs: Sequence[Sequence[int]], barriers: int = 0) -> list[float] | None:
