@@ -265,8 +265,8 @@ def chunk_schedule(
     the default; finish per rank; the most chunk forwards a device may hold under them; what
     was kept), or None if every candidate deadlocks. ``known``: orders already evaluated for
     these runs (``slot_alignment.rank_estimates``' ``known``), reused instead of evaluated again;
-    a slot-aligned order's walk stops once it is longer than the shortest so far (``Longer``,
-    named in what was kept as "over" that step)."""
+    a slot-aligned order's walk stops once it is longer than the shortest so far or known
+    (``Longer``, named in what was kept as "over" that step)."""
     p = stages
     megatron_cap = p * chunks + p - 1  # Megatron's interleaved warm-up, first device
     cands = []
@@ -281,6 +281,12 @@ def chunk_schedule(
     offsets = slot_offsets(ring_keys)
     shifts = sorted({-o % p for o in offsets}) if offsets else [0]
     variants = [(False, False, 0), (True, False, 0)] + [(False, True, k) for k in shifts]
+    # the shortest of the orders already walked (``known``) bounds the walks from the start:
+    # an order walked before one known to be shorter stops at that one's step
+    shortest = min(
+        (max(f, default=0.0) for v, (_, f) in known.items() if (v is None or v in variants) and isinstance(f, list)),
+        default=math.inf,
+    )
     for slot_times, megatron, shift in variants:
         if (slot_times, megatron, shift) in known:
             orders, finish = known[slot_times, megatron, shift]
@@ -293,7 +299,7 @@ def chunk_schedule(
                 )
             )
             # the walk may stop once longer than the shortest so far: it could not be kept
-            finish = None if orders is None else finish_of(orders, min((c[0] for c in cands), default=math.inf))
+            finish = None if orders is None else finish_of(orders, min([shortest] + [c[0] for c in cands]))
         name = (
             "the slot-aligned "
             + ("Megatron " if megatron else "")
