@@ -493,8 +493,9 @@ def test_a_bounded_walk_stops_where_a_resources_work_left_passes_the_limit():
     """Micro-batch 0 (forward 0, backward 1) runs on resource 0 around micro-batch 1's backward
     (node 3), which resource 1 holds before its own forward (node 2): a cycle, so neither node 3
     nor node 1 ever ends, and no operation that ends after the limit is reached. Once node 0
-    ends (1 s), resource 0 still has 2 + 4 s to run: the step is over 5 s whatever follows,
-    and the walk stops there rather than walking on to the deadlock; under 7 s it walks on."""
+    ends (1 s), resource 0 still has 2 + 4 s to run, so its last operation cannot end before
+    7 s: given a limit under that, the walk stops there rather than walking on to the
+    deadlock; given 7 s, it walks on."""
     flat, lens = np.array([0, 3, 1, 3, 2]), np.array([3, 2])
     duration = np.array([1.0, 4.0, 0.5, 2.0])
     assert walk_ends(flat, lens, 2, 1, duration)[2] == 1  # unbounded: node 0 ends, then the cycle
