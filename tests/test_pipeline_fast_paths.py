@@ -684,17 +684,39 @@ def test_slot_aligned_orders_are_walked_megatrons_first_and_the_shorter_kept(not
         bounds.append(bound)
         return None if o is None else finish[id(o)]  # the interleaved order deadlocks
 
-    runs = [[0], [0]]
+    runs = [[0, 1], [1, 0]]  # the rings cross: the interleaved order may deadlock, so it is walked to the end
     with (
         mock.patch.object(slot_alignment, "is_small", lambda *a: False),
         mock.patch.object(slot_alignment, "slot_offsets", lambda keys: [0, 0]),
         mock.patch.object(slot_alignment, "slot_interleaved_orders", lambda *a, megatron, **k: orders[megatron]),
         mock.patch.object(slot_alignment, "finish_times", walk),
     ):
-        got = slot_alignment.rank_estimates(Ordered(runs, [0.0, 0.0]), 2, {0: 1.0}, 0.4, 2, None, 3.0)
+        got = slot_alignment.rank_estimates(Ordered(runs, [0.0, 0.0]), 2, {0: 1.0, 1: 1.0}, 0.4, 2, None, 3.0)
     assert got == {"not_megatron": not_megatron, "megatron": megatron}[kept]
     step = max(megatron) if isinstance(megatron, list) else 3.0
     assert bounds == [np.inf, 3.0, step]  # the interleaved order to the end; Megatron's; the other
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_the_default_order_of_rings_at_one_index_stops_at_the_callers_step(chunks):
+    """Rings at one index cannot deadlock under the default order (``rings_at_one_index``),
+    so its walk is given the caller's limit and, stopped there, the estimate is ``Longer``
+    with nothing else walked; where it finishes, that is the estimate."""
+    for ends in (Longer(3.0), [2.0, 2.5]):
+        bounds = []
+
+        def walk(pipes, o=None, bound=np.inf):
+            bounds.append((o, bound))
+            return ends
+
+        known = {}
+        runs = [[0, LocalBatch((0,), 0.0, 1.0)], [0]]
+        with (
+            mock.patch.object(slot_alignment, "is_small", lambda *a: False),
+            mock.patch.object(slot_alignment, "finish_times", walk),
+        ):
+            got = slot_alignment.rank_estimates(Ordered(runs, [0.0, 0.0]), 2, {0: 1.0}, 0.4, chunks, known, 3.0)
+        assert got == ends and bounds == [(None, 3.0)] and known == {None: (None, ends)}
 
 
 @settings(max_examples=150, deadline=None)

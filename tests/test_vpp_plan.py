@@ -5,6 +5,7 @@ every token once and are estimated as the simulator runs them."""
 
 from unittest import mock
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -250,14 +251,14 @@ def test_cli_plans_and_simulates_with_vpp_and_refuses_bad_values(tmp_path, capsy
 
 
 @st.composite
-def slot_aligned_pipelines(draw):
+def slot_aligned_pipelines(draw, shifted: bool = True, chunks: tuple[int, ...] = (2, 3)):
     """Pipelines whose rings each sit at one slot (index + the rank's offset) on all members,
     as ``order_runs`` places them; the counts differ, so the default interleaved order may
-    deadlock."""
+    deadlock. Not ``shifted``: every offset 0, each ring the same micro-batch of its members."""
     n = draw(st.integers(1, 4))
     p = draw(st.sampled_from([2, 3, 4]))
-    v = draw(st.sampled_from([2, 3]))
-    offsets = [draw(st.integers(0, 3)) for _ in range(n)]
+    v = draw(st.sampled_from(chunks))
+    offsets = [draw(st.integers(0, 3)) if shifted else 0 for _ in range(n)]
     counts = [draw(st.integers(0, 6)) for _ in range(n)]
     keys = [[None] * c for c in counts]
     for s in range(max(o + c for o, c in zip(offsets, counts))):
@@ -294,6 +295,45 @@ def test_slot_aligned_interleaved_orders_never_deadlock(case):
     if orders is not None:
         check_stage_orders(keys, orders, p, v)
     assert max(finish, default=0.0) <= shortest + 1e-9
+
+
+def _one_index_by_hand(keys) -> bool:
+    index = {}
+    return all(index.setdefault(k, m) == m for row in keys for m, k in enumerate(row) if k is not None)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.one_of(
+        slot_aligned_pipelines(shifted=False, chunks=(1, 2, 3)),
+        slot_aligned_pipelines(),
+        ring_pipelines(ranks=(1, 4), max_rings=3, before=2, after=2, chunks=[1, 2, 3]),
+    )
+)
+def test_rings_at_one_index_keep_the_default_orders_free_of_deadlock(case):
+    """``rings_at_one_index`` says whether every ring is the same micro-batch of all its
+    members (as a plain loop finds), and where it is, the default orders (1F1B, Megatron's
+    interleaved one) do not deadlock whatever the counts: what lets ``rank_estimates`` stop
+    their walk at the caller's step. Any layout, at one index or not (ring pipelines in one
+    global order, slot-aligned ones with offsets: those may deadlock)."""
+    keys, times, p, v = case
+    ids = {k: i for i, k in enumerate(dict.fromkeys(k for row in keys for k in row if k is not None))}
+    rings = np.array([-1 if k is None else ids[k] for row in keys for k in row], dtype=np.int64)
+    one_index = slot_alignment.rings_at_one_index(rings, [len(row) for row in keys])
+    assert one_index == _one_index_by_hand(keys)
+    if one_index:
+        assert pipelined_finish_times(keys, times, p, FORWARD_SHARE, None, v) is not None
+
+
+def test_rings_crossing_between_indexes_can_deadlock_and_are_told_apart():
+    """Two rings in opposite order on two ranks: not at one index, and the default order
+    deadlocks (with one chunk and with two), so ``rank_estimates`` must walk it to the end."""
+    keys, times = [[0, 1], [1, 0]], [[1.0, 1.0], [1.0, 1.0]]
+    assert not slot_alignment.rings_at_one_index(np.array([0, 1, 1, 0]), [2, 2])
+    assert slot_alignment.rings_at_one_index(np.array([-1, 0, 1, 0, 1]), [3, 2]) is False  # ring 0: 1 and 0
+    assert slot_alignment.rings_at_one_index(np.array([0, 1, -1, 0, 1, -1]), [3, 3])
+    for v in (1, 2):
+        assert pipelined_finish_times(keys, times, 2, FORWARD_SHARE, None, v) is None
 
 
 @settings(max_examples=100, deadline=None)
@@ -347,6 +387,16 @@ def test_a_limit_stops_only_the_walks_of_orders_that_could_not_be_kept(case, who
         kept = chunk_schedule(keys, times, p, FORWARD_SHARE, v, full)
     plain = chunk_schedule(keys, times, p, FORWARD_SHARE, v)  # every order walked by the contract
     assert kept[1:3] == plain[1:3] and _codes(kept[0], v) == _codes(plain[0], v)
+
+
+def test_chunk_schedule_walks_the_default_order_again_where_an_estimate_stopped_it():
+    """A default order's walk the estimate stopped at another plan's step (``Longer`` in
+    ``known``) tells nothing of its finish: ``chunk_schedule`` walks it again and chooses as
+    without ``known``."""
+    keys, times = [[0, None, None], [0, None]], [[2.0, 0.5, 0.25], [2.0, 1.0]]
+    plain = chunk_schedule(keys, times, 2, FORWARD_SHARE, 2)
+    again = chunk_schedule(keys, times, 2, FORWARD_SHARE, 2, {None: (None, Longer(0.1))})
+    assert again[1:] == plain[1:] and _codes(again[0], 2) == _codes(plain[0], 2)
 
 
 def _codes(orders, chunks):

@@ -225,8 +225,10 @@ def rank_estimates(
     interleaved order) or (slot_times, megatron, shift) -> (orders, finish). ``limit``: a
     step the caller already has; the slot-aligned orders' walks stop once they are bound to be
     longer (they cannot deadlock, ``slot_interleaved_orders``, so one stopped is longer
-    whatever follows), and where every order the estimate could come from is longer, this
-    is ``Longer(limit)`` (``known`` then holds ``Longer`` for the orders stopped)."""
+    whatever follows), and so does the default order's where every ring is the same
+    micro-batch of all its members (``rings_at_one_index``: it cannot deadlock either; the
+    level orders of ``order_by_level``); where every order the estimate could come from is
+    longer, this is ``Longer(limit)`` (``known`` then holds ``Longer`` for the orders stopped)."""
     if stages <= 1:
         return list(ordered.clock)
     rings, seconds, counts = ordered_item_arrays(ordered, ring_time)
@@ -248,8 +250,13 @@ def rank_estimates(
         return pipelined_finish_times(*keys_and_times(), stages, forward_share, orders, chunks)
 
     known = {} if known is None else known
-    finish = finish_of(None)  # walked to the end: whether it deadlocks decides what follows
+    # walked to the end where it might deadlock (whether it does decides what follows); where
+    # it cannot, an order longer than the caller's step loses whatever follows: stopped there
+    safe = pipes is not None and rings_at_one_index(rings, counts)
+    finish = finish_of(None, limit if safe else math.inf)
     known[None] = (None, finish)
+    if isinstance(finish, Longer):
+        return finish
     if finish is None and chunks > 1:  # the slot-aligned interleaved orders are safe where rings share slots
         keys, times = keys_and_times()
         offsets = slot_offsets(keys)
@@ -280,6 +287,22 @@ def rank_estimates(
     return [
         max(clock, one_f_one_b_time(t, stages, forward_share)) for clock, t in zip(ordered.clock, keys_and_times()[1])
     ]
+
+
+def rings_at_one_index(rings: np.ndarray, counts: Sequence[int]) -> bool:
+    """Whether every ring is the same micro-batch (index) of all its members (``rings``,
+    ``counts``: ``item_arrays``'). Then the default orders (1F1B, Megatron's interleaved one)
+    cannot deadlock: each rank's is one order, that of the largest count, cut down to its own
+    micro-batches, so every edge of the pipelines' graph maps onto a path of one pipeline's,
+    which has no cycle (docs/design.md, "Virtual pipeline stages")."""
+    at = np.flatnonzero(rings >= 0)
+    if not at.size:
+        return True
+    index = np.arange(rings.size) - np.repeat(np.cumsum(counts) - counts, counts)  # within its rank
+    ring, index = rings[at], index[at]
+    seen = np.full(int(ring.max()) + 1, -1, dtype=np.int64)
+    seen[ring] = index  # one member's index per ring (the last written)
+    return bool(np.array_equal(seen[ring], index))
 
 
 def item_arrays(

@@ -272,7 +272,9 @@ def chunk_schedule(
     cands = []
     known = known or {}
     finish_of = finish_times_of(ring_keys, times, p, forward_share, chunks)  # the graph's arrays made once
-    _, finish = known.get(None) or (None, finish_of(None))
+    _, finish = known.get(None) or (None, None)
+    if None not in known or isinstance(finish, Longer):  # not walked, or stopped at another plan's step
+        finish = finish_of(None)
     longer = []  # (name, limit) of the orders whose walks stopped once longer than a shorter one
     if finish is not None:
         cands.append((max(finish, default=0.0), None, finish, "the interleaved order"))
