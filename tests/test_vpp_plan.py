@@ -325,6 +325,18 @@ def test_rings_at_one_index_keep_the_default_orders_free_of_deadlock(case):
         assert pipelined_finish_times(keys, times, p, FORWARD_SHARE, None, v) is not None
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 13), st.integers(0, 13), st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 2, 3, 5]))
+def test_a_default_order_is_a_larger_counts_order_cut_down(small, large, p, v):
+    """What ``rings_at_one_index`` rests on: every device's default order (1F1B, Megatron's
+    interleaved one) for a count is the order for any larger count with the micro-batches it
+    lacks left out, so the ranks' orders are cuts of one pipeline's."""
+    small, large = sorted((small, large))
+    for stage in range(p):
+        cut = [op for op in interleaved_order(large, p, stage, v) if op.micro_batch < small]
+        assert interleaved_order(small, p, stage, v) == cut
+
+
 def test_rings_crossing_between_indexes_can_deadlock_and_are_told_apart():
     """Two rings in opposite order on two ranks: not at one index, and the default order
     deadlocks (with one chunk and with two), so ``rank_estimates`` must walk it to the end."""
