@@ -252,7 +252,8 @@ def rank_estimates(
     known = {} if known is None else known
     # walked to the end where it might deadlock (whether it does decides what follows); where
     # it cannot, an order longer than the caller's step loses whatever follows: stopped there
-    safe = pipes is not None and rings_at_one_index(rings, counts)
+    # (checked only where there is a step to stop at)
+    safe = math.isfinite(limit) and pipes is not None and rings_at_one_index(rings, counts)
     finish = finish_of(None, limit if safe else math.inf)
     known[None] = (None, finish)
     if isinstance(finish, Longer):
