@@ -36,6 +36,7 @@ MEGATRON = dict(
     rampup_batch_size=None,
     pipeline_model_parallel_size=1,
     virtual_pipeline_model_parallel_size=None,
+    microbatch_group_size_per_vp_stage=None,
     tensor_model_parallel_size=1,
     sequence_parallel=False,
     expert_model_parallel_size=1,
@@ -223,6 +224,17 @@ def test_virtual_pipeline_stages_are_accepted_and_planned_with_their_chunk_count
         parse(HDP, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_grad_reduce=True)
     )
     assert planner_config_from_args(validate_hdp_args(parse(HDP))).virtual_stages == 1
+    # Megatron's chunk group size: its default (the pipeline size) is what HDP runs; unused without chunks
+    validate_hdp_args(
+        parse(
+            HDP,
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            microbatch_group_size_per_vp_stage=2,
+            data_parallel_size=4,
+        )
+    )
+    validate_hdp_args(parse(HDP, pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=3))
 
 
 def test_ranks_per_node_from_local_world_size_and_tp(monkeypatch):
@@ -248,6 +260,13 @@ CONFLICTS = {
         HDP,
         dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_param_gather=True),
         "--overlap-param-gather with 2 virtual pipeline stages",
+    ),
+    "chunk group size": (
+        HDP + ["--hdp-balance", "pp"],
+        dict(
+            pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=3
+        ),
+        r"^--microbatch-group-size-per-virtual-pipeline-stage 3: .*drop the flag$",
     ),
     "dp balance with pp": (HDP + ["--hdp-balance", "dp"], dict(pipeline_model_parallel_size=2), "use --hdp-balance pp"),
     "expert parallel allgather": (

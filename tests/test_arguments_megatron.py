@@ -160,9 +160,12 @@ for flag, kind, default in preflight.MEGATRON_FLAGS:
         theirs = kinds.get(a.type, repr(a.type))
     if theirs != kind or a.default != default:
         wrong.append([flag, theirs, a.default, kind, default])
+    if a.dest != preflight.MEGATRON_DESTS.get(flag, flag[2:].replace("-", "_")):
+        wrong.append([flag, "attribute", a.dest])
 argv = read_args_file("configs/models/tiny.args") + ["--seq-length", "4096", "--micro-batch-size", "1", "--lr", "1e-4",
     "--data-path", "a", "--spec", "m", "n", "--rampup-batch-size", "1", "2", "3", "--lr-warmup-iters", "5",
-    "--train-iters", "9", "--save", "s", "--hybrid-data-parallel", "--hdp-token-capacity", "8K"]
+    "--train-iters", "9", "--save", "s", "--microbatch-group-size-per-virtual-pipeline-stage", "2",
+    "--hybrid-data-parallel", "--hdp-token-capacity", "8K"]
 theirs = vars(megatron_parser().parse_args(argv))
 ours = vars(preflight.parse(argv))
 differ = sorted(k for k in ours if theirs.get(k, "absent") != ours[k])
@@ -226,6 +229,21 @@ args.virtual_pipeline_model_parallel_size,
                 "--overlap-param-gather",
             ],
             "--overlap-param-gather with 2 virtual pipeline stages per rank",
+        ),
+        (
+            [
+                "--calculate-per-token-loss",
+                "--hybrid-data-parallel",
+                "--hdp-token-capacity",
+                "1K",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--microbatch-group-size-per-virtual-pipeline-stage",
+                "4",
+            ],
+            "--microbatch-group-size-per-virtual-pipeline-stage 4: the HDP step picks",
         ),
         (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "256"], "does not fit"),
     ],

@@ -87,6 +87,20 @@ CASES = {
         (("--attention-dropout", "0.1"), {}),
         "error: --attention-dropout 0.1: HDP ring attention",
     ),
+    "--microbatch-group-size-per-virtual-pipeline-stage 3": (
+        (
+            (
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--microbatch-group-size-per-virtual-pipeline-stage",
+                "3",
+            ),
+            {},
+        ),
+        "error: --microbatch-group-size-per-virtual-pipeline-stage 3: the HDP step picks each step's chunk order",
+    ),
     "HDP_TOKEN_CAPACITY=0": (((), {"HDP_TOKEN_CAPACITY": "0"}), "error: HDP_TOKEN_CAPACITY=0: write tokens per rank"),
     "HDP_PLAN_AHEAD=-1": (
         ((), {"HDP_PLAN_AHEAD": "-1"}),

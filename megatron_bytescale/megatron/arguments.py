@@ -67,6 +67,7 @@ MEGATRON_ARGS_READ = (
     "micro_batch_size",
     "rampup_batch_size",
     "pipeline_model_parallel_size",
+    "microbatch_group_size_per_vp_stage",
     "tensor_model_parallel_size",
     "sequence_parallel",
     "expert_model_parallel_size",
@@ -408,6 +409,18 @@ def _check_parallelism(args) -> None:
         raise ConfigError(
             f"--overlap-param-gather with {vpp} virtual pipeline stages per rank: HDP dispatches the overlapped "
             "parameter all-gather for one model chunk only; drop --overlap-param-gather or the virtual pipeline stages"
+        )
+    # Megatron's interleaved schedule runs micro-batches in groups of this size per model chunk
+    # (unused without virtual stages);
+    # the HDP step chooses each step's chunk orders itself (groups of pp, or slot-aligned orders),
+    # and the capacity is sized for what groups of pp hold in flight, so another size would be
+    # silently not used: refused instead
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None)
+    if vpp is not None and vpp > 1 and group is not None and group != pp:
+        raise ConfigError(
+            f"--microbatch-group-size-per-virtual-pipeline-stage {group}: the HDP step picks each step's "
+            f"chunk order itself (Megatron's groups of --pipeline-model-parallel-size {pp} micro-batches, or "
+            'a slot-aligned order; docs/design.md, "Virtual pipeline stages"); drop the flag'
         )
     if pp > 1 and args.hdp_balance == "dp":
         raise ConfigError(

@@ -58,6 +58,7 @@ MEGATRON_FLAGS = (
     ("--num-layers-per-virtual-pipeline-stage", "int", None),
     ("--num-virtual-stages-per-pipeline-rank", "int", None),
     ("--pipeline-model-parallel-layout", "str", None),
+    ("--microbatch-group-size-per-virtual-pipeline-stage", "int", None),
     ("--micro-batch-size", "int", None),
     ("--global-batch-size", "int", None),
     ("--rampup-batch-size", "ints3", None),
@@ -89,6 +90,10 @@ MEGATRON_FLAGS = (
 )
 
 
+# the flags whose attribute Megatron names otherwise than argparse would (a config dataclass field)
+MEGATRON_DESTS = {"--microbatch-group-size-per-virtual-pipeline-stage": "microbatch_group_size_per_vp_stage"}
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """argparse, but a refusal is a ConfigError (one line), not usage text and exit 2."""
 
@@ -100,14 +105,15 @@ def parse(flags: list[str]) -> argparse.Namespace:
     """The Megatron flags of ``MEGATRON_FLAGS`` and the HDP group from a pretrain_gpt.py command line."""
     parser = _OneLineParser(prog="pretrain_gpt.py", add_help=False, allow_abbrev=False)
     for flag, kind, default in MEGATRON_FLAGS:
+        dest = {"dest": MEGATRON_DESTS[flag]} if flag in MEGATRON_DESTS else {}
         if kind == "true":
-            parser.add_argument(flag, action="store_true")
+            parser.add_argument(flag, action="store_true", **dest)
         elif kind == "list":
-            parser.add_argument(flag, nargs="*", default=default)
+            parser.add_argument(flag, nargs="*", default=default, **dest)
         elif kind == "ints3":
-            parser.add_argument(flag, nargs=3, type=int, default=default)
+            parser.add_argument(flag, nargs=3, type=int, default=default, **dest)
         else:
-            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind], default=default)
+            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind], default=default, **dest)
     add_hdp_arguments(parser)
     args, _unknown = parser.parse_known_args(flags)
     return args
