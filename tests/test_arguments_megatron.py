@@ -199,50 +199,22 @@ args.virtual_pipeline_model_parallel_size,
     assert out == {"hdp_size": 4, "balance": "pp", "vpp": 2, "virtual_stages": 2}
 
 
+# a valid HDP command line, and virtual stages (PP 2 x V 2 of the tiny model's 4 layers)
+HDP_1K = ["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "1K"]
+VPP_2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
         (["--hybrid-data-parallel", "--hdp-token-capacity", "1K"], "add --calculate-per-token-loss"),
+        (HDP_1K + ["--micro-batch-size", "2"], "use --micro-batch-size 1"),
         (
-            [
-                "--calculate-per-token-loss",
-                "--hybrid-data-parallel",
-                "--hdp-token-capacity",
-                "1K",
-                "--micro-batch-size",
-                "2",
-            ],
-            "use --micro-batch-size 1",
-        ),
-        (
-            [
-                "--calculate-per-token-loss",
-                "--hybrid-data-parallel",
-                "--hdp-token-capacity",
-                "1K",
-                "--pipeline-model-parallel-size",
-                "2",
-                "--num-layers-per-virtual-pipeline-stage",
-                "1",
-                "--use-distributed-optimizer",
-                "--overlap-grad-reduce",
-                "--overlap-param-gather",
-            ],
+            HDP_1K + VPP_2 + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
             "--overlap-param-gather with 2 virtual pipeline stages per rank",
         ),
         (
-            [
-                "--calculate-per-token-loss",
-                "--hybrid-data-parallel",
-                "--hdp-token-capacity",
-                "1K",
-                "--pipeline-model-parallel-size",
-                "2",
-                "--num-layers-per-virtual-pipeline-stage",
-                "1",
-                "--microbatch-group-size-per-virtual-pipeline-stage",
-                "4",
-            ],
+            HDP_1K + VPP_2 + ["--microbatch-group-size-per-virtual-pipeline-stage", "4"],
             "--microbatch-group-size-per-virtual-pipeline-stage 4: the HDP step picks",
         ),
         (["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "256"], "does not fit"),
