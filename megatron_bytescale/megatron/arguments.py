@@ -411,10 +411,9 @@ def _check_parallelism(args) -> None:
             "parameter all-gather for one model chunk only; drop --overlap-param-gather or the virtual pipeline stages"
         )
     # Megatron's interleaved schedule runs micro-batches in groups of this size per model chunk
-    # (unused without virtual stages);
-    # the HDP step chooses each step's chunk orders itself (groups of pp, or slot-aligned orders),
-    # and the capacity is sized for what groups of pp hold in flight, so another size would be
-    # silently not used: refused instead
+    # (unused without virtual stages). The HDP step chooses each step's chunk orders itself
+    # (groups of pp, or slot-aligned orders) and the capacity is sized for what groups of pp hold
+    # in flight, so another size would silently not be used: it is refused instead.
     group = getattr(args, "microbatch_group_size_per_vp_stage", None)
     if vpp is not None and vpp > 1 and group is not None and group != pp:
         raise ConfigError(
