@@ -262,7 +262,7 @@ CONFLICTS = {
         "--overlap-param-gather with 2 virtual pipeline stages",
     ),
     "chunk group size": (
-        HDP + ["--hdp-balance", "pp"],
+        HDP,
         dict(
             pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=3
         ),

@@ -105,15 +105,15 @@ def parse(flags: list[str]) -> argparse.Namespace:
     """The Megatron flags of ``MEGATRON_FLAGS`` and the HDP group from a pretrain_gpt.py command line."""
     parser = _OneLineParser(prog="pretrain_gpt.py", add_help=False, allow_abbrev=False)
     for flag, kind, default in MEGATRON_FLAGS:
-        dest = {"dest": MEGATRON_DESTS[flag]} if flag in MEGATRON_DESTS else {}
+        dest = MEGATRON_DESTS.get(flag, flag[2:].replace("-", "_"))  # argparse's own name, but where Megatron's differs
         if kind == "true":
-            parser.add_argument(flag, action="store_true", **dest)
+            parser.add_argument(flag, action="store_true", dest=dest)
         elif kind == "list":
-            parser.add_argument(flag, nargs="*", default=default, **dest)
+            parser.add_argument(flag, nargs="*", default=default, dest=dest)
         elif kind == "ints3":
-            parser.add_argument(flag, nargs=3, type=int, default=default, **dest)
+            parser.add_argument(flag, nargs=3, type=int, default=default, dest=dest)
         else:
-            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind], default=default, **dest)
+            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind], default=default, dest=dest)
     add_hdp_arguments(parser)
     args, _unknown = parser.parse_known_args(flags)
     return args
