@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_bytescale.errors import ConfigError  # noqa: E402
 from megatron_bytescale.planner.cost_model import CostModel  # noqa: E402
-from megatron_bytescale.planner.offload_policy import host_capacity  # noqa: E402
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step  # noqa: E402
-from megatron_bytescale.planner.sharding import RingSizer  # noqa: E402
+from megatron_bytescale.planner.sizing.offload import host_capacity  # noqa: E402
+from megatron_bytescale.planner.sizing.rings import RingSizer  # noqa: E402
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec  # noqa: E402
 from megatron_bytescale.units import parse_size  # noqa: E402
 

@@ -666,8 +666,9 @@ def _check_capacity(args) -> None:
             "the capacity, use more data-parallel ranks, add --hdp-selective-offload, or lower --seq-length"
         )
     if args.seq_length > most:  # offloading: the planner's own memory floor (a restart may bring fewer ranks)
-        from ..planner.offload_policy import host_capacity
-        from ..planner.sharding import memory_floor
+        from ..planner.fields import FieldMessage
+        from ..planner.sizing.offload import host_capacity
+        from ..planner.sizing.rings import memory_floor
 
         cost = cost_model_from_args(argparse.Namespace(**{"padded_vocab_size": None, **vars(args)}))
         try:
@@ -679,9 +680,10 @@ def _check_capacity(args) -> None:
                 args.hdp_size,
                 host_capacity(cost, args.pipeline_model_parallel_size),
             )
-        except ConfigError as exc:
+        except FieldMessage as exc:  # the planner names its fields: spelled as the HDP flags
+            flags = {"capacity": "--hdp-token-capacity", "host_memory_bytes": "--hdp-host-memory-per-gpu"}
             raise ConfigError(
-                f"--seq-length {format_size(args.seq_length)} does not fit even with full offload: {exc}"
+                f"--seq-length {format_size(args.seq_length)} does not fit even with full offload: {exc.named(flags)}"
             ) from None
 
 

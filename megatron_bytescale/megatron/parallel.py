@@ -24,7 +24,7 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, vpp: int = 1) -> dist.P
     """Initialise Megatron's model-parallel state (TP x PP, CP 1, expert parallelism ``ep``,
     ``vpp`` virtual pipeline stages per device) on the initialised world and return the HDP
     group. Installs the CPU workarounds when CUDA is absent. EP groups are blocks of ``ep``
-    consecutive HDP ranks (planner.expert_slots).
+    consecutive HDP ranks (planner.expert.slots).
 
     Calling it again with the same sizes returns the existing group; other sizes are an error
     (call ``destroy_parallel()`` first)."""

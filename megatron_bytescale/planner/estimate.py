@@ -29,7 +29,7 @@ import numpy as np
 
 from .contract import MicroBatch, graph, rank_tokens
 from .cost_model import FORWARD_SHARE, CostModel
-from .offload_policy import copy_exposure
+from .sizing.offload import copy_exposure
 
 
 def dkv_home_time(cost: CostModel, block_tokens: float, inter_node: bool) -> float:

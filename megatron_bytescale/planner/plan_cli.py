@@ -20,6 +20,7 @@ from ..units import format_size, parse_size
 from .balance import BALANCE_MODES
 from .contract import MicroBatch, Plan
 from .cost_model import CostModel
+from .fields import FieldMessage
 from .planner import PlannerConfig, plan_step
 from .specs import HardwareSpec, ModelSpec
 
@@ -179,7 +180,29 @@ def hdp_shape(gpus: int, tp: int, pp: int, gpus_per_node: int) -> tuple[int, int
     return gpus // (tp * pp), max(1, gpus_per_node // tp)
 
 
+# the planner's fields as ``bytescale plan`` spells them (its errors name fields: ``planner.fields``)
+FLAGS = {
+    "capacity": "--capacity",
+    "num_ranks": "--gpus",
+    "ranks_per_node": "--gpus-per-node",
+    "offload": "offloading (drop --no-offload)",
+    "host_memory_bytes": "--host-memory-per-gpu",
+    "pipeline_stages": "--pp",
+    "virtual_stages": "--vpp",
+    "expert_parallel": "--ep",
+    "balance": "--balance",
+    "slack": "--slack",
+}
+
+
 def main(args) -> int:
+    try:
+        return _main(args)
+    except FieldMessage as exc:
+        raise exc.renamed(FLAGS) from None
+
+
+def _main(args) -> int:
     per_node = HardwareSpec.load(args.hardware).gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
     num_ranks, ranks_per_node = hdp_shape(args.gpus, args.tp, args.pp, per_node)
     cost = build_cost(args)
@@ -196,7 +219,6 @@ def main(args) -> int:
         pipeline_stages=args.pp,
         expert_parallel=args.ep,
         virtual_stages=args.vpp,
-        capacity_flag="--capacity",
     )
     if args.global_batch_tokens is not None:
         return plan_steps(args, config, cost, context, parse_size(args.global_batch_tokens, "--global-batch-tokens"))

@@ -91,7 +91,7 @@ class MicroBatchLayout:
 
     @classmethod
     def from_micro_batch(cls, mb: MicroBatch, rank: int) -> MicroBatchLayout:
-        # no pieces: an expert-parallel slot filler (planner.expert_slots); the step pads it to
+        # no pieces: an expert-parallel slot filler (planner.expert.slots); the step pads it to
         # padding tokens of its own (runtime.padding) so that it joins the MoE all-to-alls
         seen, rings = set(), set()
         for p in mb.pieces:

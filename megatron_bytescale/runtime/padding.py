@@ -37,7 +37,7 @@ def pad_micro_batch(
 ) -> tuple[MicroBatchData, MicroBatchLayout]:
     """``data`` and ``layout`` with padding appended up to a multiple of ``multiple`` tokens
     (themselves when none is needed). An empty micro-batch (an expert-parallel slot filler,
-    ``planner.expert_slots``) gets ``multiple`` padding tokens: megatron-core's layers do not
+    ``planner.expert.slots``) gets ``multiple`` padding tokens: megatron-core's layers do not
     run zero tokens, and the filler must run every MoE layer to join its all-to-alls."""
     t = data.num_tokens
     n = padding_for(t, multiple) if t else multiple

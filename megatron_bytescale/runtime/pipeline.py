@@ -3,7 +3,7 @@
 Under HDP every pipeline (the PP stages of one HDP rank) runs its own list of micro-batches:
 any count, zero included, and any lengths. Each stage runs them in exactly the order the plan
 gives: its own per-stage order when it has one (``Plan.stage_orders``, e.g. from
-``planner.stage_schedule``), else ``planner.contract.one_f_one_b`` (Megatron's
+``planner.order.stage_schedule``), else ``planner.contract.one_f_one_b`` (Megatron's
 non-interleaved 1F1B: ``p - k - 1`` warm-up forwards on stage ``k``, then one forward one
 backward, then the cool-down backwards); either is an order the planner proves free of
 deadlock when ring micro-batches join stages of different pipelines.

@@ -199,7 +199,7 @@ def _expert_parallel_problem(plan, group) -> str | None:
     """Why this rank cannot run ``plan``'s slots with Megatron's expert-parallel groups, or None.
 
     The plan's EP groups are blocks of ``plan.expert_parallel`` consecutive HDP ranks
-    (``planner.expert_slots``); Megatron's must be the same, else an all-to-all would pair a
+    (``planner.expert.slots``); Megatron's must be the same, else an all-to-all would pair a
     rank's slot k with another slot list than planned and hang."""
     from megatron.core import parallel_state
 

@@ -25,6 +25,18 @@ from .cluster import Cluster
 from .megatron_dcp import megatron_dcp_plan
 from .static_cp import StrategyError, static_plan
 
+# the planner's fields as ``bytescale simulate`` spells them (the planner's errors name fields)
+FLAGS = {
+    "capacity": "--capacity",
+    "num_ranks": "--gpus",
+    "ranks_per_node": "--gpus-per-node",
+    "offload": "offloading",
+    "host_memory_bytes": "--host-memory-per-gpu",
+    "pipeline_stages": "--pp",
+    "virtual_stages": "--vpp",
+    "expert_parallel": "--ep",
+}
+
 
 @dataclass(frozen=True)
 class StrategyInput:
@@ -55,6 +67,7 @@ def _megatron_dcp(x: StrategyInput) -> Plan:
 def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True) -> Callable[[StrategyInput], Plan]:
     def make(x: StrategyInput) -> Plan:
         try:
+            from ..planner.fields import FieldMessage
             from ..planner.planner import PlannerConfig, plan_step
         except ImportError as exc:
             raise StrategyError(
@@ -70,10 +83,12 @@ def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True
             pipeline_schedule=x.pipeline_schedule,
             expert_parallel=x.cluster.ep,
             virtual_stages=x.virtual_stages,
-            capacity_flag="--capacity",  # simulate's flag
         )
         t0 = time.perf_counter()
-        plan = plan_step(list(x.seq_lens), config, x.cost)
+        try:
+            plan = plan_step(list(x.seq_lens), config, x.cost)
+        except FieldMessage as exc:  # the planner names its fields: spelled as simulate's flags
+            raise exc.renamed(FLAGS) from None
         wall = time.perf_counter() - t0
         plan.meta = {**plan.meta, "strategy": name}
         plan.meta.setdefault("plan_time_s", wall)

@@ -21,7 +21,7 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   each of ``l - 2`` layers to the host during the forward and back during the backward; the
   device-to-host copy of a layer hides behind that layer's forward compute only, the
   host-to-device copy behind its backward compute only, and whatever exceeds it is exposed
-  in that pass (``planner.offload_policy.copy_exposure``, the rule the planner plans with).
+  in that pass (``planner.sizing.offload.copy_exposure``, the rule the planner plans with).
   The bytes parked in host memory are reported per GPU (the largest micro-batch's, times
   the micro-batches a 1F1B stage holds in flight).
 * **Activation recompute** (``CostModel.with_recompute``): in backward, each recomputed layer
@@ -39,7 +39,7 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   forward waits for the previous virtual stage's, a backward for the next one's (the
   contract's dependency graph, ``contract.graph.PipelineGraph``). Activation transfers
   between stages are not costed (the same omission for every strategy).
-* **Expert parallelism** (``plan.expert_parallel`` > 1, ``planner.expert_slots``): the
+* **Expert parallelism** (``plan.expert_parallel`` > 1, ``planner.expert.slots``): the
   members of an EP group run slot k together, and a ring joins the slots of its members, so
   the forward (and the backward) of one such merged slot starts when all its participants are
   free and ends with the slowest; each adds its MoE all-to-alls (``all_to_all_time``: half in
@@ -64,15 +64,16 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import PlanError
-from ..planner import two_level
 from ..planner.contract import BACKWARD, FORWARD, MicroBatch, PipelineGraph, Plan
 from ..planner.contract.rules import barrier_errors
 from ..planner.contract.slots import ep_groups, slot_errors, slot_nodes
 from ..planner.cost_model import CostModel
-from ..planner.expert_slots import align_expert_slots, all_to_all_time
-from ..planner.offload_policy import copy_exposure, host_bytes
-from ..planner.pipeline_times import graph_ends
+from ..planner.expert.slots import align_expert_slots
+from ..planner.expert.timing import all_to_all_time
+from ..planner.order.walk import graph_ends
 from ..planner.ring_traffic import p2p_bytes_per_rank
+from ..planner.sizing import two_level
+from ..planner.sizing.offload import copy_exposure, host_bytes
 from .cluster import Cluster
 from .grad_reduction import exposed_reduction
 

@@ -24,7 +24,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .cost_model import CostModel
+from ..cost_model import CostModel
 
 
 def slice_bounds(q_heads: int, u: int) -> list[int]:
@@ -67,7 +67,7 @@ def a2a_time(cost: CostModel, tokens: float, u: int) -> float:
 
 def share_times(cost: CostModel, seq_len, ring_sizes: np.ndarray, u, ranks_per_node: int) -> np.ndarray:
     """Per-member seconds (all layers) of a sequence run two-level over each ring size (a
-    multiple of u, larger than a node; others inf). Follows ``sharding.ring_times``.
+    multiple of u, larger than a node; others inf).
     ``u`` may be a list of group sizes: then one row per group size. ``seq_len`` is one
     length or one per ring size (the planner prepares many lengths' curves at once)."""
     us = np.atleast_1d(np.asarray(u, dtype=np.int64))[:, None]
@@ -92,56 +92,6 @@ def share_times(cost: CostModel, seq_len, ring_sizes: np.ndarray, u, ranks_per_n
     exposed += home + a2a_time(cost, share, us)
     out = np.where(ok, cost.num_layers * (per_layer + exposed), np.inf)
     return out[0] if np.ndim(u) == 0 else out
-
-
-def valid_share_times(cost: CostModel, s: np.ndarray, d: np.ndarray, u: int) -> np.ndarray:
-    """``share_times`` for one group size ``u`` where it applies (every ring size in ``d`` a
-    multiple of u larger than a node), lengths ``s`` and sizes ``d`` as float64 arrays of one
-    entry per ring size: the same operations in the same order, in place where a temporary
-    would be thrown away (the planner's curves: ~10^6 entries a 16K-rank step)."""
-    share = s / d
-    np.ceil(share, out=share)
-    fq = head_fractions(cost, int(u))[0]
-    fkv = fq
-    m = d / u
-    compute = s * s
-    compute /= d
-    compute *= u * fq  # pairs
-    compute *= cost.a1  # a1 * pairs
-    per_layer = cost.b1 * share
-    per_layer += compute  # (a1 * pairs + b1 * share), as share_times adds them
-    per_layer += cost.g
-    step = compute
-    step /= m
-    block = u * share
-    block *= fkv
-    bw, lat = cost.bw_inter_node, cost.p2p_latency_s
-    hop_f = block * cost.kv_bytes_per_token
-    hop_f /= bw
-    hop_f += lat
-    hop_b = block * (cost.kv_bytes_per_token + cost.grad_bytes_per_token)
-    hop_b /= bw
-    hop_b += lat
-    home = block * cost.grad_bytes_per_token
-    home /= bw
-    home += lat
-    home[m <= 1] = 0.0
-    fs = cost.forward_share
-    hop_f -= fs * step
-    hop_b -= (1 - fs) * step
-    exposed = np.maximum(0.0, hop_f, out=hop_f)
-    exposed += np.maximum(0.0, hop_b, out=hop_b)
-    m -= 1
-    exposed *= m
-    a2a = share * (1.0 - 1.0 / u)
-    a2a *= 4 * cost.q_bytes_per_token + 2 * cost.kv_bytes_per_token
-    a2a /= cost.bw_intra_node
-    a2a += 4 * cost.p2p_latency_s  # a2a_time: latency + bytes / bandwidth
-    home += a2a
-    exposed += home
-    per_layer += exposed
-    per_layer *= cost.num_layers
-    return per_layer
 
 
 def share_time(cost: CostModel, seq_len: int, ring_size: int, u: int, ranks_per_node: int) -> float:

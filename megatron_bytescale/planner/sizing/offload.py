@@ -43,8 +43,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .contract import resident_fraction
-from .cost_model import CostModel
+from ..contract import resident_fraction
+from ..cost_model import CostModel
 
 RATIO_STEP = 1e-4  # ratios are rounded up to this step: readable, and never below the need
 

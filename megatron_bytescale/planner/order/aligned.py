@@ -1,34 +1,129 @@
-"""The slot-aligned pass (``slot_alignment._aligned``) compiled: the same choices, splits,
-moves and floats as the Python pass, over arrays instead of per-rank queues of objects.
+"""The aligned pass: each rank's items reordered so that every ring takes one *slot* (index
+plus the rank's offset) on all its members, which keeps 1F1B free of deadlock (docs/design.md,
+"Pipeline order"). Rings go in schedule order; the first that can take one slot from what its
+members have goes next (looking ``lookahead`` rings ahead); members run some of their local
+micro-batches before or after it, split a pack in two (``runs.pack_halves``) or, when no ring
+ahead can be aligned, borrow local work from the most loaded rank that has some to spare. A
+ring that cannot be aligned at all (no local work left anywhere) is recorded as unaligned.
 
-The Python pass keeps each rank's queue as a list of ring indices and ``LocalBatch`` objects
-and derives a view of it (its local micro-batches, their clock prefix, its load) after every
-change; that was most of a 32M-token PP plan's time. Here a queue is a row of item codes
-(a ring ``u >= 0``, local micro-batch ``k`` of the pool as ``-k - 1``) and what a view held
-is computed from the row when it is asked for (the rows are short: a rank's micro-batches).
-Splitting a pack (``slot_alignment.PackSplitter``: sequences longest first, each to the half with fewer
-tokens; the halves timed by ``CostModel.layer_time``'s formula, whose coefficients come in
-``coef``) writes the halves into the pack's own slice of the sequence array, so nothing
-grows but the pool (at most two entries per split, one split per sequence beyond the first
-of a pack). A rank whose row fills up makes the pass return ``FULL``; the caller runs it
-again with longer rows (the pass is deterministic and its inputs are copied).
-
-``slot_alignment._aligned`` is what the tests check this against, item for item and float
-for float (tests/test_pipeline_fast_paths.py); it also runs where numba is missing.
+A rank's queue is a row of item codes (a ring ``u >= 0``, local micro-batch ``k`` of the pool
+as ``-k - 1``); what the pass reads of it (its local micro-batches, their clock prefix, its
+load) is computed from the row when asked. Splitting a pack writes the halves into the pack's
+own slice of the sequence array, so nothing grows but the pool (at most two entries per split,
+one split per sequence beyond the first of a pack). A rank whose row fills up makes the pass
+return ``FULL``; ``aligned`` runs it again with longer rows (the pass is deterministic and its
+inputs are copied).
 """
 
 from __future__ import annotations
 
-from functools import cache
+from itertools import chain
 
 import numpy as np
 
-from .compiled import _compile
+from ..jit import kernel
+from ..lengths import lengths_array
+from .runs import Item, LocalBatch, Ordered, PackSplitter, RunArrays, pack_halves, run_arrays
 
+LOOKAHEAD = 16  # rings of the schedule tried for the next slot before local work moves between ranks
+# Rings with at least this many members may stop a pass that stops at its first unaligned ring
+# early, once they cannot be aligned whatever follows (``hopeless``)
+WIDE_RING = 64
+# A pass's rows hold a rank's items and this many more (splits and borrowed work lengthen them;
+# a row that fills up runs the pass again with rows twice as long)
+ROW_ROOM = 8
 DONE, STOPPED, FULL = 0, 1, 2  # the pass ended; it stopped at its first unaligned ring; a row overflowed
 
 
-def _aligned_pass(
+def aligned(
+    runs,
+    ring_order,
+    members,
+    ring_time,
+    split: PackSplitter | None,
+    lookahead: int,
+    frugal: bool = False,
+    stop_unaligned: bool = False,
+    arrays: RunArrays | None = None,
+) -> Ordered:
+    """The aligned pass (see the module docstring) over each rank's items ``runs``: the rings
+    in ``ring_order`` (``members``, ``ring_time``), packs split as ``split`` splits them
+    (None: packs stay whole), ``lookahead`` rings tried before local work moves between
+    ranks; ``frugal``: run no more local work before a ring than its slot needs;
+    ``stop_unaligned``: stop at the first ring that cannot take one slot. ``arrays``:
+    ``run_arrays(runs)``, where the caller has it."""
+    n = len(runs)
+    arrays = arrays or run_arrays(runs)
+    flat, lengths, pool, sizes, seqs = arrays.codes, arrays.counts, arrays.pool, arrays.local_size, arrays.seqs
+    supply = int(sizes.sum())
+    room = len(pool) + 2 * supply  # two halves per split, at most one split per sequence
+    plen = np.zeros(room, dtype=np.int64)
+    plen[: len(pool)] = sizes
+    pstart = np.zeros(room, dtype=np.int64)
+    pstart[1 : len(pool)] = np.cumsum(sizes)[:-1]
+    ptime = np.zeros(room)
+    ptime[: len(pool)] = arrays.local_time
+    proot = np.arange(room, dtype=np.int64)
+    order = np.asarray(ring_order, dtype=np.int64)
+    units = int(order.max(initial=-1)) + 1
+    times = np.zeros(units)
+    times[order] = [ring_time[u] for u in ring_order]
+    counts = np.zeros(units + 1, dtype=np.int64)
+    counts[order + 1] = [len(members[u]) for u in ring_order]
+    mptr = np.cumsum(counts)
+    # each ring's members at mptr[u]:mptr[u + 1], the rings in index order
+    mem = np.fromiter(chain.from_iterable(map(members.__getitem__, sorted(ring_order))), np.int64, int(mptr[-1]))
+    if split is None:
+        lens, coef, layers, recomputed, recomputed_attention = np.zeros(1, dtype=np.int64), np.zeros(4), 1, 0, 0
+    else:
+        c = split.cost
+        lens = lengths_array(split.lens)
+        coef = np.array([c.a1, c.b1, c.g, c.forward_share])
+        layers, recomputed, recomputed_attention = c.num_layers, c.recomputed_layers, c.recomputed_attention_layers
+    rows = np.repeat(np.arange(n), lengths)
+    cols = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    cap = int(lengths.max(initial=0)) + ROW_ROOM
+    while True:  # a row that fills up: again with longer rows (rows grow by splits and gifts)
+        q = np.zeros((n, cap), dtype=np.int64)
+        q[rows, cols] = flat
+        pool_arrays = ptime.copy(), pstart.copy(), plen.copy(), proot.copy()
+        halves = seqs.copy()
+        status, log_rank, log_item, state, clock, counters, unaligned = aligned_pass(
+            q, lengths.copy(), *pool_arrays, len(pool), halves, lens, times, mptr, mem, order, coef, layers,
+            recomputed, recomputed_attention, split is not None, lookahead, frugal, stop_unaligned, WIDE_RING,
+        )  # fmt: skip
+        if status != FULL:
+            break
+        cap = max(2 * cap, 1)
+    # the split packs' halves as LocalBatches (those placed), then each rank's items in order
+    new_time, new_start, new_len, new_root = pool_arrays
+    placed = int(state[0])
+    ranks, codes = log_rank[:placed], log_item[:placed]
+    table: list[Item | None] = [*pool, *[None] * (int(state[1]) - len(pool))]
+    for k in np.unique(-1 - codes[codes < -len(pool)]).tolist():
+        at = int(new_start[k])
+        seq_ids = tuple(halves[at : at + int(new_len[k])].tolist())
+        table[k] = LocalBatch(seq_ids, pool[int(new_root[k])].ratio, float(new_time[k]))
+    # code x looked up at x + len(table): table[~x] for a local micro-batch, x for a ring
+    lookup = [*reversed(table), *range(units)]
+    in_order = codes[np.argsort(ranks, kind="stable")]
+    placed_items = list(map(lookup.__getitem__, (in_order + len(table)).tolist()))
+    bounds = np.cumsum(np.bincount(ranks, minlength=n)).tolist()
+    out = [placed_items[a:b] for a, b in zip([0, *bounds[:-1]], bounds)]
+    pulled, deferred, splits, moved, reordered = counters.tolist()
+    # the items' arrays: a local item's seconds are its LocalBatch's (the pool's own, or a
+    # split half's from the pass)
+    local = in_order < 0
+    local_time = np.concatenate((ptime[: len(pool)], new_time[len(pool) : len(table)]))
+    seconds = np.full(in_order.size, np.nan)
+    seconds[local] = local_time[-1 - in_order[local]]
+    items = (np.where(local, -1, in_order), seconds)
+    unaligned_rings = unaligned[: int(state[2])].tolist()
+    return Ordered(out, clock.tolist(), pulled, deferred, splits, moved, reordered, unaligned_rings, items=items)
+
+
+@kernel(size=lambda q, *_: q.size)
+def aligned_pass(
     q: np.ndarray,
     qlen: np.ndarray,
     ptime: np.ndarray,
@@ -52,11 +147,11 @@ def _aligned_pass(
     stop_unaligned: bool,
     wide: int,
 ):
-    """``slot_alignment._aligned`` over ``q`` (rows of item codes, ``qlen`` long; changed in
-    place, as are the pool ``ptime``/``pstart``/``plen``/``proot`` of ``npool`` entries and
-    ``seqs``). ``coef``: the cost model's a1, b1, g and forward share. Returns the status,
-    the placed items as (rank, item) in placing order, every rank's clock, the counters
-    (pulled, deferred, splits, moved, reordered), the unaligned rings and the pool's size."""
+    """The aligned pass over ``q`` (rows of item codes, ``qlen`` long; changed in place, as
+    are the pool ``ptime``/``pstart``/``plen``/``proot`` of ``npool`` entries and ``seqs``).
+    ``coef``: the cost model's a1, b1, g and forward share. Returns the status, the placed
+    items as (rank, item) in placing order, every rank's clock, the counters (pulled,
+    deferred, splits, moved, reordered), the unaligned rings and the pool's size."""
     n = qlen.size
     cap = q.shape[1]
     a1, b1, g, share = coef[0], coef[1], coef[2], coef[3]
@@ -173,22 +268,7 @@ def _aligned_pass(
     def halve(k):  # PackSplitter: pack k's halves, written into its slice; their pool indices
         s, m = pstart[k], plen[k]
         part = seqs[s : s + m].copy()
-        # longest first, ties to the lower sequence (an insertion sort: packs are small)
-        for i in range(1, m):
-            v = part[i]
-            j = i - 1
-            while j >= 0 and (lens[part[j]] < lens[v] or (lens[part[j]] == lens[v] and part[j] > v)):
-                part[j + 1] = part[j]
-                j -= 1
-            part[j + 1] = v
-        side = np.zeros(m, dtype=np.bool_)
-        tokens0, tokens1 = 0, 0
-        for i in range(m):
-            if tokens0 <= tokens1:
-                tokens0 += lens[part[i]]
-            else:
-                side[i] = True
-                tokens1 += lens[part[i]]
+        side = pack_halves(part, lens)  # sorts part: longest first
         first = state[1]
         state[1] = first + 2
         w = s
@@ -501,9 +581,3 @@ def _aligned_pass(
             clock[r] += time_of(x)
         qlen[r] = 0
     return DONE, log_rank, log_item, state, clock, counters, unaligned
-
-
-@cache
-def aligned_pass():
-    """``_aligned_pass`` compiled, or None where numba is missing."""
-    return _compile(_aligned_pass)

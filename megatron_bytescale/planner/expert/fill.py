@@ -1,6 +1,6 @@
 """Expert parallelism: local slots moved into the waits before rings.
 
-Under EP an EP group runs its slots in lockstep (``expert_slots``), and a ring slot starts
+Under EP an EP group runs its slots in lockstep (``expert.slots``), and a ring slot starts
 only when every group it spans is free. ``align_expert_slots`` keeps the order the balance
 scheduler gave each rank, which was made for ranks running on their own: once a group's
 members wait for each other in every slot, the local work before a ring no longer ends when
@@ -27,9 +27,9 @@ from __future__ import annotations
 import dataclasses
 from graphlib import CycleError
 
-from .contract import Plan
-from .cost_model import CostModel
-from .expert_slots import group_finish_times, slot_ends, timed_slots
+from ..contract import Plan
+from ..cost_model import CostModel
+from .timing import group_finish_times, slot_ends, timed_slots
 
 
 def fill_ring_waits(plan: Plan, cost: CostModel, ranks_per_node: int) -> tuple[Plan, list[float]]:

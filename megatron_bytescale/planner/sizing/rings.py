@@ -1,43 +1,29 @@
-"""Data-aware sharding: how many ranks each sequence gets, and best-fit packing (design 2.1).
+"""Ring sizes: how many ranks each long sequence gets (design 2.1).
 
-* A sequence of ``s <= C`` tokens runs whole on one rank.
+* A sequence of ``s <= C`` tokens (``C``: the capacity) runs whole on one rank.
 * A longer sequence gets a ring of ``D`` ranks, any size from 1 to ``d_hdp`` (never rounded
   to a power of two). The memory floor ``D_mem(s)`` comes from the offload policy. The
   balanced modes may use more ranks when the batch asks for it: a ring's members run for
-  ``ring_share_time(s, D)``, and no rank can finish before its longest ring share, so a
-  sequence whose share would outlast the step's target time gets the smallest ring that
+  its share time (``sizing.curves``), and no rank can finish before its longest ring share,
+  so a sequence whose share would outlast the step's target time gets the smallest ring that
   fits the target (or the fastest ring, if none does). Its offload ratio is then the
   smallest that fits the smaller share, often 0.
-* Short sequences are packed best-fit decreasing into micro-batches of at most ``C`` tokens;
-  ``fill_ring_spare`` puts them into the spare capacity of ring micro-batches first
-  (hdp-naive; the balanced modes pack them per rank once the scheduler has placed them).
 
-``balanced_target`` picks the step time rings are sized for; ``plan_ring_sizes`` applies it.
+``balanced_target`` picks the step time rings are sized for; ``ring_decisions`` applies it.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError, PlanError
-from . import compiled, two_level
-from .cost_model import CostModel
-from .offload_policy import OffloadDecision, decide, ratio_for_ranks
-
-
-@dataclass(frozen=True)
-class Shard:
-    """The sharding decision for one sequence longer than the capacity."""
-
-    seq_id: int
-    seq_len: int
-    ring_size: int
-    ratio: float
-    heads_split: int = 1  # two-level group size (planner/two_level.py); 1: the plain ring
+from ..cost_model import CostModel
+from ..fields import FieldError
+from . import two_level
+from .curves import ring_curves_of
+from .offload import OffloadDecision, decide, ratio_for_ranks
 
 
 def memory_floor(
@@ -47,93 +33,19 @@ def memory_floor(
     offload: bool,
     num_ranks: int,
     host: int | None = None,
-    capacity_flag: str = "--hdp-token-capacity",
 ) -> OffloadDecision:
     """D_mem(s) and its ratio (``host``: the host budget in token-equivalents, None: none);
-    an error when even that needs more ranks than there are (naming the caller's capacity flag)."""
+    an error naming the fields to change when even that needs more ranks than there are."""
     d = decide(seq_len, capacity, cost, offload, host)
     if d.ranks > num_ranks:
-        fixes = f"raise {capacity_flag}, " + ("" if offload else "enable offload, ") + "or add GPUs"
+        fixes = "raise {capacity}, " + ("" if offload else "enable {offload}, ") + "or add GPUs ({num_ranks})"
         if offload and host is not None:
-            fixes = f"raise {capacity_flag} or the host memory per GPU, or add GPUs"
-        raise ConfigError(
+            fixes = "raise {capacity} or {host_memory}, or add GPUs ({num_ranks})"
+        raise FieldError(
             f"capacity too small: sequence of {seq_len} tokens needs {d.ranks} ranks at capacity {capacity}"
             f"{' with offloading' if offload else ''}, only {num_ranks} ranks; {fixes}"
         )
     return d
-
-
-def ring_times(cost: CostModel, seq_len, ring_sizes: np.ndarray, ranks_per_node: int) -> np.ndarray:
-    """``ring_share_time`` for many ring sizes at once (rings up to a node stay inside it);
-    ``seq_len`` is one length or one per ring size."""
-    # (the same operations as ring_share_time, in place where a temporary would be
-    # thrown away: ~10^6 entries a 16K-rank step)
-    d = ring_sizes.astype(np.float64)
-    s = np.asarray(seq_len, dtype=np.float64)
-    share = np.ceil(s / d)
-    compute = cost.a1 * (s * s / d)  # a1 * pairs
-    per_layer = compute + cost.b1 * share
-    per_layer += cost.g
-    bw = np.where(ring_sizes > ranks_per_node, cost.bw_inter_node, cost.bw_intra_node)
-    step = compute
-    step /= d  # a1 * pairs / d
-    hop_f = share * cost.kv_bytes_per_token
-    hop_f /= bw
-    hop_f += cost.p2p_latency_s
-    hop_b = share * (cost.kv_bytes_per_token + cost.grad_bytes_per_token)
-    hop_b /= bw
-    hop_b += cost.p2p_latency_s
-    home = share * cost.grad_bytes_per_token
-    home /= bw
-    home += cost.p2p_latency_s  # the last dKV hop, never hidden
-    hop_f -= cost.forward_share * step
-    hop_b -= (1 - cost.forward_share) * step
-    exposed = np.maximum(hop_f, 0.0, out=hop_f)
-    exposed += np.maximum(hop_b, 0.0, out=hop_b)
-    exposed *= d - 1
-    exposed += home
-    exposed[ring_sizes <= 1] = 0.0
-    per_layer += exposed
-    per_layer *= cost.num_layers
-    return per_layer
-
-
-CHUNK = 1 << 16  # curve entries computed at once: the temporaries stay in cache
-
-
-def _chunks(todo):
-    """``[(length, (lo, hi)), ...]`` cut into runs of about ``CHUNK`` ring sizes."""
-    start, n = 0, 0
-    for i, (_, (lo, hi)) in enumerate(todo):
-        n += hi - lo + 1
-        if n >= CHUNK:
-            yield todo[start : i + 1]
-            start, n = i + 1, 0
-    if start < len(todo):
-        yield todo[start:]
-
-
-def _ragged(todo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``[(length, (lo, hi)), ...]`` flattened: each length repeated over its ring sizes
-    ``lo..hi``, those sizes, and how many each length has."""
-    counts = np.array([hi - lo + 1 for _, (lo, hi) in todo])
-    starts = np.repeat(np.array([lo for _, (lo, _) in todo]), counts)
-    offsets = np.repeat(np.cumsum(counts) - counts, counts)
-    sizes = starts + (np.arange(int(counts.sum())) - offsets)
-    lengths = np.repeat(np.array([s for s, _ in todo], dtype=np.int64), counts)
-    return lengths, sizes, counts
-
-
-def _multiples(todo, counts: np.ndarray, u: int, above: int) -> np.ndarray:
-    """Where ``_ragged(todo)``'s sizes are multiples of ``u`` larger than ``above``, ascending:
-    ``flatnonzero((sizes % u == 0) & (sizes > above))`` from each run's first such size on,
-    every ``u``-th entry (no modulo over all ~10^6 entries)."""
-    lo = np.array([a for _, (a, _) in todo], dtype=np.int64)
-    hi = lo + counts - 1
-    first = (np.maximum(lo, above + 1) + (u - 1)) // u * u
-    n = np.maximum(hi // u - first // u + 1, 0)
-    start = np.repeat(np.cumsum(counts) - counts + (first - lo), n)
-    return start + u * (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
 
 
 class RingSizer:
@@ -148,10 +60,8 @@ class RingSizer:
         ranks_per_node: int,
         pipeline_stages: int = 1,
         host: int | None = None,
-        capacity_flag: str = "--hdp-token-capacity",
     ):
         self.capacity = capacity
-        self.capacity_flag = capacity_flag  # how the command that called us spells the capacity
         self.host = host  # host budget per micro-batch in token-equivalents (None: unbounded)
         # a rank that runs a share alone fills and drains its pipeline with it: p times the
         # share's stage time is what the step target is compared with
@@ -166,110 +76,40 @@ class RingSizer:
         self._where: dict[int, tuple[int, int, int]] = {}  # length -> (block, start, count)
         self._floors: dict[int, OffloadDecision] = {}
         self._table: _CurveTable | None = None  # the last lengths' curves end to end (balanced_target)
-        self._sized: dict[tuple[int, int], tuple[int, float, int]] = {}  # size_many's offloading rings
+        self._sized: dict[tuple[int, int], tuple[int, float, int]] = {}  # size_arrays' offloading rings
         self.two_level = two_level.valid_splits(cost, self.ranks_per_node) if num_ranks > self.ranks_per_node else []
 
     def floor(self, seq_len: int) -> OffloadDecision:
         d = self._floors.get(seq_len)
         if d is None:  # asked per length several times a step (range, sizing): decided once
             d = self._floors[seq_len] = memory_floor(
-                seq_len, self.capacity, self.cost, self.offload, self.num_ranks, self.host, self.capacity_flag
+                seq_len, self.capacity, self.cost, self.offload, self.num_ranks, self.host
             )
         return d
 
-    def _size_range(self, seq_len: int) -> tuple[int, int]:
-        """Candidate ring sizes: from the memory floor up to where communication dominates."""
-        cost = self.cost
-        d_min = self.floor(seq_len).ranks
-        # beyond ~ a1*s*bw / bytes-per-token ranks the ring is communication-bound: more
-        # ranks only add hops; look a few times past that point
-        per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
-        comm_bound = cost.a1 * seq_len * cost.bw_inter_node / max(per_token, 1e-30)
-        d_hi = min(self.num_ranks, seq_len, max(d_min, int(4 * comm_bound) + 2 * self.ranks_per_node))
-        return d_min, d_hi
-
     def prepare(self, seq_lens) -> None:
-        """Compute the curves of many lengths at once (a 16K-rank step has ~7,000 lengths): one
-        pass of ``compiled.ring_curves``, or where numba is missing one vectorised
-        ``ring_times`` over all of them (and ``_two_level_curves``), not one small one per length."""
+        """The curves of many lengths at once (one ``ring_curves`` pass over all of a step's
+        lengths): each from its memory floor up to a few times the size where the ring turns
+        communication-bound (``_range_ends``), two-level group sizes where the rings may span
+        nodes."""
         todo = [int(s) for s in dict.fromkeys(seq_lens) if int(s) not in self._where]
-        # ``_size_range`` and ``_two_level_hi`` of every length at once (the same operations)
-        lo = [self.floor(s).ranks for s in todo]
-        hi = self._range_ends(todo, lo, 1)
-        wide = self._range_ends(todo, lo, max(self.two_level)).tolist() if self.two_level else None
-        kernel = compiled.ring_curves() if todo else None
-        if kernel is not None:  # every length in one pass, in order (one block), the same floats
-            hi = hi.tolist()
-            spans = [bool(self.two_level) and b > self.ranks_per_node for b in hi]  # rings that may span nodes
-            self._compiled_curves(kernel, todo, lo, [w if x else b for b, w, x in zip(hi, wide or hi, spans)], spans)
+        if not todo:
             return
-        plain, spanning = [], []
-        for s, a, b, w in zip(todo, lo, hi.tolist(), wide or hi.tolist()):
-            if self.two_level and b > self.ranks_per_node:  # rings that may span nodes
-                spanning.append((s, (a, w)))
-            else:
-                plain.append((s, (a, b)))
-        for chunk in _chunks(plain):
-            lengths, sizes, counts = _ragged(chunk)
-            times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
-            self._store(chunk, counts, sizes, times, np.ones(sizes.size, dtype=np.int64))
-        for chunk in _chunks(spanning):
-            self._two_level_curves(chunk)
-
-    def _compiled_curves(self, kernel, todo: list[int], lo: list[int], hi: list[int], spanning: list[bool]) -> None:
-        """``prepare``'s curves from ``compiled.ring_curves``: each length of ``todo`` over
-        ring sizes ``lo .. hi``, in two-level groups too where ``spanning``."""
-        cost = self.cost
-        ring = np.array(
-            [
-                cost.a1,
-                cost.b1,
-                cost.g,
-                cost.kv_bytes_per_token,
-                cost.kv_bytes_per_token + cost.grad_bytes_per_token,
-                cost.grad_bytes_per_token,
-                cost.p2p_latency_s,
-                cost.bw_intra_node,
-                cost.bw_inter_node,
-                cost.forward_share,
-                1 - cost.forward_share,
-                cost.num_layers,
-            ],
-            dtype=np.float64,
-        )
-        us = np.array(self.two_level, dtype=np.int64)
-        per_u = np.array(
-            [
-                [
-                    two_level.head_fractions(cost, u)[0],
-                    u * two_level.head_fractions(cost, u)[0],
-                    u,
-                    1.0 - 1.0 / u,
-                    4 * cost.q_bytes_per_token + 2 * cost.kv_bytes_per_token,
-                    4 * cost.p2p_latency_s,
-                ]
-                for u in self.two_level
-            ],
-            dtype=np.float64,
-        ).reshape(len(self.two_level), 6)
-        sizes, times, splits, counts = kernel(
-            np.array(todo, dtype=np.int64),
-            np.array(lo, dtype=np.int64),
-            np.array(hi, dtype=np.int64),
-            np.array(spanning, dtype=np.bool_),
-            self.ranks_per_node,
-            ring,
-            us,
-            per_u,
+        lo = [self.floor(s).ranks for s in todo]
+        hi = self._range_ends(todo, lo, 1).tolist()
+        wide = self._range_ends(todo, lo, max(self.two_level)).tolist() if self.two_level else hi
+        spans = [bool(self.two_level) and b > self.ranks_per_node for b in hi]  # rings that may span nodes
+        ends = [w if x else b for b, w, x in zip(hi, wide, spans)]
+        sizes, times, splits, counts = ring_curves_of(
+            self.cost, todo, lo, ends, spans, self.ranks_per_node, self.two_level
         )
         self._store(todo, counts, sizes, times, splits)
 
-    def _store(self, todo, counts, sizes, times, splits) -> None:
-        """A block of curves: ``todo``'s lengths (or ``(length, range)`` pairs) end to end."""
+    def _store(self, lengths: list[int], counts, sizes, times, splits) -> None:
+        """A block of curves: ``lengths``' end to end."""
         block = len(self._blocks)
         self._blocks.append((sizes, times, splits))
         starts = (np.cumsum(counts) - counts).tolist()
-        lengths = [t if isinstance(t, int) else t[0] for t in todo]
         self._where.update(zip(lengths, zip([block] * len(lengths), starts, counts.tolist())))
 
     def _entries(self, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -280,8 +120,10 @@ class RingSizer:
         return tuple(a[start : start + count] for a in self._blocks[block])
 
     def _range_ends(self, seq_lens: list[int], d_min: list[int], reach: int) -> np.ndarray:
-        """``_size_range``'s upper ends (``reach`` 1) or ``_two_level_hi``'s (``reach``: the
-        largest group size) of many lengths, as those compute them one at a time."""
+        """The largest ring size each length's curve covers: beyond ~ a1 s bw / bytes-per-token
+        ranks a ring is communication-bound (more ranks only add hops), so a few times past that
+        point (and ``reach`` times further for two-level rings, whose hops meet ``reach`` x the
+        compute), at least the memory floor ``d_min``, at most the ranks and the tokens."""
         cost = self.cost
         per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
         s = np.array(seq_lens, dtype=np.int64)
@@ -293,37 +135,6 @@ class RingSizer:
         # large, which int() keeps but int64 cannot hold (both end at min(ranks, s) below)
         ahead = np.trunc(np.minimum(x, 2.0**62)).astype(np.int64) + 2 * self.ranks_per_node
         return np.minimum(np.minimum(self.num_ranks, s), np.maximum(np.array(d_min, dtype=np.int64), ahead))
-
-    def _two_level_hi(self, seq_len: int, d_min: int) -> int:
-        """The largest ring size a spanning length's curve covers: u times the compute per
-        hop, so larger rings still pay and the range reaches u times further."""
-        cost = self.cost
-        per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
-        comm_bound = cost.a1 * seq_len * cost.bw_inter_node / max(per_token, 1e-30)
-        return min(
-            self.num_ranks, seq_len, max(d_min, int(4 * comm_bound * max(self.two_level)) + 2 * self.ranks_per_node)
-        )
-
-    def _two_level_curves(self, todo) -> None:
-        """The curves of lengths whose rings may span nodes, all in one go: per ring size,
-        the fastest of the plain ring and each two-level group size."""
-        lengths, sizes, counts = _ragged(todo)
-        times = ring_times(self.cost, lengths, sizes, self.ranks_per_node)
-        s, d = lengths.astype(np.float64), sizes.astype(np.float64)
-        splits = np.ones(sizes.size, dtype=np.int64)
-        # each group size only where it applies (a multiple of u, larger than a node: a
-        # fraction 1/u of the sizes), the smaller u first, each taken only where it is
-        # strictly faster than what the entry has: so ties keep the plain ring, then the
-        # smaller u (the fastest of all, as one minimum over the group sizes compared with
-        # the plain ring would give)
-        for u in self.two_level:
-            at = _multiples(todo, counts, u, self.ranks_per_node)
-            t = two_level.valid_share_times(self.cost, s[at], d[at], u)
-            won = t < times[at]
-            at = at[won]
-            times[at] = t[won]
-            splits[at] = u
-        self._store(todo, counts, sizes, times, splits)
 
     def curve(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Candidate ring sizes (from the memory floor up to where communication dominates)
@@ -526,7 +337,7 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     floor = float(short_times[-1]) if short.size else 0.0
     long_lens, counts = np.unique(lens[lens > cap], return_counts=True)
     table = _CurveTable(sizer, long_lens.tolist()) if long_lens.size else None
-    sizer._table = table  # plan_ring_sizes reads the same curves next (``size_many``)
+    sizer._table = table  # ring_decisions reads the same curves next (``size_arrays``)
     if table is not None:  # per length: its floor ring and its fastest ring
         floor = max(floor, float((p * table.least).max()))
         best0 = p * table.times[table.first]  # the floor ring's time, pipeline fill included
@@ -604,10 +415,9 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
 
 @dataclass(frozen=True, eq=False)
 class RingDecisions:
-    """``plan_ring_sizes``' decisions as arrays, one entry per sequence longer than the
-    capacity, in sequence order: its id, length, ring size, offload ratio and two-level group
-    size. The planner reads these for each candidate target (~12,000 long sequences a
-    512M-token step, 9 targets with pipelines); ``shards`` makes the ``Shard`` objects."""
+    """The ring decisions of every sequence longer than the capacity, in sequence order: its
+    id, length, ring size, offload ratio and two-level group size (the planner reads these
+    for each candidate target)."""
 
     seq_ids: np.ndarray
     seq_lens: np.ndarray
@@ -624,36 +434,12 @@ class RingDecisions:
             and np.array_equal(self.ratio, other.ratio)
         )
 
-    def shards(self) -> dict[int, Shard]:
-        """The decisions as ``Shard``s by sequence id."""
-        # ``Shard(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (the
-        # same objects), as ``plan._piece`` builds pieces
-        shards = {}
-        new = _new_object
-        columns = (self.seq_ids, self.seq_lens, self.ring_size, self.ratio, self.heads_split)
-        for i, s, ring_size, ratio, heads_split in zip(*(c.tolist() for c in columns)):
-            sh = new(Shard)
-            d = sh.__dict__
-            d["seq_id"] = i
-            d["seq_len"] = s
-            d["ring_size"] = ring_size
-            d["ratio"] = ratio
-            d["heads_split"] = heads_split
-            shards[i] = sh
-        return shards
-
-
-def plan_ring_sizes(seq_lens: Sequence[int], sizer: RingSizer, target: float | None, resize=None) -> dict[int, Shard]:
-    """Shards of every sequence longer than the capacity: the memory floor when ``target``
-    is None (as hdp-naive uses), else the smallest ring within ``target``. ``resize``: a
-    function of (length, ring size, ratio, two-level group) giving them anew, applied to each
-    distinct length's decision (EP's rounding to whole groups)."""
-    return ring_decisions(seq_lens, sizer, target, resize).shards()
-
 
 def ring_decisions(seq_lens: Sequence[int], sizer: RingSizer, target: float | None, resize=None) -> RingDecisions:
-    """``plan_ring_sizes``' decisions as arrays (``RingDecisions``): one per distinct length,
-    read off per sequence."""
+    """Every sequence longer than the capacity sized for ``target``: the smallest ring whose
+    share time is within it (or the fastest ring), or the memory floor when ``target`` is None
+    (hdp-naive); decided once per distinct length (``resize``: a function of (length, ring
+    size, ratio, two-level group) giving them anew, EP's rounding to whole groups)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     long_ids = np.flatnonzero(lens > sizer.capacity)
     long_lens = lens[long_ids]
@@ -672,97 +458,3 @@ def ring_decisions(seq_lens: Sequence[int], sizer: RingSizer, target: float | No
     else:
         ring_size, ratio, heads_split = sizer.size_arrays(distinct_list, target)
     return RingDecisions(long_ids, long_lens, ring_size[which], ratio[which], heads_split[which])
-
-
-_new_object = object.__new__
-
-
-# ----------------------------------------------------------------------------- packing
-class BestFit:
-    """Best-fit bin packing: each item goes to the open bin it fills most tightly.
-
-    Bins are kept sorted by free space, so a placement is a binary search. Feed items in
-    decreasing size for best-fit decreasing.
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.bins: list[list[int]] = []
-        self.free_space: list[int] = []
-        self._free: list[tuple[int, int]] = []  # (free tokens, bin index), ascending
-
-    def open_bin(self, free: int, items: Sequence[int] = ()) -> int:
-        """Add a bin that already holds ``items`` and has ``free`` tokens left."""
-        b = len(self.bins)
-        self.bins.append(list(items))
-        self.free_space.append(free)
-        if free > 0:
-            insort(self._free, (free, b))
-        return b
-
-    def add(self, item: int, size: int) -> int:
-        i = bisect_left(self._free, (size, -1))
-        if i == len(self._free):
-            if size > self.capacity:
-                raise PlanError(f"a {size}-token sequence does not fit a {self.capacity}-token micro-batch")
-            return self.open_bin(self.capacity - size, (item,))
-        free, b = self._free.pop(i)
-        self.bins[b].append(item)
-        free -= size
-        self.free_space[b] = free
-        if free > 0:
-            insort(self._free, (free, b))
-        return b
-
-    def try_add(self, item: int, size: int) -> int | None:
-        """Place into an open bin only (no new bin); None if none has room."""
-        i = bisect_left(self._free, (size, -1))
-        if i == len(self._free):
-            return None
-        return self.add(item, size)
-
-
-def pack_best_fit(items: Sequence[tuple[int, int]], capacity: int) -> list[list[int]]:
-    """Pack ``(item, size)`` pairs (each size <= capacity) into bins of ``capacity`` tokens,
-    best-fit decreasing; returns the bins' items, fullest-first order of opening."""
-    # ``BestFit.add`` for each item, inlined (the planner packs ~6,000 stretches a step)
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (free tokens, bin index), ascending
-    for item, size in sorted(items, key=lambda x: (-x[1], x[0])):
-        i = bisect_left(free, (size, -1))
-        if i == len(free):
-            if size > capacity:
-                raise PlanError(f"a {size}-token sequence does not fit a {capacity}-token micro-batch")
-            b = len(bins)
-            bins.append([item])
-            left = capacity - size
-        else:
-            left, b = free.pop(i)
-            bins[b].append(item)
-            left -= size
-        if left > 0:
-            insort(free, (left, b))
-    return bins
-
-
-def fill_ring_spare(
-    spare: Sequence[int], items: Sequence[tuple[int, int]]
-) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """Best-fit ``(item, size)`` pairs into the spare tokens of existing micro-batches
-    (decreasing size); returns each slot's added items and the items left over."""
-    # ``BestFit.open_bin`` per slot, then ``try_add`` per item, inlined (hdp-naive fills
-    # ~30,000 slots with ~50,000 short sequences a 16K-rank step)
-    bins: list[list[int]] = [[] for _ in spare]
-    free = sorted((f, b) for b, f in enumerate(spare) if f > 0)  # (free tokens, bin), ascending
-    left = []
-    for item, size in sorted(items, key=lambda x: (-x[1], x[0])):
-        i = bisect_left(free, (size, -1))
-        if i == len(free):
-            left.append((item, size))
-            continue
-        room, b = free.pop(i)
-        bins[b].append(item)
-        room -= size
-        if room > 0:
-            insort(free, (room, b))
-    return bins, left

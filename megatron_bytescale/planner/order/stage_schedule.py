@@ -19,9 +19,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .contract import BACKWARD, FORWARD, Op, PipelineGraph, interleaved_order
-from .pipeline_times import Longer, end_times, finish_times_of
-from .slot_alignment import slot_interleaved_orders, slot_offsets
+from ..contract import BACKWARD, FORWARD, Op, PipelineGraph, interleaved_order
+from .interleaved import slot_interleaved_orders, slot_offsets
+from .walk import Longer, end_times, finish_times_of
 
 _EPS = 1e-12
 # With chunks, Megatron's warm-up cap is tried after 1F1B's only on batches of at most this

@@ -1,0 +1,241 @@
+"""The planner's kernels: each hot loop is one plain Python function over numpy arrays, compiled
+by numba where numba is installed (it is a dependency).
+
+``@kernel(size=...)`` wraps such a function. A call on a small input (``size(*args)`` below
+the kernel's ``small``) runs the function as Python: quick at that size, and it spares a small
+job (a CPU run, most tests) the compile. A larger call runs the same function compiled. There
+is one implementation, so both give the same results; the tests run each kernel both ways.
+``@jitable`` marks a helper a kernel calls: a plain function in Python, compiled into the
+kernels that call it.
+
+Kernels compile once per environment and machine: numba keeps their machine code in its disk
+cache (``cache=True``, beside the sources or in a per-user directory), and every compile
+happens under a file lock there, so processes that start together (a node's ranks and their
+planning processes) wait for one compile instead of each compiling the same kernel; the others
+then load it from the cache. A compile that takes more than a moment says so, once per
+process, on stderr. ``compile_seconds()`` counts the time spent compiling or waiting for
+another process's compile, which ``plan_step`` keeps out of its planning time.
+
+``BYTESCALE_JIT=0`` runs every kernel as Python (as where numba is missing); ``BYTESCALE_JIT=1``
+compiles every call, small ones too; ``use(mode)`` sets either for a block (the tests).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+MODES = ("auto", "python", "compiled")
+_ENV = {"0": "python", "1": "compiled", "": "auto", "auto": "auto", "python": "python", "compiled": "compiled"}
+_mode = _ENV.get(os.environ.get("BYTESCALE_JIT", "").strip().lower(), "auto")
+_helpers: list[Callable] = []  # every @jitable function, registered with numba before a kernel compiles
+_registered: set[int] = set()
+_compiled = [0.0]  # seconds spent compiling (or waiting for another process's compile) in this process
+_told = [False]  # the compile line is printed once per process
+_lock = threading.Lock()  # one compile at a time in this process
+NOTICE_AFTER_S = 1.0  # a compile (not a cache load) takes longer than this: it is announced
+
+
+def jitable(function: Callable) -> Callable:
+    """A helper kernels call: returned as it is (plain Python), compiled into its callers."""
+    _helpers.append(function)
+    return function
+
+
+@contextmanager
+def use(mode: str):
+    """Every kernel in ``mode`` for the block: "python" (uncompiled), "compiled" (every call,
+    small ones too) or "auto" (by size)."""
+    if mode not in MODES:
+        raise ValueError(f"jit mode {mode!r}: choose one of {', '.join(MODES)}")
+    global _mode
+    before, _mode = _mode, mode
+    try:
+        yield
+    finally:
+        _mode = before
+
+
+def mode() -> str:
+    return _mode
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling kernels or waiting for another's compile."""
+    return _compiled[0]
+
+
+def _numba():
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - numba is a dependency; without it every kernel runs as Python
+        return None
+    return numba
+
+
+class Kernel:
+    """A kernel: ``function`` run as Python on small inputs, compiled on the others."""
+
+    def __init__(self, function: Callable, size: Callable[..., int], small: int):
+        self.function = function
+        self.size = size
+        self.small = small
+        self.__name__ = function.__name__
+        self.__doc__ = function.__doc__
+        self.__wrapped__ = function
+        parameters = inspect.signature(function).parameters.values()
+        self._arity = len(parameters)
+        self._defaults = function.__defaults__ or ()
+        self._dispatcher = None
+        self._ready: set[tuple] = set()  # signatures compiled or loaded in this process
+
+    def __call__(self, *args):
+        if len(args) < self._arity:  # defaults passed explicitly: one signature per call site
+            args = args + self._defaults[len(args) - self._arity :]
+        if _mode == "python" or (_mode == "auto" and self.size(*args) < self.small):
+            return self.function(*args)
+        compiled = self.compiled(args)
+        return self.function(*args) if compiled is None else compiled(*args)
+
+    def compiled(self, args: tuple):
+        """The numba dispatcher, compiled for ``args``' types (None without numba)."""
+        numba = _numba()
+        if numba is None:
+            return None
+        if self._dispatcher is None:
+            self._dispatcher = _dispatcher(numba, self.function)
+        signature = tuple(numba.typeof(a) for a in args)
+        if signature not in self._ready:
+            _compile(self._dispatcher, signature, self.function)
+            self._ready.add(signature)
+        return self._dispatcher
+
+
+def kernel(size: Callable[..., int] | None = None, small: int = 2048):
+    """``Kernel`` of the decorated function; ``size``: the work a call's arguments make (by
+    default the first argument's length), compared with ``small``."""
+
+    def wrap(function: Callable) -> Kernel:
+        return Kernel(function, size or _first_length, small)
+
+    return wrap
+
+
+def _first_length(*args) -> int:
+    return len(args[0])
+
+
+def _dispatcher(numba, function: Callable):
+    for helper in _helpers:  # helpers become callable from compiled code (they stay plain functions)
+        if id(helper) not in _registered:
+            numba.extending.register_jitable(helper)
+            _registered.add(id(helper))
+    try:
+        return numba.njit(cache=True, nogil=True)(function)
+    except RuntimeError:  # no writable cache directory (numba names none): compiled in each process
+        return numba.njit(nogil=True)(function)
+
+
+def _compile(dispatcher, signature: tuple, function: Callable) -> None:
+    """``dispatcher.compile(signature)`` (a load where the disk cache has it) under the file
+    lock of the cache directory, timed; announced once per process when it takes a while."""
+    t0 = time.perf_counter()
+    timer = threading.Timer(NOTICE_AFTER_S, _announce)
+    timer.daemon = True
+    with _lock:
+        timer.start()
+        try:
+            with _file_lock(dispatcher):
+                _forget_stale(dispatcher, function)
+                dispatcher.compile(signature)
+        finally:
+            timer.cancel()
+            _compiled[0] += time.perf_counter() - t0
+
+
+def _announce(waiting: bool = False) -> None:
+    if _told[0]:
+        return
+    _told[0] = True
+    what = "waiting for another process compiling" if waiting else "compiling"
+    print(
+        f"bytescale: {what} the planner's kernels, once per environment and machine (up to a minute; "
+        "later runs load them from numba's cache)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _cache_path(dispatcher) -> Path | None:
+    """The directory numba caches this dispatcher's machine code in (None: no cache)."""
+    cache = getattr(dispatcher, "_cache", None)
+    path = getattr(cache, "_cache_path", None)
+    return Path(path) if path else None
+
+
+@contextmanager
+def _file_lock(dispatcher):
+    """An exclusive lock on ``bytescale-kernels.lock`` in the cache directory, held while
+    compiling: processes on one machine and environment compile one at a time, and each
+    later one finds the kernel in the cache. No lock where there is no cache or no fcntl."""
+    path = _cache_path(dispatcher)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        fcntl = None
+    if path is None or fcntl is None:
+        yield
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        handle = open(path / "bytescale-kernels.lock", "a+")  # noqa: SIM115 - closed below
+    except OSError:  # a cache directory we cannot write: numba compiles without caching
+        yield
+        return
+    with handle:
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another process is compiling: say so, then wait for it
+            _announce(waiting=True)
+            fcntl.lockf(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(handle, fcntl.LOCK_UN)
+
+
+def _sources_digest(function: Callable) -> str:
+    """SHA-256 of the kernel's module and of every module holding a @jitable helper: numba
+    checks only the kernel's own file before it reuses cached code, and the helpers it
+    compiled in may have changed."""
+    files = {inspect.getsourcefile(function)} | {inspect.getsourcefile(h) for h in _helpers}
+    h = hashlib.sha256()
+    for name in sorted(f for f in files if f):
+        h.update(Path(name).read_bytes())
+    return h.hexdigest()[:32]
+
+
+def _forget_stale(dispatcher, function: Callable) -> None:
+    """Drop this kernel's cached code when the sources it was compiled from changed (kept
+    in a stamp file beside the cache, under the lock)."""
+    path = _cache_path(dispatcher)
+    if path is None:
+        return
+    digest = _sources_digest(function)
+    module = Path(inspect.getsourcefile(function)).stem
+    stamp = path / f"{module}.{function.__qualname__}.bytescale-sources"
+    try:
+        if stamp.exists() and stamp.read_text() == digest:
+            return
+        for old in path.glob(f"{module}.{function.__qualname__}-*.nb[ic]"):
+            old.unlink()
+        stamp.write_text(digest)
+    except OSError:  # a read-only cache: numba's own check stands
+        return
