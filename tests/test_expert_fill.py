@@ -1,4 +1,4 @@
-"""Expert parallelism: local slots moved into the waits before rings (planner/expert_fill.py)."""
+"""Expert parallelism: local slots moved into the waits before rings (planner/expert/fill.py)."""
 
 from collections import Counter
 from unittest import mock
@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from megatron_bytescale.planner import planner as planner_module
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.contract.slots import slot_errors
-from megatron_bytescale.planner.expert_fill import fill_ring_waits
-from megatron_bytescale.planner.expert_slots import align_expert_slots, slot_finish_times
+from megatron_bytescale.planner.expert.fill import fill_ring_waits
+from megatron_bytescale.planner.expert.slots import align_expert_slots
+from megatron_bytescale.planner.expert.timing import slot_finish_times
 from megatron_bytescale.planner.planner import plan_step
 
 from planner_cases import expert_parallel_cases, small_cost

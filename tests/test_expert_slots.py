@@ -9,7 +9,8 @@ from megatron_bytescale.errors import ConfigError, PlanError
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.contract.slots import ep_groups, slot_errors
 from megatron_bytescale.planner.cost_model import CostModel
-from megatron_bytescale.planner.expert_slots import align_expert_slots, all_to_all_time, slot_finish_times
+from megatron_bytescale.planner.expert.slots import align_expert_slots
+from megatron_bytescale.planner.expert.timing import all_to_all_time, slot_finish_times
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
 
@@ -112,7 +113,7 @@ def test_empty_micro_batches_only_under_expert_parallelism():
 def test_config_refuses_what_expert_slots_cannot_serve():
     with pytest.raises(ConfigError, match="does not divide the 6 HDP ranks"):
         PlannerConfig(num_ranks=6, capacity=8, ranks_per_node=1, expert_parallel=4).check()
-    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 1 or --expert-model-parallel-size 1"):
+    with pytest.raises(ConfigError, match="set pipeline_stages or expert_parallel to 1"):
         PlannerConfig(num_ranks=4, capacity=8, ranks_per_node=1, expert_parallel=2, pipeline_stages=2).check()
 
 

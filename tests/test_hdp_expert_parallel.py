@@ -12,7 +12,7 @@ import pytest
 
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
-from megatron_bytescale.planner.expert_slots import align_expert_slots
+from megatron_bytescale.planner.expert.slots import align_expert_slots
 
 from hdp_helpers import one_rank_plan, run_plan
 

@@ -91,17 +91,45 @@ EXTRA_ALLOWED_WHY = {
     "sim": {
         "data.workloads": "the workload generators (lengths from a distribution or a file), nothing else of data/",
         "planner.planner": "the HDP strategies are the planner itself (plan_step), compared with the others",
+        "planner.fields": "the planner's errors name its fields; the simulator spells them as its flags",
         "planner.cost_model": "every strategy is costed with the planner's cost model, so they compare like for like",
         "planner.specs": "the model and hardware specs the cost model is built from",
         "planner.plan_cli": "the CLI checks shared with `bytescale plan` (--vpp, --host-memory-per-gpu)",
-        "planner.offload_policy": "the copy-exposure rule of offloaded activations, the one the planner plans with",
-        "planner.two_level": "the two-level attention costs (head all-to-all, split choice), the planner's",
-        "planner.expert_slots": "aligning a strategy's plan to EP slots and the MoE all-to-all time",
+        "planner.sizing.offload": "the copy-exposure rule of offloaded activations, the one the planner plans with",
+        "planner.sizing.two_level": "the two-level attention costs (head all-to-all, split choice), the planner's",
+        "planner.expert.slots": "aligning a strategy's plan to EP slots",
+        "planner.expert.timing": "the MoE all-to-all time, the planner's",
         "planner.ring_traffic": "the bytes a ring sends, the formula verify checks against the runtime's counter",
-        "planner.pipeline_times": "the pipeline graph's longest paths, the planner's estimates' rule",
+        "planner.order.walk": "the pipeline graph's longest paths, the planner's estimates' rule",
     },
 }
 EXTRA_ALLOWED = {layer: {f"{PACKAGE}.{m}" for m in why} for layer, why in EXTRA_ALLOWED_WHY.items()}
+
+# The planner by concern (docs/design.md 1.2): shared pieces at its top, each concern's folder,
+# then the step that puts them together. Part -> the parts it may import (besides itself), and why.
+PLANNER_PART_OF = {
+    "planner.sizing": "sizing",
+    "planner.estimate": "estimate",
+    "planner.balance": "balance",
+    "planner.order": "order",
+    "planner.expert": "expert",
+    "planner.config": "step",
+    "planner.units": "step",
+    "planner.search": "step",
+    "planner.build": "step",
+    "planner.planner": "step",
+    "planner.plan_cli": "step",
+    "planner": "shared",  # jit, selection, fields, placement, lengths, specs, cost_model, ring_traffic, cpu_profile
+}
+PLANNER_PARTS_ALLOWED = {
+    "shared": ({"shared"}, "the kernels' helper, the cost model and the specs: what every concern reads"),
+    "sizing": ({"shared"}, "ring sizes, offload ratios and packing depend on the cost model alone"),
+    "estimate": ({"shared", "sizing"}, "micro-batch estimates charge the offload policy's exposed copies"),
+    "balance": ({"shared"}, "the balance scheduler places units of work, whatever made them"),
+    "order": ({"shared", "estimate", "balance"}, "orders and their estimates follow the scheduler's assignment"),
+    "expert": ({"shared", "estimate", "order"}, "EP slots are aligned on ordered plans and timed by the estimates"),
+    "step": ({"shared", "sizing", "estimate", "balance", "order", "expert"}, "the step puts the concerns together"),
+}
 
 # Third-party top-level packages a layer must not import.
 FORBIDDEN_THIRD_PARTY = {
@@ -240,7 +268,11 @@ def test_no_modules_import_each_other_in_a_cycle(found):
     assert not bad, "import cycles:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("package", ["data", "planner", "planner.contract", "runtime", "sim", "megatron", "tools"])
+@pytest.mark.parametrize(
+    "package",
+    ["data", "planner", "planner.contract", "planner.sizing", "planner.balance", "planner.order", "planner.expert"]
+    + ["runtime", "sim", "megatron", "tools"],
+)
 def test_each_package_imports_its_own_modules_without_a_cycle(found, package):
     bad = cycles(found, f"{PACKAGE}.{package}")
     assert not bad, f"import cycles in {package}/:\n" + "\n".join(bad)
@@ -255,6 +287,38 @@ def test_runtime_and_simulator_read_the_planner_only_through_the_contract(found)
             assert layer(imp.target) == "contract" or imp.target in EXTRA_ALLOWED.get(src, ()), (
                 f"{imp.path}:{imp.line}: {imp.importer} imports {imp.target}, not the planner's contract"
             )
+
+
+def planner_part(module: str) -> str | None:
+    rest = module[len(PACKAGE) + 1 :]
+    if not (rest == "planner" or rest.startswith("planner.")) or layer(module) == "contract":
+        return None
+    for prefix in sorted(PLANNER_PART_OF, key=len, reverse=True):
+        if rest == prefix or rest.startswith(prefix + "."):
+            return PLANNER_PART_OF[prefix]
+    return None
+
+
+def test_the_planners_concerns_import_one_way(found):
+    """Inside planner/ (outside the contract): each concern's folder imports the shared pieces
+    and the concerns below it only (``PLANNER_PARTS_ALLOWED``), never the step above it."""
+    bad = []
+    for imp in found:
+        src, dst = planner_part(imp.importer), planner_part(imp.target)
+        if src is None or dst is None or src == dst:
+            continue
+        allowed, why = PLANNER_PARTS_ALLOWED[src]
+        if dst not in allowed:
+            bad.append(f"{imp.path}:{imp.line}: {imp.importer} ({src}) imports {imp.target} ({dst}): {why}")
+    assert not bad, "imports against the planner's concerns:\n" + "\n".join(bad)
+
+
+def test_every_planner_module_has_a_part():
+    assert all(
+        planner_part(name)
+        for name in all_modules()
+        if name.startswith(f"{PACKAGE}.planner.") and layer(name) != "contract"
+    )
 
 
 def test_every_module_has_a_layer():

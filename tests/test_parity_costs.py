@@ -6,8 +6,8 @@ import pytest
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.cost_model import FORWARD_SHARE, CostModel
-from megatron_bytescale.planner.offload_policy import decide
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
+from megatron_bytescale.planner.sizing.offload import decide
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import evaluate, simulate
 

@@ -1,14 +1,13 @@
 """The planner's time estimate against the simulator's timeline (``sim.timeline``) on small
 plans without pipelines: both cost a ring the same way, the final dKV hop included."""
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_bytescale.planner.estimate import dkv_home_time, exposed_ring_time, ring_share_time
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
-from megatron_bytescale.planner.sharding import ring_times
+from megatron_bytescale.planner.sizing.rings import RingSizer
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import simulate
 
@@ -82,8 +81,8 @@ def test_every_ring_pays_the_home_hop_even_when_compute_hides_the_others():
     for inter in (False, True):
         assert exposed_ring_time(cost, 1e6, 50, 4, inter) == pytest.approx(dkv_home_time(cost, 50, inter))
     assert exposed_ring_time(cost, 1e6, 50, 1, False) == 0.0  # no ring, no hops
-    times = ring_times(cost, 400, np.arange(1, 9), ranks_per_node=4)
-    assert times[1:] == pytest.approx([ring_share_time(cost, 400, d, d > 4) for d in range(2, 9)], rel=1e-12)
+    sizes, times = RingSizer(100, cost, True, 8, 4).curve(400)  # the ring sizer's curve: the same seconds
+    assert times.tolist() == [ring_share_time(cost, 400, d, d > 4) for d in sizes.tolist()]
 
 
 # ------------------------------------------------------------------ pipelines (1F1B)

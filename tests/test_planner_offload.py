@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_bytescale.planner.contract import resident_fraction
-from megatron_bytescale.planner.offload_policy import (
+from megatron_bytescale.planner.sizing.offload import (
     RATIO_STEP,
     copy_exposure,
     copy_hides,

@@ -7,20 +7,12 @@ from hypothesis import strategies as st
 
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.planner.balance import Unit, make_buckets, schedule
-from megatron_bytescale.planner.estimate import ring_share_time
-from megatron_bytescale.planner.placement import RingPlacer
-from megatron_bytescale.planner.sharding import (
-    RingSizer,
-    Shard,
-    balanced_target,
-    fill_ring_spare,
-    pack_best_fit,
-    plan_ring_sizes,
-    ring_decisions,
-    ring_times,
-)
+from megatron_bytescale.planner.placement import Ranks
+from megatron_bytescale.planner.sizing.packing import fill_ring_spare, pack_best_fit
+from megatron_bytescale.planner.sizing.rings import RingSizer, balanced_target, ring_decisions
 
 from planner_cases import small_cost
+from planner_oracles import plain_placement
 
 
 # ------------------------------------------------------------------ packing
@@ -48,26 +40,18 @@ def test_fill_ring_spare_uses_only_the_given_room():
 
 
 # ------------------------------------------------------------------ ring sizing
-def test_vectorised_ring_times_match_the_scalar_estimate():
-    cost = small_cost()
-    sizes = np.arange(1, 40)
-    fast = ring_times(cost, 5000, sizes, ranks_per_node=8)
-    slow = [ring_share_time(cost, 5000, int(d), int(d) > 8) for d in sizes]
-    assert np.allclose(fast, slow, rtol=1e-12)
-
-
 def test_ring_sizes_are_any_size_at_least_the_memory_floor():
     cost = small_cost()
     lens = [3000, 1001, 777, 250, 120, 90] + [50] * 40
     sizer = RingSizer(100, cost, True, 12, 4)
     target = balanced_target(np.array(lens), sizer)
-    shards = plan_ring_sizes(lens, sizer, target)
-    assert set(shards) == {0, 1, 2, 3, 4}  # every sequence over the capacity, none under
-    for sid, sh in shards.items():
-        assert sizer.floor(lens[sid]).ranks <= sh.ring_size <= 12
-    assert any(sh.ring_size not in (1, 2, 4, 8) for sh in shards.values())  # not powers of two
-    naive = plan_ring_sizes(lens, sizer, None)
-    assert all(naive[i].ring_size == sizer.floor(lens[i]).ranks for i in naive)
+    rings = ring_decisions(lens, sizer, target)
+    assert rings.seq_ids.tolist() == [0, 1, 2, 3, 4]  # every sequence over the capacity, none under
+    for sid, size in zip(rings.seq_ids.tolist(), rings.ring_size.tolist()):
+        assert sizer.floor(lens[sid]).ranks <= size <= 12
+    assert any(size not in (1, 2, 4, 8) for size in rings.ring_size.tolist())  # not powers of two
+    naive = ring_decisions(lens, sizer, None)
+    assert naive.ring_size.tolist() == [sizer.floor(lens[i]).ranks for i in naive.seq_ids.tolist()]
 
 
 @given(
@@ -76,11 +60,12 @@ def test_ring_sizes_are_any_size_at_least_the_memory_floor():
     st.floats(0.2, 3.0),
     st.booleans(),
 )
-def test_ring_decisions_are_the_shards_per_sequence(lens, scale_a, scale_b, resized):
-    """``ring_decisions`` (the planner's arrays) holds, per sequence over the capacity in id
-    order, what ``plan_ring_sizes`` gives it, one decision per distinct length (``resize``
-    applied to each); ``same_rings`` is true exactly where two targets give every sequence
-    the same ring size and ratio (the planner then skips the second target)."""
+def test_ring_decisions_are_each_sequence_sized_alone(lens, scale_a, scale_b, resized):
+    """``ring_decisions`` holds, per sequence over the capacity in id order, its smallest ring
+    within the target (``RingSizer.size``) and that ring's two-level group, one decision per
+    distinct length (``resize`` applied to each); ``same_rings`` is true exactly where two
+    targets give every sequence the same ring size and ratio (the planner then skips the
+    second target)."""
     cost = small_cost()
     sizer = RingSizer(100, cost, True, 24, 4)
     base = balanced_target(np.array(lens), sizer)
@@ -92,10 +77,11 @@ def test_ring_decisions_are_the_shards_per_sequence(lens, scale_a, scale_b, resi
             if s > 100:
                 d, r, _ = sizer.size(s, base * k)
                 decided = (d, r, sizer.heads_split(s, d))
-                expected[i] = Shard(i, s, *(resize(s, *decided) if resized else decided))
-        assert rings.shards() == plan_ring_sizes(lens, sizer, base * k, resize) == expected
-        assert list(rings.shards()) == list(expected)  # in sequence order
-    per_sequence = [{i: (sh.ring_size, sh.ratio) for i, sh in r.shards().items()} for r in (a, b)]
+                expected[i] = (s, *(resize(s, *decided) if resized else decided))
+        columns = (rings.seq_lens, rings.ring_size, rings.ratio, rings.heads_split)
+        got = {i: decided for i, *decided in zip(rings.seq_ids.tolist(), *(c.tolist() for c in columns))}
+        assert {i: tuple(d) for i, d in got.items()} == expected and list(got) == list(expected)  # in sequence order
+    per_sequence = [dict(zip(r.seq_ids.tolist(), zip(r.ring_size.tolist(), r.ratio.tolist()))) for r in (a, b)]
     assert a.same_rings(b) == (per_sequence[0] == per_sequence[1])
     assert a.same_rings(a) and not a.same_rings(None)
     if a.seq_ids.size:  # another ratio alone is another ring decision
@@ -121,30 +107,27 @@ def test_target_is_a_fixed_point_of_the_spread():
 
 
 # ------------------------------------------------------------------ placement
+# (the rules, as the scheduler kernel follows them: tests/test_planner_kernels.py checks it)
 def test_small_ring_stays_inside_the_node_that_frees_up_first():
-    placer = RingPlacer(16, 4)
-    loads = np.array([5, 5, 5, 5, 1, 9, 1, 1, 2, 2, 2, 2, 3, 0, 0, 7], dtype=float)
+    loads = [5, 5, 5, 5, 1, 9, 1, 1, 2, 2, 2, 2, 3, 0, 0, 7]
     # three free ranks: node 1 can start at 1, node 2 at 2, node 3 at 3, node 0 at 5
-    assert list(placer.place(loads, 3)) == [4, 6, 7]
+    assert plain_placement(loads, 3, 1, 4) == [4, 6, 7]
     # same start, less idle wins: node 1 (nobody waits) over node 0 (rank 1 waits 2)
-    loads = np.array([2, 0, 9, 9, 2, 2, 9, 9] + [9] * 8, dtype=float)
-    assert list(placer.place(loads, 2)) == [4, 5]
+    assert plain_placement([2, 0, 9, 9, 2, 2, 9, 9] + [9] * 8, 2, 1, 4) == [4, 5]
 
 
 def test_large_ring_on_an_idle_cluster_takes_whole_consecutive_nodes():
-    placer = RingPlacer(32, 8)
-    ring = placer.place(np.zeros(32), 12)
-    assert list(ring) == list(range(12))
-    loads = np.zeros(32)
-    loads[:8] = 5.0
-    assert list(placer.place(loads, 16)) == list(range(8, 24))
+    assert plain_placement([0.0] * 32, 12, 1, 8) == list(range(12))
+    assert plain_placement([5.0] * 8 + [0.0] * 24, 16, 1, 8) == list(range(8, 24))
+    units = [Unit("ring", (0,), 12, 1.0, 10)]  # the scheduler on an idle cluster: the same ranks
+    assert schedule(units, Ranks.of(32, 8), "dp").members[0] == tuple(range(12))
 
 
 @given(st.lists(st.floats(0, 100), min_size=12, max_size=12), st.integers(1, 12))
 def test_placement_returns_distinct_sorted_ranks(loads, size):
-    ring = RingPlacer(12, 4).place(np.array(loads), size)
-    assert len(set(ring.tolist())) == size == len(ring)
-    assert list(ring) == sorted(ring)
+    ring = plain_placement(loads, size, 1, 4)
+    assert len(set(ring)) == size == len(ring)
+    assert ring == sorted(ring)
     if size <= 4:
         assert len({r // 4 for r in ring}) == 1  # one node
     else:  # the earliest possible start among all ranks
@@ -153,10 +136,10 @@ def test_placement_returns_distinct_sorted_ranks(loads, size):
 
 def test_cluster_shape_errors():
     with pytest.raises(ConfigError, match="do not fill whole nodes of 8 ranks"):
-        RingPlacer(12, 8)
+        Ranks.of(12, 8)
     with pytest.raises(ConfigError, match="ranks_per_node must be at least 1"):
-        RingPlacer(8, 0)
-    RingPlacer(6, 8)  # fewer ranks than a node: one node
+        Ranks.of(8, 0)
+    assert Ranks.of(6, 8).ranks_per_node == 6  # fewer ranks than a node: one node
 
 
 # ------------------------------------------------------------------ balance
@@ -174,7 +157,7 @@ def test_buckets_hold_about_equal_work_longest_first():
 
 def test_dp_balance_gives_the_longest_work_to_the_least_loaded_rank():
     units = [unit(t, seq=i) for i, t in enumerate([7, 5, 4, 3, 3, 2, 2])]
-    a = schedule(units, RingPlacer(3, 3), "dp")
+    a = schedule(units, Ranks.of(3, 3), "dp")
     # LPT: 7 | 5 | 4; 3 -> the rank at 4, 3 -> the rank at 5; 2, 2 -> the two ranks at 7
     assert sorted(a.clock.tolist()) == [8.0, 9.0, 9.0]
     assert a.runs[0][0] == 0  # every rank starts with its longest unit
@@ -185,7 +168,7 @@ def test_dp_balance_gives_the_longest_work_to_the_least_loaded_rank():
 
 def test_ring_waits_for_its_last_member_and_counts_the_wait():
     units = [unit(4, seq=0), unit(3, size=2, seq=1)]
-    a = schedule(units, RingPlacer(2, 2), "dp")
+    a = schedule(units, Ranks.of(2, 2), "dp")
     assert a.members[1] == (0, 1)
     assert sorted(a.clock.tolist()) == [7.0, 7.0]
     assert sorted(a.idle.tolist()) == [0.0, 4.0]
@@ -193,11 +176,11 @@ def test_ring_waits_for_its_last_member_and_counts_the_wait():
 
 def test_token_mode_balances_tokens_not_time():
     units = [Unit("pack", (0,), 1, 10.0, 100), Unit("pack", (1,), 1, 1.0, 100), Unit("pack", (2,), 1, 1.0, 50)]
-    a = schedule(units, RingPlacer(2, 2), "tokens")
+    a = schedule(units, Ranks.of(2, 2), "tokens")
     tokens = sorted(sum(units[u].tokens for u in run) for run in a.runs)
     assert tokens == [100, 150]
 
 
 def test_unknown_balance_mode():
     with pytest.raises(ConfigError, match="unknown balance mode 'lpt'"):
-        schedule([unit(1)], RingPlacer(1, 1), "lpt")
+        schedule([unit(1)], Ranks.of(1, 1), "lpt")

@@ -8,11 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_bytescale.errors import PlanError
-from megatron_bytescale.planner import slot_alignment
 from megatron_bytescale.planner.contract import MicroBatch, Plan, find_pipeline_deadlock, ring_pieces, whole_piece
 from megatron_bytescale.planner.estimate import rank_times
+from megatron_bytescale.planner.order import levels
+from megatron_bytescale.planner.order.runs import LocalBatch, PackSplitter, sequential
+from megatron_bytescale.planner.order.slots import order_runs, rank_estimates
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
-from megatron_bytescale.planner.slot_alignment import LocalBatch, order_runs
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import simulate
 
@@ -173,9 +174,8 @@ def test_a_ring_waits_while_a_later_one_can_take_its_slot():
     assert slot_offsets(keys_of(out.runs)) is not None
 
 
-def split_in_two(batch):
-    a, b = batch.seq_ids[:1], batch.seq_ids[1:]
-    return LocalBatch(a, 0.0, batch.time / 2), LocalBatch(b, 0.0, batch.time / 2)
+# the planner's splitter: sequence 5 alone in one half, 6 and 7 in the other
+split_in_two = PackSplitter([1] * 5 + [10, 1, 1] + [1] * 4, small_cost())
 
 
 def test_a_member_short_of_local_work_splits_its_packs_then_borrows():
@@ -256,7 +256,7 @@ def test_rings_placed_again_by_level_take_one_slot_and_never_deadlock(case):
     work runs after a rank's last ring, nothing is lost, and 1F1B runs through for any depth;
     the clocks are those of placing the rings one by one in that order."""
     runs, members, ring_time, rpn = case
-    ordered = slot_alignment.order_by_level(runs, list(members), members, ring_time, rpn)
+    ordered = levels.order_by_level(runs, list(members), members, ring_time, rpn)
     if ordered is None:  # no level holds a ring inside one node
         return
     assert {u: len(m) for u, m in ordered.members.items()} == {u: len(m) for u, m in members.items()}
@@ -272,7 +272,7 @@ def test_rings_placed_again_by_level_take_one_slot_and_never_deadlock(case):
     for stages in (2, 3, 4):
         assert find_pipeline_deadlock(keys, stages) is None
     order = sorted(members, key=lambda u: ordered.runs[ordered.members[u][0]].index(u))
-    placed = slot_alignment._in_schedule_order(ordered.runs, order, ordered.members, ring_time)
+    placed = sequential(ordered.runs, order, ordered.members, ring_time)
     assert placed.clock == ordered.clock
 
 
@@ -284,8 +284,9 @@ def test_pp_balance_keeps_the_shorter_of_the_aligned_and_the_level_order(dataset
     import numpy as np
 
     from megatron_bytescale.data.workloads import sample_lengths
-    from megatron_bytescale.planner import planner
-    from megatron_bytescale.planner.placement import RingPlacer
+    from megatron_bytescale.planner import search
+    from megatron_bytescale.planner.placement import Ranks
+    from megatron_bytescale.planner.sizing.offload import host_capacity
     from megatron_bytescale.sim.simulate import SimConfig, check_config
     from megatron_bytescale.sim.timeline import evaluate
 
@@ -294,14 +295,14 @@ def test_pp_balance_keeps_the_shorter_of_the_aligned_and_the_level_order(dataset
     lens = sample_lengths(dataset, cfg.global_batch_tokens, cfg.context, np.random.default_rng(seed))
     config = PlannerConfig(num_ranks=32, capacity=cfg.capacity, ranks_per_node=8, balance="pp", pipeline_stages=4)
     plan = plan_step(lens, config, cost).validate()
-    placer = RingPlacer(config.num_ranks, config.ranks_per_node)
-    targets = planner._pipeline_targets(lens, config, cost, placer)
+    ranks = Ranks.of(config.num_ranks, config.ranks_per_node)
+    targets = search._pipeline_targets(lens, config, cost, ranks, host_capacity(cost, 4))
     estimates = []
-    for _, _, _, units, assignment, _ in planner._best_schedules(targets, placer, config, 4):
+    for _, _, _, units, assignment, _ in search._best_schedules(targets, ranks, config):
         ring_time = {u: units[u].time for u in assignment.members}
-        for ordered in planner._candidate_orders(lens, units, assignment, config, cost, placer):
+        for ordered in search._candidate_orders(lens, units, assignment, config, cost, ranks):
             if not ordered.deadlock:
-                finish = slot_alignment.rank_estimates(ordered, 4, ring_time, cost.forward_share)
+                finish = rank_estimates(ordered, 4, ring_time, cost.forward_share)
                 estimates.append((max(finish), ordered.members is not None))
     assert {level for _, level in estimates} == {False, True}
     best = min(estimates)
@@ -318,7 +319,7 @@ def test_plan_step_places_rings_again_and_reports_when_it_cannot(monkeypatch):
     plan = plan_step(lens, config, cost).validate()
     assert plan.meta["pipeline_order"]["rings_placed_again"]
     simulate(plan, Cluster(12, pp=4, gpus_per_node=3), cost)
-    monkeypatch.setattr(slot_alignment, "_place_by_level", lambda *args: None)
+    monkeypatch.setattr(levels, "_place_by_level", lambda *args: None)
     with pytest.raises(PlanError, match="no 1F1B order without deadlock found for 4 pipeline stages.*wait in a cycle"):
         plan_step(lens, config, cost)
 

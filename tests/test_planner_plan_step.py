@@ -8,9 +8,10 @@ from hypothesis import strategies as st
 from megatron_bytescale.errors import BytescaleError, ConfigError
 from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.estimate import finish_times, rank_times
-from megatron_bytescale.planner.offload_policy import copy_hides, host_capacity
+from megatron_bytescale.planner.fields import FieldError
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
-from megatron_bytescale.planner.sharding import memory_floor
+from megatron_bytescale.planner.sizing.offload import copy_hides, host_capacity
+from megatron_bytescale.planner.sizing.rings import memory_floor
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
 
 from planner_cases import small_cost
@@ -234,13 +235,13 @@ def test_pipeline_stages_count_in_the_estimate(llama):
         ([3, 0, 2], PlannerConfig(4, 8), r"sequence 1 has length 0: lengths must be positive"),
         ([3, -5], PlannerConfig(4, 8), r"sequence 1 has length -5"),
         ([2.5], PlannerConfig(4, 8), "whole token counts"),
-        ([3], PlannerConfig(4, 0), r"token capacity must be a whole number >= 1, got 0; set --hdp-token-capacity"),
+        ([3], PlannerConfig(4, 0), r"capacity must be a whole number >= 1, got 0: the tokens one rank holds"),
         ([3], PlannerConfig(0, 8), "num_ranks must be a whole number >= 1"),
         ([3], PlannerConfig(12, 8, ranks_per_node=8), "do not fill whole nodes of 8 ranks"),
         (
             [3],
             PlannerConfig(4, 8, ranks_per_node=0),
-            "ranks_per_node must be a whole number >= 1, got 0; pass the HDP ranks per node",
+            "ranks_per_node must be a whole number >= 1, got 0: the HDP ranks per node",
         ),
         ([3], PlannerConfig(4, 8, balance="lpt"), r"unknown balance mode 'lpt'; choose one of none, dp, pp"),
         ([3], PlannerConfig(4, 8, slack=1.5), r"slack must be in \[0, 1\)"),
@@ -249,13 +250,13 @@ def test_pipeline_stages_count_in_the_estimate(llama):
             [100],
             PlannerConfig(4, 8, ranks_per_node=4, offload=False),
             r"capacity too small: sequence of 100 tokens needs 13 ranks at capacity 8, only 4 ranks; "
-            r"raise --hdp-token-capacity, enable offload, or add GPUs",
+            r"raise capacity, enable offload, or add GPUs \(num_ranks\)",
         ),
         (
             [100],
             PlannerConfig(2, 8, ranks_per_node=2),
             r"capacity too small: sequence of 100 tokens needs 4 ranks at capacity 8 with offloading, only 2 ranks; "
-            r"raise --hdp-token-capacity, or add GPUs",
+            r"raise capacity, or add GPUs \(num_ranks\)",
         ),
     ],
 )
@@ -265,18 +266,63 @@ def test_bad_input_names_the_problem_and_the_fix(lens, config, message):
     assert issubclass(ConfigError, BytescaleError)
 
 
+def test_the_planners_errors_name_fields_that_a_caller_spells_as_its_flags():
+    """The planner names ``PlannerConfig`` fields; ``renamed`` gives the same error with each
+    field spelled as a command line's flag (the commands and the Megatron glue do so)."""
+    with pytest.raises(FieldError) as caught:
+        plan_step([100], PlannerConfig(4, 8, ranks_per_node=4, offload=False), small_cost(num_layers=8))
+    flags = {"capacity": "--hdp-token-capacity", "offload": "--hdp-selective-offload"}
+    renamed = caught.value.renamed(flags)
+    assert type(renamed) is ConfigError
+    assert str(renamed).endswith("raise --hdp-token-capacity, enable --hdp-selective-offload, or add GPUs (num_ranks)")
+    with pytest.raises(FieldError) as caught:
+        plan_step([3], PlannerConfig(4, 8, slack=1.5, balance="{odd}"), small_cost())
+    assert str(caught.value.renamed({"balance": "--balance"})).startswith("unknown --balance mode '{odd}'")
+
+
 def test_rescaled_target_when_rigid_rings_leave_no_room(llama, monkeypatch):
     # a 1.2M ring that fits the first target on all 96 ranks leaves no room for three long
     # single-rank sequences; a larger target gives the ring fewer ranks and them their own
-    from megatron_bytescale.planner import planner as planner_module
+    from megatron_bytescale.planner import search
 
     lens = [1_200_000, 60_000, 50_000, 40_000]
     config = PlannerConfig(num_ranks=96, capacity=8192)
     # the long ones fit one rank each at r ~ 1: no host budget, copies that hide
     llama = llama.with_overrides(host_memory_bytes=math.inf, bw_d2h=1e12, bw_h2d=1e12)
     tuned = plan_step(lens, config, llama).validate()
-    monkeypatch.setattr(planner_module, "RETARGET", (1.0,))
+    monkeypatch.setattr(search, "RETARGET", (1.0,))
     first = plan_step(lens, config, llama).validate()
     assert first.ring_sizes()[0] == 96 and tuned.ring_sizes()[0] < 96
     assert tuned.meta["target_scale"] != 1.0
     assert tuned.meta["est_time_max_s"] < 0.85 * first.meta["est_time_max_s"]
+
+
+def test_plan_step_leaves_the_garbage_collector_as_it_found_it():
+    """Planning pauses the collector and moves what it made to the oldest generation (no
+    walk of the young one on return); it must leave the collector on, nothing frozen, and
+    leave it off (untouched) when the caller had turned it off or frozen objects."""
+    import gc
+
+    lengths = [300, 5000, 70, 1200, 40, 2500]
+    config = PlannerConfig(num_ranks=4, capacity=1024, balance="dp")
+    assert gc.isenabled()
+    plan = plan_step(lengths, config, small_cost())
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    plan.validate()
+    gc.disable()
+    try:
+        plan_step(lengths, config, small_cost())
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    frozen = [object() for _ in range(3)]
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        plan_step(lengths, config, small_cost())
+        # untouched: an unfreeze would drop the count to 0, a freeze raise it (threads left by
+        # earlier tests of the session may free frozen objects meanwhile: it may fall a little)
+        assert 0 < gc.get_freeze_count() <= before and gc.isenabled()
+    finally:
+        gc.unfreeze()
+    del frozen

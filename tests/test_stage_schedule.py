@@ -1,4 +1,4 @@
-"""Per-stage orders other than 1F1B (``planner.stage_schedule``) and plans that carry them:
+"""Per-stage orders other than 1F1B (``planner.order.stage_schedule``) and plans that carry them:
 every operation once, stages passing micro-batches on in the order the next one runs them,
 no deadlock, at most ``p`` micro-batches in flight per stage, and the estimate equal to the
 simulated step."""
@@ -21,8 +21,8 @@ from megatron_bytescale.planner.contract import (
 )
 from megatron_bytescale.planner.cost_model import FORWARD_SHARE
 from megatron_bytescale.planner.estimate import micro_batch_time
+from megatron_bytescale.planner.order.stage_schedule import stage_schedule
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
-from megatron_bytescale.planner.stage_schedule import stage_schedule
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import simulate
 
@@ -121,7 +121,7 @@ def test_plan_step_searches_only_when_asked_and_refuses_unknown_schedules():
     base = {"num_ranks": 2, "capacity": 160, "ranks_per_node": 2, "balance": "pp", "pipeline_stages": 4}
     cost = small_cost(num_layers=4)
     assert plan_step(lens, PlannerConfig(**base), cost).stage_orders is None
-    with pytest.raises(ConfigError, match="unknown pipeline schedule 'zb'; choose one of 1f1b, search"):
+    with pytest.raises(ConfigError, match="unknown pipeline_schedule 'zb'; choose one of 1f1b, search"):
         plan_step(lens, PlannerConfig(**base, pipeline_schedule="zb"), cost)
 
 

@@ -4,18 +4,19 @@ per-sequence choice, placement in whole node groups, and the costing of the all-
 import numpy as np
 import pytest
 
-from megatron_bytescale.planner import two_level
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces
 from megatron_bytescale.planner.contract.zigzag import rank_tokens
 from megatron_bytescale.planner.cost_model import CostModel
-from megatron_bytescale.planner.placement import RingPlacer
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
-from megatron_bytescale.planner.sharding import RingSizer
+from megatron_bytescale.planner.sizing import two_level
+from megatron_bytescale.planner.sizing.rings import RingSizer
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
 from megatron_bytescale.runtime.two_level_attention import head_slices
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import critical_path, evaluate, simulate
+
+from planner_oracles import plain_placement
 
 
 def llama7b(tp=1, **kw):
@@ -70,14 +71,14 @@ def test_the_planner_chooses_two_level_per_sequence_on_whole_node_groups():
 
 
 def test_placement_in_groups_takes_the_least_loaded_groups_of_each_node():
-    placer = RingPlacer(24, 8)
+    """The rule (the scheduler kernel is checked against it in tests/test_planner_kernels.py)."""
     loads = np.full(24, 2.0)
     loads[:8] = loads[8:16] = 0.0
     loads[[0, 1, 2, 3]] = 5.0  # node 0's first four ranks are busy
     loads[[8, 9]] = 1.0
-    ring = placer.place(loads, 12, 4).tolist()
+    ring = plain_placement(loads, 12, 4, 8)
     assert ring == [4, 5, 6, 7, 10, 11, 12, 13, 8, 9, 14, 15]  # by node; a group's load is its busiest member's
-    assert placer.place(np.zeros(24), 16, 8).tolist() == list(range(16))
+    assert plain_placement(np.zeros(24), 16, 8, 8) == list(range(16))
 
 
 def test_realized_split_follows_the_nodes_a_ring_landed_on():

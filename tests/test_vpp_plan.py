@@ -3,15 +3,12 @@ stage's work, the interleaved bubble is (p - 1)/V of a stage time, chunk orders 
 list schedule are complete, safe and within their memory cap, and plans with V > 1 hold
 every token once and are estimated as the simulator runs them."""
 
-from unittest import mock
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_bytescale.errors import ConfigError
-from megatron_bytescale.planner import slot_alignment
 from megatron_bytescale.planner.contract import (
     BACKWARD,
     FORWARD,
@@ -26,21 +23,18 @@ from megatron_bytescale.planner.contract import (
 )
 from megatron_bytescale.planner.cost_model import FORWARD_SHARE, CostModel
 from megatron_bytescale.planner.estimate import one_f_one_b_time
-from megatron_bytescale.planner.pipeline_times import Longer
+from megatron_bytescale.planner.order.interleaved import slot_interleaved_orders, slot_offsets
+from megatron_bytescale.planner.order.runs import LocalBatch, Ordered, rings_at_one_index
+from megatron_bytescale.planner.order.slots import rank_estimates
+from megatron_bytescale.planner.order.stage_schedule import chunk_schedule, stage_schedule
+from megatron_bytescale.planner.order.walk import Longer
 from megatron_bytescale.planner.plan_cli import check_vpp
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
-from megatron_bytescale.planner.slot_alignment import (
-    LocalBatch,
-    Ordered,
-    _run_one_pipeline,
-    rank_estimates,
-    slot_interleaved_orders,
-)
-from megatron_bytescale.planner.stage_schedule import chunk_schedule, stage_schedule
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import evaluate, pipeline_ring_floor, simulate
 
 from planner_cases import check_stage_orders, draw_lengths, peak_in_flight, ring_pipelines, small_cost
+from planner_oracles import plain_one_pipeline
 
 MS = 1e-3
 
@@ -274,11 +268,6 @@ def slot_aligned_pipelines(draw, shifted: bool = True, chunks: tuple[int, ...] =
 @settings(max_examples=80, deadline=None)
 @given(slot_aligned_pipelines())
 def test_slot_aligned_interleaved_orders_never_deadlock(case):
-    from megatron_bytescale.planner.slot_alignment import (
-        slot_interleaved_orders,
-        slot_offsets,
-    )
-
     keys, times, p, v = case
     tried = {-o % p for o in slot_offsets(keys)}  # the shifts chunk_schedule tries
     shortest = float("inf")
@@ -319,7 +308,7 @@ def test_rings_at_one_index_keep_the_default_orders_free_of_deadlock(case):
     keys, times, p, v = case
     ids = {k: i for i, k in enumerate(dict.fromkeys(k for row in keys for k in row if k is not None))}
     rings = np.array([-1 if k is None else ids[k] for row in keys for k in row], dtype=np.int64)
-    one_index = slot_alignment.rings_at_one_index(rings, [len(row) for row in keys])
+    one_index = rings_at_one_index(rings, [len(row) for row in keys])
     assert one_index == _one_index_by_hand(keys)
     if one_index:
         assert pipelined_finish_times(keys, times, p, FORWARD_SHARE, None, v) is not None
@@ -341,9 +330,9 @@ def test_rings_crossing_between_indexes_can_deadlock_and_are_told_apart():
     """Two rings in opposite order on two ranks: not at one index, and the default order
     deadlocks (with one chunk and with two), so ``rank_estimates`` must walk it to the end."""
     keys, times = [[0, 1], [1, 0]], [[1.0, 1.0], [1.0, 1.0]]
-    assert not slot_alignment.rings_at_one_index(np.array([0, 1, 1, 0]), [2, 2])
-    assert slot_alignment.rings_at_one_index(np.array([-1, 0, 1, 0, 1]), [3, 2]) is False  # ring 0: 1 and 0
-    assert slot_alignment.rings_at_one_index(np.array([0, 1, -1, 0, 1, -1]), [3, 3])
+    assert not rings_at_one_index(np.array([0, 1, 1, 0]), [2, 2])
+    assert rings_at_one_index(np.array([-1, 0, 1, 0, 1]), [3, 2]) is False  # ring 0: 1 and 0
+    assert rings_at_one_index(np.array([0, 1, -1, 0, 1, -1]), [3, 3])
     for v in (1, 2):
         assert pipelined_finish_times(keys, times, 2, FORWARD_SHARE, None, v) is None
 
@@ -380,11 +369,10 @@ def test_a_limit_stops_only_the_walks_of_orders_that_could_not_be_kept(case, who
         walked = [pipelined_finish_times(keys, times, p, FORWARD_SHARE, o, v) for o in slot if o is not None]
         walked = [w for w in walked if w is not None]
         want = min(walked, key=max) if walked else [one_f_one_b_time(t, p, FORWARD_SHARE) for t in times]
-    with mock.patch.object(slot_alignment, "is_small", lambda *a: False):
-        full = {}
-        assert rank_estimates(ordered, p, ring_time, FORWARD_SHARE, v) == want
-        limit = scale * max(want, default=0.0) if data.draw(st.booleans()) else max(want, default=0.0)
-        got = rank_estimates(ordered, p, ring_time, FORWARD_SHARE, v, full, limit)
+    full = {}
+    assert rank_estimates(ordered, p, ring_time, FORWARD_SHARE, v) == want
+    limit = scale * max(want, default=0.0) if data.draw(st.booleans()) else max(want, default=0.0)
+    got = rank_estimates(ordered, p, ring_time, FORWARD_SHARE, v, full, limit)
     if isinstance(got, Longer):
         assert got.limit == limit and max(want) > limit
         return
@@ -395,9 +383,8 @@ def test_a_limit_stops_only_the_walks_of_orders_that_could_not_be_kept(case, who
             assert max(walked) > finish.limit
         else:
             assert finish == walked
-    with mock.patch("megatron_bytescale.planner.pipeline_times.is_small", lambda *a: False):
-        kept = chunk_schedule(keys, times, p, FORWARD_SHARE, v, full)
-    plain = chunk_schedule(keys, times, p, FORWARD_SHARE, v)  # every order walked by the contract
+    kept = chunk_schedule(keys, times, p, FORWARD_SHARE, v, full)
+    plain = chunk_schedule(keys, times, p, FORWARD_SHARE, v)  # every order walked afresh
     assert kept[1:3] == plain[1:3] and _codes(kept[0], v) == _codes(plain[0], v)
 
 
@@ -439,7 +426,7 @@ def test_megatron_interleaved_order_has_megatron_bubble_for_any_count(p, v):
     """Megatron's fixed interleaved schedule, phantoms padding the count to a multiple of p:
     safe and complete for every count, within Megatron's warm-up memory, and on equal
     micro-batches of t it takes (m + (p - 1) / V) t whenever m is a multiple of p, where the
-    greedy run (``_run_one_pipeline``) loses whole micro-batches (m = 16, p = 4, V = 5:
+    greedy run (``one_pipeline``) loses whole micro-batches (m = 16, p = 4, V = 5:
     17.6 t against 16.6 t)."""
     for m in range(3 * p + 2):
         orders = megatron_interleaved_orders(m, p, v)
@@ -455,7 +442,7 @@ def test_megatron_interleaved_order_has_megatron_bubble_for_any_count(p, v):
             finish = pipelined_finish_times(keys, [[1.0] * m], p, FORWARD_SHARE, [orders], v)
             assert max(finish) == pytest.approx(m + (p - 1) / v)
     greedy = pipelined_finish_times(
-        [[None] * 16], [[1.0] * 16], 4, FORWARD_SHARE, [_run_one_pipeline([5.0] * 16, [10.0] * 16, 4, 5)], 5
+        [[None] * 16], [[1.0] * 16], 4, FORWARD_SHARE, [plain_one_pipeline([5.0] * 16, [10.0] * 16, 4, 5)], 5
     )
     megatron = pipelined_finish_times(
         [[None] * 16], [[1.0] * 16], 4, FORWARD_SHARE, [megatron_interleaved_orders(16, 4, 5)], 5

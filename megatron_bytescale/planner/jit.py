@@ -212,14 +212,43 @@ def _file_lock(dispatcher):
 
 
 def _sources_digest(function: Callable) -> str:
-    """SHA-256 of the kernel's module and of every module holding a @jitable helper: numba
-    checks only the kernel's own file before it reuses cached code, and the helpers it
-    compiled in may have changed."""
-    files = {inspect.getsourcefile(function)} | {inspect.getsourcefile(h) for h in _helpers}
+    """SHA-256 of the code the kernel compiles: its own and that of the @jitable helpers it
+    calls (directly or through other helpers), as this process loaded them. numba checks only
+    the kernel's own source file before it reuses cached code, and the helpers compiled into
+    it may live elsewhere."""
     h = hashlib.sha256()
-    for name in sorted(f for f in files if f):
-        h.update(Path(name).read_bytes())
+    for f in [function, *_helpers_used(function)]:
+        _hash_code(h, f.__code__)
     return h.hexdigest()[:32]
+
+
+def _hash_code(h, code) -> None:
+    h.update(code.co_code)
+    h.update(repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
+    for c in code.co_consts:
+        if inspect.iscode(c):
+            _hash_code(h, c)
+        else:
+            h.update(repr(c).encode())
+
+
+def _helpers_used(function: Callable, seen: set[int] | None = None) -> list[Callable]:
+    """The @jitable helpers ``function`` names (in its code and its inner functions' code),
+    and those they name in turn."""
+    seen = set() if seen is None else seen
+    helpers = {id(h): h for h in _helpers}
+    names, codes = set(), [function.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if inspect.iscode(c)]
+    out = []
+    for name in sorted(names):
+        target = function.__globals__.get(name)
+        if id(target) in helpers and id(target) not in seen:
+            seen.add(id(target))
+            out += [target, *_helpers_used(target, seen)]
+    return out
 
 
 def _forget_stale(dispatcher, function: Callable) -> None:

@@ -1,28 +1,28 @@
-"""Expert slots' fast paths give exactly what their plain versions give (planner/expert_slots.py).
+"""Expert slots (planner/expert/) against their definitions:
 
-* slots from ring times (a longest path over the rings) = the slot-by-slot scan, on random
-  queues of rings and local micro-batches, cycles and malformed rings included;
+* slots from ring times (a longest path over the rings, ``expert.slots.item_slots`` run
+  compiled and as Python) = the slot-by-slot scan, on random queues of rings and local
+  micro-batches, cycles and malformed rings included;
 * finish times over EP groups' slots (Kahn's order, cached micro-batch times) = the plain
-  definition over every rank's slots (``contract.slots.slot_nodes`` and a topological sort);
-* ``GroupPlacer`` keeping group loads from the changed ranks = the group maxima recomputed.
+  definition over every rank's slots (``contract.slots.slot_nodes`` and a topological sort).
 """
 
 from collections import defaultdict
-from contextlib import nullcontext
 from graphlib import CycleError, TopologicalSorter
-from unittest import mock
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_bytescale.errors import ConfigError
-from megatron_bytescale.planner import compiled, expert_slots
+from megatron_bytescale.planner import jit
 from megatron_bytescale.planner.contract import Plan, micro_batch, ring_pieces, whole_piece
 from megatron_bytescale.planner.contract.slots import ep_groups, slot_nodes
 from megatron_bytescale.planner.estimate import crosses_nodes, micro_batch_time, whole_sequences_time
-from megatron_bytescale.planner.expert_slots import EMPTY, GroupPlacer, align_expert_slots, all_to_all_time
+from megatron_bytescale.planner.expert import slots as expert_slots
+from megatron_bytescale.planner.expert import timing
+from megatron_bytescale.planner.expert.slots import EMPTY, align_expert_slots
+from megatron_bytescale.planner.expert.timing import all_to_all_time
 
 from planner_cases import small_cost
 
@@ -73,14 +73,14 @@ def ring_plans(draw, aligned: bool = False):
     return Plan(num_ranks=n, capacity=100, num_layers=6, seq_lens=tuple(lens), ranks=ranks, expert_parallel=e)
 
 
-@pytest.mark.parametrize("path", ["compiled", "python"])
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("mode", ["compiled", "python"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plan=ring_plans())
-def test_slots_from_ring_times_are_the_scans_slots(path, plan):
-    """Both paths of ``_slots_from_ring_times`` (the compiled pass, and Python where numba is
-    missing) against the scan: the same slot of every micro-batch, None where it raises."""
+def test_slots_from_ring_times_are_the_scans_slots(mode, plan):
+    """``_slots_from_ring_times`` (``item_slots`` compiled and as Python) against the scan:
+    the same slot of every micro-batch, None where it raises."""
     queues, keys = zip(*(expert_slots._longest_first(mbs) for mbs in plan.ranks))
-    with mock.patch.object(compiled, "item_slots", lambda: None) if path == "python" else nullcontext():
+    with jit.use(mode):
         fast = expert_slots._slots_from_ring_times(queues, keys)
     try:
         plain = expert_slots._slots_by_scan([list(q) for q in queues])
@@ -95,14 +95,14 @@ def test_slots_from_ring_times_are_the_scans_slots(path, plan):
     assert all(fast[r][s] is plain[r][s] for r in range(len(plain)) for s in plain[r])
 
 
-@pytest.mark.parametrize("path", ["compiled", "python"])
-def test_a_ring_missing_from_a_member_or_held_by_another_rank_is_left_out(path):
+@pytest.mark.parametrize("mode", ["compiled", "python"])
+def test_a_ring_missing_from_a_member_or_held_by_another_rank_is_left_out(mode):
     """A ring key whose ranks do not all hold it, or held by a rank outside it: no slots from
-    ring times (``align_expert_slots`` then scans), on either path."""
+    ring times (``align_expert_slots`` then scans), compiled or not."""
     shares = ring_pieces(0, 10, (0, 1))
     one = [[micro_batch((shares[0],))], []]  # rank 1 never holds its share
     other = [[micro_batch((shares[0],))], [], [micro_batch((shares[1],))]]  # rank 2 holds rank 1's
-    with mock.patch.object(compiled, "item_slots", lambda: None) if path == "python" else nullcontext():
+    with jit.use(mode):
         for lists in (one, other):
             keys = [[mb.ring_key for mb in mbs] for mbs in lists]
             assert expert_slots._slots_from_ring_times(lists, keys) is None
@@ -152,22 +152,22 @@ COSTS = [
 ]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ring_plans(aligned=True), st.sampled_from(COSTS), st.sampled_from([1, 2, 4]))
 def test_finish_times_over_group_slots_are_the_plain_ones(plan, cost, ranks_per_node):
     try:
         want = plain_slot_finish_times(plan, cost, ranks_per_node)
     except CycleError:
         with pytest.raises(CycleError):
-            expert_slots.slot_finish_times(plan, cost, ranks_per_node)
+            timing.slot_finish_times(plan, cost, ranks_per_node)
         return
-    assert expert_slots.slot_finish_times(plan, cost, ranks_per_node) == want  # bit for bit
+    assert timing.slot_finish_times(plan, cost, ranks_per_node) == want  # bit for bit
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ring_plans(), st.sampled_from(COSTS), st.booleans(), st.booleans())
 def test_cached_micro_batch_times_are_micro_batch_time(plan, cost, ring_inter, group_inter):
-    timer = expert_slots.SlotTimer(cost, 4)
+    timer = timing.SlotTimer(cost, 4)
     for mb in [mb for mbs in plan.ranks for mb in mbs] * 2 + [EMPTY]:  # twice: the cache answers
         want = micro_batch_time(cost, mb, ring_inter) + all_to_all_time(cost, max(mb.tokens, 1), 4, group_inter)
         assert timer.time(mb, ring_inter, group_inter) == want
@@ -180,37 +180,7 @@ def test_a_pack_too_large_for_exact_integer_sums_is_costed_the_plain_way():
     huge = micro_batch(tuple(whole_piece(i, 70_000_000, 0) for i in range(3)))  # sum of s^2 > 2^53
     cost = COSTS[0]
     want = micro_batch_time(cost, huge) + all_to_all_time(cost, huge.tokens, 2, False)
-    assert expert_slots.SlotTimer(cost, 2).time(huge, False, False) == want
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    st.sampled_from([(2, 1), (4, 2), (8, 2), (4, 4)]),
-    st.integers(1, 6),
-    st.lists(st.tuples(st.integers(1, 12), st.lists(st.integers(0, 5), max_size=10)), min_size=1, max_size=25),
-)
-def test_group_placer_told_the_changes_places_as_recomputed(shape, groups, steps):
-    """Loads change in place (ties common); each step's ring goes where the plain rule, the
-    least-loaded groups by their busiest member with ties to lower groups, puts it."""
-    e, per_node = shape
-    n = e * groups
-    placer = GroupPlacer(n, per_node, e)
-    loads = np.zeros(n)
-    for size, bumps in steps:
-        size = min(size, n)
-        changed = [b % n for b in bumps]
-        for r in changed:
-            loads[r] += 0.5
-        got = placer.place_ranks(loads, size, 1, changed)
-        fresh = GroupPlacer(n, per_node, e).place_ranks(loads.copy(), size, 1, None)
-        assert got == fresh
-        if size % e == 0:
-            busiest = loads.reshape(-1, e).max(axis=1)
-            chosen = np.sort(np.lexsort((np.arange(busiest.size), busiest))[: size // e])
-            assert got == (chosen[:, None] * e + np.arange(e)[None, :]).ravel().tolist()
-        for r in got:  # the ring's members are busier now, as the scheduler tells the placer
-            loads[r] += 1.0
-        placer.place_ranks(loads, e, 1, list(got))
+    assert timing.SlotTimer(cost, 2).time(huge, False, False) == want
 
 
 @settings(max_examples=300, deadline=None)
