@@ -99,7 +99,8 @@ class StepPlanner:
             )
         if self.num_ranks is not None and plan.num_ranks != self.num_ranks:
             raise PlanError(f"step {step}: plan has {plan.num_ranks} ranks, the loader serves {self.num_ranks}")
-        return StepPlan(step, samples, plan, position, end, plan_s)
+        # without the time the planner spent compiling its kernels (once per environment and machine)
+        return StepPlan(step, samples, plan, position, end, plan_s - plan.meta.get("compile_s", 0.0))
 
 
 def rank_token_ranges(step_plan: StepPlan, rank: int) -> list[tuple[int, int, int]]:

@@ -21,9 +21,10 @@ from itertools import chain
 
 import numpy as np
 
-from ..jit import kernel
+from ..jit import jitable, kernel
 from ..lengths import lengths_array
-from .runs import Item, LocalBatch, Ordered, PackSplitter, RunArrays, pack_halves, run_arrays
+from .moves import borrow, derive, split_own
+from .runs import Item, LocalBatch, Ordered, PackSplitter, RunArrays, run_arrays
 
 LOOKAHEAD = 16  # rings of the schedule tried for the next slot before local work moves between ranks
 # Rings with at least this many members may stop a pass that stops at its first unaligned ring
@@ -151,387 +152,20 @@ def aligned_pass(
     are the pool ``ptime``/``pstart``/``plen``/``proot`` of ``npool`` entries and ``seqs``).
     ``coef``: the cost model's a1, b1, g and forward share. Returns the status, the placed
     items as (rank, item) in placing order, every rank's clock, the counters (pulled,
-    deferred, splits, moved, reordered), the unaligned rings and the pool's size."""
-    n = qlen.size
-    cap = q.shape[1]
-    a1, b1, g, share = coef[0], coef[1], coef[2], coef[3]
-    clock = np.zeros(n)
-    offset = np.zeros(n, dtype=np.int64)
-    fixed = np.zeros(n, dtype=np.bool_)
-    olen = np.zeros(n, dtype=np.int64)
-    nloc = np.zeros(n, dtype=np.int64)
-    own = np.zeros(n, dtype=np.int64)
-    load = np.zeros(n)
-    dirty = np.ones(n, dtype=np.bool_)
-    rings_left = np.zeros(n, dtype=np.int64)
-    supply = 0
-    items = 0
-    for r in range(n):
-        items += qlen[r]
-        for i in range(qlen[r]):
-            x = q[r, i]
-            if x >= 0:
-                rings_left[r] += 1
-            else:
-                supply += plen[-x - 1]
-    # every item placed once, plus one more per split (at most one per sequence)
-    log_rank = np.empty(items + supply + 1, dtype=np.int64)
-    log_item = np.empty(items + supply + 1, dtype=np.int64)
-    counters = np.zeros(5, dtype=np.int64)  # pulled, deferred, splits, moved, reordered
-    unaligned = np.empty(order.size, dtype=np.int64)
-    width = 1
-    for u in order:
-        width = max(width, mptr[u + 1] - mptr[u])
-    take = np.zeros(width, dtype=np.int64)  # per member of the ring being placed
-    cursor = np.zeros(width, dtype=np.int64)
-    shorts = np.zeros(width, dtype=np.int64)
-    reserve = np.zeros(n, dtype=np.int64)
-    pre = np.empty(items + supply + n + 1)  # the fixed members' clock prefixes, one after another
-    pre_at = np.zeros(width + 1, dtype=np.int64)
-    state = np.zeros(4, dtype=np.int64)  # log length, pool size, unaligned count, overflow
-    state[1] = npool
+    deferred, splits, moved, reordered), the unaligned rings and the state (log length, pool
+    size, unaligned count, overflow).
 
-    def time_of(x):
-        return ring_time[x] if x >= 0 else ptime[-x - 1]
-
-    def derive(r):  # _RankView's counts and load, from the row (the same sums in the same order)
-        count, seqs_in, total = 0, 0, 0.0
-        for i in range(qlen[r]):
-            x = q[r, i]
-            if x < 0:
-                count += 1
-                seqs_in += plen[-x - 1]
-                total += ptime[-x - 1]
-            else:
-                total += ring_time[x]
-        nloc[r] = count
-        own[r] = seqs_in - count if split else 0
-        load[r] = clock[r] + total
-        dirty[r] = False
-
-    def natural(r, u):  # local micro-batches before ring u on rank r
-        count = 0
-        for i in range(qlen[r]):
-            x = q[r, i]
-            if x == u:
-                return count
-            if x < 0:
-                count += 1
-        return count
-
-    def prefix(r, k):  # the clock after r's first k local micro-batches
-        c = clock[r]
-        i = 0
-        while k > 0:
-            x = q[r, i]
-            if x < 0:
-                c += ptime[-x - 1]
-                k -= 1
-            i += 1
-        return c
-
-    def last_within(r, slack):  # the most local micro-batches r runs with its clock <= slack
-        c = clock[r]
-        k = 0
-        for i in range(qlen[r]):
-            x = q[r, i]
-            if x < 0:
-                c += ptime[-x - 1]
-                if c > slack:
-                    return k
-                k += 1
-        return k
-
-    def log(r, x):
-        e = state[0]
-        log_rank[e] = r
-        log_item[e] = x
-        state[0] = e + 1
-
-    def insert(r, i, x):  # x at position i of r's row; False if the row is full
-        if qlen[r] == cap:
-            state[3] = 1
-            return False
-        for j in range(qlen[r], i, -1):
-            q[r, j] = q[r, j - 1]
-        q[r, i] = x
-        qlen[r] += 1
-        dirty[r] = True
-        return True
-
-    def remove(r, i):
-        for j in range(i, qlen[r] - 1):
-            q[r, j] = q[r, j + 1]
-        qlen[r] -= 1
-        dirty[r] = True
-
-    def halve(k):  # PackSplitter: pack k's halves, written into its slice; their pool indices
-        s, m = pstart[k], plen[k]
-        part = seqs[s : s + m].copy()
-        side = pack_halves(part, lens)  # sorts part: longest first
-        first = state[1]
-        state[1] = first + 2
-        w = s
-        for half in range(2):
-            tokens, pairs, start = 0, 0, w
-            for i in range(m):
-                if side[i] == (half == 1):
-                    seqs[w] = part[i]
-                    w += 1
-                    tokens += lens[part[i]]
-                    pairs += lens[part[i]] * lens[part[i]]
-            t = a1 * pairs + b1 * tokens + g
-            if recomputed_attention:  # CostModel.recompute_time
-                t += share * (a1 * pairs * recomputed_attention + (b1 * tokens + g) * recomputed) / layers
-            h = first + half
-            ptime[h] = layers * t
-            pstart[h] = start
-            plen[h] = w - start
-            proot[h] = proot[k]
-        return first, first + 1
-
-    def split_own(r, short):  # _State._split_own
-        while short > 0 and split:
-            big, big_i = -1, -1
-            for i in range(qlen[r]):
-                x = q[r, i]
-                if x < 0 and plen[-x - 1] > 1:
-                    k = -x - 1
-                    if big < 0 or plen[k] > plen[big] or (plen[k] == plen[big] and ptime[k] > ptime[big]):
-                        big, big_i = k, i
-            if big < 0:
-                break
-            h0, h1 = halve(big)
-            q[r, big_i] = -h0 - 1
-            if not insert(r, big_i + 1, -h1 - 1):  # (insert marks the row changed)
-                return short
-            counters[2] += 1
-            short -= 1
-        return short
-
-    def borrow(r, short, u):  # _State._borrow
-        while short > 0:
-            donor, most = -1, -np.inf
-            for k in range(n):
-                if dirty[k]:
-                    derive(k)
-                if k != r and nloc[k] - reserve[k] > 0 and load[k] > most:
-                    donor, most = k, load[k]
-            if donor < 0:
-                return short
-            spare = nloc[donor] - reserve[donor]
-            last_i = qlen[donor] - 1
-            while q[donor, last_i] >= 0:
-                last_i -= 1
-            last = -q[donor, last_i] - 1
-            if spare == 1 and split and plen[last] > 1:  # the donor keeps half of its only pack
-                keep, gift = halve(last)
-                q[donor, last_i] = -keep - 1
-                counters[2] += 1
-            else:
-                gift = last
-                remove(donor, last_i)
-            dirty[donor] = True
-            at = 0
-            while q[r, at] != u:
-                at += 1
-            if not insert(r, at, -gift - 1):
-                return short
-            counters[3] += 1
-            short -= 1
-        return short
-
-    def start_at(slot, a, b):  # the latest clock of ring mem[a:b]'s fixed members run up to ``slot``
-        best = -np.inf
-        for j in range(b - a):
-            if fixed[mem[a + j]]:
-                v = pre[pre_at[j] + slot - cursor[j]]
-                if v > best:
-                    best = v
-        return best
-
-    def aligned_take(u, borrowing):  # _State.aligned_take: the takes in ``take``, or False
-        a, b = mptr[u], mptr[u + 1]
-        lo, anyfixed = 0, False
-        for j in range(b - a):
-            r = mem[a + j]
-            if dirty[r]:
-                derive(r)
-            if fixed[r]:
-                cursor[j] = offset[r] + olen[r]
-                if not anyfixed or cursor[j] > lo:
-                    lo = cursor[j]
-                anyfixed = True
-        missing = 0
-        for j in range(b - a):
-            r = mem[a + j]
-            if fixed[r]:
-                shorts[j] = lo - cursor[j] - nloc[r]
-                if shorts[j] - own[r] > 0:
-                    missing += shorts[j] - own[r]
-        if missing and not borrowing:
-            return False
-        if missing:
-            for j in range(b - a):
-                r = mem[a + j]
-                if fixed[r]:
-                    reserve[r] = max(0, lo - cursor[j])
-            spare = 0
-            for k in range(n):
-                if dirty[k]:
-                    derive(k)
-                have = nloc[k] - reserve[k]
-                if have > 0:
-                    spare += have + own[k]
-            if missing > spare:
-                for j in range(b - a):
-                    reserve[mem[a + j]] = 0
-                return False
-        for j in range(b - a):
-            r = mem[a + j]
-            if fixed[r] and shorts[j] > 0:
-                short = split_own(r, shorts[j])
-                if short > 0 and borrowing:
-                    short = borrow(r, short, u)
-                if short > 0 or state[3]:
-                    for i in range(b - a):
-                        reserve[mem[a + i]] = 0
-                    return False
-        for j in range(b - a):
-            reserve[mem[a + j]] = 0
-            if dirty[mem[a + j]]:
-                derive(mem[a + j])
-        planned = -np.inf
-        for j in range(b - a):
-            r = mem[a + j]
-            p = prefix(r, natural(r, u))
-            if p > planned:
-                planned = p
-        slack = planned * (1 + 1e-12)
-        if anyfixed:
-            hi = -1
-            w = 0
-            for j in range(b - a):  # the fixed members' prefixes, to time any slot
-                r = mem[a + j]
-                pre_at[j] = w
-                if fixed[r]:
-                    if hi < 0 or cursor[j] + nloc[r] < hi:
-                        hi = cursor[j] + nloc[r]
-                    c = clock[r]
-                    pre[w] = c
-                    w += 1
-                    for i in range(qlen[r]):
-                        x = q[r, i]
-                        if x < 0:
-                            c += ptime[-x - 1]
-                            pre[w] = c
-                            w += 1
-            lo_slot, hi_slot = lo, hi
-            if not frugal and start_at(lo, a, b) <= slack:
-                while lo_slot < hi_slot:
-                    mid = (lo_slot + hi_slot + 1) // 2
-                    if start_at(mid, a, b) <= slack:
-                        lo_slot = mid
-                    else:
-                        hi_slot = mid - 1
-            for j in range(b - a):
-                if fixed[mem[a + j]]:
-                    take[j] = lo_slot - cursor[j]
-            s = start_at(lo_slot, a, b)
-            if s > slack:
-                slack = s
-        for j in range(b - a):
-            r = mem[a + j]
-            if not fixed[r]:
-                take[j] = 0 if frugal else last_within(r, slack)
-        return True
-
-    def latest_slot(a, b):  # the latest next slot of ring mem[a:b]'s fixed members (0 without)
-        lo, anyfixed = 0, False
-        for j in range(b - a):
-            r = mem[a + j]
-            if fixed[r]:
-                c = offset[r] + olen[r]
-                if not anyfixed or c > lo:
-                    lo = c
-                anyfixed = True
-        return lo
-
-    def unaligned_take(u):  # _State.unaligned_take
-        a, b = mptr[u], mptr[u + 1]
-        lo = latest_slot(a, b)
-        for j in range(b - a):
-            r = mem[a + j]
-            if dirty[r]:
-                derive(r)
-            take[j] = min(nloc[r], max(0, lo - offset[r] - olen[r])) if fixed[r] else 0
-
-    def hopeless(u, supply):  # _State.hopeless
-        a, b = mptr[u], mptr[u + 1]
-        count, most, total, left = 0, 0, 0, 0
-        for j in range(b - a):
-            r = mem[a + j]
-            left += rings_left[r]
-            if fixed[r]:
-                c = offset[r] + olen[r]
-                if count == 0 or c > most:
-                    most = c
-                total += c
-                count += 1
-        if count == 0:
-            return False
-        phi = count * most - total - supply
-        return phi > 0 and phi > left - (b - a)
-
-    def place(u, supply):  # _State.place; returns the sequences left in local micro-batches
-        a, b = mptr[u], mptr[u + 1]
-        start = 0.0
-        ran = 0
-        for j in range(b - a):
-            r = mem[a + j]
-            t, nat = take[j], natural(r, u)
-            if t > nat:
-                counters[0] += t - nat
-            else:
-                counters[1] += nat - t
-            end = prefix(r, t)
-            if end > start:
-                start = end
-            k = 0
-            i = 0
-            while k < t:  # the first t local micro-batches run before the ring
-                x = q[r, i]
-                if x < 0:
-                    log(r, x)
-                    ran += plen[-x - 1]
-                    k += 1
-                i += 1
-            olen[r] += t
-        slot = latest_slot(a, b)
-        end = start + ring_time[u]
-        for j in range(b - a):
-            r = mem[a + j]
-            rings_left[r] -= 1
-            if not fixed[r]:
-                offset[r] = slot - olen[r]
-                fixed[r] = True
-            log(r, u)
-            olen[r] += 1
-            clock[r] = end
-            # the row without its first take[j] local micro-batches and u, in order
-            k, w = take[j], 0
-            for i in range(qlen[r]):
-                x = q[r, i]
-                if (x < 0 and k > 0) or x == u:
-                    if x < 0:
-                        k -= 1
-                    continue
-                q[r, w] = x
-                w += 1
-            qlen[r] = w
-            dirty[r] = True
-        return supply - ran
-
+    The state the helpers share, as tuples of arrays: ``rows`` (q, qlen), ``pool`` (ptime,
+    pstart, plen, proot, seqs, lens), ``ranks`` (per rank: clock, slot offset, whether it has
+    one, items placed, local micro-batches queued, sequences its packs could still give by
+    splitting, load, whether the last four are out of date, rings left, what it keeps for a
+    ring), ``rings`` (ring_time, mptr, mem), ``scratch`` (per member of the ring being placed:
+    its take, cursor and shortfall; the fixed members' clock prefixes) and ``log`` (the placed
+    items, the counters, the unaligned rings, the state)."""
+    rows, pool, rings = (q, qlen), (ptime, pstart, plen, proot, seqs, lens), (ring_time, mptr, mem)
+    cost = (coef, layers, recomputed, recomputed_attention)
+    ranks, scratch, log, supply = _pass_state(rows, pool, rings, order, npool)
+    clock, counters, unaligned, state = ranks[0], log[2], log[3], log[4]
     # the pending rings in schedule order, a doubly linked list (the lookahead deletes inside it)
     count = order.size
     nxt = np.arange(1, count + 1, dtype=np.int64)
@@ -541,26 +175,25 @@ def aligned_pass(
     head = 0 if count else -1
     while head >= 0:
         # the first ring (in schedule order) that can take one slot from what its members
-        # have; if none of the next ``lookahead`` can, the first borrows local work (one call
-        # site of ``aligned_take``: each call site of a closure is compiled apart)
+        # have; if none of the next ``lookahead`` can, the first borrows local work
         p, k, borrowing = head, 0, False
         while True:
             u = order[p]
-            if aligned_take(u, borrowing):
+            if _aligned_take(u, borrowing, frugal, split, rows, pool, ranks, rings, scratch, log, cost):
                 break
             if state[3]:
-                return FULL, log_rank, log_item, state, clock, counters, unaligned
+                return FULL, log[0], log[1], state, clock, counters, unaligned
             if borrowing:  # no local work left anywhere: this ring cannot be aligned
                 unaligned[state[2]] = u
                 state[2] += 1
                 if stop_unaligned:
-                    return STOPPED, log_rank, log_item, state, clock, counters, unaligned
-                unaligned_take(u)
+                    return STOPPED, log[0], log[1], state, clock, counters, unaligned
+                _unaligned_take(u, split, rows, pool, ranks, rings, scratch)
                 break
-            if stop_unaligned and mptr[u + 1] - mptr[u] >= wide and hopeless(u, supply):
+            if stop_unaligned and mptr[u + 1] - mptr[u] >= wide and _hopeless(u, supply, ranks, rings):
                 unaligned[state[2]] = u
                 state[2] += 1
-                return STOPPED, log_rank, log_item, state, clock, counters, unaligned
+                return STOPPED, log[0], log[1], state, clock, counters, unaligned
             p = nxt[p]
             k += 1
             if p < 0 or k >= lookahead:
@@ -573,11 +206,374 @@ def aligned_pass(
             head = nxt[p]
         if nxt[p] >= 0:
             prv[nxt[p]] = prv[p]
-        supply = place(u, supply)
-    for r in range(n):  # what is left of every row runs after its last ring
+        supply = _place(u, supply, rows, pool, ranks, rings, scratch, log)
+    for r in range(qlen.size):  # what is left of every row runs after its last ring
         for i in range(qlen[r]):
             x = q[r, i]
-            log(r, x)
-            clock[r] += time_of(x)
+            _log(r, x, log)
+            clock[r] += ring_time[x] if x >= 0 else ptime[-x - 1]
         qlen[r] = 0
-    return DONE, log_rank, log_item, state, clock, counters, unaligned
+    return DONE, log[0], log[1], state, clock, counters, unaligned
+
+
+@jitable
+def _pass_state(rows, pool, rings, order, npool: int):
+    """The pass's start: every rank without a slot offset (its counts out of date), the
+    scratch sized for the widest ring, the log sized for every item placed once plus one more
+    per split (at most one per sequence); and the sequences in local micro-batches."""
+    q, qlen = rows
+    plen = pool[2]
+    mptr = rings[1]
+    n = qlen.size
+    rings_left = np.zeros(n, dtype=np.int64)
+    supply = 0
+    items = 0
+    for r in range(n):
+        items += qlen[r]
+        for i in range(qlen[r]):
+            x = q[r, i]
+            if x >= 0:
+                rings_left[r] += 1
+            else:
+                supply += plen[-x - 1]
+    ranks = (
+        np.zeros(n),  # clock
+        np.zeros(n, dtype=np.int64),  # offset
+        np.zeros(n, dtype=np.bool_),  # fixed
+        np.zeros(n, dtype=np.int64),  # olen
+        np.zeros(n, dtype=np.int64),  # nloc
+        np.zeros(n, dtype=np.int64),  # own
+        np.zeros(n),  # load
+        np.ones(n, dtype=np.bool_),  # dirty
+        rings_left,
+        np.zeros(n, dtype=np.int64),  # reserve
+    )
+    width = 1
+    for u in order:
+        width = max(width, mptr[u + 1] - mptr[u])
+    scratch = (
+        np.zeros(width, dtype=np.int64),  # take
+        np.zeros(width, dtype=np.int64),  # cursor
+        np.zeros(width, dtype=np.int64),  # shorts
+        np.empty(items + supply + n + 1),  # pre: the fixed members' clock prefixes, one after another
+        np.zeros(width + 1, dtype=np.int64),  # pre_at
+    )
+    state = np.zeros(4, dtype=np.int64)  # log length, pool size, unaligned count, overflow
+    state[1] = npool
+    log = (
+        np.empty(items + supply + 1, dtype=np.int64),  # log_rank
+        np.empty(items + supply + 1, dtype=np.int64),  # log_item
+        np.zeros(5, dtype=np.int64),  # counters: pulled, deferred, splits, moved, reordered
+        np.empty(order.size, dtype=np.int64),  # unaligned
+        state,
+    )
+    return ranks, scratch, log, supply
+
+
+@jitable
+def _natural(r: int, u: int, rows) -> int:
+    """Local micro-batches before ring u on rank r."""
+    q, qlen = rows
+    count = 0
+    for i in range(qlen[r]):
+        x = q[r, i]
+        if x == u:
+            return count
+        if x < 0:
+            count += 1
+    return count
+
+
+@jitable
+def _prefix(r: int, k: int, rows, ptime, clock) -> float:
+    """The clock after r's first k local micro-batches."""
+    q = rows[0]
+    c = clock[r]
+    i = 0
+    while k > 0:
+        x = q[r, i]
+        if x < 0:
+            c += ptime[-x - 1]
+            k -= 1
+        i += 1
+    return c
+
+
+@jitable
+def _last_within(r: int, slack: float, rows, ptime, clock) -> int:
+    """The most local micro-batches r runs with its clock <= slack."""
+    q, qlen = rows
+    c = clock[r]
+    k = 0
+    for i in range(qlen[r]):
+        x = q[r, i]
+        if x < 0:
+            c += ptime[-x - 1]
+            if c > slack:
+                return k
+            k += 1
+    return k
+
+
+@jitable
+def _log(r: int, x: int, log) -> None:
+    log_rank, log_item, state = log[0], log[1], log[4]
+    e = state[0]
+    log_rank[e] = r
+    log_item[e] = x
+    state[0] = e + 1
+
+
+@jitable
+def _start_at(slot: int, a: int, b: int, fixed, mem, scratch) -> float:
+    """The latest clock of ring mem[a:b]'s fixed members run up to ``slot``."""
+    cursor, pre, pre_at = scratch[1], scratch[3], scratch[4]
+    best = -np.inf
+    for j in range(b - a):
+        if fixed[mem[a + j]]:
+            v = pre[pre_at[j] + slot - cursor[j]]
+            if v > best:
+                best = v
+    return best
+
+
+@jitable
+def _shortfall(u: int, borrowing: bool, split: bool, rows, pool, ranks, rings, scratch, log, cost):
+    """What ring u's fixed members lack of local work to reach the latest member's next slot,
+    made up by splitting their packs and (``borrowing``) taking others' work. Returns whether
+    it was, whether any member holds a slot, and that latest slot."""
+    offset, fixed, olen, nloc, own, dirty, reserve = (
+        ranks[1],
+        ranks[2],
+        ranks[3],
+        ranks[4],
+        ranks[5],
+        ranks[7],
+        ranks[9],
+    )
+    mptr, mem = rings[1], rings[2]
+    cursor, shorts = scratch[1], scratch[2]
+    a, b = mptr[u], mptr[u + 1]
+    lo, anyfixed = 0, False
+    for j in range(b - a):
+        r = mem[a + j]
+        if dirty[r]:
+            derive(r, split, rows, pool, ranks, rings)
+        if fixed[r]:
+            cursor[j] = offset[r] + olen[r]
+            if not anyfixed or cursor[j] > lo:
+                lo = cursor[j]
+            anyfixed = True
+    missing = 0
+    for j in range(b - a):
+        r = mem[a + j]
+        if fixed[r]:
+            shorts[j] = lo - cursor[j] - nloc[r]
+            if shorts[j] - own[r] > 0:
+                missing += shorts[j] - own[r]
+    if missing and not borrowing:
+        return False, anyfixed, lo
+    if missing:
+        for j in range(b - a):
+            r = mem[a + j]
+            if fixed[r]:
+                reserve[r] = max(0, lo - cursor[j])
+        spare = 0
+        for k in range(nloc.size):
+            if dirty[k]:
+                derive(k, split, rows, pool, ranks, rings)
+            have = nloc[k] - reserve[k]
+            if have > 0:
+                spare += have + own[k]
+        if missing > spare:
+            for j in range(b - a):
+                reserve[mem[a + j]] = 0
+            return False, anyfixed, lo
+    for j in range(b - a):
+        r = mem[a + j]
+        if fixed[r] and shorts[j] > 0:
+            short = split_own(r, shorts[j], split, rows, pool, ranks, log, cost)
+            if short > 0 and borrowing:
+                short = borrow(r, short, u, split, rows, pool, ranks, rings, log, cost)
+            if short > 0 or log[4][3]:
+                for i in range(b - a):
+                    reserve[mem[a + i]] = 0
+                return False, anyfixed, lo
+    for j in range(b - a):
+        reserve[mem[a + j]] = 0
+        if dirty[mem[a + j]]:
+            derive(mem[a + j], split, rows, pool, ranks, rings)
+    return True, anyfixed, lo
+
+
+@jitable
+def _aligned_take(u: int, may_borrow: bool, frugal, split, rows, pool, ranks, rings, scratch, log, cost):
+    """Ring u's takes (local micro-batches each member runs before it, in ``scratch``) so
+    that it takes one slot on all its members: the latest slot whose start is no later than
+    the schedule's own start, else the earliest start possible (``frugal``: the first slot);
+    a member without a slot yet fills the wait. False where its members lack the work (even
+    with ``may_borrow``: taking others' work)."""
+    q, qlen = rows
+    ptime = pool[0]
+    clock, fixed, nloc = ranks[0], ranks[2], ranks[4]
+    mptr, mem = rings[1], rings[2]
+    take, cursor, pre, pre_at = scratch[0], scratch[1], scratch[3], scratch[4]
+    ok, anyfixed, lo = _shortfall(u, may_borrow, split, rows, pool, ranks, rings, scratch, log, cost)
+    if not ok:
+        return False
+    a, b = mptr[u], mptr[u + 1]
+    planned = -np.inf
+    for j in range(b - a):
+        r = mem[a + j]
+        p = _prefix(r, _natural(r, u, rows), rows, ptime, clock)
+        if p > planned:
+            planned = p
+    slack = planned * (1 + 1e-12)
+    if anyfixed:
+        hi = -1
+        w = 0
+        for j in range(b - a):  # the fixed members' prefixes, to time any slot
+            r = mem[a + j]
+            pre_at[j] = w
+            if fixed[r]:
+                if hi < 0 or cursor[j] + nloc[r] < hi:
+                    hi = cursor[j] + nloc[r]
+                c = clock[r]
+                pre[w] = c
+                w += 1
+                for i in range(qlen[r]):
+                    x = q[r, i]
+                    if x < 0:
+                        c += ptime[-x - 1]
+                        pre[w] = c
+                        w += 1
+        lo_slot, hi_slot = lo, hi
+        if not frugal and _start_at(lo, a, b, fixed, mem, scratch) <= slack:
+            while lo_slot < hi_slot:
+                mid = (lo_slot + hi_slot + 1) // 2
+                if _start_at(mid, a, b, fixed, mem, scratch) <= slack:
+                    lo_slot = mid
+                else:
+                    hi_slot = mid - 1
+        for j in range(b - a):
+            if fixed[mem[a + j]]:
+                take[j] = lo_slot - cursor[j]
+        s = _start_at(lo_slot, a, b, fixed, mem, scratch)
+        if s > slack:
+            slack = s
+    for j in range(b - a):
+        r = mem[a + j]
+        if not fixed[r]:
+            take[j] = 0 if frugal else _last_within(r, slack, rows, ptime, clock)
+    return True
+
+
+@jitable
+def _latest_slot(a: int, b: int, ranks, mem) -> int:
+    """The latest next slot of ring mem[a:b]'s fixed members (0 without)."""
+    offset, fixed, olen = ranks[1], ranks[2], ranks[3]
+    lo, anyfixed = 0, False
+    for j in range(b - a):
+        r = mem[a + j]
+        if fixed[r]:
+            c = offset[r] + olen[r]
+            if not anyfixed or c > lo:
+                lo = c
+            anyfixed = True
+    return lo
+
+
+@jitable
+def _unaligned_take(u: int, split: bool, rows, pool, ranks, rings, scratch) -> None:
+    """Ring u misses its slot: each fixed member runs its local work up to the latest slot."""
+    offset, fixed, olen, nloc, dirty = ranks[1], ranks[2], ranks[3], ranks[4], ranks[7]
+    mptr, mem = rings[1], rings[2]
+    take = scratch[0]
+    a, b = mptr[u], mptr[u + 1]
+    lo = _latest_slot(a, b, ranks, mem)
+    for j in range(b - a):
+        r = mem[a + j]
+        if dirty[r]:
+            derive(r, split, rows, pool, ranks, rings)
+        take[j] = min(nloc[r], max(0, lo - offset[r] - olen[r])) if fixed[r] else 0
+
+
+@jitable
+def _hopeless(u: int, supply: int, ranks, rings) -> bool:
+    """Whether ring u can no longer take one slot on all its members, however the rings still
+    queued are placed and local work moves (docs/design.md, "Pipeline order")."""
+    offset, fixed, olen, rings_left = ranks[1], ranks[2], ranks[3], ranks[8]
+    mptr, mem = rings[1], rings[2]
+    a, b = mptr[u], mptr[u + 1]
+    count, most, total, left = 0, 0, 0, 0
+    for j in range(b - a):
+        r = mem[a + j]
+        left += rings_left[r]
+        if fixed[r]:
+            c = offset[r] + olen[r]
+            if count == 0 or c > most:
+                most = c
+            total += c
+            count += 1
+    if count == 0:
+        return False
+    phi = count * most - total - supply
+    return phi > 0 and phi > left - (b - a)
+
+
+@jitable
+def _place(u: int, supply: int, rows, pool, ranks, rings, scratch, log) -> int:
+    """Ring u placed after each member's takes, starting when its last member is there;
+    returns the sequences left in local micro-batches."""
+    q, qlen = rows
+    ptime, plen = pool[0], pool[2]
+    clock, offset, fixed, olen, dirty, rings_left = ranks[0], ranks[1], ranks[2], ranks[3], ranks[7], ranks[8]
+    ring_time, mptr, mem = rings
+    take, counters = scratch[0], log[2]
+    a, b = mptr[u], mptr[u + 1]
+    start = 0.0
+    ran = 0
+    for j in range(b - a):
+        r = mem[a + j]
+        t, nat = take[j], _natural(r, u, rows)
+        if t > nat:
+            counters[0] += t - nat
+        else:
+            counters[1] += nat - t
+        end = _prefix(r, t, rows, ptime, clock)
+        if end > start:
+            start = end
+        k = 0
+        i = 0
+        while k < t:  # the first t local micro-batches run before the ring
+            x = q[r, i]
+            if x < 0:
+                _log(r, x, log)
+                ran += plen[-x - 1]
+                k += 1
+            i += 1
+        olen[r] += t
+    slot = _latest_slot(a, b, ranks, mem)
+    end = start + ring_time[u]
+    for j in range(b - a):
+        r = mem[a + j]
+        rings_left[r] -= 1
+        if not fixed[r]:
+            offset[r] = slot - olen[r]
+            fixed[r] = True
+        _log(r, u, log)
+        olen[r] += 1
+        clock[r] = end
+        # the row without its first take[j] local micro-batches and u, in order
+        k, w = take[j], 0
+        for i in range(qlen[r]):
+            x = q[r, i]
+            if (x < 0 and k > 0) or x == u:
+                if x < 0:
+                    k -= 1
+                continue
+            q[r, w] = x
+            w += 1
+        qlen[r] = w
+        dirty[r] = True
+    return supply - ran

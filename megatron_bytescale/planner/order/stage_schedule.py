@@ -25,8 +25,11 @@ from .walk import Longer, end_times, finish_times_of
 
 _EPS = 1e-12
 # With chunks, Megatron's warm-up cap is tried after 1F1B's only on batches of at most this
-# many operations (each try simulates every operation; ~2 s per 10^5 on one core)
+# many operations (each try simulates every operation)
 SECOND_CAP_OPS = 60_000
+# ``chunk_schedule``'s candidates: the default interleaved order, the slot-aligned ones (the
+# greedy run's in unit and in slot times, Megatron's fixed schedule) and the list schedule
+CHUNK_ORDERS = ("interleaved", "slot-aligned", "slot-times", "megatron", "list")
 
 
 @dataclass
@@ -216,16 +219,7 @@ def _list_schedule(ops: PipelineGraph, cap: int) -> list[list[int]] | None:
                 announced[res].discard(op)
                 inflight[res] += (v if enters else 0) if d == FORWARD else -1
                 seqs[res].append(op)
-                if d == FORWARD:
-                    if vs < vp - 1:
-                        f_sent[res].append((u, vs + 1))
-                    if vs > 0:
-                        f_got[res] += 1
-                else:
-                    if vs > 0:
-                        b_sent[res].append((u, vs - 1))
-                    if vs < vp - 1:
-                        b_got[res] += 1
+                _message(res, d, u, vs, vp, f_sent, f_got, b_sent, b_got)
             heapq.heappush(events, (op_end, op))
             nxt = ops.next_op(op)
             if nxt is not None:
@@ -248,6 +242,22 @@ def _list_schedule(ops: PipelineGraph, cap: int) -> list[list[int]] | None:
     return seqs
 
 
+def _message(res: int, d: int, u: int, vs: int, vp: int, f_sent, f_got, b_sent, b_got) -> None:
+    """Resource ``res`` started (unit ``u``, virtual stage ``vs``, direction ``d``): the
+    message it sends on (forward to the next virtual stage, backward to the previous) and
+    the one it received."""
+    if d == FORWARD:
+        if vs < vp - 1:
+            f_sent[res].append((u, vs + 1))
+        if vs > 0:
+            f_got[res] += 1
+    else:
+        if vs > 0:
+            b_sent[res].append((u, vs - 1))
+        if vs < vp - 1:
+            b_got[res] += 1
+
+
 def chunk_schedule(
     ring_keys: Sequence[Sequence[object | None]],
     times: Sequence[Sequence[float]],
@@ -258,13 +268,13 @@ def chunk_schedule(
 ) -> tuple[list | None, list[float], int, str] | None:
     """Chunk orders for pipelines of ``chunks`` model chunks per device: the shortest estimated
     of the default interleaved order (if it does not deadlock), the slot-aligned interleaved
-    orders (``slot_alignment.slot_interleaved_orders``, the greedy run's in unit and slot times
-    and Megatron's fixed schedule: safe whenever the rings sit at one
-    slot, as ``order_runs`` places them) and, where they all deadlock or the batch is small,
-    the list schedule over chunk operations (``stage_schedule``). Returns (orders, None for
+    orders (``interleaved.slot_interleaved_orders``, the greedy run's in unit and slot times
+    and Megatron's fixed schedule: safe whenever the rings sit at one slot, as ``order_runs``
+    places them) and, where they all deadlock or the batch is small, the list schedule over
+    chunk operations (``stage_schedule``); those of ``CHUNK_ORDERS``. Returns (orders, None for
     the default; finish per rank; the most chunk forwards a device may hold under them; what
     was kept), or None if every candidate deadlocks. ``known``: orders already evaluated for
-    these runs (``slot_alignment.rank_estimates``' ``known``), reused instead of evaluated again;
+    these runs (``slots.rank_estimates``' ``known``), reused instead of evaluated again;
     a slot-aligned order's walk stops once it is longer than the shortest so far or known
     (``Longer``, named in what was kept as "over" that step)."""
     p = stages
@@ -276,17 +286,23 @@ def chunk_schedule(
     if None not in known or isinstance(finish, Longer):  # not walked, or stopped at another plan's step
         finish = finish_of(None)
     longer = []  # (name, limit) of the orders whose walks stopped once longer than a shorter one
-    if finish is not None:
+    if finish is not None and "interleaved" in CHUNK_ORDERS:
         cands.append((max(finish, default=0.0), None, finish, "the interleaved order"))
     # Megatron's groups of p slots, shifted by phantom slots so that a group starts where some
     # pipeline starts (a pipeline starting mid-group runs a short first group: more bubble)
     offsets = slot_offsets(ring_keys)
     shifts = sorted({-o % p for o in offsets}) if offsets else [0]
     variants = [(False, False, 0), (True, False, 0)] + [(False, True, k) for k in shifts]
+    kinds = {(False, False): "slot-aligned", (True, False): "slot-times", (False, True): "megatron"}
+    variants = [v for v in variants if kinds[v[:2]] in CHUNK_ORDERS]
     # the shortest of the orders already walked (``known``) bounds the walks from the start:
     # an order walked before one known to be shorter stops at that one's step
     shortest = min(
-        (max(f, default=0.0) for v, (_, f) in known.items() if (v is None or v in variants) and isinstance(f, list)),
+        (
+            max(f, default=0.0)
+            for v, (_, f) in known.items()
+            if (v in variants or (v is None and "interleaved" in CHUNK_ORDERS)) and isinstance(f, list)
+        ),
         default=math.inf,
     )
     for slot_times, megatron, shift in variants:
@@ -315,7 +331,7 @@ def chunk_schedule(
             cands.append((max(finish, default=0.0), orders, finish, name))
     best = min(cands, key=lambda c: c[0]) if cands else None
     ops = 2 * p * chunks * sum(len(k) for k in ring_keys)
-    if best is None or ops <= SECOND_CAP_OPS:
+    if (best is None or ops <= SECOND_CAP_OPS) and "list" in CHUNK_ORDERS:
         found = stage_schedule(
             ring_keys, times, p, forward_share, chunks=chunks, base_orders=None if best is None else best[1]
         )
