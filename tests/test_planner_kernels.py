@@ -608,22 +608,31 @@ def _total(x):
 
 def test_a_kernel_runs_as_python_on_small_inputs_and_compiled_on_large_ones(monkeypatch):
     """``jit.kernel``: below its ``small`` size the function runs as Python (no compile), from
-    it compiled; ``BYTESCALE_JIT``'s modes (``jit.use``) override the size either way."""
-    compiled = []
-    real = _total.compiled
+    it compiled, and once compiled for some argument types small calls of those types run
+    compiled too; ``BYTESCALE_JIT``'s modes (``jit.use``) override the size either way."""
+    compiled, as_python = [], []
+    real, plain = _total.compiled, _total.function
 
     def spy(args):
         compiled.append(len(args[0]))
         return real(args)
 
+    def python_spy(x):
+        as_python.append(len(x))
+        return plain(x)
+
     monkeypatch.setattr(_total, "compiled", spy)
     with jit.use("auto"):
         assert _total(np.ones(3)) == 3.0 and compiled == []
         assert _total(np.ones(5)) == 5.0 and compiled == [5]
+    monkeypatch.setattr(_total, "function", python_spy)  # Python runs counted (the compiled code is made)
+    with jit.use("auto"):
+        assert _total(np.ones(3)) == 3.0 and compiled == [5] and as_python == []  # compiled already
+        assert _total(np.ones(3, np.float32)) == 3.0 and compiled == [5] and as_python == [3]  # other types
     with jit.use("python"):
-        assert _total(np.ones(50)) == 50.0 and compiled == [5]
+        assert _total(np.ones(50)) == 50.0 and compiled == [5] and as_python == [3, 50]
     with jit.use("compiled"):
-        assert _total(np.ones(1)) == 1.0 and compiled == [5, 1]
+        assert _total(np.ones(1, np.float32)) == 1.0 and compiled == [5, 1] and as_python == [3, 50]
     with pytest.raises(ValueError, match="jit mode"), jit.use("fast"):
         pass
 

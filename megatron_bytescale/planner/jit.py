@@ -3,10 +3,11 @@ by numba where numba is installed (it is a dependency).
 
 ``@kernel(size=...)`` wraps such a function. A call on a small input (``size(*args)`` below
 the kernel's ``small``) runs the function as Python: quick at that size, and it spares a small
-job (a CPU run, most tests) the compile. A larger call runs the same function compiled. There
+job (a CPU run, most tests) the compile. A larger call runs the same function compiled, and
+from then on so do the small calls with the same argument types (the compile is paid). There
 is one implementation, so both give the same results; the tests run each kernel both ways.
-``@jitable`` marks a helper a kernel calls: a plain function in Python, compiled into the
-kernels that call it.
+``@jitable`` marks a helper a kernel calls: a plain function in Python, inlined into the
+kernels that call it where they are compiled.
 
 Kernels compile once per environment and machine: numba keeps their machine code in its disk
 cache (``cache=True``, beside the sources or in a per-user directory), and every compile
@@ -28,19 +29,23 @@ import os
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
+
 MODES = ("auto", "python", "compiled")
 _ENV = {"0": "python", "1": "compiled", "": "auto", "auto": "auto", "python": "python", "compiled": "compiled"}
 _mode = _ENV.get(os.environ.get("BYTESCALE_JIT", "").strip().lower(), "auto")
-_helpers: list[Callable] = []  # every @jitable function, registered with numba before a kernel compiles
-_registered: set[int] = set()
+_helpers: list[Callable] = []  # every @jitable function, inlined into the kernels that call it
 _compiled = [0.0]  # seconds spent compiling (or waiting for another process's compile) in this process
 _told = [False]  # the compile line is printed once per process
 _lock = threading.Lock()  # one compile at a time in this process
 NOTICE_AFTER_S = 1.0  # a compile (not a cache load) takes longer than this: it is announced
+# how kernels are compiled (part of what cached code was compiled from: a change here recompiles)
+OPTIONS = "njit(cache=True, nogil=True); helpers njit(inline='always')"
 
 
 def jitable(function: Callable) -> Callable:
@@ -94,28 +99,47 @@ class Kernel:
         self._arity = len(parameters)
         self._defaults = function.__defaults__ or ()
         self._dispatcher = None
-        self._ready: set[tuple] = set()  # signatures compiled or loaded in this process
+        self._ready: set[tuple] = set()  # argument kinds (``_kinds``) compiled or loaded in this process
 
     def __call__(self, *args):
         if len(args) < self._arity:  # defaults passed explicitly: one signature per call site
             args = args + self._defaults[len(args) - self._arity :]
-        if _mode == "python" or (_mode == "auto" and self.size(*args) < self.small):
+        if _mode == "python":
+            return self.function(*args)
+        kinds = _kinds(args)
+        if kinds in self._ready:  # compiled (or loaded) for these types in this process: small inputs too
+            return self._dispatcher(*args)
+        if _mode == "auto" and self.size(*args) < self.small:
             return self.function(*args)
         compiled = self.compiled(args)
         return self.function(*args) if compiled is None else compiled(*args)
 
     def compiled(self, args: tuple):
         """The numba dispatcher, compiled for ``args``' types (None without numba)."""
+        kinds = _kinds(args)
+        if kinds in self._ready:
+            return self._dispatcher
         numba = _numba()
         if numba is None:
             return None
         if self._dispatcher is None:
             self._dispatcher = _dispatcher(numba, self.function)
-        signature = tuple(numba.typeof(a) for a in args)
-        if signature not in self._ready:
-            _compile(self._dispatcher, signature, self.function)
-            self._ready.add(signature)
+        _compile(self._dispatcher, tuple(numba.typeof(a) for a in args), self.function)
+        self._ready.add(kinds)
         return self._dispatcher
+
+
+def _kinds(args: tuple) -> tuple:
+    """What numba types ``args`` by, cheaply: an array's dtype, dimensions, layout and
+    whether it is writable; a tuple's items' kinds; a scalar's Python or numpy type."""
+    return tuple(
+        (a.dtype.str, a.ndim, a.flags.c_contiguous, a.flags.f_contiguous, a.flags.writeable)
+        if isinstance(a, np.ndarray)
+        else _kinds(a)
+        if isinstance(a, tuple)
+        else type(a)
+        for a in args
+    )
 
 
 def kernel(size: Callable[..., int] | None = None, small: int = 2048):
@@ -133,14 +157,49 @@ def _first_length(*args) -> int:
 
 
 def _dispatcher(numba, function: Callable):
-    for helper in _helpers:  # helpers become callable from compiled code (they stay plain functions)
-        if id(helper) not in _registered:
-            numba.extending.register_jitable(helper)
-            _registered.add(id(helper))
+    """The kernel compiled by numba: a copy of ``function`` whose globals name each @jitable
+    helper as a numba function inlined where it is called (as an inner function would be);
+    the module's own names stay the plain functions, which the Python runs call."""
+    inlined = _InlinedGlobals(numba)
+    compiled_from = inlined.clone(function, jit=False)
     try:
-        return numba.njit(cache=True, nogil=True)(function)
+        return numba.njit(cache=True, nogil=True)(compiled_from)
     except RuntimeError:  # no writable cache directory (numba names none): compiled in each process
-        return numba.njit(nogil=True)(function)
+        return numba.njit(nogil=True)(compiled_from)
+
+
+class _InlinedGlobals:
+    """Copies of functions whose globals name every @jitable helper as ``njit(inline='always')``
+    of a copy of it, made the same way (one per helper and per module's globals)."""
+
+    def __init__(self, numba):
+        self.numba = numba
+        self.helpers = {id(h): h for h in _helpers}
+        self.made: dict[int, object] = {}  # helper -> its inlined numba function
+        self.spaces: dict[int, dict] = {}  # a module's globals -> the copy the clones read
+
+    def clone(self, function: Callable, jit: bool = True):
+        made = self.made.get(id(function))
+        if jit and made is not None:
+            return made
+        space = self._space(function.__globals__)
+        copy = types.FunctionType(
+            function.__code__, space, function.__name__, function.__defaults__, function.__closure__
+        )
+        copy.__qualname__, copy.__module__, copy.__doc__ = function.__qualname__, function.__module__, function.__doc__
+        if not jit:
+            return copy
+        made = self.made[id(function)] = self.numba.njit(inline="always")(copy)
+        return made
+
+    def _space(self, module_globals: dict) -> dict:
+        space = self.spaces.get(id(module_globals))
+        if space is None:
+            space = self.spaces[id(module_globals)] = dict(module_globals)
+            for name, value in module_globals.items():
+                if id(value) in self.helpers:
+                    space[name] = self.clone(value)
+        return space
 
 
 def _compile(dispatcher, signature: tuple, function: Callable) -> None:
@@ -216,7 +275,7 @@ def _sources_digest(function: Callable) -> str:
     calls (directly or through other helpers), as this process loaded them. numba checks only
     the kernel's own source file before it reuses cached code, and the helpers compiled into
     it may live elsewhere."""
-    h = hashlib.sha256()
+    h = hashlib.sha256(OPTIONS.encode())
     for f in [function, *_helpers_used(function)]:
         _hash_code(h, f.__code__)
     return h.hexdigest()[:32]
