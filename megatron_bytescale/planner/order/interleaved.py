@@ -19,13 +19,25 @@ def slot_offsets(ring_keys: Sequence[Sequence[object | None]]) -> list[int] | No
     """Per rank, the offset of its micro-batch indices such that every ring micro-batch sits at
     one slot (index + offset) on all its members (``order_runs``' alignment), the smallest
     offset of each group of ranks joined by rings 0; None if no such offsets exist. The keys
-    (None: local work) are numbered in order of first appearance for ``offsets_of_rings``."""
-    number: dict = {}
-    flat = chain.from_iterable(ring_keys)
-    total = sum(map(len, ring_keys))
-    ids = np.fromiter((-1 if k is None else number.setdefault(k, len(number)) for k in flat), np.int64, total)
+    (None: local work) are the planner's ring indices (integers from 0) as they are, others
+    numbered in order of first appearance, for ``offsets_of_rings``."""
     lens = np.fromiter(map(len, ring_keys), dtype=np.int64, count=len(ring_keys))
-    off, ok = offsets_of_rings(ids, lens, len(number))
+    try:
+        ids = np.array([-1 if k is None else k for k in chain.from_iterable(ring_keys)])
+    except ValueError:  # keys of different shapes (tuples)
+        ids = np.zeros(0, dtype=object)
+    numbered = ids.ndim == 1 and ids.dtype.kind == "i" and ids.size == lens.sum()
+    if numbered:
+        ids = ids.astype(np.int64, copy=False)
+        units = int(ids.max(initial=-1)) + 1
+        # small integers only (``offsets_of_rings`` keeps an entry per key up to the largest)
+        numbered = units <= ids.size and np.count_nonzero(ids < 0) == sum(row.count(None) for row in ring_keys)
+    if not numbered:
+        number: dict = {}
+        flat = chain.from_iterable(ring_keys)
+        ids = np.fromiter((-1 if k is None else number.setdefault(k, len(number)) for k in flat), np.int64, lens.sum())
+        units = len(number)
+    off, ok = offsets_of_rings(ids, lens, units)
     return off.tolist() if ok else None
 
 
@@ -151,7 +163,7 @@ def _one_pipeline_rows(fwd: Sequence[float], bwd: Sequence[float], stages: int, 
     return [rows[:n] for rows, n in zip(ops, ran.tolist())]
 
 
-@kernel(size=lambda fwd, bwd, p, v: fwd.size * p * v)
+@kernel(size=lambda fwd, bwd, p, v: fwd.size * p * p * v, small=128)
 def one_pipeline(fwd: np.ndarray, bwd: np.ndarray, p: int, v: int):
     """Every device's order from running one pipeline of ``fwd.size`` micro-batches whose
     chunk forwards (backwards) last ``fwd[m] / v`` (``bwd[m] / v``) over ``p`` devices of
