@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, PlanError
+from ..errors import PlanError
 from ..planner.contract import BACKWARD, crossing_order_mismatch, plan_pipeline_deadlock
 from .batch import StepBatch
 from .context import active_micro_batch
-from .grad_sync import StepGradSync, overlaps_param_gather
+from .grad_sync import ParamGather, StepGradSync
 from .layout import MicroBatchLayout
 from .padding import pad_micro_batch, sequence_parallel_multiple
 from .pipeline import StageLink, gradient_group, run_one_f_one_b
@@ -273,8 +273,6 @@ def run_hdp_step(
     global _last_stats
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     virtual = len(chunks)
-    if virtual > 1:
-        _refuse_param_gather_with_chunks(chunks)
     rank = dist.get_rank(group)
     pp_group = _pipeline_group(pg_collection)
     check_step_agreement(step, group, pp_group, virtual)
@@ -309,6 +307,10 @@ def run_hdp_step(
         for chunk in chunks
     ]
     multiple = sequence_parallel_multiple(config)  # sequence parallelism: tokens padded to TP
+    # --overlap-param-gather: every chunk's all-gathers dispatched here on every rank, waited for
+    # by the forward pre-hooks and, for what they did not reach, after the last forward
+    gathers = ParamGather(chunks)
+    gathers.dispatch()
 
     def forward(i: int, c: int, input_tensor):
         nonlocal total_tokens
@@ -397,6 +399,7 @@ def run_hdp_step(
             release=release,
             order=order,
         )
+    gathers.finish()
     stats.timings.sort(key=lambda t: t.start)
     stats.micro_batches = count
     stats.loss_tokens = int(total_tokens.item())
@@ -425,17 +428,6 @@ def _no_sync(config):
     for func in funcs:
         stack.enter_context(func())
     return stack
-
-
-def _refuse_param_gather_with_chunks(chunks) -> None:
-    """The overlapped parameter all-gather is dispatched per DDP module at the step's start
-    (``grad_sync``); with model chunks that path is not tested: refuse it."""
-    for chunk in chunks:
-        if overlaps_param_gather(chunk):
-            raise ConfigError(
-                "--overlap-param-gather with virtual pipeline stages: HDP dispatches the overlapped parameter "
-                "all-gather for one model chunk only; drop --overlap-param-gather or the virtual pipeline stages"
-            )
 
 
 def _model_device(model) -> torch.device:
