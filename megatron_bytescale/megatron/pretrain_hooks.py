@@ -170,7 +170,9 @@ def megatron_forward_backward(**kwargs) -> list:
     step answers with zero sums for the keys it last reported, so the all-reduce still matches.
     """
     from ..runtime.step import hdp_forward_backward
+    from . import moe_statistics
 
+    moe_statistics.install()  # a padding-only expert-parallel filler's router statistics: 0, not 0 / 0
     kwargs.setdefault("offloader", _offloader(kwargs.get("model")))
     args = _hdp_args()  # every --log-interval: the planner's predicted step time beside the measured one
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
