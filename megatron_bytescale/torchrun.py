@@ -4,8 +4,9 @@ torchrun, with what a Megatron HDP launch needs around it (scripts/train_local.s
 scripts/slurm/train_torchrun.sbatch start it in place of ``torchrun``):
 
 * before any rank starts, and before torch is imported, the command line is checked
-  (``megatron.preflight``: validate_hdp_args, the LR schedule, the dataset, the ``--save``
-  lock); bad input ends in one line and exit status 2 within a second;
+  (``megatron.preflight``: Megatron's own parser, the entry script, the flag table's refusals,
+  validate_hdp_args, the LR schedule, the dataset, the ``--save`` lock); bad input ends in one
+  line and exit status 2 within a second or two;
 * torch's own launcher (``torch.distributed.run``) then runs in this process: its agent is the
   ranks' parent, so each rank dies with this process (``megatron.rank_guard``);
 * what only a rank can know (Megatron's full validation, the ``--save`` lock taken for real, a
@@ -73,11 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         from .process_lifetime import die_with_launcher
 
         die_with_launcher(os.getppid())
-    own, flags = split(argv)
+    own, _ = split(argv)
+    command = preflight.training_command(argv)
     world = world_size(own)
     try:
-        if flags is not None and world is not None:
-            preflight.check(flags, world)
+        if command is not None and world is not None:
+            preflight.check(command[1], world, command[0])
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -11,6 +11,7 @@ import re
 import pytest
 
 from megatron_bytescale.errors import ConfigError
+from megatron_bytescale.megatron import flag_table
 from megatron_bytescale.megatron.arguments import (
     MEGATRON_ARGS_READ,
     MEGATRON_DERIVED_ARGS,
@@ -256,11 +257,6 @@ CONFLICTS = {
     "static cp": (HDP, dict(context_parallel_size=2), "drop --context-parallel-size"),
     "hybrid cp": (HDP, dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
     "hybrid cp capacity": (HDP, dict(max_seqlen_per_dp_cp_rank=4096), "--max-seqlen-per-dp-cp-rank"),
-    "virtual pp with param gather": (
-        HDP,
-        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_param_gather=True),
-        "--overlap-param-gather with 2 virtual pipeline stages",
-    ),
     "chunk group size": (
         HDP,
         dict(
@@ -336,8 +332,11 @@ CONFLICTS = {
     "fim": (HDP, dict(fim_data=True), "--sft / --fim-data"),
     "cyclic loader": (HDP, dict(dataloader_type="cyclic"), "drop --dataloader-type"),
     "ray address without ray": (HDP + ["--hdp-ray-address", "ray://head:10001"], {}, "--hdp-dataloader ray"),
-    "two offloaders": (HDP + ["--hdp-selective-offload"], dict(fine_grained_activation_offloading=True), "keep one"),
-    "two offloaders (TE)": (HDP + ["--hdp-selective-offload"], dict(cpu_offloading_num_layers=2), "keep one"),
+    "megatron's offloading": (HDP, dict(fine_grained_activation_offloading=True), "--hdp-selective-offload: use that"),
+    "megatron's offloading (layers)": (HDP, dict(cpu_offloading_num_layers=2), "--hdp-selective-offload: use that"),
+    "sliding window": (HDP, dict(window_size=(64, 0)), "no sliding window"),
+    "attention sinks": (HDP, dict(softmax_type="learnable"), "no attention sinks"),
+    "global aux loss": (HDP, dict(moe_router_load_balancing_type=["global_aux_loss"]), "use aux_loss or seq_aux_loss"),
     "no capacity": (["--hybrid-data-parallel"], {}, "needs --hdp-token-capacity"),
     "unknown hardware": (HDP + ["--hdp-hardware", "tpu-v5"], {}, "unknown hardware 'tpu-v5'.*h100"),
     "profile and hardware": (HDP + ["--hdp-profile", __file__, "--hdp-hardware", "h200"], {}, "keep one"),
@@ -359,9 +358,13 @@ CONFLICTS = {
 
 @pytest.mark.parametrize("case", sorted(CONFLICTS))
 def test_every_conflict_is_a_config_error(case):
+    """As the ranks check: the flag table's refusals, then validate_hdp_args."""
     argv, megatron, message = CONFLICTS[case]
+    args = parse(argv, **megatron)
     with pytest.raises(ConfigError, match=message):
-        validate_hdp_args(parse(argv, **megatron))
+        if args.hybrid_data_parallel:
+            flag_table.refuse(args)
+        validate_hdp_args(args)
 
 
 def test_data_path_and_no_eval_are_accepted():

@@ -1,12 +1,15 @@
 """A wrong Megatron HDP launch ends in the launcher process, before any rank starts: one line,
-exit status 2, and torch never imported (so it takes about a second, not the 20 s of starting
-ranks). Each case of the bad-input list: scripts/train_local.sh's own variables, then flags
-validate_hdp_args refuses, through ``python -m megatron_bytescale.torchrun`` (what the script
-runs). The launcher's parser of Megatron's flags is compared with Megatron's in
-tests/test_arguments_megatron.py."""
+exit status 2, and torch never imported (so it takes a second or two, not the 20 s and more of
+starting ranks). Each case of the bad-input list: scripts/train_local.sh's own variables, then
+flags Megatron's parser or the flag table or validate_hdp_args refuses, and entry scripts HDP
+does not serve, through ``python -m megatron_bytescale.torchrun`` (what the script runs). The
+launcher builds Megatron's parser of the tree from its spec (compared with the real parser in
+tests/test_arguments_megatron.py): the tree here is the checkout's ``megatron`` package beside a
+pretrain_gpt.py that would only say a rank started."""
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -15,6 +18,10 @@ from pathlib import Path
 import pytest
 
 from megatron_bytescale.megatron import preflight
+
+from megatron_lm import MEGATRON_LM_DIR, era, needs_tree
+
+pytestmark = needs_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +36,9 @@ PROBE = (
 def launch(tmp_path):
     mlm = tmp_path / "Megatron-LM"
     mlm.mkdir()
-    (mlm / "pretrain_gpt.py").write_text("raise SystemExit('a rank started')\n")
+    (mlm / "megatron").symlink_to(Path(MEGATRON_LM_DIR) / "megatron")
+    for script in ("pretrain_gpt.py", "pretrain_hybrid.py"):
+        (mlm / script).write_text("raise SystemExit('a rank started')\n")
     for suffix in (".bin", ".idx"):
         (tmp_path / f"corpus{suffix}").write_bytes(b"")
     probe_dir = tmp_path / "probe"
@@ -120,6 +129,38 @@ CASES = {
         (("--lr-warmup-iters", "10"), {}),
         "error: --lr-warmup-iters 10 is not below --train-iters 10: the learning rate would never decay",
     ),
+    # Megatron's own parser, before any rank: a misspelled flag with the nearest known one
+    "misspelled --hdp-token-capcity": (
+        (("--hdp-token-capcity", "256"), {}),
+        "error: unrecognized arguments: --hdp-token-capcity 256 (did you mean --hdp-token-capacity?)",
+    ),
+    "misspelled Megatron flag": (
+        (("--num-layer", "4"), {}),
+        "error: unrecognized arguments: --num-layer 4 (did you mean --num-layers?)",
+    ),
+    "a value of the wrong type": ((("--num-layers", "four"), {}), "error: argument --num-layers: invalid int value"),
+    # the flag table's refusals
+    "--window-size 64,0": ((("--window-size", "64,0"), {}), "error: --window-size: HDP ring attention is full causal"),
+    "--softmax-type learnable": (
+        (("--softmax-type", "learnable"), {}),
+        "error: --softmax-type learnable: HDP ring attention merges blocks with the plain softmax",
+    ),
+    "global_aux_loss": (
+        (("--moe-router-load-balancing-type", "global_aux_loss"), {}),
+        "error: --moe-router-load-balancing-type global_aux_loss: global_aux_loss and quantile_balancing",
+    ),
+    # the global batch: Megatron counts global-batch-size / data-parallel-size samples per rank
+    "GLOBAL_BATCH_SIZE=6 on 4 ranks": (
+        ((), {"GLOBAL_BATCH_SIZE": "6"}),
+        "error: --global-batch-size 6 does not divide",
+    ),
+    # the scripts' variables
+    "HDP_TOKEN_CAPCITY=1K": (
+        ((), {"HDP_TOKEN_CAPCITY": "1K"}),
+        "error: HDP_TOKEN_CAPCITY is not a variable of these scripts (a misspelling?)",
+    ),
+    "TP=two": (((), {"TP": "two"}), "error: TP=two: give a positive whole number"),
+    "TRANSFORMER_IMPL=fast": (((), {"TRANSFORMER_IMPL": "fast"}), "error: TRANSFORMER_IMPL must be local or"),
 }
 
 
@@ -133,6 +174,41 @@ def test_each_wrong_launch_is_one_line_from_the_launcher_without_torch(launch, c
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected), lines
     assert imported in ("False", "not run"), "the launcher imported torch before refusing"
+
+
+def test_step_batch_size_schedule_is_refused_by_the_parser_or_the_table(launch):
+    """core_v0.16 has no such flag (Megatron's parser refuses it); core_v0.19 has, and the flag
+    table refuses it (an HDP step plans one fixed batch)."""
+    from megatron_bytescale.megatron_era import Era
+
+    run, _, _ = launch
+    proc, seconds, imported = run("--step-batch-size-schedule", "0:8")
+    print(f"--step-batch-size-schedule: {seconds:.2f} s: {proc.stderr.strip()}")
+    expected = (
+        "error: unrecognized arguments: --step-batch-size-schedule 0:8"
+        if era() is Era.V016
+        else "error: --step-batch-size-schedule 0:8 is not supported with --hybrid-data-parallel"
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and imported in ("False", "not run")
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
+
+
+@pytest.mark.parametrize("script", ["pretrain_hybrid.py", "pretrain_mamba.py"])
+def test_an_entry_script_hdp_does_not_serve_is_refused_by_name(launch, script):
+    """The script's command line with pretrain_gpt.py swapped for another entry script of the
+    checkout: refused by the launcher, before any rank (and by the rank-side launcher too)."""
+    run, mlm, _ = launch
+    (mlm / script).write_text("raise SystemExit('a rank started')\n")
+    dry, _, _ = run(DRY_RUN="1", HDP_MODE="launcher")
+    command = shlex.split(dry.stdout.strip().splitlines()[-1].replace("pretrain_gpt.py", script))
+    proc, seconds, imported = run(command=command)
+    print(f"{script}: {seconds:.2f} s: {proc.stderr.strip()}")
+    assert proc.returncode == 2 and imported == "False"
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {script}: megatron_bytescale trains GPT models through Megatron-LM's pretrain_gpt.py; {script} "
+        "(its own models, data and steps) is not supported under --hybrid-data-parallel: run pretrain_gpt.py"
+    ]
 
 
 def test_no_per_token_loss_through_the_launcher_module(launch):
@@ -213,8 +289,7 @@ def test_the_launcher_finds_the_training_flags_and_the_world_size():
     assert flags == ["--seed", "3"] and own == argv[:6] and torchrun.world_size(own) == 8
     assert torchrun.split(["--standalone", "/m/pretrain_gpt.py", "--x"])[1] == ["--x"]
     assert torchrun.world_size(["--nproc-per-node", "gpu"]) is None  # known to the ranks only: they check it
-    args = preflight.parse(
-        ["--tensor-model-parallel-size", "2", "--unknown-megatron-flag", "7", "--hybrid-data-parallel"]
-    )
+    args = preflight.parse(["--tensor-model-parallel-size", "2", "--hybrid-data-parallel"], MEGATRON_LM_DIR)
     args = preflight.derive(args, 8)
     assert args.data_parallel_size == 4 and args.hybrid_data_parallel and args.attention_dropout == 0.1
+    assert preflight.training_command(["--standalone", "/m/pretrain_gpt.py", "--x"]) == ("/m/pretrain_gpt.py", ["--x"])

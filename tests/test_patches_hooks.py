@@ -237,7 +237,12 @@ def _megatron_step(rank, world, plan_json, offload):
     from megatron_bytescale.megatron import pretrain_hooks as hooks
     from megatron_bytescale.runtime.step import last_step_stats
 
-    args = parse(HDP + (["--hdp-selective-offload"] if offload else []), data_parallel_size=world, seq_length=20)
+    args = parse(
+        HDP + (["--hdp-selective-offload"] if offload else []),
+        data_parallel_size=world,
+        seq_length=20,
+        global_batch_size=4 * world,
+    )
     hooks._megatron_args = lambda: args
     model, group = local_run.setup_model("tiny", seed=3)
     offloader = hooks._offloader(model)  # what megatron_forward_backward will pass for this model

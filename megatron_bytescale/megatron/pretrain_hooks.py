@@ -38,7 +38,7 @@ import torch
 
 from ..errors import ConfigError
 from ..megatron_era import is_v019
-from . import checkpoint_guard, rank_guard
+from . import checkpoint_guard, flag_table, rank_guard
 from .arguments import (
     add_hdp_arguments,
     chain_extra_args_providers,
@@ -101,6 +101,10 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
         hdp = getattr(args, "hybrid_data_parallel", False)
         try:
             if hdp:
+                # the flag table's refusals on the values as parsed (Megatron's validate_args
+                # asserts on some of them with a traceback), and any Megatron flag given that the
+                # table does not classify
+                flag_table.refuse(args, flag_table.given_flags(sys.argv[1:]))
                 check_launch(args)  # before Megatron's asserts would fire with a traceback
                 check_global_batch(args)
                 check_schedule(args)  # Megatron's scheduler asserts it a minute later, in every rank
