@@ -54,9 +54,10 @@ def default_hardware() -> str:
     return DEFAULT_HARDWARE if cuda else CPU_HARDWARE
 
 
-# Megatron-LM (core_v0.16.1) attributes the validator, the translators below and pretrain_hooks
-# read, after Megatron's validate_args has run. tests/test_arguments_megatron.py checks each one
-# exists there.
+# Megatron-LM (core_v0.16.1) attributes the validator, the translators below, pretrain_hooks and
+# some of the flag table's rules read (the table's own attributes are checked against every tree's
+# parser). tests/test_arguments_megatron.py checks each one exists there; tests/test_arguments.py
+# gives each the value a valid GPT run has after Megatron's validate_args.
 MEGATRON_ARGS_READ = (
     "attention_dropout",
     "calculate_per_token_loss",

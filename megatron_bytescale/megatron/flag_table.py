@@ -38,10 +38,14 @@ _RULE = re.compile(r"^(not in|in|has|==|!=) (.+)$")
 class Row:
     flag: str
     trees: tuple[str, ...]
-    dest: str
+    dest: str  # Megatron's attribute; 'a|b' where trees name it differently
     verdict: str
     rule: str  # '-', 'check:NAME' or '<operator> <literal>'
     text: str
+
+    @property
+    def dests(self) -> tuple[str, ...]:
+        return tuple(self.dest.split("|"))
 
     @property
     def check(self) -> str | None:
@@ -126,10 +130,13 @@ def _refuses(operator: str, literal, value) -> bool:
 _MISSING = object()
 
 
-def refuse(args, given=None) -> None:
+def refuse(args, given=None, known=None) -> None:
     """ConfigError (one line naming the fix) for the first refused Megatron flag of ``args``,
     or for a flag in ``given`` (option strings on the command line) the table does not
-    classify. ``check:`` rules are ``validate_hdp_args``'s."""
+    classify. ``known``: the option strings of the parser that read ``args``; a rule applies
+    only to a flag of that parser (trees may give one attribute name different meanings: the
+    dev tree's opt-in --use-layer-wise-param-layout is core_v0.19's default-on layout of
+    another optimizer). ``check:`` rules are ``validate_hdp_args``'s."""
     table = rows()
     if given:
         from .arguments import hdp_option_strings
@@ -143,11 +150,12 @@ def refuse(args, given=None) -> None:
             )
     for row in table.values():
         condition = row.condition
-        if condition is None:
+        if condition is None or (known is not None and row.flag not in known):
             continue
-        value = getattr(args, row.dest, _MISSING)
-        if value is not _MISSING and _refuses(*condition, value):
-            raise ConfigError(message(row, value))
+        for dest in row.dests:
+            value = getattr(args, dest, _MISSING)
+            if value is not _MISSING and _refuses(*condition, value):
+                raise ConfigError(message(row, value))
 
 
 def given_flags(argv) -> list[str]:

@@ -246,6 +246,9 @@ def _relative(path: str) -> str | None:
     return str(Path(*parts[i:]))
 
 
+_ENVIRONMENT_DEFAULTS = ("WORLD_SIZE", "LOCAL_RANK", "RANK")
+
+
 def megatron_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     """Megatron's own parser (``add_megatron_arguments``, what pretrain_gpt.py parses) and the
     source files its flags come from. Imports Megatron's training package."""
@@ -268,9 +271,13 @@ def megatron_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     from megatron.training import arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
+    # two defaults come from the environment (--inprocess-active-world-size from WORLD_SIZE,
+    # --local-rank from LOCAL_RANK): the spec holds the values of a plain shell, wherever it is read
+    saved = {name: os.environ.pop(name) for name in _ENVIRONMENT_DEFAULTS if name in os.environ}
     try:
         arguments.add_megatron_arguments(parser)
     finally:
+        os.environ.update(saved)
         if factory is not None:
             factory.__init__ = original_init
     files = [inspect.getsourcefile(arguments)]

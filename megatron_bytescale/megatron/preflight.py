@@ -91,10 +91,11 @@ def derive(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
 def check(flags: list[str], world_size: int, script: str | Path) -> argparse.Namespace:
     """Everything about ``script flags`` that can be known before the ranks start: ConfigError if not."""
     check_entry_script(script)
-    args = parse(flags, Path(script).resolve().parent)
+    parser = parser_for(Path(script).resolve().parent)
+    args = parser.parse_args(flags)
     if not args.hybrid_data_parallel:
         return derive(args, world_size)
-    flag_table.refuse(args, flag_table.given_flags(flags))
+    flag_table.refuse(args, flag_table.given_flags(flags), set(parser._option_string_actions))
     args = derive(args, world_size)
     check_global_batch(args)
     if args.seq_length is None:

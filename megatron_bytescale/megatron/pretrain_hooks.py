@@ -104,7 +104,7 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
                 # the flag table's refusals on the values as parsed (Megatron's validate_args
                 # asserts on some of them with a traceback), and any Megatron flag given that the
                 # table does not classify
-                flag_table.refuse(args, flag_table.given_flags(sys.argv[1:]))
+                flag_table.refuse(args, flag_table.given_flags(sys.argv[1:]), megatron_options())
                 check_launch(args)  # before Megatron's asserts would fire with a traceback
                 check_global_batch(args)
                 check_schedule(args)  # Megatron's scheduler asserts it a minute later, in every rank
@@ -130,6 +130,17 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
 
     validate._hdp_wrapped = True
     return validate
+
+
+def megatron_options() -> set[str] | None:
+    """The option strings of the Megatron parser this rank runs (its modules are imported by
+    now); None for a training package without Megatron's parser (the launcher tests' stand-in)."""
+    import argparse
+
+    from megatron.training import arguments
+
+    add = getattr(arguments, "add_megatron_arguments", None)
+    return None if add is None else set(add(argparse.ArgumentParser(allow_abbrev=False))._option_string_actions)
 
 
 # ------------------------------------------------------------------ forward/backward
