@@ -441,8 +441,12 @@ def test_moe_pipeline_parallel_hdp_equals_one_rank(moe_runs, one_length_data, wo
     shared expert) with PP=2 x HDP=2 and the overlapped distributed optimizer, against one rank
     without PP: 3 iterations from the MoE reference run's weights (--finetune; EP=2 checkpoint
     read on EP=1), equal losses, gradient norms and load-balancing losses. Expert parallelism
-    with pipelines is refused, so the experts are not split here."""
-    common = dict(_moe_common(one_length_data), LOAD_DIR=work / "ckpt_moe")
+    with pipelines is refused, so the experts are not split here.
+
+    One document a step: one pipeline has no micro-batch. Its routers record zero losses
+    (megatron/moe_statistics.py: record_idle_rank), so that Megatron's logging reduces them over
+    the same groups on every rank (on core_v0.16 an idle rank hung the run at its first log line)."""
+    common = dict(_moe_common(one_length_data), HDP_STEP_TOKENS=256, LOAD_DIR=work / "ckpt_moe")
     flags = (*MOE, "--ckpt-format", "torch_dist", "--finetune")
 
     def run(layout):

@@ -16,6 +16,13 @@ load-balancing losses the same definition: the total real-token count is clamped
 records 0 in Megatron's aux-loss tracker (with the reduction groups every other micro-batch
 records, so the logging collectives still pair up on every rank). A micro-batch with at least
 one real token has a count of at least 1 and is computed exactly as before.
+
+A rank that runs no micro-batch at all in a step (a plan may leave one idle) records nothing,
+and Megatron's logging then reduces the router losses over groups that rank does not join
+(core_v0.16 skips the data-parallel average of a loss a rank never recorded, core_v0.19 the
+z-loss's average over its data-parallel group): the run hangs at its first log line.
+``record_idle_rank`` has each of its routers record zero for every loss it would have recorded,
+through the router's own reporting (so with its groups), as a filler would.
 """
 
 from __future__ import annotations
@@ -48,3 +55,27 @@ def install() -> None:
     from megatron.core.transformer.moe import router
 
     router.get_tokens_per_expert_and_token_count = counts_at_least_one(router.get_tokens_per_expert_and_token_count)
+
+
+def record_idle_rank(chunks) -> None:
+    """On a rank without micro-batches in a training step: every router records a zero for
+    each of its losses (load balancing, sequence load balancing, z-loss), through megatron-core's
+    own reporting methods, so that the logging reductions pair up with the other ranks'."""
+    import torch
+    from megatron.core.transformer.moe.router import Router
+
+    for chunk in chunks:
+        for router in (m for m in chunk.modules() if isinstance(m, Router)):
+            if not router.training:
+                continue
+            experts = router.config.num_moe_experts
+            zeros = torch.zeros(1, experts, device=router.weight.device, dtype=torch.float32)
+            for name, kind in (("load_balancing_loss", "aux_loss"), ("seq_load_balancing_loss", "seq_aux_loss")):
+                coeff = router.get_aux_loss_coeff(kind)
+                if coeff > 0:
+                    router.attach_and_log_load_balancing_loss(
+                        zeros, coeff, zeros.sum(), name, router.tp_cp_group, valid_token_count=0
+                    )
+            if router.config.moe_z_loss_coeff is not None:
+                with torch.enable_grad():
+                    router.apply_z_loss(zeros, padding_mask=torch.ones(1, dtype=torch.bool, device=zeros.device))

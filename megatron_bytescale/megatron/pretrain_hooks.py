@@ -197,6 +197,9 @@ def megatron_forward_backward(**kwargs) -> list:
     elif not kwargs.get("collect_non_loss_data"):
         zeros = torch.zeros(2, dtype=torch.float32, device=_device())
         losses = [{key: zeros.clone() for key in megatron_forward_backward.keys}]
+        if not kwargs.get("forward_only"):  # the routers' logged losses, as a filler records them
+            model = kwargs.get("model")
+            moe_statistics.record_idle_rank(model if isinstance(model, list) else [model])
     return losses
 
 
