@@ -106,3 +106,44 @@ def test_a_megatron_flag_the_table_does_not_know_is_refused():
     flag_table.refuse(_namespace(), given)  # Megatron's and HDP's own flags
     with pytest.raises(ConfigError, match=r"^--brand-new-trick: a Megatron flag megatron_bytescale has not classified"):
         flag_table.refuse(_namespace(), given + ["--brand-new-trick"])
+
+
+def test_a_parser_spec_reads_a_command_line_as_its_parser():
+    """parser_spec without Megatron: every kind of action of a parser survives spec_of, JSON and
+    build_parser, and the rebuilt parser reads a command line to the same values (enum members by
+    name; a converter function's value as its text)."""
+    import enum
+    import json
+
+    from megatron_bytescale.megatron import parser_spec
+
+    class Backend(enum.Enum):
+        flash = 1
+        local = 2
+
+    def pair(text):
+        return tuple(int(x) for x in text.split(","))
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    group = parser.add_argument_group(title="network size")
+    group.add_argument("--num-layers", type=int, default=None)
+    group.add_argument("--lr", type=float, default=1e-4)
+    group.add_argument("--data-path", nargs="*", default=None)
+    group.add_argument("--coeffs", type=float, nargs="+", default=0.0)
+    group.add_argument("--ramp", type=int, nargs=3, default=None)
+    group.add_argument("--impl", choices=["local", "te"], default="te")
+    group.add_argument("--backend", type=lambda name: Backend[name], choices=list(Backend), default=Backend.local)
+    group.add_argument("--window", type=pair, default=None)
+    group.add_argument("--bf16", action="store_true")
+    group.add_argument("--no-fusion", action="store_false", dest="fusion")
+    group.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False)
+    spec = json.loads(json.dumps(parser_spec.spec_of(parser)))
+    assert [a["group"] for a in spec["actions"]] == ["network size"] * 11
+    rebuilt = parser_spec.build_parser(spec)
+    argv = ["--num-layers", "4", "--data-path", "a", "b", "--coeffs", "1e-2", "1e-3", "--ramp", "1", "2", "3"]
+    argv += ["--impl", "local", "--backend", "flash", "--window", "64,0", "--bf16", "--no-fusion", "--no-overlap"]
+    theirs, ours = vars(parser.parse_args(argv)), vars(rebuilt.parse_args(argv))
+    assert ours == {**theirs, "backend": "flash", "window": "64,0"}
+    assert vars(rebuilt.parse_args([])) == {**vars(parser.parse_args([])), "backend": "local"}
+    with pytest.raises(ConfigError, match="invalid choice"):
+        rebuilt.parse_args(["--impl", "cuda"])

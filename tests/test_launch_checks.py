@@ -293,3 +293,27 @@ def test_the_launcher_finds_the_training_flags_and_the_world_size():
     args = preflight.derive(args, 8)
     assert args.data_parallel_size == 4 and args.hybrid_data_parallel and args.attention_dropout == 0.1
     assert preflight.training_command(["--standalone", "/m/pretrain_gpt.py", "--x"]) == ("/m/pretrain_gpt.py", ["--x"])
+
+
+def test_a_tree_the_package_ships_no_spec_for_is_read_once_and_cached(tmp_path, monkeypatch):
+    """A checkout whose argument sources match no shipped spec (here: none shipped): the
+    launcher reads its real parser once in a subprocess, saying so, caches the spec by digest,
+    and the next launch takes it from the cache. The spec is the one the package ships."""
+    from megatron_bytescale.megatron import parser_spec
+
+    shipped = parser_spec.find_shipped(Path(MEGATRON_LM_DIR))
+    assert shipped is not None
+    monkeypatch.setattr(parser_spec, "SPEC_DIR", tmp_path / "none-shipped")
+    monkeypatch.setenv(parser_spec.CACHE_ENV, str(tmp_path / "cache"))
+    said = []
+
+    def announce(*words, **_):
+        said.append(" ".join(map(str, words)))
+
+    first = parser_spec.load(MEGATRON_LM_DIR, announce=announce)
+    second = parser_spec.load(MEGATRON_LM_DIR, announce=announce)
+    assert len(said) == 1 and "reading its parser once" in said[0], said
+    assert first == second == shipped
+    assert [p.name for p in (tmp_path / "cache" / "megatron_bytescale" / "parser-specs").iterdir()] == [
+        f"{parser_spec.tree_version(Path(MEGATRON_LM_DIR))}-{shipped['digest'][:16]}.json"
+    ]
