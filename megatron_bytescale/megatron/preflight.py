@@ -54,7 +54,10 @@ class _Parser(parser_spec.OneLineParser):
         if message.startswith("unrecognized arguments:"):
             unknown = next((w for w in message.split()[2:] if w.startswith("--")), None)
             if unknown:
-                near = difflib.get_close_matches(unknown.split("=")[0], list(self._option_string_actions), n=1)
+                # a misspelling, not any flag that shares a few words (cutoff above difflib's 0.6)
+                near = difflib.get_close_matches(
+                    unknown.split("=")[0], list(self._option_string_actions), n=1, cutoff=0.8
+                )
                 if near:
                     message += f" (did you mean {near[0]}?)"
         raise ConfigError(message)
