@@ -252,8 +252,7 @@ _ENVIRONMENT_DEFAULTS = ("WORLD_SIZE", "LOCAL_RANK", "RANK")
 def megatron_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     """Megatron's own parser (``add_megatron_arguments``, what pretrain_gpt.py parses) and the
     source files its flags come from. Imports Megatron's training package."""
-    import megatron_bytescale  # noqa: F401  (triton stand-ins first where triton is missing)
-
+    # (the package's __init__ has run: triton stand-ins are in place where triton is missing)
     classes: list[type] = []
     try:
         from megatron.training import argument_utils
