@@ -190,9 +190,11 @@ def counts_markdown() -> str:
 
 
 def draft(spec_actions, tree: str) -> list[str]:
-    """TSV rows (verdict '?', to be reviewed) for the option strings of a parser spec's actions
-    that the table lacks, and the table's rows with ``tree`` added where the parser has them:
-    what `python -m megatron_bytescale.megatron.flag_table --draft TREE_KEY SPEC.json` prints."""
+    """TSV rows (verdict '?', which ``problems`` refuses until each is reviewed) for the option
+    strings of a parser spec's actions that the table lacks: what `python -m
+    megatron_bytescale.megatron.flag_table --draft TREE_KEY SPEC.json` prints. (A flag the table
+    has but not for ``tree`` needs the tree added to its row by hand, after checking it means the
+    same there.)"""
     table = rows()
     out = []
     for action in spec_actions:
