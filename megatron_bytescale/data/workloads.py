@@ -173,6 +173,61 @@ class Workload:
         )
 
 
+LOGNORMAL = "lognormal"
+# Megatron's dynamic-CP benchmark draws its mock lengths so (examples/dynamic_context_parallel,
+# VARLEN_DATASET_JSON: min 128, max 8192, mean 1024, sigma 1.5)
+LOGNORMAL_DEFAULTS = {"mean": 1024, "sigma": 1.5, "min": 128, "max": 8192}
+
+
+@dataclass(frozen=True)
+class LogNormal:
+    """Lengths ``exp(N(mu, sigma))`` with ``mu = ln(mean) - sigma^2 / 2`` (so the mean before
+    clipping is ``mean``), clipped to ``[min, max]`` and truncated to integers: the draw of
+    Megatron's mock variable-length datasets (``generate_lognormal_samples``)."""
+
+    mean: float = LOGNORMAL_DEFAULTS["mean"]
+    sigma: float = LOGNORMAL_DEFAULTS["sigma"]
+    min: int = LOGNORMAL_DEFAULTS["min"]
+    max: int = LOGNORMAL_DEFAULTS["max"]
+
+    @property
+    def name(self) -> str:
+        return f"{LOGNORMAL}:mean={self.mean:g},sigma={self.sigma:g},min={self.min},max={self.max}"
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        mu = math.log(self.mean) - self.sigma**2 / 2
+        return np.clip(rng.lognormal(mu, self.sigma, n), self.min, self.max).astype(np.int64)
+
+    @property
+    def mean_length(self) -> float:
+        return float(self.draw(20000, np.random.default_rng(0)).mean())
+
+    @classmethod
+    def parse(cls, spec: str) -> LogNormal:
+        """``lognormal`` or ``lognormal:mean=1K,sigma=1.5,min=128,max=8K`` (any of the four)."""
+        _, _, rest = spec.partition(":")
+        values: dict = dict(LOGNORMAL_DEFAULTS)
+        for item in filter(None, (part.strip() for part in rest.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in values:
+                raise ConfigError(
+                    f"{spec!r}: write lognormal:KEY=VALUE,... with keys {', '.join(LOGNORMAL_DEFAULTS)} "
+                    f"(e.g. {LOGNORMAL}:mean=1K,sigma=1.5,min=128,max=8K)"
+                )
+            values[key] = float(value) if key == "sigma" else parse_size(value, f"lognormal {key}")
+        if not (0 < values["min"] <= values["max"]) or values["mean"] <= 0 or values["sigma"] <= 0:
+            raise ConfigError(f"{spec!r}: needs 0 < min <= max, a positive mean and a positive sigma")
+        return cls(**values)
+
+
+def length_distribution(spec: str) -> Workload | LogNormal:
+    """A named length distribution: ``byted``, ``github`` (or a workload YAML) or ``lognormal[:...]``;
+    each has ``draw(n, rng)`` and ``mean_length``."""
+    if spec == LOGNORMAL or spec.startswith(LOGNORMAL + ":"):
+        return LogNormal.parse(spec)
+    return Workload.load(spec)
+
+
 def check_targets(workload: Workload, lengths) -> list[tuple[Target, float, bool]]:
     """(target, measured value, within tolerance) for each of the workload's statistics."""
     arr = np.asarray(lengths, dtype=np.int64)
@@ -202,10 +257,10 @@ def fill_batch(draw: Callable[[int], np.ndarray], total_tokens: int, context: in
 
 
 def sample_lengths(dataset: str, total_tokens: int, context: int, rng: Rng = None) -> list[int]:
-    """One global batch of sequence lengths from a named workload (``byted``, ``github``, or a
-    path to a workload YAML): drawn until the batch holds exactly ``total_tokens``, each cut
-    to ``context``."""
-    workload = Workload.load(dataset)
+    """One global batch of sequence lengths from a named workload (``byted``, ``github``, a path
+    to a workload YAML, or ``lognormal[:...]``, an SFT-like mix): drawn until the batch holds
+    exactly ``total_tokens``, each cut to ``context``."""
+    workload = length_distribution(dataset)
     gen = as_rng(rng)
     return fill_batch(lambda n: workload.draw(n, gen), total_tokens, context, workload.mean_length)
 
