@@ -174,7 +174,8 @@ def megatron_forward_backward(**kwargs) -> list:
     kwargs.setdefault("offloader", _offloader(kwargs.get("model")))
     args = _hdp_args()  # every --log-interval: the planner's predicted step time beside the measured one
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    losses = _step_timer.run(hdp_forward_backward, kwargs, getattr(args, "log_interval", None), rank)
+    gpus = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    losses = _step_timer.run(hdp_forward_backward, kwargs, getattr(args, "log_interval", None), rank, gpus)
     if losses:
         megatron_forward_backward.keys = tuple(losses[0].keys())
     elif not kwargs.get("collect_non_loss_data"):
