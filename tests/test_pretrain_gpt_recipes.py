@@ -132,9 +132,11 @@ def _close(a: Run, b: Run, what: str) -> None:
         assert abs(float(a.grad_norms[i]) - float(b.grad_norms[i])) <= 1e-3, (what, i, a.grad_norms, b.grad_norms)
 
 
-def _pair(tree, flags, *, launcher=False):
+def _pair(tree, flags, *, launcher=False, one_rank=()):
+    """The run on 4 HDP ranks and on one (``one_rank``: flags only that one takes)."""
+    runs = ((4, flags), (1, [*flags, *one_rank]))
     with ThreadPoolExecutor(2) as pool:  # mostly start-up: overlap them
-        four, one = pool.map(lambda n: pretrain(tree, n, flags, launcher=launcher).check(), (4, 1))
+        four, one = pool.map(lambda a: pretrain(tree, *a, launcher=launcher).check(), runs)
     return four, one
 
 
@@ -217,7 +219,8 @@ def test_sft_conversations_longer_than_a_rank_equal_one_rank(patched_tree, work,
         "--sft-tokenizer-prompt-format", "nemotron-h-aligned", "--train-data-path", str(data),
         "--eval-iters", "0", "--eval-interval", "3", "--use-cpu-initialization",
     ]  # fmt: skip
-    four, one = _pair(patched_tree, flags)
+    # one rank holds the longest conversation whole (the capacity packs, it changes no sum)
+    four, one = _pair(patched_tree, flags, one_rank=["--hdp-token-capacity", "1024"])
     print(f"sft: 4 ranks {four.losses} {four.grad_norms}; one rank {one.losses} {one.grad_norms}")
     _close(four, one, "sft")
     assert "hdp: tokenizing the train conversations" in four.log
