@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_bytescale.data.blend import BlendPosition, BlendSampler
+from megatron_bytescale.data.blend import BlendPosition, BlendSampler, blend_from_list, parse_split, split_matrix
 from megatron_bytescale.data.documents import (
     IGNORE_INDEX,
     MockDocuments,
@@ -31,7 +31,6 @@ from megatron_bytescale.data.indexed import DocumentDataset
 from megatron_bytescale.data.local_loader import LocalDataLoader
 from megatron_bytescale.data.sampler import loader_state, restore_state
 from megatron_bytescale.errors import ConfigError
-from megatron_bytescale.megatron.data_config import blend_from_list, parse_split, split_matrix
 from megatron_bytescale.planner.contract import MicroBatch, Piece
 from megatron_bytescale.planner.planner import PlannerConfig
 from megatron_bytescale.runtime.batch import build_micro_batch_data
@@ -224,3 +223,14 @@ def test_sft_conversations_mask_prompt_labels_wherever_the_plan_cuts(tmp_path):
     answer = docs.label_mask(0, 0, 10)  # system 2 + user 3 prompt, answer 4, EOD appended (in the loss)
     assert answer.tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1]
     assert data.loss_mask.tolist() == [0, 0, 0, 1, 1, 0]  # labels of 0-2: prompt; 7, 8: answer; 9: none
+
+
+def test_the_shadow_run_reads_the_blend_syntax(corpus):
+    """`bytescale simulate --data-path 0.5 A 0.5 B` costs the blend's training batches."""
+    from megatron_bytescale.data.workloads import training_batches
+
+    steps, info = training_batches(["0.5", corpus, "0.5", corpus], 256, 64, 0)
+    lengths = [n for _ in range(5) for n in next(steps)]
+    assert info["documents"] == 38 and info["prefix"].startswith("0.5 x ") and max(lengths) <= 64
+    single, one = training_batches(corpus, 256, 64, 0)
+    assert one["documents"] == 19 and sum(next(single)) <= 256

@@ -23,6 +23,7 @@ Document ids of the samples are global: part j's documents follow those of parts
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -136,3 +137,46 @@ def make_sampler(part_lengths: Sequence[Sequence[int]], weights, *, step_tokens:
     if len(part_lengths) == 1:
         return GlobalBatchSampler(part_lengths[0], step_tokens=step_tokens, context_length=context_length, seed=seed)
     return BlendSampler(part_lengths, weights, step_tokens=step_tokens, context_length=context_length, seed=seed)
+
+
+# ------------------------------------------------------------------ Megatron's syntax
+def blend_from_list(words, flag: str) -> tuple[list[str], list[float] | None] | None:
+    """Megatron's ``get_blend_from_list``: an even list whose odd entries all read as numbers is
+    ``W1 P1 W2 P2 ...``; anything else is a list of prefixes without weights."""
+    if words is None:
+        return None
+    if isinstance(words, str):
+        words = words.split()
+    words = [str(w) for w in words]
+    if not words:
+        raise ConfigError(f"{flag}: give at least one dataset")
+    if len(words) % 2 == 0:
+        try:
+            weights = [float(w) for w in words[0::2]]
+        except ValueError:
+            weights = None
+        if weights is not None:
+            prefixes = [p.strip() for p in words[1::2]]
+            if any(w <= 0 for w in weights):
+                raise ConfigError(f"{flag} {' '.join(words)}: blend weights must be positive")
+            return prefixes, weights
+    return [p.strip() for p in words], None
+
+
+def parse_split(text: str) -> list[float]:
+    """Megatron's ``parse_and_normalize_split``: ``"969,30,1"`` -> normalised train/valid/test shares."""
+    values = [float(v) for v in re.findall(r"[.0-9]+", text)]
+    values = values + [0.0] * (3 - len(values))
+    if len(values) != 3 or sum(values) <= 0 or any(v < 0 for v in values):
+        raise ConfigError(f"--split {text!r}: give up to three non-negative shares, e.g. --split 969,30,1")
+    total = sum(values)
+    return [v / total for v in values]
+
+
+def split_matrix(shares: list[float]) -> list[tuple[float, float] | None]:
+    """Megatron's ``convert_split_vector_to_split_matrix`` for one vector: each split's
+    ``[begin, end)`` fraction of a dataset, None where its share is 0."""
+    bounds = [0.0]
+    for share in shares:
+        bounds.append(bounds[-1] + share)
+    return [(bounds[i], bounds[i + 1]) if bounds[i] != bounds[i + 1] else None for i in range(3)]

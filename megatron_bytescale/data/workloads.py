@@ -282,25 +282,32 @@ def lengths_from_file(lengths: np.ndarray, total_tokens: int, context: int, rng:
     )
 
 
-def training_batches(prefix: str, step_tokens: int, context: int, seed: int):
-    """The sequence lengths of the global batches training on ``prefix`` would see, step by
+def training_batches(data_path, step_tokens: int, context: int, seed: int):
+    """The sequence lengths of the global batches training on ``data_path`` would see, step by
     step (the HDP loaders' sampler: documents in the seeded epoch order, cut at ``context``,
-    ``step_tokens`` per step), and a description of the dataset."""
-    from .indexed import DocumentDataset
-    from .sampler import GlobalBatchSampler, Position
+    ``step_tokens`` per step), and a description of the data. ``data_path``: a prefix, or
+    Megatron's blend syntax (``W1 P1 W2 P2 ...`` as a list or one string: the blend's stream,
+    each prefix whole; training with --data-path also holds back --split's validation and test
+    shares)."""
+    from .blend import blend_from_list
+    from .documents import Part, StreamSpec, open_stream
 
-    docs = DocumentDataset(prefix)
-    sampler = GlobalBatchSampler(docs.lengths, step_tokens=step_tokens, context_length=context, seed=seed)
+    prefixes, weights = blend_from_list(data_path, "--data-path")
+    spec = StreamSpec("train", tuple(Part(p, w) for p, w in zip(prefixes, weights or [None] * len(prefixes))))
+    docs = open_stream(spec, context_length=context, seed=seed)
+    sampler = docs.sampler(step_tokens=step_tokens, context_length=context, seed=seed)
     info = {
-        "prefix": docs.prefix,
-        "documents": len(docs),
-        "tokens": docs.num_tokens,
+        "prefix": " + ".join(prefixes)
+        if weights is None
+        else " + ".join(f"{w:g} x {p}" for p, w in zip(prefixes, weights)),
+        "documents": int(docs.lengths.size),
+        "tokens": int(docs.lengths.sum()),
         "longest_document": int(docs.lengths.max()),
         "documents_over_context": int((docs.lengths > context).sum()),
     }
 
     def steps():
-        position = Position()
+        position = sampler.start()
         while True:
             samples, position = sampler.batch(position)
             yield [s.length for s in samples]

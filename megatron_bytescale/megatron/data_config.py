@@ -15,56 +15,14 @@ No torch and no Megatron import: the launcher's checks (``preflight``) build the
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..data.blend import blend_from_list, parse_split, split_matrix
 from ..data.documents import SPLITS, Part, StreamSpec
 from ..errors import ConfigError
 
 LEGACY_SPLIT = "969, 30, 1"  # what Megatron's validate_args sets with --data-path and no --split
-
-
-def blend_from_list(words, flag: str) -> tuple[list[str], list[float] | None] | None:
-    """Megatron's ``get_blend_from_list``: an even list whose odd entries all read as numbers is
-    ``W1 P1 W2 P2 ...``; anything else is a list of prefixes without weights."""
-    if words is None:
-        return None
-    if isinstance(words, str):
-        words = words.split()
-    words = [str(w) for w in words]
-    if not words:
-        raise ConfigError(f"{flag}: give at least one dataset")
-    if len(words) % 2 == 0:
-        try:
-            weights = [float(w) for w in words[0::2]]
-        except ValueError:
-            weights = None
-        if weights is not None:
-            prefixes = [p.strip() for p in words[1::2]]
-            if any(w <= 0 for w in weights):
-                raise ConfigError(f"{flag} {' '.join(words)}: blend weights must be positive")
-            return prefixes, weights
-    return [p.strip() for p in words], None
-
-
-def parse_split(text: str) -> list[float]:
-    """Megatron's ``parse_and_normalize_split``: ``"969,30,1"`` -> normalised train/valid/test shares."""
-    values = [float(v) for v in re.findall(r"[.0-9]+", text)]
-    values = values + [0.0] * (len(SPLITS) - len(values))
-    if len(values) != len(SPLITS) or sum(values) <= 0 or any(v < 0 for v in values):
-        raise ConfigError(f"--split {text!r}: give up to three non-negative shares, e.g. --split 969,30,1")
-    total = sum(values)
-    return [v / total for v in values]
-
-
-def split_matrix(shares: list[float]) -> list[tuple[float, float] | None]:
-    """Megatron's ``convert_split_vector_to_split_matrix`` for one vector: each split's
-    ``[begin, end)`` fraction of a dataset, None where its share is 0."""
-    bounds = [0.0]
-    for share in shares:
-        bounds.append(bounds[-1] + share)
-    return [(bounds[i], bounds[i + 1]) if bounds[i] != bounds[i + 1] else None for i in range(len(SPLITS))]
 
 
 @dataclass(frozen=True)
