@@ -214,6 +214,12 @@ def test_sft_conversations_longer_than_a_rank_equal_one_rank(patched_tree, work,
     """--sft with Megatron's SFTTokenizer and the nemotron-h-aligned prompt format: system and
     user tokens out of the loss, each conversation one document on its own ranks, nothing padded."""
     data = _conversations(work / "conversations.jsonl")
+    from transformers import AutoTokenizer
+
+    longest = max(len(json.loads(line)["messages"][2]["content"]) for line in data.read_text().splitlines())
+    answer = next(m["content"] for line in data.read_text().splitlines() for m in json.loads(line)["messages"][2:3]
+                  if len(m["content"]) == longest)  # fmt: skip
+    assert len(AutoTokenizer.from_pretrained(str(tokenizer))(answer)["input_ids"]) > 256  # a ring's worth
     flags = _base_flags(preprocessed[0], SEQ_LENGTH=1024, HDP_TOKEN_CAPACITY=256) + [
         "--sft", "--tokenizer-type", "SFTTokenizer", "--tokenizer-model", str(tokenizer),
         "--sft-tokenizer-prompt-format", "nemotron-h-aligned", "--train-data-path", str(data),
