@@ -289,21 +289,22 @@ def training_batches(data_path, step_tokens: int, context: int, seed: int):
     Megatron's blend syntax (``W1 P1 W2 P2 ...`` as a list or one string: the blend's stream,
     each prefix whole; training with --data-path also holds back --split's validation and test
     shares)."""
-    from .blend import blend_from_list
-    from .documents import Part, StreamSpec, open_stream
+    from .blend import blend_from_list, make_sampler
+    from .indexed import DocumentDataset
 
     prefixes, weights = blend_from_list(data_path, "--data-path")
-    spec = StreamSpec("train", tuple(Part(p, w) for p, w in zip(prefixes, weights or [None] * len(prefixes))))
-    docs = open_stream(spec, context_length=context, seed=seed)
-    sampler = docs.sampler(step_tokens=step_tokens, context_length=context, seed=seed)
+    parts = [DocumentDataset(p, allow_empty=True).lengths for p in prefixes]
+    parts = [lengths[lengths > 0] for lengths in parts]  # as training skips empty documents
+    sampler = make_sampler(parts, weights, step_tokens=step_tokens, context_length=context, seed=seed)
+    lengths = np.concatenate(parts)
     info = {
         "prefix": " + ".join(prefixes)
         if weights is None
         else " + ".join(f"{w:g} x {p}" for p, w in zip(prefixes, weights)),
-        "documents": int(docs.lengths.size),
-        "tokens": int(docs.lengths.sum()),
-        "longest_document": int(docs.lengths.max()),
-        "documents_over_context": int((docs.lengths > context).sum()),
+        "documents": int(lengths.size),
+        "tokens": int(lengths.sum()),
+        "longest_document": int(lengths.max()),
+        "documents_over_context": int((lengths > context).sum()),
     }
 
     def steps():
