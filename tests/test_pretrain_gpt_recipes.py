@@ -20,7 +20,6 @@ Needs MEGATRON_LM_DIR; skipped, with that reason, without it.
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,7 @@ import pytest
 from test_pretrain_gpt_cpu import TIMEOUT, Run, _environment, dry_run, launcher_flags
 from tokenizer_support import build_tokenizer_dir
 
-from megatron_lm import MEGATRON_LM_DIR, ROOT, needs_tree, patch_series
+from megatron_lm import MEGATRON_LM_DIR, ROOT, needs_tree, patched_copy
 
 pytestmark = needs_tree
 
@@ -84,10 +83,7 @@ def preprocessed(work, tokenizer):
 
 @pytest.fixture(scope="module")
 def patched_tree(work):
-    tree = work / "megatron-lm"
-    shutil.copytree(MEGATRON_LM_DIR, tree, ignore=shutil.ignore_patterns("__pycache__", ".git"))
-    for patch in patch_series():
-        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True, capture_output=True)
+    tree = patched_copy(work / "megatron-lm")
     return tree
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError
-from .sampler import GlobalBatchSampler, Position, Sample, cut_step
+from .sampler import GlobalBatchSampler, Position, Sample, cut_step, stream_fingerprint
 
 
 def part_seed(seed: int, part: int) -> int:
@@ -115,11 +115,7 @@ class BlendSampler:
 
     def fingerprint(self) -> dict:
         return {
-            "seed": self.seed,
-            "step_tokens": self.step_tokens,
-            "context_length": self.context_length,
-            "num_documents": self.num_documents,
-            "num_tokens": int(self.lengths.sum()),
+            **stream_fingerprint(self),
             "blend_weights": [round(w, 12) for w in self.weights],
             "blend_documents": [p.num_documents for p in self.parts],
         }

@@ -87,13 +87,7 @@ class GlobalBatchSampler:
 
     def fingerprint(self) -> dict:
         """What a saved stream position is only valid with."""
-        return {
-            "seed": self.seed,
-            "step_tokens": self.step_tokens,
-            "context_length": self.context_length,
-            "num_documents": self.num_documents,
-            "num_tokens": int(self.lengths.sum()),
-        }
+        return stream_fingerprint(self)
 
     def check_position(self, pos: Position) -> None:
         if pos.epoch < 0 or not 0 <= pos.index < self.lengths.size:
@@ -122,6 +116,17 @@ class GlobalBatchSampler:
     def batch(self, pos: Position) -> tuple[tuple[Sample, ...], Position]:
         """The samples of the step that starts at ``pos``, and where the next step starts."""
         return cut_step(self.take, pos, self.step_tokens)
+
+
+def stream_fingerprint(sampler) -> dict:
+    """The settings and data a sampler's positions are only valid with."""
+    return {
+        "seed": sampler.seed,
+        "step_tokens": sampler.step_tokens,
+        "context_length": sampler.context_length,
+        "num_documents": sampler.num_documents,
+        "num_tokens": int(sampler.lengths.sum()),
+    }
 
 
 def cut_step(take, pos, step_tokens: int):
