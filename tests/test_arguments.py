@@ -79,6 +79,8 @@ MEGATRON = dict(
     data_args_path=None,
     per_split_data_args_path=None,
     eval_iters=10,
+    split=None,
+    tokenizer_type="NullTokenizer",
     eval_interval=500,
     train_iters=1000,
     skip_train=False,
@@ -317,14 +319,23 @@ CONFLICTS = {
     "yarn": (HDP, dict(position_embedding_type="yarn"), "rope, learned_absolute or none"),
     "attention variant": (HDP, dict(experimental_attention_variant="gated_delta_net"), "choose their own layer specs"),
     "heterogeneous": (HDP, dict(heterogeneous_layers_config_path="h.json"), "choose their own layer specs"),
-    "mock data": (HDP, dict(mock_data=True), "bytescale prepare-data"),
-    "blend": (HDP, dict(train_data_path=["0.3", "data/a", "0.7", "data/b"]), "exactly one dataset prefix"),
-    "no data": (HDP, dict(train_data_path=None), "exactly one dataset prefix"),
-    "data args file": (HDP, dict(data_args_path="paths.txt"), "--data-args-path"),
-    "two valid sets": (HDP, dict(valid_data_path=["data/v1", "data/v2"]), "exactly one dataset prefix"),
-    "test set": (HDP, dict(test_data_path=["data/test"]), "drop it"),
+    "mock data and a data path": (HDP, dict(mock_data=True), "replace the datasets"),
+    "mock lengths without mock data": (HDP + ["--hdp-mock-lengths", "byted"], {}, "add --mock-data"),
+    "no data": (HDP, dict(train_data_path=None, valid_data_path=None), "no training data"),
     "full validation": (HDP, dict(full_validation=True), "--full-validation"),
-    "eval without valid data": (HDP, dict(valid_data_path=None), "--valid-data-path VALID.*or --eval-iters 0"),
+    "eval without valid data": (HDP, dict(valid_data_path=None), "pass --valid-data-path VALID.*or --eval-iters 0"),
+    "eval with a split without validation": (
+        HDP,
+        dict(data_path=["data/a"], train_data_path=None, valid_data_path=None, split="100,0,0"),
+        "--split 100,0,0 gives validation no share",
+    ),
+    "sft without its tokenizer": (HDP, dict(sft=True), "--tokenizer-type SFTTokenizer"),
+    "sft on ray": (
+        HDP + ["--hdp-dataloader", "ray", "--hdp-ray-address", "head:6379"],
+        dict(sft=True, tokenizer_type="SFTTokenizer"),
+        "--hdp-dataloader local",
+    ),
+    "sft with mock data": (HDP, dict(sft=True, mock_data=True, tokenizer_type="SFTTokenizer"), "drop one of them"),
     "no eval interval": (
         HDP,
         dict(eval_interval=None, eval_iters=0, valid_data_path=None),
@@ -332,8 +343,7 @@ CONFLICTS = {
     ),
     "step below seq length": (HDP + ["--hdp-step-tokens", "16K"], {}, "below --seq-length 32K"),
     "ray servers without ray": (HDP + ["--hdp-ray-servers", "4"], {}, "--hdp-dataloader ray"),
-    "sft": (HDP, dict(sft=True), "--sft / --fim-data"),
-    "fim": (HDP, dict(fim_data=True), "--sft / --fim-data"),
+    "fim": (HDP, dict(fim_data=True), "drop --fim-data"),
     "cyclic loader": (HDP, dict(dataloader_type="cyclic"), "drop --dataloader-type"),
     "ray address without ray": (HDP + ["--hdp-ray-address", "ray://head:10001"], {}, "--hdp-dataloader ray"),
     "two offloaders": (HDP + ["--hdp-selective-offload"], dict(fine_grained_activation_offloading=True), "keep one"),
@@ -362,6 +372,84 @@ def test_every_conflict_is_a_config_error(case):
     argv, megatron, message = CONFLICTS[case]
     with pytest.raises(ConfigError, match=message):
         validate_hdp_args(parse(argv, **megatron))
+
+
+# Megatron's data flags HDP honours (refused before): (flags, Megatron's values, what each split reads)
+ACCEPTED_DATA = {
+    "weighted blend, split": (
+        HDP,
+        dict(data_path=["0.3", "a", "0.7", "b"], train_data_path=None, valid_data_path=None, split="98,2,0"),
+        {
+            "train": [("a", 0.3, (0, 0.98)), ("b", 0.7, (0, 0.98))],
+            "valid": [("a", 0.3, (0.98, 1)), ("b", 0.7, (0.98, 1))],
+        },
+    ),
+    "prefixes without weights, Megatron's default split": (
+        HDP,
+        dict(data_path=["a", "b"], train_data_path=None, valid_data_path=None),
+        {
+            "train": [("a", None, (0, 0.969)), ("b", None, (0, 0.969))],
+            "valid": [("a", None, (0.969, 0.999)), ("b", None, (0.969, 0.999))],
+            "test": [("a", None, (0.999, 1)), ("b", None, (0.999, 1))],
+        },
+    ),
+    "per-split blends": (
+        HDP,
+        dict(train_data_path=["2", "a", "1", "b"], valid_data_path=["v"], test_data_path=["t"]),
+        {
+            "train": [("a", 2.0, (0, 1)), ("b", 1.0, (0, 1))],
+            "valid": [("v", None, (0, 1))],
+            "test": [("t", None, (0, 1))],
+        },
+    ),
+    "mock data": (
+        HDP + ["--hdp-mock-lengths", "byted"],
+        dict(mock_data=True, train_data_path=None, valid_data_path=None, split="99,1,0"),
+        {"train": [(None, None, (0, 1))], "valid": [(None, None, (0, 1))]},
+    ),
+    "sft": (
+        HDP,
+        dict(sft=True, tokenizer_type="SFTTokenizer", train_data_path=["c.jsonl"], valid_data_path=["v.jsonl"]),
+        {"train": [("c.jsonl", None, (0, 1))], "valid": [("v.jsonl", None, (0, 1))]},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ACCEPTED_DATA))
+def test_megatron_data_flags_are_honoured(case):
+    from megatron_bytescale.megatron.data_config import data_config_from_args
+
+    argv, megatron, expected = ACCEPTED_DATA[case]
+    config = data_config_from_args(validate_hdp_args(parse(argv, **megatron)))
+    got = {}
+    for name in ("train", "valid", "test"):
+        spec = config.stream(name)
+        if spec is not None:
+            got[name] = [(p.path, p.weight, tuple(round(x, 6) for x in p.split)) for p in spec.parts]
+    assert got == {k: [(p, w, tuple(float(x) for x in r)) for p, w, r in v] for k, v in expected.items()}
+    assert config.record()["seed"] == 1234 and "train" in config.record()
+
+
+def test_data_args_files_read_as_megatron_reads_them(tmp_path):
+    from megatron_bytescale.megatron.data_config import data_config_from_args
+
+    (tmp_path / "blend.txt").write_text("0.4 books\n0.6 code\n")
+    (tmp_path / "splits.json").write_text('{"train": "1 a 3 b", "valid": ["v"], "test": ["t"]}')
+    config = data_config_from_args(
+        validate_hdp_args(
+            parse(HDP, data_args_path=str(tmp_path / "blend.txt"), train_data_path=None, valid_data_path=None)
+        )
+    )
+    assert [(p.path, p.weight) for p in config.train.parts] == [("books", 0.4), ("code", 0.6)]
+    config = data_config_from_args(
+        validate_hdp_args(
+            parse(
+                HDP, per_split_data_args_path=str(tmp_path / "splits.json"), train_data_path=None, valid_data_path=None
+            )
+        )
+    )
+    assert [(p.path, p.weight) for p in config.train.parts] == [("a", 1.0), ("b", 3.0)]
+    assert [p.path for p in config.test.parts] == ["t"]
 
 
 def test_data_path_and_no_eval_are_accepted():

@@ -8,7 +8,9 @@ from megatron_bytescale.megatron.step_timing import StepTimer
 
 def _steps(n, predicted=0.02):
     for k in range(n):
-        plan = SimpleNamespace(meta={"est_time_max_s": predicted, "est_rank_time_s": [predicted / 2, predicted]})
+        plan = SimpleNamespace(
+            meta={"est_time_max_s": predicted, "est_rank_time_s": [predicted / 2, predicted]}, seq_lens=[3000, 1000]
+        )
         yield SimpleNamespace(plan=plan, rank=0, step=k, micro_batches=[], plan_wait_s=0.001 * k, plan_s=0.5)
 
 
@@ -33,6 +35,15 @@ def test_logs_prediction_and_measurement_every_log_interval():
     assert "bytescale profile" in lines[0]
     # exposed planning: what the rank waited for this step's plan, beside what planning took
     assert lines[0].endswith("; planning exposed 0.002 s (planning took 0.500 s)")
+    # throughput: the step's 4000 tokens over the iteration (start to start: one 40 ms step), 2 GPUs
+    timer = StepTimer(log=lines.append)
+    it = _steps(2)
+    for _ in range(2):
+        timer.run(_forward_backward, {"data_iterator": it}, log_interval=1, rank=0, gpus=2)
+    assert "4000 tokens" in lines[-2] and "(forward-backward 0.0" in lines[-2]
+    tps = float(lines[-1].split("4000 tokens, ")[1].split(" tokens/s per GPU")[0])
+    iteration = float(lines[-1].split("(iteration ")[1].split(" s, 2 GPUs)")[0])
+    assert iteration >= 0.04 and abs(tps - 4000 / iteration / 2) <= 0.06 * tps
 
 
 def test_the_profiling_hint_only_where_the_prediction_is_far_off():

@@ -31,7 +31,7 @@ from .tokenizer import ByteTokenizer
 INDEX_MAGIC = b"MMIDIDX\x00\x00"  # megatron-core's _INDEX_HEADER
 INDEX_HEADER_BYTES = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
 SIDECAR_SUFFIX = ".bytescale.json"
-PREPARE_HINT = "rebuild it with `bytescale prepare-data --output PREFIX ...`"
+PREPARE_HINT = "rebuild it (Megatron's tools/preprocess_data.py, or `bytescale prepare-data --output PREFIX ...`)"
 
 
 def dataset_prefix(path: str | Path) -> str:
@@ -176,10 +176,12 @@ class DocumentDataset:
     """Documents of an indexed dataset: lengths from the index, token ranges on demand.
 
     ``vocab_size``: the model's vocabulary; datasets whose ids do not fit are refused (from
-    the sidecar when present, and on every read). Pickles as its path (for Ray actors).
+    the sidecar when present, and on every read). ``allow_empty``: keep empty documents (length
+    0; Megatron's ``tools/preprocess_data.py`` writes one for an empty text) for a caller that
+    skips them (``documents.py``); otherwise they are refused. Pickles as its path (for Ray actors).
     """
 
-    def __init__(self, path: str | Path, vocab_size: int | None = None):
+    def __init__(self, path: str | Path, vocab_size: int | None = None, allow_empty: bool = False):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         self.prefix = dataset_prefix(path)
@@ -219,8 +221,9 @@ class DocumentDataset:
             )
         self.lengths = starts[doc_idx[1:]] - starts[doc_idx[:-1]]  # tokens per document
         self._first_seq = doc_idx[:-1]  # each document's first Megatron sequence (item)
+        self.allow_empty = allow_empty
         empty = np.flatnonzero(self.lengths == 0)
-        if empty.size:
+        if empty.size and not allow_empty:
             raise ConfigError(
                 f"{idx_path}: {empty.size} empty documents (first: document {int(empty[0])}); every document must "
                 f"hold at least one token - {PREPARE_HINT} (it skips empty documents)"
@@ -284,7 +287,7 @@ class DocumentDataset:
         return ids
 
     def __getstate__(self):
-        return {"path": self.prefix, "vocab_size": self.vocab_size}
+        return {"path": self.prefix, "vocab_size": self.vocab_size, "allow_empty": self.allow_empty}
 
     def __setstate__(self, state):
-        self.__init__(state["path"], state["vocab_size"])
+        self.__init__(state["path"], state["vocab_size"], state.get("allow_empty", False))

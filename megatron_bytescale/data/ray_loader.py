@@ -41,6 +41,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ..errors import BytescaleError, ConfigError
+from .documents import StreamDocuments
 from .indexed import DocumentDataset, dataset_prefix
 from .loader import StepLoader
 from .planning import PlanFn, StepBatch, StepPlan, StepPlanner, default_plan_fn, deliver, rank_token_ranges
@@ -187,8 +188,9 @@ def init_ray(address: str | None = None, num_cpus: int = 2, object_store_memory:
 class DocumentServer:
     """Reads the documents of one shard. Stateless beyond the open dataset."""
 
-    def __init__(self, data_path: str, vocab_size: int | None, shard: int, num_shards: int):
-        self.dataset = DocumentDataset(data_path, vocab_size=vocab_size)
+    def __init__(self, data_path, vocab_size: int | None, shard: int, num_shards: int):
+        # a prefix, or a split of blended or mock documents (documents.StreamDocuments, pickled)
+        self.dataset = data_path if isinstance(data_path, StreamDocuments) else DocumentDataset(data_path, vocab_size)
         self.shard, self.num_shards = shard, num_shards
         self.doc_ids = np.arange(shard, len(self.dataset), num_shards, dtype=np.int64)
 
@@ -225,18 +227,23 @@ class PlanScheduler:
         retain,
         timeout_s,
         lengths=None,
+        sampler=None,
     ):
-        if lengths is None:  # the servers publish their documents' lengths
+        if sampler is not None:  # a blend's (or a split's) sampler, built where the stream was opened
+            lengths = sampler.lengths
+        elif lengths is None:  # the servers publish their documents' lengths
             parts = ray.get([s.metadata.remote() for s in servers], timeout=timeout_s)
             lengths = np.zeros(sum(len(ids) for ids, _ in parts), dtype=np.int64)
             for ids, lens in parts:
                 lengths[ids] = lens
-        self.sampler = GlobalBatchSampler(lengths, step_tokens=step_tokens, context_length=context_length, seed=seed)
+        self.sampler = sampler or GlobalBatchSampler(
+            lengths, step_tokens=step_tokens, context_length=context_length, seed=seed
+        )
         self.planner = StepPlanner(self.sampler, plan_fn, num_ranks)
         self.lookahead, self.retain = max(1, lookahead), max(1, retain)
         self._cond = threading.Condition()
         self._plans: OrderedDict[int, StepPlan] = OrderedDict()
-        self._starts: dict[int, Position] = {0: Position()}  # start of every step known
+        self._starts: dict[int, Position] = {0: self.sampler.start()}  # start of every step known
         self._base = 0  # earliest step with a known start
         self._frontier = 0  # next step the thread plans
         self._wanted = self.lookahead - 1  # plan up to here
@@ -303,7 +310,7 @@ class PlanScheduler:
 
     def reset(self, step: int, position: dict) -> None:
         """Continue from (step, position): a restored checkpoint."""
-        pos = Position.from_dict(position)
+        pos = self.sampler.position_type.from_dict(position)
         self.sampler.check_position(pos)
         with self._cond:
             if self._starts.get(step) == pos:
@@ -355,8 +362,16 @@ class RayDataLoader(StepLoader):
             raise ConfigError("give the loader a PlannerConfig (or a plan_fn) so it can plan steps")
         if num_servers < 1:
             raise ConfigError(f"num_servers must be at least 1, got {num_servers}")
-        prefix = os.path.abspath(dataset_prefix(data_path))  # actors may run elsewhere
-        DocumentDataset(prefix, vocab_size=vocab_size)  # refuse bad files here, with a clear error
+        sampler = None
+        if isinstance(data_path, StreamDocuments):  # opened here (bad files refused here), pickled to the servers
+            if data_path.has_label_mask:
+                raise ConfigError("--sft runs with the local data loader: use --hdp-dataloader local")
+            prefix = data_path
+            sampler = data_path.sampler(step_tokens=step_tokens, context_length=context_length, seed=seed)
+        else:
+            prefix = os.path.abspath(dataset_prefix(data_path))  # actors may run elsewhere
+            DocumentDataset(prefix, vocab_size=vocab_size)  # refuse bad files here, with a clear error
+        self._position_type = sampler.position_type if sampler is not None else Position
         init_ray(address)
         self.rank, self.timeout_s, self.prefetch = rank, float(timeout_s), prefetch
         num_ranks = planner_config.num_ranks if planner_config is not None else None
@@ -388,6 +403,7 @@ class RayDataLoader(StepLoader):
                 lookahead=lookahead,
                 retain=retain,
                 timeout_s=self.timeout_s,
+                sampler=sampler,
             )
         )
         self._fingerprint = self._get(self.scheduler.fingerprint.remote(), "the scheduler (starting)")
@@ -397,7 +413,7 @@ class RayDataLoader(StepLoader):
                 f"the named loader {name!r} already runs with {self._fingerprint}; this rank asked for {mine} - "
                 "give every rank the same loader settings"
             )
-        self.step, self.position = 0, Position()
+        self.step, self.position = 0, sampler.start() if sampler is not None else Position()
         self._current: StepPlan | None = None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ray-prefetch") if prefetch else None
         self._pending: dict[tuple[int, int], Future] = {}
@@ -482,7 +498,7 @@ class RayDataLoader(StepLoader):
         return loader_state(self.step, self.position, self._fingerprint)
 
     def load_state_dict(self, state: dict) -> None:
-        step, position = restore_state(state, self._fingerprint)
+        step, position = restore_state(state, self._fingerprint, self._position_type)
         self._drop_prefetch()
         self._get(self.scheduler.reset.remote(step, position.to_dict()), "the dataloader scheduler actor")
         self.step, self.position, self._current = step, position, None

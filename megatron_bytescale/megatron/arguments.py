@@ -110,6 +110,8 @@ MEGATRON_ARGS_READ = (
     "data_args_path",
     "per_split_data_args_path",
     "eval_iters",
+    "split",
+    "tokenizer_type",
     "skip_train",
     "full_validation",
     "multiple_validation_sets",
@@ -140,6 +142,7 @@ _HDP_DEFAULTS = {
     "hdp_plan_ahead": 2,
     "hdp_ranks_per_node": None,
     "hdp_step_tokens": None,
+    "hdp_mock_lengths": None,
     "hdp_ray_servers": 2,
 }
 
@@ -294,6 +297,14 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="Plan this many steps ahead of training, in a background process (local loader) or in the Ray "
         "scheduler, overlapping planning with compute (0: plan each step when it starts, in the training "
         "process; the Ray loader plans at least one ahead). Default 2.",
+    )
+    g.add_argument(
+        "--hdp-mock-lengths",
+        default=None,
+        metavar="DISTRIBUTION",
+        help="Length distribution of --mock-data documents (cut to --seq-length): 'byted', 'github' (the "
+        "simulator's workloads), a workload YAML, or 'lognormal[:mean=1K,sigma=1.5,min=128,max=8K]' (the default, "
+        "as Megatron's dynamic-CP benchmark draws its mock lengths).",
     )
     g.add_argument(
         "--hdp-ranks-per-node",
@@ -508,41 +519,51 @@ def _check_model(args) -> None:
 
 
 def _check_data(args) -> None:
-    if args.sft or args.fim_data:
+    """Megatron's data flags under HDP: blends (``--data-path W1 P1 ...``, the per-split paths,
+    ``--data-args-path``, ``--per-split-data-args-path``), ``--split``, ``--mock-data`` and
+    ``--sft`` are read by ``data_config.data_config_from_args`` and honoured; what stays refused
+    is refused here, each in one line naming the fix."""
+    from .data_config import data_config_from_args
+
+    if args.fim_data:
         raise ConfigError(
-            "--sft / --fim-data build their own samples; the HDP loader reads whole documents from "
-            "--data-path: drop them"
+            "--fim-data rearranges tokens inside fixed-length samples; the HDP loader trains on whole documents: "
+            "drop --fim-data (or train without --hybrid-data-parallel)"
         )
-    if args.mock_data:
+    if args.sft and args.mock_data:
+        raise ConfigError("--sft with --mock-data: HDP's mock data are pretraining documents; drop one of them")
+    if args.hdp_mock_lengths is not None and not args.mock_data:
+        raise ConfigError("--hdp-mock-lengths draws the lengths of --mock-data documents: add --mock-data, or drop it")
+    if args.sft and getattr(args, "tokenizer_type", "SFTTokenizer") != "SFTTokenizer":
         raise ConfigError(
-            "--mock-data: the HDP loader reads real documents (variable lengths are the point); build a "
-            "dataset with `bytescale prepare-data` and pass --data-path"
+            f"--sft with --tokenizer-type {args.tokenizer_type}: Megatron's SFT data are conversations that "
+            "SFTTokenizer renders and masks: pass --tokenizer-type SFTTokenizer --tokenizer-model HF_DIR "
+            "(and --sft-tokenizer-prompt-format)"
         )
-    if args.data_args_path or args.per_split_data_args_path:
+    if args.sft and args.hdp_dataloader == "ray":
         raise ConfigError(
-            "--data-args-path / --per-split-data-args-path: the HDP loader reads one prefix from --data-path "
-            "or --train-data-path (validation from --valid-data-path): pass those instead"
+            "--sft runs with the local data loader (it tokenizes on every rank): use --hdp-dataloader local"
         )
-    train = args.train_data_path or args.data_path
-    if not train or len(train) != 1:
-        raise ConfigError(
-            f"--data-path {' '.join(train or [])}: --hybrid-data-parallel trains on exactly one dataset prefix "
-            "(no weighted blends); build one dataset from all sources with `bytescale prepare-data`"
-        )
-    if args.valid_data_path is not None and len(args.valid_data_path) != 1:
-        raise ConfigError("--valid-data-path: give exactly one dataset prefix")
-    if args.test_data_path:
-        raise ConfigError("--test-data-path: HDP runs no test-set evaluation; drop it (use --valid-data-path)")
     if args.full_validation or args.multiple_validation_sets:
         raise ConfigError(
             "--full-validation / --multiple-validation-sets are not supported with --hybrid-data-parallel: "
-            "drop them (validation runs --eval-iters steps from --valid-data-path)"
+            "drop them (validation runs --eval-iters steps of --hdp-step-tokens tokens)"
         )
-    if args.eval_iters > 0 and not args.valid_data_path and not args.skip_train:
+    if args.mock_data and (args.data_path or args.train_data_path):
+        raise ConfigError("--mock-data with a data path: Megatron's mock data replace the datasets; drop one of them")
+    config = data_config_from_args(args)
+    if config.train is None and not args.skip_train:
         raise ConfigError(
-            f"--eval-iters {args.eval_iters} but no --valid-data-path: HDP validates on its own dataset "
-            "prefix; pass --train-data-path TRAIN --valid-data-path VALID (instead of --data-path), or --eval-iters 0"
+            "no training data: pass --data-path [W1] PREFIX1 [W2 PREFIX2 ...] (or --train-data-path, "
+            "--data-args-path, --per-split-data-args-path), or --mock-data"
         )
+    if args.eval_iters > 0 and config.valid is None and not args.skip_train:
+        fix = (
+            f"--split {config.split} gives validation no share: give it one (e.g. --split 969,30,1)"
+            if config.split is not None
+            else "pass --valid-data-path VALID (or a valid list in --per-split-data-args-path)"
+        )
+        raise ConfigError(f"--eval-iters {args.eval_iters} but no validation data: {fix}, or --eval-iters 0")
     if args.eval_interval is None and not args.skip_train and not args.full_validation:
         # core_v0.16.1 training.py:3307 computes train_iters // eval_interval before iteration 1
         raise ConfigError(
@@ -703,16 +724,21 @@ def check_launch(args) -> None:
 
 
 def check_data_exists(args) -> None:
-    """Every dataset prefix the HDP loader will open exists (PREFIX.bin and PREFIX.idx)."""
-    train = getattr(args, "train_data_path", None) or getattr(args, "data_path", None)
-    for flag, paths in (("--data-path", train), ("--valid-data-path", getattr(args, "valid_data_path", None))):
-        for prefix in paths or ():
-            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-            if missing:
-                raise ConfigError(
-                    f"{flag} {prefix}: {prefix}{missing[0]} not found; build the dataset with "
-                    f"`bytescale prepare-data --output {prefix} ...`"
-                )
+    """Every file the HDP loader will open exists: each prefix's PREFIX.bin and PREFIX.idx (as
+    Megatron's tools/preprocess_data.py or `bytescale prepare-data` write them), each --sft JSONL."""
+    from .data_config import data_config_from_args
+
+    for what, path in data_config_from_args(args).paths():
+        if getattr(args, "sft", False):
+            if not os.path.isfile(path):
+                raise ConfigError(f"{what} {path}: no such file (--sft reads a JSONL of conversations)")
+            continue
+        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
+        if missing:
+            raise ConfigError(
+                f"{what} {path}: {path}{missing[0]} not found; give the prefix of a Megatron indexed dataset "
+                f"(tools/preprocess_data.py --output-prefix, or `bytescale prepare-data --output {path} ...`)"
+            )
 
 
 def check_schedule(args) -> None:

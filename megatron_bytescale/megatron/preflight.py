@@ -76,6 +76,8 @@ MEGATRON_FLAGS = (
     ("--test-data-path", "list", None),
     ("--data-args-path", "str", None),
     ("--per-split-data-args-path", "str", None),
+    ("--split", "str", None),
+    ("--tokenizer-type", "str", None),
     ("--mock-data", "true", False),
     ("--sft", "true", False),
     ("--fim-data", "true", False),

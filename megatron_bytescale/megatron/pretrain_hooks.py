@@ -31,7 +31,7 @@ import functools
 import io
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -174,7 +174,8 @@ def megatron_forward_backward(**kwargs) -> list:
     kwargs.setdefault("offloader", _offloader(kwargs.get("model")))
     args = _hdp_args()  # every --log-interval: the planner's predicted step time beside the measured one
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    losses = _step_timer.run(hdp_forward_backward, kwargs, getattr(args, "log_interval", None), rank)
+    gpus = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    losses = _step_timer.run(hdp_forward_backward, kwargs, getattr(args, "log_interval", None), rank, gpus)
     if losses:
         megatron_forward_backward.keys = tuple(losses[0].keys())
     elif not kwargs.get("collect_non_loss_data"):
@@ -417,26 +418,41 @@ def forward_step(base: Callable, loss_func: Callable | None = None) -> Callable:
     return step
 
 
-def _single_prefix(paths, flag: str) -> str:
-    """One dataset prefix from Megatron's nargs='*' data-path flags (no blends)."""
-    if isinstance(paths, str):
-        paths = [paths]
-    if not paths or len(paths) != 1:
-        raise ConfigError(
-            f"{flag} {' '.join(paths or [])}: the HDP loader reads one dataset prefix (no weighted blends); "
-            "build one dataset from all sources with `bytescale prepare-data`"
-        )
-    return paths[0]
-
-
 def hdp_rank() -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_data_parallel_rank(with_context_parallel=True)
 
 
-def build_loader(args, prefix: str, rank: int, *, name: str = "train"):
-    """The HDP loader (local or Ray) for ``prefix`` serving HDP rank ``rank``."""
+def _source_kwargs(args, spec) -> dict:
+    """What opening a split needs beyond its paths: the model's vocabulary (indexed datasets),
+    Megatron's tokenizer for mock tokens (its vocabulary and EOD) and for SFT conversations."""
+    if spec.kind == "indexed":
+        return {"vocab_size": getattr(args, "padded_vocab_size", None) or args.vocab_size}
+    from megatron.training import get_tokenizer
+
+    tokenizer = get_tokenizer()
+    if spec.kind == "mock":
+        return {"mock": {"vocab_size": int(tokenizer.vocab_size), "eod": int(tokenizer.eod)}}
+
+    def tokenize(conversation):
+        return tokenizer.tokenize_conversation(conversation, return_target=True, add_generation_prompt=False)
+
+    # core_v0.16.1's SFTDataset ends every conversation with EOD, core_v0.19's does not
+    return {"sft": {"tokenize": tokenize, "pad_id": tokenizer.pad, "eod": tokenizer.eod, "append_eod": not is_v019()}}
+
+
+def open_split(args, spec):
+    """One split's documents (``data.documents.StreamDocuments``) from its ``StreamSpec``."""
+    from ..data.documents import open_stream
+
+    if spec.kind == "sft":
+        print(f"hdp: tokenizing the {spec.name} conversations of {', '.join(p.path for p in spec.parts)}", flush=True)
+    return open_stream(spec, context_length=args.seq_length, seed=args.seed, **_source_kwargs(args, spec))
+
+
+def build_loader(args, documents, rank: int, *, name: str = "train"):
+    """The HDP loader (local or Ray) for one split's ``documents`` serving HDP rank ``rank``."""
     config, cost = planner_config_from_args(args), cost_model_from_args(args)
     common = dict(
         step_tokens=args.hdp_step_tokens,
@@ -444,14 +460,13 @@ def build_loader(args, prefix: str, rank: int, *, name: str = "train"):
         seed=args.seed,
         rank=rank,
         cost=cost,
-        vocab_size=getattr(args, "padded_vocab_size", None) or args.vocab_size,
     )
     if args.hdp_dataloader == "ray":
         from ..data.ray_loader import RayDataLoader
 
         job = os.environ.get("SLURM_JOB_ID") or os.environ.get("MASTER_PORT", "0")
         return RayDataLoader(
-            prefix,
+            documents,
             config,
             **common,
             num_servers=args.hdp_ray_servers,
@@ -463,24 +478,18 @@ def build_loader(args, prefix: str, rank: int, *, name: str = "train"):
 
     # the next steps are planned in a background process (data/plan_ahead.py), not a thread:
     # planning would hold the GIL the training loop launches its kernels with
-    return LocalDataLoader(prefix, config, **common, plan_ahead=args.hdp_plan_ahead)
+    return LocalDataLoader(documents, config, **common, plan_ahead=args.hdp_plan_ahead)
 
 
-def fast_forward(loader, args, prefix: str, steps: int) -> None:
+def fast_forward(loader, args, documents, steps: int) -> None:
     """Move a fresh loader past the first ``steps`` steps (resuming at --load's iteration).
-    Only the sample stream advances (document lengths from the index): nothing is planned or read."""
+    Only the sample stream advances (document lengths only): nothing is planned or read."""
     if steps <= 0:
         return
-    from ..data.indexed import DocumentDataset
-    from ..data.sampler import GlobalBatchSampler, Position, loader_state
+    from ..data.sampler import loader_state
 
-    sampler = GlobalBatchSampler(
-        DocumentDataset(prefix).lengths,
-        step_tokens=args.hdp_step_tokens,
-        context_length=args.seq_length,
-        seed=args.seed,
-    )
-    position = Position()
+    sampler = documents.sampler(step_tokens=args.hdp_step_tokens, context_length=args.seq_length, seed=args.seed)
+    position = sampler.start()
     for _ in range(steps):
         _, position = sampler.batch(position)
     loader.load_state_dict(loader_state(steps, position, sampler.fingerprint()))
@@ -497,25 +506,31 @@ def evaluations_before(iteration: int, args) -> int:
 
 
 def hdp_data_iterators(args, rank: int | None = None):
-    """(train, valid, test) iterators of ``StepBatch`` for this HDP rank: training from
-    --data-path (or --train-data-path), resumed at args.iteration; validation from
-    --valid-data-path when given; no test set."""
+    """(train, valid, test) iterators of ``StepBatch`` for this HDP rank, one per split that has
+    data (``data_config.data_config_from_args``: blends, ``--split``, mock data, SFT): training
+    resumed at args.iteration; validation continued past the evaluations before it; the test
+    split from its start (Megatron evaluates it once, after training)."""
+    from .data_config import data_config_from_args
+
     rank = hdp_rank() if rank is None else rank
-    train_prefix = _single_prefix(args.train_data_path or args.data_path, "--data-path")
-    train = build_loader(args, train_prefix, rank, name="train")
-    fast_forward(train, args, train_prefix, getattr(args, "iteration", 0))
-    train_iter: Iterator = iter(train)
-    valid_iter = None
-    if args.valid_data_path:
-        valid_prefix = _single_prefix(args.valid_data_path, "--valid-data-path")
-        valid = build_loader(args, valid_prefix, rank, name="valid")
-        # Megatron validated --eval-iters steps at every --eval-interval iteration before --load's
-        # iteration: a resumed run continues the validation stream where those stopped
-        iteration = getattr(args, "iteration", 0)
-        if args.eval_interval:
-            fast_forward(valid, args, valid_prefix, evaluations_before(iteration, args) * args.eval_iters)
-        valid_iter = iter(valid)
-    return train_iter, valid_iter, None
+    config = data_config_from_args(args)
+    iteration = getattr(args, "iteration", 0)
+    iterators = []
+    for name in ("train", "valid", "test"):
+        spec = config.stream(name)
+        if spec is None or (name != "train" and args.eval_iters <= 0) or (name == "train" and args.skip_train):
+            iterators.append(None)
+            continue
+        documents = open_split(args, spec)
+        loader = build_loader(args, documents, rank, name=name)
+        if name == "train":
+            fast_forward(loader, args, documents, iteration)
+        elif name == "valid" and args.eval_interval:
+            # Megatron validated --eval-iters steps at every --eval-interval iteration before --load's
+            # iteration: a resumed run continues the validation stream where those stopped
+            fast_forward(loader, args, documents, evaluations_before(iteration, args) * args.eval_iters)
+        iterators.append(iter(loader))
+    return tuple(iterators)
 
 
 def datasets_provider(base: Callable) -> Callable:

@@ -6,6 +6,12 @@ measures the same span: the HDP forward-backward call of Megatron's train step (
 plus the gradient reduction at its end). A ratio far from 1 means the cost model does not
 describe this hardware: re-run ``bytescale profile`` and pass ``--hdp-profile``.
 
+The line also reports the step's tokens and its throughput in tokens per second per GPU
+(all GPUs of the run: HDP x TP x PP), over the iteration: from this step's start to the
+previous step's start, optimizer step and logging included, so that runs of different
+strategies on the same batches (``--mock-data``) compare; over the forward-backward alone where
+no earlier step was timed.
+
 The same line reports the step's exposed planning: the seconds this rank waited for the
 step's plan (near zero when the loader plans ahead in its background process and planning is
 shorter than a step), beside the seconds planning took.
@@ -41,27 +47,45 @@ class StepTimer:
     def __init__(self, log: Callable[[str], None] = print):
         self.log = log
         self.steps = 0
+        self._last_start: float | None = None
 
-    def run(self, forward_backward: Callable[..., Any], kwargs: dict, log_interval: int | None, rank: int) -> Any:
+    def run(
+        self, forward_backward: Callable[..., Any], kwargs: dict, log_interval: int | None, rank: int, gpus: int = 1
+    ) -> Any:
         """``forward_backward(**kwargs)``, timed; every ``log_interval`` training steps rank 0
-        logs the plan's estimate next to the measured seconds."""
+        logs the plan's estimate next to the measured seconds, and the step's tokens per second
+        per GPU (``gpus``: every GPU of the run)."""
         if kwargs.get("forward_only") or not log_interval:
             return forward_backward(**kwargs)
         iterator = kwargs.get("data_iterator")
         seen = _Remember(iterator[0] if isinstance(iterator, list) else iterator)
         kwargs = {**kwargs, "data_iterator": [seen] if isinstance(iterator, list) else seen}
         start = time.perf_counter()
+        iteration = None if self._last_start is None else start - self._last_start
+        self._last_start = start
         result = forward_backward(**kwargs)
         seconds = time.perf_counter() - start
         self.steps += 1
         if rank == 0 and self.steps % log_interval == 0 and seen.last is not None:
-            line = self.line(seen.last, seconds)
+            line = self.line(seen.last, seconds, iteration, gpus)
             if line:
                 self.log(line)
         return result
 
     @staticmethod
-    def line(step_batch, seconds: float) -> str:
+    def throughput(step_batch, seconds: float, iteration: float | None, gpus: int) -> str:
+        """The step's tokens and tokens per second per GPU (over the iteration where known)."""
+        lens = getattr(getattr(step_batch, "plan", None), "seq_lens", None)
+        if not lens:
+            return ""
+        tokens = int(sum(lens))
+        span, what = (iteration, "iteration") if iteration else (seconds, "forward-backward")
+        return (
+            f"; {tokens} tokens, {tokens / span / max(1, gpus):.1f} tokens/s per GPU ({what} {span:.3f} s, {gpus} GPUs)"
+        )
+
+    @staticmethod
+    def line(step_batch, seconds: float, iteration: float | None = None, gpus: int = 1) -> str:
         plan = getattr(step_batch, "plan", None)
         meta = getattr(plan, "meta", None) or {}
         predicted = meta.get("est_time_max_s")
@@ -83,5 +107,6 @@ class StepTimer:
         )
         return (
             f"hdp step {getattr(step_batch, 'step', '?')}: planner predicted {predicted:.3f} s (busiest rank{mine}), "
-            f"measured {seconds:.3f} s forward-backward here ({ratio:.2f}x the prediction{hint}){planning}"
+            f"measured {seconds:.3f} s forward-backward here ({ratio:.2f}x the prediction{hint})"
+            f"{StepTimer.throughput(step_batch, seconds, iteration, gpus)}{planning}"
         )

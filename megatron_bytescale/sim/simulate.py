@@ -57,7 +57,8 @@ class SimConfig:
     validate: str = "first"  # "first" | "all" | "none": which steps' plans to check with Plan.validate
     dkv_bf16: bool = False  # ring attention sends the backward's dK/dV accumulators in bf16
     host_memory_per_gpu: int | None = None  # bytes; default: the hardware spec's host_memory_bytes
-    data_path: str | None = None  # a Megatron indexed dataset: draw the batches training would see
+    # a Megatron indexed dataset, or a blend (W1 P1 W2 P2 ...): draw the batches training would see
+    data_path: str | list[str] | None = None
     pipeline_schedule: str = "1f1b"  # HDP plans with PP: "1f1b", or "search" for per-stage orders
     vpp: int = 1  # model chunks per pipeline device (virtual pipeline stages), every strategy
 
@@ -335,16 +336,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", required=True, help="tokens per rank per micro-batch, e.g. 8K")
     parser.add_argument("--global-batch-tokens", required=True, help="tokens per step, e.g. 32M")
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--dataset", default="byted", help="byted | github | a workload YAML (default byted)")
+    src.add_argument(
+        "--dataset",
+        default="byted",
+        help="byted | github | a workload YAML | lognormal[:mean=..,sigma=..,min=..,max=..] (an SFT-like mix, as "
+        "Megatron's mock variable-length data draw it) (default byted)",
+    )
     src.add_argument(
         "--lengths-file", default=None, help="one token length per line, resampled until the batch is full"
     )
     src.add_argument(
         "--data-path",
         default=None,
-        metavar="PREFIX",
-        help="a Megatron indexed dataset (PREFIX.bin/.idx): simulate the global batches training on it "
-        "would see (documents cut at --context, --global-batch-tokens per step, the same --seed)",
+        nargs="+",
+        metavar="[WEIGHT] PREFIX",
+        help="a Megatron indexed dataset (PREFIX.bin/.idx), or a blend in Megatron's syntax (W1 P1 W2 P2 ...): "
+        "simulate the global batches training on it would see (documents cut at --context, "
+        "--global-batch-tokens per step, the same --seed, a blend's tokens by weight)",
     )
     parser.add_argument(
         "--host-memory-per-gpu",
