@@ -1,9 +1,10 @@
 """The planner's predicted step time logged beside the measured one every --log-interval."""
 
+import json
 import time
 from types import SimpleNamespace
 
-from megatron_bytescale.megatron.step_timing import StepTimer
+from megatron_bytescale.megatron.step_timing import StepTimer, measured_elsewhere
 
 
 def _steps(n, predicted=0.02):
@@ -24,13 +25,13 @@ def test_logs_prediction_and_measurement_every_log_interval():
     it = _steps(6)
     out = [timer.run(_forward_backward, {"data_iterator": it}, log_interval=3, rank=0) for _ in range(6)]
     assert out == [[0], [1], [2], [3], [4], [5]]  # the step batches pass through untouched
-    assert len(lines) == 2 and lines[0].startswith(
-        "hdp step 2: planner predicted 0.020 s (busiest rank, this rank 0.010 s)"
+    assert len(lines) == 2 and lines[0].startswith(  # loader step 2 is Megatron's iteration 3
+        "hdp iteration 3: planner predicted 0.020 s (busiest rank, this rank 0.010 s)"
     )
     measured = float(lines[0].split("measured ")[1].split(" s")[0])
     ratio = float(lines[0].split("(")[2].split("x the prediction")[0])
     assert 0.04 <= measured < 1.0 and abs(ratio - measured / 0.02) < 0.05  # both printed rounded
-    assert "bytescale profile" in lines[0]
+    assert "bytescale profile" in lines[0]  # the third timed step: past the warm-up
     # exposed planning: what the rank waited for this step's plan, beside what planning took
     assert lines[0].endswith("; planning exposed 0.002 s (planning took 0.500 s)")
 
@@ -42,7 +43,7 @@ def test_the_profiling_hint_only_where_the_prediction_is_far_off():
 
     assert "bytescale profile" not in line(0.2, 0.25)  # 1.25x: the cost model describes this machine
     assert "bytescale profile" not in line(0.2, 0.15)
-    assert "(1.60x the prediction; far from 1: re-run `bytescale profile`" in line(0.2, 0.32)
+    assert "(1.60x the prediction; far from 1: run `bytescale profile`" in line(0.2, 0.32)
     assert "(0.50x the prediction; far from 1" in line(0.2, 0.1)
 
 
@@ -55,4 +56,30 @@ def test_only_rank_zero_logs_and_evaluation_is_not_timed():
     timer.run(_forward_backward, {"data_iterator": it, "forward_only": True}, log_interval=1, rank=0)
     assert lines == [] and timer.steps == 2
     timer.run(_forward_backward, {"data_iterator": [it]}, log_interval=1, rank=0)
-    assert len(lines) == 1 and lines[0].startswith("hdp step 3:")
+    assert len(lines) == 1 and lines[0].startswith("hdp iteration 4:")
+
+
+def test_no_profiling_hint_in_warm_up_or_with_a_profile_of_this_hardware():
+    def lines_of(timer):
+        out = []
+        timer.log = out.append
+        it = _steps(4)
+        for _ in range(4):
+            timer.run(_forward_backward, {"data_iterator": it}, log_interval=1, rank=0)
+        return ["bytescale profile" in line for line in out]
+
+    assert lines_of(StepTimer()) == [False, False, True, True]  # 2x off: hinted after the warm-up steps
+    assert lines_of(StepTimer(measured_elsewhere=False)) == [False] * 4
+
+
+def test_the_cost_model_is_measured_elsewhere_unless_its_profile_names_this_device(tmp_path):
+    assert not measured_elsewhere(None, "cpu", "cpu")  # the shipped CPU profile on a CPU run
+    assert measured_elsewhere(None, "cpu", "cuda")
+    assert measured_elsewhere(None, "h100", "cuda")  # the analytic model: measured nowhere
+    assert measured_elsewhere(None, "h100", "cpu")
+    for device, here, elsewhere in (("cpu", "cpu", False), ("cuda", "cpu", True), ("cuda", "cuda", False)):
+        path = tmp_path / f"{device}.json"
+        path.write_text(json.dumps({"a1": 1.0, "notes": {"device": device}}))
+        assert measured_elsewhere(str(path), None, here) is elsewhere
+    (tmp_path / "bare.json").write_text("{}")
+    assert measured_elsewhere(str(tmp_path / "bare.json"), None, "cpu")  # no notes: not known to be here
