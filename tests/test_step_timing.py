@@ -19,7 +19,10 @@ def _forward_backward(*, data_iterator, forward_only=False, **_):
     return [batch.step]
 
 
-def test_logs_prediction_and_measurement_every_log_interval():
+def test_logs_prediction_and_measurement_every_log_interval(monkeypatch):
+    from megatron_bytescale.runtime import step
+
+    monkeypatch.setattr(step, "_last_stats", None)  # no HDP step ran here: no P2P count on the line
     lines = []
     timer = StepTimer(log=lines.append)
     it = _steps(6)
@@ -83,3 +86,36 @@ def test_the_cost_model_is_measured_elsewhere_unless_its_profile_names_this_devi
         assert measured_elsewhere(str(path), None, here) is elsewhere
     (tmp_path / "bare.json").write_text("{}")
     assert measured_elsewhere(str(tmp_path / "bare.json"), None, "cpu")  # no notes: not known to be here
+
+
+def test_the_step_line_names_the_rings_and_this_ranks_p2p_bytes(monkeypatch):
+    from megatron_bytescale.runtime import step
+
+    monkeypatch.setattr(step, "_last_stats", step.StepStats(p2p_bytes=15_200_000))
+    plan = SimpleNamespace(meta={"est_time_max_s": 0.2}, ring_sizes=lambda: {0: 2, 1: 2, 2: 1, 3: 4})
+    line = StepTimer.line(SimpleNamespace(plan=plan, rank=0, step=0), 0.21)
+    assert line.startswith("hdp iteration 1: ") and line.endswith(
+        "; ranks/seq [1x1 2x2 1x4]; this rank sent 15.2 MB P2P"
+    )
+
+
+def test_the_megatron_demo_summary_reads_the_iteration_and_step_lines(tmp_path):
+    from megatron_bytescale.megatron.cpu_pretrain import summary
+
+    lines = [
+        "------------------------ arguments ------------------------\n",
+        " [2026-01-01 00:00:00] iteration        1/       3 | consumed samples: 4 | elapsed time per iteration "
+        "(ms): 9000.0 | learning rate: 3.0E-03 | lm loss: 6.267500E+00 | loss scale: 1.0 |\n",
+        "hdp iteration 1: planner predicted 1.000 s ...; ranks/seq [2x4]; this rank sent 15.2 MB P2P\n",
+        " [2026-01-01 00:00:02] iteration        2/       3 | consumed samples: 8 | elapsed time per iteration "
+        "(ms): 2000.0 | learning rate: 3.0E-03 | lm loss: 5.100000E+00 | loss scale: 1.0 |\n",
+        "hdp iteration 2: planner predicted 1.000 s ...; ranks/seq [2x4]; this rank sent 15.4 MB P2P\n",
+        " [2026-01-01 00:00:04] iteration        3/       3 | consumed samples: 12 | elapsed time per iteration "
+        "(ms): 3000.0 | learning rate: 3.0E-03 | lm loss: 4.000000E+00 | loss scale: 1.0 |\n",
+        "hdp iteration 3: planner predicted 1.000 s ...; ranks/seq [1x2 2x4]; this rank sent 16.0 MB P2P\n",
+    ]
+    text = summary(lines, tmp_path / "megatron_lm.log")
+    assert "6.2675 (iteration 1) -> 4.0000 (iteration 3)" in text
+    assert "2.50 s mean (iterations 2-3)" in text  # the first iteration is warm-up
+    assert "[2x4] in 2 of 3 logged iterations" in text and "15.4 MB per iteration (median)" in text
+    assert str(tmp_path / "megatron_lm.log") in text

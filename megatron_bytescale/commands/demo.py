@@ -77,7 +77,10 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     from ..demo import ensure_corpus, run_demo
+    from ..local_world import shape_warnings
 
+    for line in shape_warnings(cfg.ranks, cfg.capacity, cfg.context):
+        print(line, flush=True)
     if getattr(args, "megatron_lm", None):
         from ..megatron.cpu_pretrain import run_pretrain_gpt
 
@@ -85,6 +88,7 @@ def main(args: argparse.Namespace) -> int:
         return run_pretrain_gpt(
             args.megatron_lm,
             data,
+            Path(cfg.out) / "megatron_lm.log",
             ranks=cfg.ranks,
             steps=cfg.steps,
             capacity=cfg.capacity,

@@ -17,6 +17,7 @@ shorter than a step), beside the seconds planning took.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -103,9 +104,16 @@ class StepTimer:
             if hint and not 1 / FAR <= ratio <= FAR
             else ""
         )
+        from ..runtime.step import last_step_stats
+
+        sizes = plan.ring_sizes().values() if hasattr(plan, "ring_sizes") else ()
+        rings = " ".join(f"{n}x{size}" for size, n in sorted(Counter(sizes).items()))
+        stats = last_step_stats()
+        sent = f"; this rank sent {stats.p2p_bytes / 1e6:.1f} MB P2P" if stats is not None else ""
+        shape = f"; ranks/seq [{rings}]{sent}" if rings else sent
         step = getattr(step_batch, "step", None)
         iteration = "?" if step is None else step + 1  # Megatron counts iterations from 1
         return (
             f"hdp iteration {iteration}: planner predicted {predicted:.3f} s (busiest rank{mine}), "
-            f"measured {seconds:.3f} s forward-backward here ({ratio:.2f}x the prediction{advice}){planning}"
+            f"measured {seconds:.3f} s forward-backward here ({ratio:.2f}x the prediction{advice}){planning}{shape}"
         )
