@@ -366,7 +366,9 @@ def plot_measured(runs: dict[str, list[dict]], path: Path) -> Path | None:
                 rows.append((start, fwd_end, FORWARD, fwd_end - start - fwd_wait, fwd_wait, 0.0))
                 rows.append((fwd_end, end, BACKWARD, end - fwd_end - bwd_wait, bwd_wait, 0.0))
             ops.append(np.array(rows, dtype=float).reshape(-1, 6))
-        timelines[f"{STRATEGY_NAMES[strategy]} (measured step {rec['step'] + 1})"] = Timeline(
+        moved = rec["offloaded_bytes"]  # copied inside the saved-tensor hooks: part of the compute bars
+        offloaded = f"; offloaded {format_size(moved)}B, its copies inside the compute" if moved else ""
+        timelines[f"{STRATEGY_NAMES[strategy]} (measured step {rec['step'] + 1}{offloaded})"] = Timeline(
             step_time=rec["seconds"], num_ranks=len(ops), stages=1, ops=ops
         )
     if not timelines:
