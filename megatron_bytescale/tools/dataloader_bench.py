@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -107,8 +108,10 @@ def run_bench(args) -> dict:
     plan_s, delivery_s, step_token_counts, step_sample_counts, est_step_s, sim_step_s = [], [], [], [], [], []
     per_rank = [0] * args.ranks
     t_start = time.perf_counter()
+    from tqdm import tqdm
+
     try:
-        for _ in range(args.steps):
+        for _ in tqdm(range(args.steps), desc=f"{args.mode} loader", unit="step", file=sys.stderr, delay=2.0):
             if args.mode == "local":  # planned once: every rank computes this same plan in parallel
                 t0 = time.perf_counter()
                 loader.step_plan()
