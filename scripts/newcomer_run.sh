@@ -26,7 +26,8 @@ step() {
     local name=$1
     shift
     echo "== $name: $*"
-    local start=$SECONDS rc=0
+    local start=$SECONDS rc
+    set +e
     "$@" 2>&1 | "$PYTHON" -u -c '
 import sys, time
 start = last = time.monotonic(); gap = 0.0; buf = b""
@@ -41,8 +42,9 @@ while True:
     out.write(chunk); sys.stdout.buffer.write(chunk); sys.stdout.buffer.flush()
 gap = max(gap, time.monotonic() - last)
 print(f"longest silence {gap:.1f} s", file=open(sys.argv[2], "w"))
-' "$LOGS/$name.log" "$LOGS/$name.gap" || rc=$?
-    [[ $rc -eq 0 ]] || rc=${PIPESTATUS[0]}
+' "$LOGS/$name.log" "$LOGS/$name.gap"
+    rc=${PIPESTATUS[0]}
+    set -e
     local line
     line="$name: $((SECONDS - start)) s, $(cat "$LOGS/$name.gap"), exit $rc"
     echo "-- $line"
