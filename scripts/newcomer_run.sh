@@ -30,7 +30,7 @@ step() {
     set +e
     "$@" 2>&1 | "$PYTHON" -u -c '
 import sys, time
-start = last = time.monotonic(); gap = 0.0; buf = b""
+last = time.monotonic(); gap = 0.0; tail = b""; where = b""
 out = open(sys.argv[1], "wb")
 while True:
     chunk = sys.stdin.buffer.read1(4096)
@@ -38,10 +38,15 @@ while True:
         break
     now = time.monotonic()
     if any(c in chunk for c in (b"\n", b"\r")):
-        gap = max(gap, now - last); last = now
+        if now - last > gap:
+            gap, where = now - last, tail
+        last = now
+    tail = (tail + chunk).replace(b"\r", b"\n").rstrip(b"\n").rsplit(b"\n", 1)[-1][-100:]
     out.write(chunk); sys.stdout.buffer.write(chunk); sys.stdout.buffer.flush()
-gap = max(gap, time.monotonic() - last)
-print(f"longest silence {gap:.1f} s", file=open(sys.argv[2], "w"))
+if time.monotonic() - last > gap:
+    gap, where = time.monotonic() - last, tail
+text = where.decode(errors="replace").strip()
+print(f"longest silence {gap:.1f} s" + (f" after \"{text}\"" if text else ""), file=open(sys.argv[2], "w"))
 ' "$LOGS/$name.log" "$LOGS/$name.gap"
     rc=${PIPESTATUS[0]}
     set -e
