@@ -79,9 +79,7 @@ def main(args: argparse.Namespace) -> int:
     from ..demo import ensure_corpus, run_demo
     from ..local_world import shape_warnings
 
-    for line in shape_warnings(cfg.ranks, cfg.capacity, cfg.context):
-        print(line, flush=True)
-    if getattr(args, "megatron_lm", None):
+    if getattr(args, "megatron_lm", None):  # the launcher says what the run's shape costs
         from ..megatron.cpu_pretrain import run_pretrain_gpt
 
         data = cfg.data or ensure_corpus(Path(cfg.out) / "data" / "megatron_core_sources")
@@ -98,5 +96,7 @@ def main(args: argparse.Namespace) -> int:
             lr=cfg.lr,
             profile=cfg.profile,
         )
+    for line in shape_warnings(cfg.ranks, cfg.capacity, cfg.context):
+        print(line, flush=True)
     run_demo(cfg)
     return 0
