@@ -70,6 +70,7 @@ def ensure_corpus(prefix: Path) -> str:
     files = megatron_core_sources()
     if not files:
         raise BytescaleError("no megatron-core source files found to build the demo corpus; pass --data PREFIX")
+    print(f"building the demo corpus from {len(files)} megatron-core source files (once) ...", flush=True)
     info = write_indexed_dataset(
         prefix, text_file_documents(files), ByteTokenizer(vocab_size=VOCAB), source="megatron-core sources"
     )

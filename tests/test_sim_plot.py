@@ -25,9 +25,12 @@ def test_legend_and_title_name_only_what_is_drawn(tmp_path, monkeypatch):
 
     seen = {}
     legend, suptitle = Figure.legend, Figure.suptitle
-    monkeypatch.setattr(
-        Figure, "legend", lambda self, **kw: seen.update(labels=[h.get_label() for h in kw["handles"]]) or legend(self)
-    )
+
+    def record_legend(self, **kw):
+        seen["labels"] = [h.get_label() for h in kw["handles"]]
+        return legend(self, **kw)
+
+    monkeypatch.setattr(Figure, "legend", record_legend)
     monkeypatch.setattr(Figure, "suptitle", lambda self, text, **kw: seen.update(title=text) or suptitle(self, text))
     ops = [np.array([[0.0, 1.0, 0, 0.8, 0.2, 0.0], [1.0, 3.0, 1, 2.0, 0.0, 0.0]]) for _ in range(4)]
     plot_timelines({"measured": Timeline(3.0, 4, 1, ops)}, tmp_path / "m.png", title="demo")
