@@ -159,6 +159,10 @@ def run_pretrain_gpt(megatron_lm: str | Path, data: str, log: str | Path, **size
     log.parent.mkdir(parents=True, exist_ok=True)
     print("Megatron-LM pretrain_gpt.py on CPU/gloo:\n  " + " ".join(command), flush=True)
     print(f"every line the ranks print goes to {log}; Megatron's argument dump only there", flush=True)
+    print(
+        f"starting {sizes['ranks']} ranks: each imports torch and Megatron-LM before Megatron's first line ...",
+        flush=True,
+    )
     lines: list[str] = []
     in_dump = False
     with open(log, "w") as out:
