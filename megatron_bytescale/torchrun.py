@@ -77,7 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     world = world_size(own)
     try:
         if flags is not None and world is not None:
-            preflight.check(flags, world)
+            args = preflight.check(flags, world)
+            local = _option(own, "--nproc-per-node", "--nproc_per_node") or "1"
+            if args.hybrid_data_parallel and local.isdigit():  # what the run's shape costs, said before it starts
+                from .local_world import shape_warnings
+
+                for line in shape_warnings(int(local), args.hdp_token_capacity, args.seq_length):
+                    print(line, file=sys.stderr, flush=True)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -10,11 +10,7 @@ traffic differs from the plan's prediction. Also a sanity check for users' own m
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 
@@ -249,7 +245,11 @@ def verify(
     offload_ratio: float | None = None,
     dtype: str = "fp32",
     two_level: tuple[int, int] | None = None,
+    progress=None,
 ) -> dict:
+    """HDP's step against one rank's (and the static mesh's) on one batch. ``progress(line)``
+    hears what starts next: each of the three runs starts its own gloo processes."""
+    say = progress or (lambda line: None)
     check_request(lengths, world_size=world_size, tp=tp, offload_ratio=offload_ratio, dtype=dtype)
     ranks = world_size // tp
     spec = ModelSpec.load(model)
@@ -276,9 +276,15 @@ def verify(
     else:
         static_skipped = None
 
+    runs = 2 + (static is not None)
+    say(f"[1/{runs}] one step under HDP on {world_size} gloo ranks (starting the processes) ...")
     hdp = run_plan(plan, model=model, tp=tp, seed=seed, offload=offload_ratio is not None, dtype=dtype)
+    say(f"[2/{runs}] the same batch on one rank, every sequence whole ...")
     ref = run_plan(one_rank_plan(lengths, spec.num_layers), model=model, tp=tp, seed=seed, dtype=dtype)
-    mesh = run_plan(static, model=model, tp=tp, seed=seed, dtype=dtype) if static is not None else None
+    mesh = None
+    if static is not None:
+        say(f"[3/{runs}] the same batch on the static DP x CP mesh (CP = {static.meta['cp']}) ...")
+        mesh = run_plan(static, model=model, tp=tp, seed=seed, dtype=dtype)
 
     # K and V travel in the activations' dtype (fp32 on CPU), dK/dV accumulators always in fp32
     act = FP32_BYTES if dtype == "fp32" else 2
@@ -333,95 +339,3 @@ def passed(report: dict) -> list[str]:
             f"P2P bytes {report['p2p_bytes']} differ from the plan's prediction {report['p2p_bytes_predicted']}"
         )
     return failures
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, required=True, help="gloo processes for the HDP run (TP x HDP ranks)")
-    parser.add_argument("--lengths", help="comma-separated sequence lengths, e.g. 300,2K,17")
-    parser.add_argument("--lengths-file", help="one sequence length per line")
-    parser.add_argument("--capacity", required=True, help="tokens per micro-batch per rank (K/M suffixes)")
-    parser.add_argument("--seed", type=int, default=0, help="weights and tokens (default 0)")
-    parser.add_argument("--model", default="tiny", help="model config (default: tiny)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size inside each HDP rank")
-    parser.add_argument(
-        "--offload-ratio",
-        type=float,
-        default=None,
-        help="plan with offloading (a long sequence may then fit on fewer ranks) and offload at least this share "
-        "of every ring micro-batch's activations; the check is that offloading changes nothing",
-    )
-    parser.add_argument(
-        "--dtype",
-        default="fp32",
-        help="fp32 (default: exact, tolerance 1e-5) or bf16: HDP in bf16 against a bf16 one-rank reference, "
-        "tolerance 5e-2 relative on gradients and 2e-3 on the loss (measured: 1e-2 and 3e-6 on the tiny model), since "
-        "bf16 keeps 8 mantissa bits "
-        "(rounding 2^-8 = 0.4%%) and HDP sums ring blocks and gradients in another order than one rank, "
-        "so a few roundings differ. fp64 is not supported",
-    )
-    parser.add_argument(
-        "--two-level",
-        metavar="SEQ[:U]",
-        default=None,
-        help="force two-level attention (head all-to-all in groups of U ranks, default 2, ring across groups) "
-        "on sequence SEQ's ring (an index into the lengths)",
-    )
-    parser.add_argument("--json", help="write the report here")
-
-
-def main(args: argparse.Namespace) -> int:
-    lengths = parse_lengths(args.lengths, args.lengths_file)
-    report = verify(
-        lengths,
-        world_size=args.world_size,
-        capacity=parse_size(args.capacity, "--capacity"),
-        seed=args.seed,
-        model=args.model,
-        tp=args.tp,
-        offload_ratio=args.offload_ratio,
-        dtype=args.dtype,
-        two_level=parse_two_level(args.two_level),
-    )
-    failures = passed(report)
-    report["ok"] = not failures
-    print(
-        f"HDP on {report['world_size']} ranks vs one rank, {len(lengths)} sequences, capacity {report['capacity']}, "
-        f"{report['dtype']}"
-    )
-    print(f"  ranks per sequence : {report['ranks_per_sequence']}")
-    static = report["static_skipped"] is None
-    static_loss = f"  static {report['loss_static']:.8f}" if static else ""
-    print(f"  loss               : one rank {report['loss_ref']:.8f}  HDP {report['loss_hdp']:.8f}{static_loss}")
-    static_grad = f"  static max relative {report['static_max_rel_grad_diff']:.2e}" if static else ""
-    print(
-        f"  gradients          : max |diff| {report['max_abs_grad_diff']:.2e}  max relative "
-        f"{report['max_rel_grad_diff']:.2e}{static_grad}"
-    )
-    static_p2p = (
-        f"static DPxCP (CP={report['static_cp']}) {report['p2p_bytes_static']:,}"
-        if static
-        else f"static DPxCP not run: it cannot hold the batch without offloading ({report['static_skipped']})"
-    )
-    print(
-        f"  P2P bytes          : HDP {report['p2p_bytes']:,} (plan predicts {report['p2p_bytes_predicted']:,})  "
-        f"{static_p2p}"
-    )
-    if report["two_level"] is not None:
-        tl = report["two_level"]
-        print(
-            f"  two-level          : sequence {tl['seq']}'s ring in groups of {tl['heads_split']} (head all-to-all, "
-            "ring across groups)"
-        )
-    if args.offload_ratio is not None:
-        ratios = ", ".join(f"{r:g}" for r in report["offload_ratios"]) or "none"
-        print(f"  offloaded bytes    : {report['offloaded_bytes']:,} (ring micro-batch ratios: {ratios})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    for f in failures:
-        print(f"FAILED: {f}", file=sys.stderr)
-    print(
-        ("OK: HDP matches one rank" + (" (and so does the static mesh)" if static else ""))
-        if not failures
-        else "MISMATCH"
-    )
-    return 0 if not failures else 1

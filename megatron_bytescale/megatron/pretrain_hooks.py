@@ -50,7 +50,7 @@ from .arguments import (
     planner_config_from_args,
     validate_hdp_args,
 )
-from .step_timing import StepTimer
+from .step_timing import StepTimer, measured_elsewhere
 
 # Megatron's ``--spec MODULE NAME`` reads ``vars(MODULE)[NAME]``: the HDP model provider puts
 # the layer spec it built for this run here and points args.spec at it.
@@ -175,6 +175,12 @@ def megatron_forward_backward(**kwargs) -> list:
     args = _hdp_args()  # every --log-interval: the planner's predicted step time beside the measured one
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     gpus = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if args is not None and _step_timer.steps == 0:  # the profiling hint only where re-profiling can help
+        from .arguments import default_hardware
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        hardware = getattr(args, "hdp_hardware", None) or default_hardware()
+        _step_timer.measured_elsewhere = measured_elsewhere(getattr(args, "hdp_profile", None), hardware, device)
     losses = _step_timer.run(hdp_forward_backward, kwargs, getattr(args, "log_interval", None), rank, gpus)
     if losses:
         megatron_forward_backward.keys = tuple(losses[0].keys())

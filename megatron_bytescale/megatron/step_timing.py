@@ -3,8 +3,11 @@
 The plan of every step carries the cost model's estimate (``Plan.meta["est_time_max_s"]``:
 the busiest rank's forward+backward, ring waits and pipeline fill included). Training
 measures the same span: the HDP forward-backward call of Megatron's train step (micro-batches
-plus the gradient reduction at its end). A ratio far from 1 means the cost model does not
-describe this hardware: re-run ``bytescale profile`` and pass ``--hdp-profile``.
+plus the gradient reduction at its end). The line counts iterations as Megatron's own log does
+(from 1). A ratio far from 1 after the warm-up steps, with a cost model that was not measured on
+this kind of device (the analytic GPU model, or a profile from other hardware), says to run
+``bytescale profile`` here and pass ``--hdp-profile``; a profile measured on this kind of device
+gets no such hint (a shared machine's load moves single steps, and re-profiling cannot fix that).
 
 The line also reports the step's tokens and its throughput in tokens per second per GPU
 (all GPUs of the run: HDP x TP x PP), over the iteration: from this step's start to the
@@ -20,10 +23,28 @@ shorter than a step), beside the seconds planning took.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 FAR = 1.5  # a measured step this many times off the prediction (either way) gets the profiling hint
+WARM_UP = 2  # timed steps that never get the hint: the first ones start processes and fill caches
+
+
+def measured_elsewhere(profile: str | None, hardware: str | None, device: str) -> bool:
+    """Whether the cost model in use was not measured on ``device`` ("cpu" or "cuda"): the
+    analytic model of a GPU spec (never measured), or a profile whose notes name another device
+    (or none). ``hardware`` "cpu" is the shipped CPU profile."""
+    if profile is None:
+        return not (hardware == "cpu" and device == "cpu")
+    import yaml
+
+    try:
+        with open(profile) as f:
+            notes = (yaml.safe_load(f) or {}).get("notes") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return True
+    return str(notes.get("device", "")).split(":")[0] != device
 
 
 class _Remember:
@@ -44,10 +65,11 @@ class _Remember:
 class StepTimer:
     """Times HDP forward-backward calls and logs prediction against measurement."""
 
-    def __init__(self, log: Callable[[str], None] = print):
+    def __init__(self, log: Callable[[str], None] = print, measured_elsewhere: bool = True):
         self.log = log
         self.steps = 0
         self._last_start: float | None = None
+        self.measured_elsewhere = measured_elsewhere  # the profiling hint applies at all
 
     def run(
         self, forward_backward: Callable[..., Any], kwargs: dict, log_interval: int | None, rank: int, gpus: int = 1
@@ -67,7 +89,8 @@ class StepTimer:
         seconds = time.perf_counter() - start
         self.steps += 1
         if rank == 0 and self.steps % log_interval == 0 and seen.last is not None:
-            line = self.line(seen.last, seconds, iteration, gpus)
+            hint = self.measured_elsewhere and self.steps > WARM_UP
+            line = self.line(seen.last, seconds, iteration, gpus, hint)
             if line:
                 self.log(line)
         return result
@@ -85,7 +108,9 @@ class StepTimer:
         )
 
     @staticmethod
-    def line(step_batch, seconds: float, iteration: float | None = None, gpus: int = 1) -> str:
+    def line(
+        step_batch, seconds: float, iteration_s: float | None = None, gpus: int = 1, hint: bool = True
+    ) -> str:
         plan = getattr(step_batch, "plan", None)
         meta = getattr(plan, "meta", None) or {}
         predicted = meta.get("est_time_max_s")
@@ -100,13 +125,22 @@ class StepTimer:
             else ""
         )
         ratio = seconds / predicted
-        hint = (
-            "; far from 1: re-run `bytescale profile` on these GPUs and pass --hdp-profile"
-            if not 1 / FAR <= ratio <= FAR
+        advice = (
+            "; far from 1: run `bytescale profile` on this hardware and pass --hdp-profile"
+            if hint and not 1 / FAR <= ratio <= FAR
             else ""
         )
+        from ..runtime.step import last_step_stats
+
+        sizes = plan.ring_sizes().values() if hasattr(plan, "ring_sizes") else ()
+        rings = " ".join(f"{n}x{size}" for size, n in sorted(Counter(sizes).items()))
+        stats = last_step_stats()
+        sent = f"; this rank sent {stats.p2p_bytes / 1e6:.1f} MB P2P" if stats is not None else ""
+        shape = f"; ranks/seq [{rings}]{sent}" if rings else sent
+        step = getattr(step_batch, "step", None)
+        iteration = "?" if step is None else step + 1  # Megatron counts iterations from 1
         return (
-            f"hdp step {getattr(step_batch, 'step', '?')}: planner predicted {predicted:.3f} s (busiest rank{mine}), "
-            f"measured {seconds:.3f} s forward-backward here ({ratio:.2f}x the prediction{hint})"
-            f"{StepTimer.throughput(step_batch, seconds, iteration, gpus)}{planning}"
+            f"hdp iteration {iteration}: planner predicted {predicted:.3f} s (busiest rank{mine}), "
+            f"measured {seconds:.3f} s forward-backward here ({ratio:.2f}x the prediction{advice})"
+            f"{StepTimer.throughput(step_batch, seconds, iteration_s, gpus)}{planning}{shape}"
         )
