@@ -108,9 +108,7 @@ class StepTimer:
         )
 
     @staticmethod
-    def line(
-        step_batch, seconds: float, iteration_s: float | None = None, gpus: int = 1, hint: bool = True
-    ) -> str:
+    def line(step_batch, seconds: float, iteration_s: float | None = None, gpus: int = 1, hint: bool = True) -> str:
         plan = getattr(step_batch, "plan", None)
         meta = getattr(plan, "meta", None) or {}
         predicted = meta.get("est_time_max_s")
