@@ -282,7 +282,9 @@ def verify(
 
     from .megatron.model import load_model, ring_values_per_token
 
-    widths = ring_values_per_token(*load_model(model), tp)  # per transport: values per token of a block
+    model_spec, arch = load_model(model)
+    widths = ring_values_per_token(model_spec, arch, tp)  # per transport: values per token of a block
+    attention_layers = spec.num_layers + (arch.mtp_num_layers or 0)  # an MTP depth runs one layer more
     if two_level is not None and "latent" in widths:
         raise BytescaleError(
             "--two-level with a multi-latent attention model: two-level rings carry K and V of one head dim in the "
@@ -311,7 +313,7 @@ def verify(
             plan,
             widths[transport] * act,
             widths[transport] * FP32_BYTES,
-            spec.num_layers,
+            attention_layers,
             q_bytes_per_token=q_bytes,
         )
         measured = [o["p2p_bytes"] for o in hdp[::tp]]

@@ -142,6 +142,8 @@ ALLOCATE_ON_CPU = (
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     # so does YaRN's (multi-latent attention's --rope-type yarn), and its __init__ builds there
     "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+    # multi-token prediction's loss tracker (and core_v0.19's acceptance counts) live there
+    "megatron.core.transformer.multi_token_prediction",
     # Megatron DDP allocates its contiguous param/grad buffers on the current CUDA device.
     "megatron.core.distributed.param_and_grad_buffer",
     # the MoE router moves its gating weight to the current CUDA device in every forward.

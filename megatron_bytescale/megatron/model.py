@@ -248,6 +248,10 @@ def build_gpt_model(
     if arch.mtp_num_layers:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
+        from . import mtp
+
+        mtp.install()
+
         last = layer_spec.layer_specs[-1] if isinstance(layer_spec, TransformerBlockSubmodules) else layer_spec
         mtp_spec = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp_stage)
     gpt = GPTModel(

@@ -312,12 +312,26 @@ def hdp_layer_spec(args, config=None, vp_stage=None):
         return with_hdp_core_attention(
             get_gpt_layer_with_transformer_engine_spec(
                 qk_layernorm=args.qk_layernorm,
+                multi_latent_attention=args.multi_latent_attention,
                 qk_l2_norm=args.qk_l2_norm,
             )
         )
     return hdp_gpt_layer_spec(
-        qk_layernorm=args.qk_layernorm, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm
+        qk_layernorm=args.qk_layernorm,
+        normalization=args.normalization,
+        qk_l2_norm=args.qk_l2_norm,
+        multi_latent_attention=args.multi_latent_attention,
     )
+
+
+def _install_model_hooks(args) -> None:
+    """Hooks the model's build and forward need beyond the layer spec: multi-token prediction's
+    (HDP attention in its layers, the roll along documents, the loss scale: ``mtp``)."""
+    if args.mtp_num_layers:
+        from . import mtp
+
+        mtp.install()
+        mtp.install_spec_hook("gpt_builders")  # core_v0.16's builder module, imported by pretrain_gpt.py
 
 
 def model_provider(base: Callable) -> Callable:
@@ -331,6 +345,7 @@ def model_provider(base: Callable) -> Callable:
         if hdp is None:
             return base(*args, **kwargs)
         global HDP_LAYER_SPEC
+        _install_model_hooks(hdp)
         HDP_LAYER_SPEC = hdp_layer_spec(hdp, kwargs.get("config"), kwargs.get("vp_stage"))
         hdp.spec = list(_SPEC_TARGET)
         model = base(*args, **kwargs)
@@ -357,8 +372,10 @@ def model_config(config):
     the HDP layer spec, and a builder that rotates q/k at each token's true position (the
     config's ``builder`` is a class attribute naming the builder: this instance names ours, a
     subclass of Megatron's). Returns the config (changed in place)."""
-    if _hdp_args() is None:
+    args = _hdp_args()
+    if args is None:
         return config
+    _install_model_hooks(args)
     config.transformer_layer_spec = _config_layer_spec
     object.__setattr__(config, "builder", HDP_GPT_BUILDER)
     return config
