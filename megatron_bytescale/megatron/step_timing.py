@@ -8,7 +8,8 @@ describe this hardware: re-run ``bytescale profile`` and pass ``--hdp-profile``.
 
 The same line reports the step's exposed planning: the seconds this rank waited for the
 step's plan (near zero when the loader plans ahead in its background process and planning is
-shorter than a step), beside the seconds planning took.
+shorter than a step), beside the seconds planning took, and the bytes this rank's rings sent
+in the step, per ring transport (K/V rings, and multi-latent attention's latent rings).
 """
 
 from __future__ import annotations
@@ -55,13 +56,16 @@ class StepTimer:
         seconds = time.perf_counter() - start
         self.steps += 1
         if rank == 0 and self.steps % log_interval == 0 and seen.last is not None:
-            line = self.line(seen.last, seconds)
+            from ..runtime.step import last_step_stats
+
+            stats = last_step_stats()
+            line = self.line(seen.last, seconds, stats.p2p_bytes_by_transport if stats is not None else None)
             if line:
                 self.log(line)
         return result
 
     @staticmethod
-    def line(step_batch, seconds: float) -> str:
+    def line(step_batch, seconds: float, ring_bytes: dict[str, int] | None = None) -> str:
         plan = getattr(step_batch, "plan", None)
         meta = getattr(plan, "meta", None) or {}
         predicted = meta.get("est_time_max_s")
@@ -81,7 +85,12 @@ class StepTimer:
             if not 1 / FAR <= ratio <= FAR
             else ""
         )
+        rings = (
+            "; ring bytes sent here: " + ", ".join(f"{name} {sent:,}" for name, sent in sorted(ring_bytes.items()))
+            if ring_bytes
+            else ""
+        )
         return (
             f"hdp step {getattr(step_batch, 'step', '?')}: planner predicted {predicted:.3f} s (busiest rank{mine}), "
-            f"measured {seconds:.3f} s forward-backward here ({ratio:.2f}x the prediction{hint}){planning}"
+            f"measured {seconds:.3f} s forward-backward here ({ratio:.2f}x the prediction{hint}){planning}{rings}"
         )

@@ -51,6 +51,7 @@ class StepStats:
     tokens: int = 0
     loss_tokens: int = 0
     p2p_bytes: int = 0
+    p2p_bytes_by_transport: dict[str, int] = field(default_factory=dict)  # what the rings carried: "kv", "latent"
     offloaded_bytes: int = 0
     peak_resident_activation_bytes: int = 0
     compute_s: float = 0.0  # forward+backward wall time of this rank's micro-batches
@@ -407,6 +408,7 @@ def run_hdp_step(
     stats.micro_batches = count
     stats.loss_tokens = int(total_tokens.item())
     stats.p2p_bytes = counter.bytes_sent
+    stats.p2p_bytes_by_transport = dict(counter.by_transport)
     stats.p2p_wait_s = counter.wait_s
     stats.pipeline_bytes = link.bytes_sent
 
