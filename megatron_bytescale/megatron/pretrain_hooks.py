@@ -347,8 +347,12 @@ def model_provider(base: Callable) -> Callable:
         global HDP_LAYER_SPEC
         _install_model_hooks(hdp)
         HDP_LAYER_SPEC = hdp_layer_spec(hdp, kwargs.get("config"), kwargs.get("vp_stage"))
-        hdp.spec = list(_SPEC_TARGET)
-        model = base(*args, **kwargs)
+        if hdp.mtp_num_layers:
+            with _spec_from_builder_functions(HDP_LAYER_SPEC):
+                model = base(*args, **kwargs)
+        else:
+            hdp.spec = list(_SPEC_TARGET)
+            model = base(*args, **kwargs)
         if hdp.position_embedding_type == "rope":  # learned positions read position_ids directly
             from .rotary import use_true_positions
 
@@ -356,6 +360,30 @@ def model_provider(base: Callable) -> Callable:
         return model
 
     return provider
+
+
+@contextlib.contextmanager
+def _spec_from_builder_functions(spec):
+    """core_v0.16's ``gpt_builder`` with multi-token prediction: given ``--spec`` it never sets
+    the ``use_te`` its MTP branch reads (gpt_builders.py, an UnboundLocalError), so the HDP spec
+    reaches it through the builder module's own spec functions instead (``args.spec`` unset),
+    for this build only; its MTP branch then builds from Megatron's decoder specs, which the MTP
+    spec hook (``mtp.install_spec_hook``) gives HDP attention."""
+    builder = sys.modules.get("gpt_builders")
+    names = ("_get_transformer_layer_spec", "get_gpt_decoder_block_spec")
+    if builder is None or not all(hasattr(builder, n) for n in names):
+        raise ConfigError(
+            "--mtp-num-layers under HDP on core_v0.16 builds through pretrain_gpt.py's gpt_builders module, "
+            "which this entry point did not load"
+        )
+    saved = {n: getattr(builder, n) for n in names}
+    for n in names:
+        setattr(builder, n, lambda *args, **kwargs: spec)
+    try:
+        yield
+    finally:
+        for n, function in saved.items():
+            setattr(builder, n, function)
 
 
 def _config_layer_spec(model_config, vp_stage=None):
