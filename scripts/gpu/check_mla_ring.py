@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_ring_attention import cuda_with_flash, print_device, ring_micro_batches, timed
+from check_ring_attention import accuracy_record, cuda_with_flash, print_device, ring_micro_batches, timed
 
 from megatron_bytescale.planner.contract import MicroBatch
 from megatron_bytescale.runtime.attention_ops import get_backend
@@ -177,7 +177,7 @@ NAMES = ("out", "dq", "dlatent", "drope", "dweight")
 
 
 def max_errors(got, want) -> dict:
-    """max |got - want| / max |want| per tensor."""
+    """max |got - want| / max |want| per tensor (relative: the five tensors differ in size)."""
     return {n: ((g.float() - w).abs().max() / w.abs().max()).item() for n, g, w in zip(NAMES, got, want)}
 
 
@@ -203,23 +203,10 @@ def accuracy(cases, dims: Dims, dtype, device, backends) -> list[dict]:
             fused = run_fused(seqs, backend, scale)
             for transport in TRANSPORTS:
                 got = gathered(run_ring(seqs, prepare(seqs, mbs, transport), backend, scale), want)
-                rec = {
-                    "case": name,
-                    "ring": n,
-                    "tokens": sum(lens),
-                    "backend": backend.name,
-                    "transport": transport,
-                    "ring_err": max_errors(got, want),
-                    "one_call_err": max_errors(fused, want),
-                    "ring_vs_one_call": max_errors(got, [f.float() for f in fused]),
-                }
-                records.append(rec)
-                print(
-                    f"{name:13s} N={n} {sum(lens):6d} tok {backend.name:5s} {transport:6s} | max rel err vs fp32: "
-                    + " ".join(f"{k}={v:.1e}" for k, v in rec["ring_err"].items())
-                    + " | one call "
-                    + " ".join(f"{k}={v:.1e}" for k, v in rec["one_call_err"].items()),
-                    flush=True,
+                records.append(
+                    accuracy_record(
+                        name, n, sum(lens), backend.name, got, want, fused, errors=max_errors, transport=transport
+                    )
                 )
     return records
 
@@ -280,14 +267,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
 
-    if args.smoke:
-        device, dtype, cases, backends, speed_backend = (
-            torch.device("cpu"),
-            torch.float32,
-            SMOKE_CASES,
-            ["torch"],
-            "torch",
-        )
+    if args.smoke:  # fp32 on the CPU, the dense backend, tiny shapes
+        device, dtype = torch.device("cpu"), torch.float32
+        cases, backends, speed_backend = SMOKE_CASES, ["torch"], "torch"
         acc_dims = speed_dims = Dims(2, 8, 4, 6, 10)
         args.tokens, args.rings, args.repeats = [96], [2, 4], 1
     else:
