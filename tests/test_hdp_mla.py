@@ -7,13 +7,12 @@ step equal one rank's, with documents split over rings of 2 to 5 members.
 * the MLA model with plain RoPE (the YaRN one runs in ``bytescale verify`` and through
   pretrain_gpt.py) and one MTP depth, the latent ring, selective recompute of core attention
   and of MLA's up-projection;
-* the MLA model with TP = 2 (each TP rank's ring carries the whole latent; the latent's
-  gradient is summed over TP): TP 2 x HDP 2 against TP 2 on one HDP rank.
+* the MLA model's latent ring with TP = 2 (each TP rank's ring carries the whole latent; the
+  latent's gradient is summed over TP): TP 2 x HDP 2 against TP 2 on one HDP rank.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from megatron_bytescale.local_world import preload, run_local_world
@@ -49,7 +48,7 @@ def model_file(tmp_path, base: str, *extra: str) -> str:
     """configs/models/<base>.args with extra flags, as a file of its own."""
     from megatron_bytescale.planner.specs import MODEL_DIR
 
-    path = tmp_path / f"{base}{'-'.join([''] + [e.strip('-') for e in extra])}.args"
+    path = tmp_path / f"{base}-{len(list(tmp_path.iterdir()))}.args"
     path.write_text((MODEL_DIR / f"{base}.args").read_text() + "\n" + "\n".join(extra) + "\n")
     return str(path)
 
@@ -93,9 +92,10 @@ def compare(hdp: list[dict], ref: list[dict]) -> tuple[float, float]:
 
 
 def test_multi_token_prediction_over_rings_of_two_to_five_equals_one_rank(tmp_path):
-    """tiny (GQA, RoPE) with two MTP depths: each depth's input ids, labels and loss mask
-    shift along documents across ring members; the MTP layers' attention is the ring's."""
-    model = model_file(tmp_path, "tiny", "--mtp-num-layers 2")
+    """tiny (GQA, RoPE) with two MTP depths and a loss scale of 0.3: each depth's input ids,
+    labels and loss mask shift along documents across ring members; the MTP layers' attention
+    is the ring's."""
+    model = model_file(tmp_path, "tiny", "--mtp-num-layers 2", "--mtp-loss-scaling-factor 0.3")
     plan = five_rank_plan()
     hdp, ref = run(plan, model), run(one_rank_plan(plan.seq_lens, 4), model)
     loss_gap, grad_gap = compare(hdp, ref)
@@ -118,11 +118,12 @@ def test_mla_latent_ring_with_recompute_and_mtp_equals_one_rank(tmp_path):
     assert loss_gap < TOL and grad_gap < TOL
 
 
-@pytest.mark.parametrize("transport", ["kv", "latent"])
-def test_mla_with_tensor_parallelism_equals_one_hdp_rank(transport):
+def test_mla_latent_ring_with_tensor_parallelism_equals_one_hdp_rank():
     """TP = 2 x HDP = 2 against TP = 2 on one HDP rank: a 45-token sequence on the ring beside
-    whole ones. With the latent ring every TP rank's ring carries the whole latent and re-expands
-    its own heads."""
+    whole ones. Every TP rank's ring carries the whole latent and re-expands its own heads; the
+    latent's gradient from the other member is summed over TP. (The K/V ring at TP 2 is the
+    plain ring's TP path, with K and V of this TP rank's heads.)"""
+    transport = "latent"
     lens = (45, 7, 12)
     share = ring_pieces(0, 45, (0, 1), transport=transport)
     ranks = (

@@ -8,15 +8,20 @@ of each whole sequence, K and V made from the latent by the up-projection, as ML
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_bytescale.errors import PlanError
 from megatron_bytescale.local_world import run_local_world
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
+from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.ring_traffic import p2p_bytes_per_rank
 from megatron_bytescale.runtime.document_roll import roll_within_documents
 from megatron_bytescale.runtime.layout import MicroBatchLayout
 from megatron_bytescale.runtime.ring_attention import MLALatent, ring_attention
 from megatron_bytescale.runtime.ring_comm import P2PCounter
+
+from planner_cases import draw_lengths, small_cost
 
 # heads, no-rope / rope / value head dims, latent rank: K is 12 wide, V 6 (DeepSeek-V3's 192 and 128)
 H, DN, DPE, DV, R = 3, 8, 4, 6, 10
@@ -192,6 +197,32 @@ def test_the_plan_carries_each_rings_transport():
     assert latent.with_ring_transport("latent") is latent and plan.with_ring_transport("kv") is plan
     with pytest.raises(PlanError, match="unknown ring transport"):
         plan.with_ring_transport("values")
+
+
+@st.composite
+def planned_batches(draw):
+    rpn = draw(st.sampled_from([1, 2, 4]))
+    ranks = rpn * draw(st.integers(1, 4))  # whole nodes
+    capacity = draw(st.sampled_from([64, 100, 256]))
+    lens = draw_lengths(draw, capacity, ranks, max_short=20, max_long=6)
+    return lens, dict(num_ranks=ranks, capacity=capacity, ranks_per_node=rpn, offload=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(planned_batches())
+def test_the_planner_sets_the_configured_transport_on_every_plain_ring(case):
+    """The same placement whatever the ring transport; with "latent" every plain ring's pieces
+    carry it, two-level rings and whole sequences K and V; the plan stays valid."""
+    lens, config = case
+    cost = small_cost(q_heads=8, kv_heads=8)
+    kv = plan_step(lens, PlannerConfig(**config), cost)
+    latent = plan_step(lens, PlannerConfig(**config, ring_transport="latent"), cost).validate()
+    strip = lambda plan: {k: v for k, v in plan.to_dict().items() if k != "meta"}  # noqa: E731
+    assert strip(latent.with_ring_transport("kv")) == strip(kv)
+    for mbs in latent.ranks:
+        for mb in mbs:
+            for p in mb.pieces:
+                assert p.transport == ("latent" if p.is_distributed and p.heads_split == 1 else "kv")
 
 
 @pytest.mark.parametrize(

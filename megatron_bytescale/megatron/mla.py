@@ -109,14 +109,3 @@ class HDPMLASelfAttention(MLASelfAttention):
             return self.core_attention(query, key, value, attention_mask, latent=latent)
 
         return tensor_parallel.checkpoint(recompute, False, query, key, value, latent)
-
-
-def check_mla_config(config) -> None:
-    """Refuse MLA settings the ring cannot honour, naming the fix."""
-    if getattr(config, "cache_mla_latents", False):
-        raise ConfigError("--cache-mla-latents is for inference: drop it for training under HDP")
-    if getattr(config, "experimental_attention_variant", None) is not None:
-        raise ConfigError(
-            f"--experimental-attention-variant {config.experimental_attention_variant}: HDP runs multi-latent "
-            "attention's full attention only; drop it"
-        )
