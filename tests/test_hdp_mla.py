@@ -13,6 +13,9 @@ step equal one rank's, with documents split over rings of 2 to 5 members.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from megatron_bytescale.local_world import preload, run_local_world
@@ -118,23 +121,32 @@ def test_mla_latent_ring_with_recompute_and_mtp_equals_one_rank(tmp_path):
     assert loss_gap < TOL and grad_gap < TOL
 
 
-def test_mla_latent_ring_with_tensor_parallelism_equals_one_hdp_rank():
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"])
+def test_mla_latent_ring_with_tensor_parallelism_equals_one_hdp_rank(tmp_path, sequence_parallel):
     """TP = 2 x HDP = 2 against TP = 2 on one HDP rank: a 45-token sequence on the ring beside
     whole ones. Every TP rank's ring carries the whole latent and re-expands its own heads; the
-    latent's gradient from the other member is summed over TP. (The K/V ring at TP 2 is the
-    plain ring's TP path, with K and V of this TP rank's heads.)"""
-    transport = "latent"
+    latent's gradient from the other member is summed over TP (under sequence parallelism the
+    latent is gathered first and its gradient reduce-scattered; megatron-core's torch norm
+    refuses sequence parallelism, so that model has no Q/KV norms). The K/V ring at TP 2 is the
+    plain ring's TP path, with K and V of this TP rank's heads."""
+    model = "tiny-mla"
+    if sequence_parallel:
+        from megatron_bytescale.planner.specs import MODEL_DIR
+
+        model = str(tmp_path / "tiny-mla-no-qk-norm.args")
+        Path(model).write_text((MODEL_DIR / "tiny-mla.args").read_text().replace("--qk-layernorm\n", ""))
     lens = (45, 7, 12)
-    share = ring_pieces(0, 45, (0, 1), transport=transport)
+    share = ring_pieces(0, 45, (0, 1), transport="latent")
     ranks = (
         (MicroBatch((share[0], whole_piece(1, 7, 0))),),
         (MicroBatch((share[1],)), MicroBatch((whole_piece(2, 12, 1),))),
     )
     plan = Plan(2, 32, 2, lens, ranks).validate()
-    hdp, ref = run(plan, "tiny-mla", tp=2), run(one_rank_plan(lens, 2), "tiny-mla", tp=2)
+    hdp = run(plan, model, tp=2, sequence_parallel=sequence_parallel)
+    ref = run(one_rank_plan(lens, 2), model, tp=2, sequence_parallel=sequence_parallel)
     loss_gap, grad_gap = compare(hdp, ref)
-    print(f"\nMLA TP 2, {transport} ring: loss gap {loss_gap:.1e}, gradients {grad_gap:.2e}")
-    assert all(set(r["bytes"]) == {transport} for r in hdp)
+    print(f"\nMLA latent ring, TP 2, SP {sequence_parallel}: loss gap {loss_gap:.1e}, gradients {grad_gap:.1e}")
+    assert all(set(r["bytes"]) == {"latent"} for r in hdp)
     assert loss_gap < TOL and grad_gap < TOL
 
 
