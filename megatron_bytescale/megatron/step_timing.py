@@ -59,13 +59,13 @@ class StepTimer:
             from ..runtime.step import last_step_stats
 
             stats = last_step_stats()
-            line = self.line(seen.last, seconds, stats.p2p_bytes_by_transport if stats is not None else None)
+            line = self.line(seen.last, seconds, ring_bytes=stats.p2p_bytes_by_transport if stats else None)
             if line:
                 self.log(line)
         return result
 
     @staticmethod
-    def line(step_batch, seconds: float, ring_bytes: dict[str, int] | None = None) -> str:
+    def line(step_batch, seconds: float, *, ring_bytes: dict[str, int] | None = None) -> str:
         plan = getattr(step_batch, "plan", None)
         meta = getattr(plan, "meta", None) or {}
         predicted = meta.get("est_time_max_s")
