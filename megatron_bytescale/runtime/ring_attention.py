@@ -19,7 +19,7 @@ which builds on the same ring passes (``ring_core``).
 
 Multi-latent attention (K and V of different head dims) runs the same passes with one of two
 transports (``ring_transport``), as the layout's ring says (the plan's choice): ``"kv"``, K
-and V as one buffer per token (``2*hkv*d`` above becomes ``hkv*(dk + dv)``), or ``"latent"``,
+and V back to back in one message (``2*hkv*d`` above becomes ``hkv*(dk + dv)``), or ``"latent"``,
 the compressed latent and the rotary key (``r + dpe`` values per token whatever the heads; the
 accumulators likewise), re-expanded on each member by the layer's up-projection
 (``MLALatent``).

@@ -7,8 +7,10 @@ attends to:
 
 * ``KVTransport`` (``"kv"``, every model): K and V themselves. Of one head dim they travel
   stacked, ``[2, T, hkv, d]``, as they always have; with different head dims (MLA: K of
-  ``qk_head_dim + qk_pos_emb_head_dim``, V of ``v_head_dim``) as one buffer per token
-  ``[T, hkv, dk + dv]``, V not padded. The dK/dV accumulator has the message's shape.
+  ``qk_head_dim + qk_pos_emb_head_dim``, V of ``v_head_dim``) as one message holding the two
+  buffers back to back, K's ``T*hkv*dk`` values then V's ``T*hkv*dv``, each read as a
+  contiguous ``[T, hkv, d]`` view: V not padded, one message per hop. The dK/dV accumulator has
+  the message's layout.
 * ``LatentTransport`` (``"latent"``, MLA only): the compressed KV latent (``kv_lora_rank``,
   after its norm) and the shared rotary key (``qk_pos_emb_head_dim``, already rotated at the
   token's true position): ``[T, r + dpe]`` per block, whatever the head count. Each member
@@ -34,24 +36,26 @@ class KVTransport:
     name = "kv"
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.dk, self.dv = k.shape[-1], v.shape[-1]
+        self.heads, self.dk, self.dv = k.shape[1], k.shape[-1], v.shape[-1]
         self.stacked = self.dk == self.dv
 
     def own(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The message of this member's block."""
-        return torch.stack((k, v)) if self.stacked else torch.cat((k, v), dim=-1)
+        return torch.stack((k, v)) if self.stacked else torch.cat((k.reshape(-1), v.reshape(-1)))
 
     def shape(self, message: torch.Tensor, tokens: int) -> tuple[int, ...]:
         """The shape of another block's message of ``tokens`` tokens."""
         if self.stacked:
             return (2, tokens, *message.shape[2:])
-        return (tokens, *message.shape[1:])
+        return (tokens * self.heads * (self.dk + self.dv),)
 
     def expand(self, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A received message -> the block's (K, V)."""
         if self.stacked:
             return message[0], message[1]
-        return message[..., : self.dk], message[..., self.dk :]
+        t = message.numel() // (self.heads * (self.dk + self.dv))
+        split = t * self.heads * self.dk
+        return message[:split].view(t, self.heads, self.dk), message[split:].view(t, self.heads, self.dv)
 
     def grad_zeros(self, message: torch.Tensor) -> torch.Tensor:
         return torch.zeros(message.shape, dtype=torch.float32, device=message.device)
