@@ -6,6 +6,10 @@ every sequence whole, and runs the static DP x CP mesh on the same batch with th
 attention code to measure its traffic. Prints and writes loss, gradient differences and P2P
 bytes; exits non-zero when HDP and the reference differ beyond tolerance or the measured
 traffic differs from the plan's prediction. Also a sanity check for users' own machines.
+
+A multi-latent attention model (``--model tiny-mla``) runs the HDP step once per ring
+transport, K and V then the latent (the same plan, ``Plan.with_ring_transport``): both must
+match one rank, and each one's bytes its prediction.
 """
 
 from __future__ import annotations
@@ -276,24 +280,59 @@ def verify(
     else:
         static_skipped = None
 
-    runs = 2 + (static is not None)
-    say(f"[1/{runs}] one step under HDP on {world_size} gloo ranks (starting the processes) ...")
-    hdp = run_plan(plan, model=model, tp=tp, seed=seed, offload=offload_ratio is not None, dtype=dtype)
-    say(f"[2/{runs}] the same batch on one rank, every sequence whole ...")
+    from .megatron.model import load_model, ring_values_per_token
+
+    model_spec, arch = load_model(model)
+    widths = ring_values_per_token(model_spec, arch, tp)  # per transport: values per token of a block
+    attention_layers = spec.num_layers + (arch.mtp_num_layers or 0)  # an MTP depth runs one layer more
+    if two_level is not None and "latent" in widths:
+        raise BytescaleError(
+            "--two-level with a multi-latent attention model: two-level rings carry K and V of one head dim in the "
+            "plan's byte count; leave --two-level out"
+        )
+    total = len(widths) + 1 + (static is not None)
+    runs = {}
+    for i, transport in enumerate(widths, 1):
+        what = f" ({transport} ring)" if len(widths) > 1 else ""
+        say(f"[{i}/{total}] one step under HDP on {world_size} gloo ranks{what} (starting the processes) ...")
+        runs[transport] = run_plan(
+            plan.with_ring_transport(transport),
+            model=model,
+            tp=tp,
+            seed=seed,
+            offload=offload_ratio is not None,
+            dtype=dtype,
+        )
+    say(f"[{len(widths) + 1}/{total}] the same batch on one rank, every sequence whole ...")
     ref = run_plan(one_rank_plan(lengths, spec.num_layers), model=model, tp=tp, seed=seed, dtype=dtype)
     mesh = None
     if static is not None:
-        say(f"[3/{runs}] the same batch on the static DP x CP mesh (CP = {static.meta['cp']}) ...")
+        say(f"[{total}/{total}] the same batch on the static DP x CP mesh (CP = {static.meta['cp']}) ...")
         mesh = run_plan(static, model=model, tp=tp, seed=seed, dtype=dtype)
 
-    # K and V travel in the activations' dtype (fp32 on CPU), dK/dV accumulators always in fp32
+    # blocks travel in the activations' dtype (fp32 on CPU), their gradient accumulators always in fp32
     act = FP32_BYTES if dtype == "fp32" else 2
-    kv = 2 * (spec.num_query_groups // tp) * spec.kv_channels * act
-    grad_kv = 2 * (spec.num_query_groups // tp) * spec.kv_channels * FP32_BYTES
     q_bytes = spec.num_attention_heads // tp * spec.kv_channels * act
-    predicted = p2p_bytes_per_rank(plan, kv, grad_kv, spec.num_layers, q_bytes_per_token=q_bytes)
-    measured = [o["p2p_bytes"] for o in hdp[::tp]]
-    max_abs, max_rel = grad_diffs(hdp, ref)
+    per_transport = {}
+    for transport, hdp in runs.items():
+        predicted = p2p_bytes_per_rank(
+            plan,
+            widths[transport] * act,
+            widths[transport] * FP32_BYTES,
+            attention_layers,
+            q_bytes_per_token=q_bytes,
+        )
+        measured = [o["p2p_bytes"] for o in hdp[::tp]]
+        max_abs, max_rel = grad_diffs(hdp, ref)
+        per_transport[transport] = {
+            "loss_hdp": hdp[0]["loss"],
+            "max_abs_grad_diff": max_abs,
+            "max_rel_grad_diff": max_rel,
+            "p2p_bytes": int(sum(measured) * tp),
+            "p2p_bytes_predicted": int(sum(predicted) * tp),
+            "values_per_token": widths[transport],
+        }
+    hdp, first = runs["kv"], per_transport["kv"]
     sizes = plan.ring_sizes()
     return {
         "world_size": world_size,
@@ -303,14 +342,16 @@ def verify(
         "capacity": capacity,
         "lengths": lengths,
         "loss_ref": ref[0]["loss"],
-        "loss_hdp": hdp[0]["loss"],
+        "loss_hdp": first["loss_hdp"],
         "loss_static": mesh[0]["loss"] if mesh else None,
-        "max_abs_grad_diff": max_abs,
-        "max_rel_grad_diff": max_rel,
+        "max_abs_grad_diff": first["max_abs_grad_diff"],
+        "max_rel_grad_diff": first["max_rel_grad_diff"],
         "static_max_rel_grad_diff": grad_diffs(mesh, ref)[1] if mesh else None,
         "offload_ratios": sorted({mb.offload_ratio for mbs in plan.ranks for mb in mbs if mb.offload_ratio > 0}),
-        "p2p_bytes": int(sum(measured) * tp),
-        "p2p_bytes_predicted": int(sum(predicted) * tp),
+        "p2p_bytes": first["p2p_bytes"],
+        "p2p_bytes_predicted": first["p2p_bytes_predicted"],
+        # a multi-latent attention model: the HDP run of each ring transport (the keys above are "kv"'s)
+        "ring_transports": per_transport if len(per_transport) > 1 else None,
         "p2p_bytes_static": int(sum(o["p2p_bytes"] for o in mesh)) if mesh else None,
         "offloaded_bytes": int(sum(o["offloaded_bytes"] for o in hdp)),
         "ranks_per_sequence": [sizes[i] for i in range(len(lengths))],
@@ -338,4 +379,18 @@ def passed(report: dict) -> list[str]:
         failures.append(
             f"P2P bytes {report['p2p_bytes']} differ from the plan's prediction {report['p2p_bytes_predicted']}"
         )
+    for transport, run in (report.get("ring_transports") or {}).items():
+        if transport == "kv":  # the keys above
+            continue
+        if abs(run["loss_hdp"] - report["loss_ref"]) > tol["loss"] * max(1.0, abs(report["loss_ref"])):
+            failures.append(f"loss differs: HDP ({transport} ring) {run['loss_hdp']:.8f} vs {report['loss_ref']:.8f}")
+        if run["max_rel_grad_diff"] > tol["grad"]:
+            failures.append(
+                f"HDP ({transport} ring) gradients differ: max relative difference {run['max_rel_grad_diff']:.2e}"
+            )
+        if run["p2p_bytes"] != run["p2p_bytes_predicted"]:
+            failures.append(
+                f"P2P bytes of the {transport} ring {run['p2p_bytes']} differ from the prediction "
+                f"{run['p2p_bytes_predicted']}"
+            )
     return failures

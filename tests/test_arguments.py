@@ -67,6 +67,7 @@ MEGATRON = dict(
     padded_vocab_size=512,
     vocab_size=512,
     multi_latent_attention=False,
+    cache_mla_latents=False,
     position_embedding_type="rope",
     experimental_attention_variant=None,
     heterogeneous_layers_config_path=None,
@@ -217,6 +218,17 @@ def test_pipeline_parallel_is_accepted_with_pp_balance():
     assert (args.hdp_balance, args.hdp_size) == ("pp", 2)
 
 
+def test_multi_latent_attention_and_multi_token_prediction_are_accepted_and_planned():
+    """MLA with either ring transport (the plan's rings carry what --hdp-mla-ring says; K and V
+    by default, and for every model without MLA), and MTP without pipelines."""
+    args = validate_hdp_args(parse(HDP, multi_latent_attention=True, mtp_num_layers=1))
+    assert (args.hdp_mla_ring, planner_config_from_args(args).ring_transport) == ("kv", "kv")
+    mla = dict(multi_latent_attention=True, qk_layernorm=True, transformer_impl="local")
+    args = validate_hdp_args(parse(HDP + ["--hdp-mla-ring", "latent"], **mla))
+    assert planner_config_from_args(args).ring_transport == "latent"
+    assert planner_config_from_args(validate_hdp_args(parse(HDP))).ring_transport == "kv"
+
+
 def test_virtual_pipeline_stages_are_accepted_and_planned_with_their_chunk_count():
     args = validate_hdp_args(
         parse(HDP, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=4)
@@ -313,9 +325,19 @@ CONFLICTS = {
     "cuda graphs": (HDP, dict(cuda_graph_impl="local"), "CUDA graphs need fixed shapes"),
     "legacy models (0.16)": (HDP, dict(use_legacy_models=True), "drop --use-legacy-models"),
     "custom spec": (HDP, dict(spec=["my.module", "my_spec"]), "drop --spec"),
-    "mtp": (HDP, dict(mtp_num_layers=1), "multi-token prediction"),
+    "mtp with pipelines": (
+        HDP,
+        dict(mtp_num_layers=1, pipeline_model_parallel_size=2, data_parallel_size=4),
+        "multi-token prediction without pipelines",
+    ),
     "attention dropout": (HDP, dict(attention_dropout=0.1), "add --attention-dropout 0.0"),
-    "mla": (HDP, dict(multi_latent_attention=True), "not MLA"),
+    "mla latent ring, TE's fused KV norm": (
+        HDP + ["--hdp-mla-ring", "latent"],
+        dict(multi_latent_attention=True, qk_layernorm=True, transformer_impl="transformer_engine"),
+        "use --hdp-mla-ring kv",
+    ),
+    "mla latent caching": (HDP, dict(multi_latent_attention=True, cache_mla_latents=True), "--cache-mla-latents"),
+    "latent ring without mla": (HDP + ["--hdp-mla-ring", "latent"], {}, "without --multi-latent-attention"),
     "yarn": (HDP, dict(position_embedding_type="yarn"), "rope, learned_absolute or none"),
     "attention variant": (HDP, dict(experimental_attention_variant="gated_delta_net"), "choose their own layer specs"),
     "heterogeneous": (HDP, dict(heterogeneous_layers_config_path="h.json"), "choose their own layer specs"),

@@ -100,6 +100,18 @@ def main(args: argparse.Namespace) -> int:
         f"  P2P bytes          : HDP {report['p2p_bytes']:,} (plan predicts {report['p2p_bytes_predicted']:,})  "
         f"{static_p2p}"
     )
+    transports = report.get("ring_transports")
+    if transports:
+        kv, latent = transports["kv"], transports["latent"]
+        print(
+            f"  latent ring        : loss {latent['loss_hdp']:.8f}  gradients max relative "
+            f"{latent['max_rel_grad_diff']:.2e}"
+        )
+        print(
+            f"  bytes by transport : K/V ring {kv['p2p_bytes']:,} ({kv['values_per_token']} values per token)  latent "
+            f"ring {latent['p2p_bytes']:,} ({latent['values_per_token']}; plan predicts "
+            f"{latent['p2p_bytes_predicted']:,}): {latent['p2p_bytes'] / kv['p2p_bytes']:.3f} of the K/V ring's"
+        )
     if report["two_level"] is not None:
         tl = report["two_level"]
         print(

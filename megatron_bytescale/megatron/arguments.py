@@ -98,6 +98,7 @@ MEGATRON_ARGS_READ = (
     "padded_vocab_size",
     "vocab_size",
     "multi_latent_attention",
+    "cache_mla_latents",
     "position_embedding_type",
     "experimental_attention_variant",
     "heterogeneous_layers_config_path",
@@ -144,7 +145,9 @@ _HDP_DEFAULTS = {
     "hdp_step_tokens": None,
     "hdp_mock_lengths": None,
     "hdp_ray_servers": 2,
+    "hdp_mla_ring": "kv",
 }
+MLA_RINGS = ("kv", "latent")  # the ring transports (planner/contract/transports.py) a user picks from
 
 
 # ------------------------------------------------------------------ argparse types
@@ -313,6 +316,16 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         metavar="N",
         help="HDP ranks that share a node (rings inside a node use the fast link in the cost model). "
         "Default: min(data-parallel size, LOCAL_WORLD_SIZE / tensor-parallel size).",
+    )
+    g.add_argument(
+        "--hdp-mla-ring",
+        choices=MLA_RINGS,
+        default=_HDP_DEFAULTS["hdp_mla_ring"],
+        help="With --multi-latent-attention, what a long sequence's ring carries: 'kv', each layer's K and V "
+        "(heads x (qk + rope + v head dims) values per token, as Megatron's context parallelism sends them), or "
+        "'latent', the compressed KV latent and the rotary key (kv-lora-rank + rope dims per token, whatever "
+        "the heads; each member re-expands K and V, a GEMM per ring step). Both are exact. Default kv. Two-level "
+        "rings carry K and V either way.",
     )
     return parser
 
@@ -493,8 +506,11 @@ def _check_model(args) -> None:
             "attention as the core attention): drop --spec"
         )
     if args.multi_latent_attention:
+        _check_mla(args)
+    elif args.hdp_mla_ring != _HDP_DEFAULTS["hdp_mla_ring"]:
         raise ConfigError(
-            "--multi-latent-attention: HDP ring attention plugs into megatron-core's SelfAttention, not MLA: drop it"
+            f"--hdp-mla-ring {args.hdp_mla_ring} without --multi-latent-attention: only multi-latent attention "
+            "has a latent to carry; drop --hdp-mla-ring"
         )
     if args.position_embedding_type not in ("rope", "learned_absolute", "none"):
         raise ConfigError(
@@ -511,10 +527,26 @@ def _check_model(args) -> None:
             f"--attention-dropout {args.attention_dropout}: HDP ring attention merges blocks of a sequence "
             "computed on different ranks and applies no dropout to them: add --attention-dropout 0.0"
         )
-    if args.mtp_num_layers:
+    if args.mtp_num_layers and args.pipeline_model_parallel_size > 1:
         raise ConfigError(
-            "--mtp-num-layers: multi-token prediction shifts tokens across the packed sequences of a "
-            "micro-batch, which HDP does not support: drop it"
+            f"--mtp-num-layers with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: HDP runs "
+            "multi-token prediction without pipelines (its layers and embedding sit on the last stage, not "
+            "tested under HDP); use --pipeline-model-parallel-size 1"
+        )
+
+
+def _check_mla(args) -> None:
+    """Multi-latent attention: what the ring cannot honour."""
+    if getattr(args, "cache_mla_latents", False):
+        raise ConfigError("--cache-mla-latents caches latents for inference: drop it for training")
+    fused_norm = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine" and getattr(
+        args, "qk_layernorm", False
+    )
+    if args.hdp_mla_ring == "latent" and fused_norm:
+        raise ConfigError(
+            "--hdp-mla-ring latent with --qk-layernorm and --transformer-impl transformer_engine: TE fuses the KV "
+            "latent's norm into the up-projection, so no member can re-expand the normed latent; use "
+            "--hdp-mla-ring kv (or --transformer-impl local)"
         )
 
 
@@ -823,4 +855,5 @@ def planner_config_from_args(args):
         pipeline_stages=args.pipeline_model_parallel_size,
         virtual_stages=args.virtual_pipeline_model_parallel_size or 1,
         expert_parallel=args.expert_model_parallel_size,
+        ring_transport=args.hdp_mla_ring if args.multi_latent_attention else "kv",
     )

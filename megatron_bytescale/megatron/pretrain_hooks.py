@@ -319,12 +319,26 @@ def hdp_layer_spec(args, config=None, vp_stage=None):
         return with_hdp_core_attention(
             get_gpt_layer_with_transformer_engine_spec(
                 qk_layernorm=args.qk_layernorm,
+                multi_latent_attention=args.multi_latent_attention,
                 qk_l2_norm=args.qk_l2_norm,
             )
         )
     return hdp_gpt_layer_spec(
-        qk_layernorm=args.qk_layernorm, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm
+        qk_layernorm=args.qk_layernorm,
+        normalization=args.normalization,
+        qk_l2_norm=args.qk_l2_norm,
+        multi_latent_attention=args.multi_latent_attention,
     )
+
+
+def _install_model_hooks(args) -> None:
+    """Hooks the model's build and forward need beyond the layer spec: multi-token prediction's
+    (HDP attention in its layers, the roll along documents, the loss scale: ``mtp``)."""
+    if args.mtp_num_layers:
+        from . import mtp
+
+        mtp.install()
+        mtp.install_spec_hook("gpt_builders")  # core_v0.16's builder module, imported by pretrain_gpt.py
 
 
 def model_provider(base: Callable) -> Callable:
@@ -338,9 +352,14 @@ def model_provider(base: Callable) -> Callable:
         if hdp is None:
             return base(*args, **kwargs)
         global HDP_LAYER_SPEC
+        _install_model_hooks(hdp)
         HDP_LAYER_SPEC = hdp_layer_spec(hdp, kwargs.get("config"), kwargs.get("vp_stage"))
-        hdp.spec = list(_SPEC_TARGET)
-        model = base(*args, **kwargs)
+        if hdp.mtp_num_layers:
+            with _spec_from_builder_functions(HDP_LAYER_SPEC):
+                model = base(*args, **kwargs)
+        else:
+            hdp.spec = list(_SPEC_TARGET)
+            model = base(*args, **kwargs)
         if hdp.position_embedding_type == "rope":  # learned positions read position_ids directly
             from .rotary import use_true_positions
 
@@ -348,6 +367,30 @@ def model_provider(base: Callable) -> Callable:
         return model
 
     return provider
+
+
+@contextlib.contextmanager
+def _spec_from_builder_functions(spec):
+    """core_v0.16's ``gpt_builder`` with multi-token prediction: given ``--spec`` it never sets
+    the ``use_te`` its MTP branch reads (gpt_builders.py, an UnboundLocalError), so the HDP spec
+    reaches it through the builder module's own spec functions instead (``args.spec`` unset),
+    for this build only; its MTP branch then builds from Megatron's decoder specs, which the MTP
+    spec hook (``mtp.install_spec_hook``) gives HDP attention."""
+    builder = sys.modules.get("gpt_builders")
+    names = ("_get_transformer_layer_spec", "get_gpt_decoder_block_spec")
+    if builder is None or not all(hasattr(builder, n) for n in names):
+        raise ConfigError(
+            "--mtp-num-layers under HDP on core_v0.16 builds through pretrain_gpt.py's gpt_builders module, "
+            "which this entry point did not load"
+        )
+    saved = {n: getattr(builder, n) for n in names}
+    for n in names:
+        setattr(builder, n, lambda *args, **kwargs: spec)
+    try:
+        yield
+    finally:
+        for n, function in saved.items():
+            setattr(builder, n, function)
 
 
 def _config_layer_spec(model_config, vp_stage=None):
@@ -364,8 +407,10 @@ def model_config(config):
     the HDP layer spec, and a builder that rotates q/k at each token's true position (the
     config's ``builder`` is a class attribute naming the builder: this instance names ours, a
     subclass of Megatron's). Returns the config (changed in place)."""
-    if _hdp_args() is None:
+    args = _hdp_args()
+    if args is None:
         return config
+    _install_model_hooks(args)
     config.transformer_layer_spec = _config_layer_spec
     object.__setattr__(config, "builder", HDP_GPT_BUILDER)
     return config

@@ -17,7 +17,8 @@ no earlier step was timed.
 
 The same line reports the step's exposed planning: the seconds this rank waited for the
 step's plan (near zero when the loader plans ahead in its background process and planning is
-shorter than a step), beside the seconds planning took.
+shorter than a step), beside the seconds planning took, and the bytes this rank's rings sent
+in the step, per ring transport (K/V rings, and multi-latent attention's latent rings).
 """
 
 from __future__ import annotations
@@ -89,8 +90,12 @@ class StepTimer:
         seconds = time.perf_counter() - start
         self.steps += 1
         if rank == 0 and self.steps % log_interval == 0 and seen.last is not None:
+            from ..runtime.step import last_step_stats
+
+            stats = last_step_stats()
             hint = self.measured_elsewhere and self.steps > WARM_UP
-            line = self.line(seen.last, seconds, iteration, gpus, hint)
+            ring_bytes = stats.p2p_bytes_by_transport if stats else None
+            line = self.line(seen.last, seconds, iteration, gpus, hint, ring_bytes=ring_bytes)
             if line:
                 self.log(line)
         return result
@@ -108,7 +113,15 @@ class StepTimer:
         )
 
     @staticmethod
-    def line(step_batch, seconds: float, iteration_s: float | None = None, gpus: int = 1, hint: bool = True) -> str:
+    def line(
+        step_batch,
+        seconds: float,
+        iteration_s: float | None = None,
+        gpus: int = 1,
+        hint: bool = True,
+        *,
+        ring_bytes: dict[str, int] | None = None,
+    ) -> str:
         plan = getattr(step_batch, "plan", None)
         meta = getattr(plan, "meta", None) or {}
         predicted = meta.get("est_time_max_s")
@@ -135,10 +148,15 @@ class StepTimer:
         stats = last_step_stats()
         sent = f"; this rank sent {stats.p2p_bytes / 1e6:.1f} MB P2P" if stats is not None else ""
         shape = f"; ranks/seq [{rings}]{sent}" if rings else sent
+        by_transport = (
+            "; ring bytes sent here: " + ", ".join(f"{name} {sent:,}" for name, sent in sorted(ring_bytes.items()))
+            if ring_bytes
+            else ""
+        )
         step = getattr(step_batch, "step", None)
         iteration = "?" if step is None else step + 1  # Megatron counts iterations from 1
         return (
             f"hdp iteration {iteration}: planner predicted {predicted:.3f} s (busiest rank{mine}), "
             f"measured {seconds:.3f} s forward-backward here ({ratio:.2f}x the prediction{advice})"
-            f"{StepTimer.throughput(step_batch, seconds, iteration_s, gpus)}{planning}{shape}"
+            f"{StepTimer.throughput(step_batch, seconds, iteration_s, gpus)}{planning}{shape}{by_transport}"
         )
