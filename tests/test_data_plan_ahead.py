@@ -103,8 +103,43 @@ def _wrong_plan(seq_lens):
     return default_plan_fn(CONFIG)(list(seq_lens)[:-1] or [1])
 
 
-def test_a_killed_training_process_leaves_no_planning_process(corpus, tmp_path):
-    # the child reads end of stream on its socket when the training process dies, and exits
+@pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
+def test_a_stopped_or_dead_planning_process_is_named_within_seconds(corpus, monkeypatch, sig):
+    import os
+    import signal
+
+    from megatron_bytescale.data import plan_ahead
+
+    monkeypatch.setattr(plan_ahead, "HEARTBEAT_TIMEOUT_S", 2.0)
+    loader = LocalDataLoader(corpus, CONFIG, rank=0, plan_ahead=1, **SETTINGS)
+    try:
+        loader.next_step()
+        child = loader._ahead._proc.pid
+        os.kill(child, getattr(signal, sig))
+        t0 = time.monotonic()
+        with pytest.raises(PlanError) as error:
+            for _ in range(3):  # step 1 may have been planned before the signal
+                loader.next_step()
+        waited = time.monotonic() - t0
+    finally:
+        loader.close()
+    said = str(error.value)
+    print(f"{sig}: {waited:.1f} s: {said}")
+    assert said.startswith(f"the planning process (pid {child}, data/plan_ahead.py) ")
+    if sig == "SIGSTOP":
+        assert "has been silent for" in said and "stopped (SIGSTOP" in said
+        assert waited < 2.0 + 10, waited  # the deadline, plus a loaded machine's slack
+    else:
+        assert "was killed by SIGKILL before step" in said
+        assert waited < 10, waited
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # close() ended (and reaped) even the stopped one
+
+
+@pytest.mark.parametrize("stop_first", [False, True], ids=["running", "stopped"])
+def test_a_killed_training_process_leaves_no_planning_process(corpus, tmp_path, stop_first):
+    # the kernel kills the child when the training process dies (PR_SET_PDEATHSIG), also a
+    # stopped child, which no thread of its own could end; a running one also reads end of stream
     import os
     import signal
     import subprocess
@@ -132,6 +167,8 @@ def test_a_killed_training_process_leaves_no_planning_process(corpus, tmp_path):
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         child = int(proc.stdout.readline())
+        if stop_first:
+            os.kill(child, signal.SIGSTOP)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.time() + 20
