@@ -141,6 +141,7 @@ _HDP_DEFAULTS = {
     "hdp_ranks_per_node": None,
     "hdp_step_tokens": None,
     "hdp_ray_servers": 2,
+    "hdp_accept_data_change": False,
 }
 
 
@@ -294,6 +295,14 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="Plan this many steps ahead of training, in a background process (local loader) or in the Ray "
         "scheduler, overlapping planning with compute (0: plan each step when it starts, in the training "
         "process; the Ray loader plans at least one ahead). Default 2.",
+    )
+    g.add_argument(
+        "--hdp-accept-data-change",
+        action="store_true",
+        help="Resume although what determines the data stream (--hdp-step-tokens, --seq-length, --seed, the "
+        "dataset) differs from what the checkpoint recorded, which is otherwise refused: with the same order "
+        "(another step size or sequence length) the stream continues where the checkpoint left it; with "
+        "another seed or dataset the new stream starts at its beginning.",
     )
     g.add_argument(
         "--hdp-ranks-per-node",
