@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import BytescaleError, ConfigError
 from ..megatron_era import is_v019
 from . import checkpoint_guard, rank_guard
 from .arguments import (
@@ -117,6 +117,7 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
             if hdp:
                 check_data_exists(args)
                 checkpoint_guard.hold_save_lock(args)
+                checkpoint_guard.check_overwrite(args)
             print(dump.getvalue(), end="", flush=True)
         except ConfigError as exc:
             # a wrong launch stops here, before any worker trains, with one line: from the
@@ -197,6 +198,7 @@ def install_argument_validation() -> None:
         import megatron.training.initialize as module
 
     rank_guard.die_with_launcher()  # the first hooks every entry point installs
+    rank_guard.record_uncaught()
     rank_guard.destroy_process_groups_at_exit()
     module.validate_args = validate_args_then_hdp(module.validate_args)
 
@@ -208,10 +210,11 @@ def install_forward_backward() -> None:
     import megatron.training.training as training
 
     training.get_forward_backward_func = get_forward_backward_func_or_hdp(training.get_forward_backward_func)
-    install_checkpoint_rng()
     from .elastic import install_elastic_resume
 
+    # inside the verified load: the world it reads is the iteration that verifies
     install_elastic_resume(_hdp_args)  # a checkpoint from another world size: checked, announced, resharded
+    install_checkpoint_rng()
 
 
 def every_hdp_rank_rng(function: Callable) -> Callable:
@@ -249,8 +252,11 @@ def install_checkpoint_rng() -> None:
         return
 
     for module in (checkpointing, training):  # training.py:104-105 imports both by name
-        module.save_checkpoint = checkpoint_guard.manifested_save(every_hdp_rank_rng(module.save_checkpoint), _hdp_args)
+        module.save_checkpoint = checkpoint_guard.manifested_save(
+            every_hdp_rank_rng(module.save_checkpoint), _hdp_args, _record_data_stream
+        )
         module.load_checkpoint = checkpoint_guard.verified_load(every_hdp_rank_rng(module.load_checkpoint), _hdp_args)
+    checkpointing.read_metadata = checkpoint_guard.chosen_tracker(checkpointing.read_metadata)
 
 
 def check_megatron_version() -> None:
@@ -496,26 +502,70 @@ def evaluations_before(iteration: int, args) -> int:
     return done
 
 
+_train_loader = None  # the training loader of this process: its position goes into each checkpoint
+
+
+def _record_data_stream(folder, args, iteration: int) -> None:
+    """checkpoint_guard's ``before_manifest``: what determines the training stream, and where it stands."""
+    from . import data_stream
+
+    data_stream.write(folder, args, iteration, _train_loader)
+
+
+def resume_train(loader, args, prefix: str, iteration: int) -> None:
+    """Continue the training stream at --load's ``iteration``: from the position the checkpoint
+    recorded when what determines the stream is unchanged (ConfigError naming what changed),
+    else by replaying the stream to it (a checkpoint without a record)."""
+    from . import data_stream
+    from .checkpoint_guard import iteration_dir
+
+    point = data_stream.resume_point(iteration_dir(args.load, iteration), args, iteration)
+    if point.line and torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+        print(point.line, flush=True)
+    if point.position is None:
+        fast_forward(loader, args, prefix, iteration)
+    else:  # the loader's own state, at the recorded step and position
+        loader.load_state_dict(dict(loader.state_dict(), step=iteration, position=point.position))
+
+
+def _one_line_errors(iterator: Iterator) -> Iterator:
+    """The loader's errors end the rank with one line through the launcher, not a traceback in
+    every rank: bad data (status 2), a dead or silent planning process (status 1)."""
+    while True:
+        try:
+            batch = next(iterator)
+        except ConfigError as exc:
+            rank_guard.report(str(exc))
+        except BytescaleError as exc:
+            rank_guard.report(str(exc), status=1)
+        yield batch
+
+
 def hdp_data_iterators(args, rank: int | None = None):
     """(train, valid, test) iterators of ``StepBatch`` for this HDP rank: training from
     --data-path (or --train-data-path), resumed at args.iteration; validation from
-    --valid-data-path when given; no test set."""
+    --valid-data-path when given; no test set. Bad data ends the rank in one line."""
+    global _train_loader
     rank = hdp_rank() if rank is None else rank
-    train_prefix = _single_prefix(args.train_data_path or args.data_path, "--data-path")
-    train = build_loader(args, train_prefix, rank, name="train")
-    fast_forward(train, args, train_prefix, getattr(args, "iteration", 0))
-    train_iter: Iterator = iter(train)
-    valid_iter = None
-    if args.valid_data_path:
-        valid_prefix = _single_prefix(args.valid_data_path, "--valid-data-path")
-        valid = build_loader(args, valid_prefix, rank, name="valid")
-        # Megatron validated --eval-iters steps at every --eval-interval iteration before --load's
-        # iteration: a resumed run continues the validation stream where those stopped
+    try:
+        train_prefix = _single_prefix(args.train_data_path or args.data_path, "--data-path")
+        train = build_loader(args, train_prefix, rank, name="train")
         iteration = getattr(args, "iteration", 0)
-        if args.eval_interval:
-            fast_forward(valid, args, valid_prefix, evaluations_before(iteration, args) * args.eval_iters)
-        valid_iter = iter(valid)
-    return train_iter, valid_iter, None
+        if iteration > 0 and args.load:
+            resume_train(train, args, train_prefix, iteration)
+        _train_loader = train
+        valid_iter = None
+        if args.valid_data_path:
+            valid_prefix = _single_prefix(args.valid_data_path, "--valid-data-path")
+            valid = build_loader(args, valid_prefix, rank, name="valid")
+            # Megatron validated --eval-iters steps at every --eval-interval iteration before --load's
+            # iteration: a resumed run continues the validation stream where those stopped
+            if args.eval_interval:
+                fast_forward(valid, args, valid_prefix, evaluations_before(iteration, args) * args.eval_iters)
+            valid_iter = _one_line_errors(iter(valid))
+    except ConfigError as exc:
+        rank_guard.report(str(exc))
+    return _one_line_errors(iter(train)), valid_iter, None
 
 
 def datasets_provider(base: Callable) -> Callable:
