@@ -385,24 +385,22 @@ def save_holds_checkpoints(b: Battery) -> Outcome:
     return o
 
 
+def _changed_stream(b: Battery, name: str, needle: str, *flags: str) -> Outcome:
+    run, result = b.resume(name, b.copy_of_base(name), *flags)
+    o = b.outcome(name, CASES[name][0], run, result)
+    o.holds = o.rc == 2 and not o.iterations and _one_error(o, needle)
+    o.why = f"refused in one line naming {needle}" if o.holds else "not refused"
+    return o
+
+
 @case("step-tokens-changed", "resume with --hdp-step-tokens 2048 (saved with the default, 4 x 256 = 1024)")
 def step_tokens_changed(b: Battery) -> Outcome:
-    save = b.copy_of_base("step-tokens")
-    run, result = b.resume("step-tokens-changed", save, "--hdp-step-tokens", "2048")
-    o = b.outcome("step-tokens-changed", CASES["step-tokens-changed"][0], run, result)
-    o.holds = o.rc == 2 and not o.iterations and _one_error(o, "step-tokens")
-    o.why = "refused in one line naming the step tokens" if o.holds else "not refused"
-    return o
+    return _changed_stream(b, "step-tokens-changed", "--hdp-step-tokens", "--hdp-step-tokens", "2048")
 
 
 @case("seed-changed", "resume with --seed 7 (saved with Megatron's default 1234)")
 def seed_changed(b: Battery) -> Outcome:
-    save = b.copy_of_base("seed")
-    run, result = b.resume("seed-changed", save, "--seed", "7")
-    o = b.outcome("seed-changed", CASES["seed-changed"][0], run, result)
-    o.holds = o.rc == 2 and not o.iterations and _one_error(o, "seed")
-    o.why = "refused in one line naming the seed" if o.holds else "not refused"
-    return o
+    return _changed_stream(b, "seed-changed", "--seed", "--seed", "7")
 
 
 @case("garbage-tracker", "the tracker holds 'abc'")

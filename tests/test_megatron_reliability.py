@@ -76,6 +76,12 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _manifested(save: Path) -> list[int]:
+    """The iterations in ``save`` with a manifest, newest first."""
+    found = checkpoint_guard.saved_iterations(save)
+    return [i for i in found if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()]
+
+
 def _newest_files_mtime(folder: Path) -> float:
     return max((p.stat().st_mtime for p in folder.rglob("*") if p.is_file()), default=0.0)
 
@@ -97,21 +103,7 @@ def killed_run(data, tmp_path_factory):
     with open(output, "w") as log_file:
         run = _start(DATA_PATH=data, TRAIN_ITERS=10000, SAVE_DIR=save, SAVE_INTERVAL=1, stdout=log_file)
     try:
-        wait_for(
-            lambda: (
-                len(
-                    [
-                        i
-                        for i in checkpoint_guard.saved_iterations(save)
-                        if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()
-                    ]
-                )
-                >= 2
-                or run.poll() is not None
-            ),
-            600,
-            "two checkpoints with manifests",
-        )
+        wait_for(lambda: len(_manifested(save)) >= 2 or run.poll() is not None, 600, "two checkpoints with manifests")
         assert run.poll() is None, output.read_text()[-3000:]
         ranks = _children(run.pid)
         assert len(ranks) == 2, ranks
@@ -171,12 +163,7 @@ def test_truncated_and_bit_flipped_shards_fail_verification(killed_run, tmp_path
     import shutil
 
     save = killed_run["save"]
-    newest = next(
-        i
-        for i in checkpoint_guard.saved_iterations(save)
-        if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()
-    )
-    source = checkpoint_guard.iteration_dir(save, newest)
+    source = checkpoint_guard.iteration_dir(save, _manifested(save)[0])
     assert manifest.verify(source) is None
     for damage in ("truncate", "flip"):
         copy = tmp_path / damage
@@ -198,12 +185,7 @@ def test_truncated_and_bit_flipped_shards_fail_verification(killed_run, tmp_path
 
 def test_resume_takes_over_the_dead_runs_lock_and_skips_a_corrupted_iteration(killed_run, data):
     save = killed_run["save"]
-    verified = [
-        i
-        for i in checkpoint_guard.saved_iterations(save)
-        if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()
-    ]
-    newest, previous = verified[0], verified[1]
+    newest, previous = _manifested(save)[:2]
     # a garbled tracker (Megatron would exit 0 having trained nothing): the newest iteration that
     # verifies is looked for among the folders
     (save / checkpoint_guard.TRACKER).write_text("abc")
@@ -253,11 +235,7 @@ def test_each_checkpoint_records_its_data_stream_and_a_changed_one_is_refused(ki
     from megatron_bytescale.megatron import data_stream
 
     save = killed_run["save"]
-    iteration = next(
-        i
-        for i in checkpoint_guard.saved_iterations(save)
-        if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()
-    )
+    iteration = _manifested(save)[0]
     folder = checkpoint_guard.iteration_dir(save, iteration)
     body = data_stream.read(folder)
     assert data_stream.RECORD in manifest.read(folder)  # written before the manifest, covered by it

@@ -186,8 +186,7 @@ def test_a_tracker_naming_a_missing_folder_is_skipped_saying_so(tmp_path):
     iteration, lines = checkpoint_guard.choose_iteration(tmp_path)
     assert (
         iteration == 2
-        and lines[0]
-        == f"bytescale: skipped checkpoint iter_0000004 in {tmp_path}: its folder is missing"
+        and lines[0] == f"bytescale: skipped checkpoint iter_0000004 in {tmp_path}: its folder is missing"
     )
 
 
@@ -235,7 +234,7 @@ def test_an_unreadable_tracker_with_nothing_to_choose_from_is_one_line(tmp_path)
         checkpoint_guard.choose_iteration(tmp_path)
     (tmp_path / checkpoint_guard.TRACKER).unlink()
     (tmp_path / "iter_0000003").mkdir()  # saved before manifests existed: nothing to choose one by
-    with pytest.raises(ConfigError, match=r"is missing, and its iter_\* folders \(newest iter_0000003\) have no manifests"):
+    with pytest.raises(ConfigError, match=r"is missing, and its iter_\* folders \(newest iter_0000003\) have no manif"):
         checkpoint_guard.choose_iteration(tmp_path)
 
 
