@@ -519,6 +519,9 @@ def resume_train(loader, args, prefix: str, iteration: int) -> None:
     from . import data_stream
     from .checkpoint_guard import iteration_dir
 
+    if not getattr(args, "load", None):  # (callers that set the iteration by hand) nothing recorded to read
+        fast_forward(loader, args, prefix, iteration)
+        return
     point = data_stream.resume_point(iteration_dir(args.load, iteration), args, iteration)
     if point.line and torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
         print(point.line, flush=True)
@@ -544,33 +547,31 @@ def _one_line_errors(iterator: Iterator) -> Iterator:
 def hdp_data_iterators(args, rank: int | None = None):
     """(train, valid, test) iterators of ``StepBatch`` for this HDP rank: training from
     --data-path (or --train-data-path), resumed at args.iteration; validation from
-    --valid-data-path when given; no test set. Bad data ends the rank in one line."""
+    --valid-data-path when given; no test set."""
     global _train_loader
     rank = hdp_rank() if rank is None else rank
-    try:
-        train_prefix = _single_prefix(args.train_data_path or args.data_path, "--data-path")
-        train = build_loader(args, train_prefix, rank, name="train")
-        iteration = getattr(args, "iteration", 0)
-        if iteration > 0 and args.load:
-            resume_train(train, args, train_prefix, iteration)
-        _train_loader = train
-        valid_iter = None
-        if args.valid_data_path:
-            valid_prefix = _single_prefix(args.valid_data_path, "--valid-data-path")
-            valid = build_loader(args, valid_prefix, rank, name="valid")
-            # Megatron validated --eval-iters steps at every --eval-interval iteration before --load's
-            # iteration: a resumed run continues the validation stream where those stopped
-            if args.eval_interval:
-                fast_forward(valid, args, valid_prefix, evaluations_before(iteration, args) * args.eval_iters)
-            valid_iter = _one_line_errors(iter(valid))
-    except ConfigError as exc:
-        rank_guard.report(str(exc))
-    return _one_line_errors(iter(train)), valid_iter, None
+    train_prefix = _single_prefix(args.train_data_path or args.data_path, "--data-path")
+    train = build_loader(args, train_prefix, rank, name="train")
+    iteration = getattr(args, "iteration", 0)
+    if iteration > 0:
+        resume_train(train, args, train_prefix, iteration)
+    _train_loader = train
+    valid_iter = None
+    if args.valid_data_path:
+        valid_prefix = _single_prefix(args.valid_data_path, "--valid-data-path")
+        valid = build_loader(args, valid_prefix, rank, name="valid")
+        # Megatron validated --eval-iters steps at every --eval-interval iteration before --load's
+        # iteration: a resumed run continues the validation stream where those stopped
+        if args.eval_interval:
+            fast_forward(valid, args, valid_prefix, evaluations_before(iteration, args) * args.eval_iters)
+        valid_iter = iter(valid)
+    return iter(train), valid_iter, None
 
 
 def datasets_provider(base: Callable) -> Callable:
     """Wrap pretrain_gpt's ``train_valid_test_datasets_provider``: under HDP it returns the HDP
-    iterators, which Megatron's ``--dataloader-type external`` passes through untouched. Every
+    iterators, which Megatron's ``--dataloader-type external`` passes through untouched (their
+    errors end the rank in one line through the launcher, as bad data does here). Every
     rank builds its own (``is_distributed``): all TP ranks of one HDP rank read the same plan.
     With virtual pipeline stages Megatron asks once per model chunk (``vp_stage``); the HDP
     step reads the first chunk's iterator only, so the others get none."""
@@ -582,7 +583,11 @@ def datasets_provider(base: Callable) -> Callable:
             return base(train_val_test_num_samples, *args, **kwargs)
         if kwargs.get("vp_stage") or (args and args[0]):
             return None, None, None
-        return hdp_data_iterators(hdp)
+        try:  # bad data, or a resume on another data stream: one line through the launcher
+            train, valid, test = hdp_data_iterators(hdp)
+        except ConfigError as exc:
+            rank_guard.report(str(exc))
+        return _one_line_errors(train), valid and _one_line_errors(valid), test
 
     provider.is_distributed = True
     return provider
