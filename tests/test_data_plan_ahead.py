@@ -136,10 +136,9 @@ def test_a_stopped_or_dead_planning_process_is_named_within_seconds(corpus, monk
         os.kill(child, 0)  # close() ended (and reaped) even the stopped one
 
 
-@pytest.mark.parametrize("stop_first", [False, True], ids=["running", "stopped"])
-def test_a_killed_training_process_leaves_no_planning_process(corpus, tmp_path, stop_first):
-    # the kernel kills the child when the training process dies (PR_SET_PDEATHSIG), also a
-    # stopped child, which no thread of its own could end; a running one also reads end of stream
+def test_a_killed_training_process_leaves_no_planning_process(corpus, tmp_path):
+    # the kernel kills a child when the training process dies (PR_SET_PDEATHSIG), also a stopped
+    # child, which no thread of its own could end; a running one also reads end of stream
     import os
     import signal
     import subprocess
@@ -159,29 +158,34 @@ def test_a_killed_training_process_leaves_no_planning_process(corpus, tmp_path, 
         "cost = CostModel.analytic(ModelSpec.load('tiny'), HardwareSpec.load('h200'))\n"
         f"plan_fn = functools.partial(plan_step, config=PlannerConfig(num_ranks={RANKS}, capacity={CAPACITY}), "
         "cost=cost)\n"
-        "ahead = PlanAhead(sampler, plan_fn, 0, Position(), 2)\n"
-        "ahead.get(0, Position())\n"
-        "print(ahead._proc.pid, flush=True)\n"
+        "running, stopped = (PlanAhead(sampler, plan_fn, 0, Position(), 2) for _ in range(2))\n"
+        "for ahead in (running, stopped):\n"
+        "    ahead.get(0, Position())\n"
+        "print(running._proc.pid, stopped._proc.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
-        child = int(proc.stdout.readline())
-        if stop_first:
-            os.kill(child, signal.SIGSTOP)
+        children = [int(pid) for pid in proc.stdout.readline().split()]
+        os.kill(children[1], signal.SIGSTOP)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.time() + 20
-        while time.time() < deadline:
-            try:
-                os.kill(child, 0)
-            except ProcessLookupError:
-                break
-            if open(f"/proc/{child}/stat").read().split()[2] == "Z":  # exited, not yet reaped by init
-                break
+        left = children
+        while left and time.time() < deadline:
+            left = [c for c in left if _running(c)]
             time.sleep(0.1)
-        else:
-            raise AssertionError(f"planning process {child} outlived the killed training process")
+        assert not left, f"planning processes {left} (running, stopped) outlived the killed training process"
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _running(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return open(f"/proc/{pid}/stat").read().split()[2] != "Z"  # a zombie has exited, not yet reaped by init
