@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torchrun's prefix of a rank's traceback lines
 KEY = re.compile(
-    r"^error|^bytescale|^elastic|interrupted|Traceback|^\S*(Error|Exception)\b|^\s*raise |WARNING: could not find|"
+    r"^error|: error:|^bytescale|^elastic|interrupted|Traceback|^\S*(Error|Exception)\b|^\s*raise |WARNING: could not find|"
     r"will not load|start from random|Invalid metadata|exited with code|planning process|no space|Read-only|"
     r"timed out|Timeout|[Kk]illed"
 )
