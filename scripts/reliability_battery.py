@@ -37,8 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torchrun's prefix of a rank's traceback lines
 KEY = re.compile(
-    r"^error|: error:|^bytescale|^elastic|interrupted|Traceback|^\S*(Error|Exception)\b|^\s*raise |WARNING: could not find|"
-    r"will not load|start from random|Invalid metadata|exited with code|planning process|no space|Read-only|"
+    r"^error|: error:|^bytescale|^elastic|interrupted|Traceback|^\S*(Error|Exception)\b|^\s*raise |"
+    r"WARNING: could not find|will not load|start from random|Invalid metadata|exited with code|planning process|"
+    r"no space|Read-only|"
     r"timed out|Timeout|[Kk]illed"
 )
 # the fixed part of every run: scripts/train_local.sh's CPU settings (docs/cluster.md, CPU (gloo))
@@ -671,8 +672,9 @@ def ray_gcs_killed(b: Battery) -> Outcome:
     ray_bin = str(Path(b.python).parent / "ray")
     start = [ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
              f"--temp-dir={temp}", "--disable-usage-stats"]  # fmt: skip
-    head = subprocess.run(start, env=dict(b.base_env, RAY_AUTH_MODE="disabled"), capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    # its workers (the loader's actors) import the checkout under test, not an installed copy
+    env = dict(b.base_env, RAY_AUTH_MODE="disabled", PYTHONPATH=str(b.repo))
+    head = subprocess.run(start, env=env, capture_output=True, text=True, timeout=600)
     if head.returncode != 0:
         return Outcome(
             name, CASES[name][0], " ".join(start), head.returncode, why=f"ray start failed: {head.stderr[-300:]}"
