@@ -73,12 +73,20 @@ def exit_description(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
-def state(pid: int) -> str:
-    """A few words on what ``pid`` is doing now (from /proc), for messages about silent processes."""
+def state_code(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (R running or runnable, S sleeping, D in I/O, T
+    stopped, Z exited), or None where /proc cannot tell."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            code = f.read().rsplit(b")", 1)[1].split()[0].decode()
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
     except (OSError, IndexError):
+        return None
+
+
+def state(pid: int) -> str:
+    """A few words on what ``pid`` is doing now (from /proc), for messages about silent processes."""
+    code = state_code(pid)
+    if code is None:
         return "gone"
     return {
         "T": "stopped (SIGSTOP or a debugger)",

@@ -24,8 +24,9 @@ to the collective timeout of the ranks that wait for this one:
 
 * it beats: a thread of the child writes the time, and the step it plans since when, into a
   small shared file every ``BEAT_S``; the loader, while it waits for a plan, names a child
-  silent for ``HEARTBEAT_TIMEOUT_S`` (``BYTESCALE_PLAN_HEARTBEAT_TIMEOUT_S``, default 10 s: a
-  stopped child, one that cannot get a core), one that exited (with its status or signal), and
+  silent for ``HEARTBEAT_TIMEOUT_S`` (``BYTESCALE_PLAN_HEARTBEAT_TIMEOUT_S``, default 10 s) that
+  is not running (stopped, or asleep holding the interpreter: one that runs without beating is
+  in one long call, such as a kernel compile), one that exited (with its status or signal), and
   a plan that took longer than ``PLAN_TIMEOUT_S`` (``BYTESCALE_PLAN_TIMEOUT_S``, default 600 s:
   a first plan also compiles the planner's kernels; a planner stuck in a loop beats on);
 * it dies with its rank whatever signal the rank got: the kernel kills it when the rank exits
@@ -49,7 +50,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from ..errors import PlanError
-from ..process_lifetime import exit_description, killed_with_parent, state
+from ..process_lifetime import exit_description, killed_with_parent, state, state_code
 
 CREDIT = b"+"
 BEAT_S = 0.5
@@ -131,15 +132,18 @@ class PlanAhead:
                 said = True
         try:
             message = self._conn.recv()
-            if message[0] == "error":
-                raise message[1]
-            _, got, samples, plan, start, end, plan_s = message
-            if got != step or start != position:
-                raise PlanError(f"plan ahead: got step {got} from {start}, expected step {step} from {position}")
-            self._next = step + 1
-            self._conn.send_bytes(CREDIT)  # room for one more step ahead
         except (EOFError, OSError):
             raise PlanError(self._gone(step) or self._describe(step, "closed its connection")) from None
+        if message[0] == "error":
+            raise message[1]
+        _, got, samples, plan, start, end, plan_s = message
+        if got != step or start != position:
+            raise PlanError(f"plan ahead: got step {got} from {start}, expected step {step} from {position}")
+        self._next = step + 1
+        try:
+            self._conn.send_bytes(CREDIT)  # room for one more step ahead
+        except OSError:  # it died after this plan: the next get names how
+            pass
         return samples, plan, end, plan_s
 
     def _describe(self, step: int, what: str) -> str:
@@ -164,7 +168,9 @@ class PlanAhead:
         if beat == 0.0:  # not started yet
             if now - self._spawned > max(STARTUP_S, HEARTBEAT_TIMEOUT_S):
                 raise PlanError(self._describe(step, f"did not start within {now - self._spawned:.0f} s"))
-        elif now - beat > HEARTBEAT_TIMEOUT_S:
+        elif now - beat > HEARTBEAT_TIMEOUT_S and state_code(self._proc.pid) != "R":
+            # silent and not running: stopped, or asleep holding the interpreter (a process that
+            # runs without beating is in one long call, e.g. compiling: the plan deadline bounds it)
             raise PlanError(
                 self._describe(
                     step,
@@ -183,6 +189,8 @@ class PlanAhead:
             )
 
     def close(self) -> None:
+        if not self._beat.closed:
+            self._beat.close()
         if self._proc.poll() is None:
             self._conn.close()  # the child reads end of stream and exits
             try:
