@@ -404,6 +404,17 @@ def seed_changed(b: Battery) -> Outcome:
     return _changed_stream(b, "seed-changed", "--seed", "--seed", "7")
 
 
+@case("step-tokens-changed-deliberately", "the same with --hdp-accept-data-change")
+def step_tokens_accepted(b: Battery) -> Outcome:
+    name = "step-tokens-changed-deliberately"
+    run, result = b.resume(name, b.copy_of_base(name), "--hdp-step-tokens", "2048", "--hdp-accept-data-change")
+    o = b.outcome(name, CASES[name][0], run, result)
+    said = " ".join(o.lines)
+    o.holds = o.rc == 0 and _first_iteration_is(o, 5) and "continues where the checkpoint left it" in said
+    o.why = "continued from the recorded position, saying so" if o.holds else "did not continue"
+    return o
+
+
 @case("garbage-tracker", "the tracker holds 'abc'")
 def garbage_tracker(b: Battery) -> Outcome:
     save = b.copy_of_base("garbage-tracker")

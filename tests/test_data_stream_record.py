@@ -79,7 +79,7 @@ def test_a_deliberate_change_continues_where_the_order_allows(saved, corpus, tmp
     assert same_order.line.endswith("the stream continues where the checkpoint left it (--hdp-accept-data-change)")
     # another seed is another order: the new stream starts at its beginning
     new_order = data_stream.resume_point(saved, _args(corpus, tmp_path, seed=7, hdp_accept_data_change=True), 4)
-    assert new_order.position == {"epoch": 0, "index": 0, "offset": 0}
+    assert new_order.position == data_stream.START
     assert new_order.line.endswith(
         "--seed 1234 then, 7 now; the new stream starts at its beginning (--hdp-accept-data-change)"
     )

@@ -116,9 +116,12 @@ def read(folder: Path) -> dict | None:
     return body
 
 
+START = "start"  # ResumePoint.position: the stream's beginning (where a new loader stands)
+
+
 @dataclass(frozen=True)
 class ResumePoint:
-    position: dict | None  # where the stream continues (Position.to_dict()); None: replay to the iteration
+    position: dict | str | None  # the recorded position (to_dict()), START, or None: replay to the iteration
     line: str | None  # what rank 0 prints about it
 
 
@@ -144,10 +147,7 @@ def resume_point(folder: Path, args, iteration: int) -> ResumePoint:
         return ResumePoint(
             position, f"bytescale: {where}: {said}; the stream continues where the checkpoint left it ({ACCEPT_FLAG})"
         )
-    return ResumePoint(
-        {"epoch": 0, "index": 0, "offset": 0},
-        f"bytescale: {where}: {said}; the new stream starts at its beginning ({ACCEPT_FLAG})",
-    )
+    return ResumePoint(START, f"bytescale: {where}: {said}; the new stream starts at its beginning ({ACCEPT_FLAG})")
 
 
 def _refusal(where: str, said: str) -> ConfigError:

@@ -527,6 +527,8 @@ def resume_train(loader, args, prefix: str, iteration: int) -> None:
         print(point.line, flush=True)
     if point.position is None:
         fast_forward(loader, args, prefix, iteration)
+    elif point.position == data_stream.START:  # a new loader stands at its stream's beginning
+        loader.load_state_dict(dict(loader.state_dict(), step=iteration))
     else:  # the loader's own state, at the recorded step and position
         loader.load_state_dict(dict(loader.state_dict(), step=iteration, position=point.position))
 
