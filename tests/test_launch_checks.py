@@ -305,6 +305,26 @@ def test_the_rank_that_failed_first_is_named_with_why(tmp_path):
     assert first_failure(raised, str(tmp_path)) == (2, "--thing 7 is wrong")
 
 
+def test_an_uncaught_exception_is_noted_for_the_launcher_unless_a_peer_reported_the_cause(tmp_path):
+    import json
+
+    script = (
+        "from megatron_bytescale.megatron import rank_guard\n"
+        "rank_guard.record_uncaught()\n"
+        "raise RuntimeError('Connection closed by peer')\n"
+    )
+    env = dict(os.environ, BYTESCALE_RANK_ERRORS=str(tmp_path), RANK="1", PYTHONPATH=str(ROOT))
+    alone = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 1 and alone.stderr.strip().endswith("RuntimeError: Connection closed by peer")
+    noted = json.loads((tmp_path / "uncaught1").read_text())
+    assert noted["message"] == "RuntimeError: Connection closed by peer" and noted["status"] == 1
+    (tmp_path / "uncaught1").unlink()
+    (tmp_path / "rank0").write_text(json.dumps({"message": "the planning process ...", "status": 1, "time": 1.0}))
+    after = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert after.returncode == 1 and after.stderr == ""  # the launcher prints rank 0's line; nothing to add
+    assert not (tmp_path / "uncaught1").exists()
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_launcher_ends_in_one_line_and_128_plus_its_number(tmp_path, sig):
     import signal

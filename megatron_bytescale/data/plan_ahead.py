@@ -39,6 +39,7 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import signal
 import socket
 import struct
 import subprocess
@@ -226,6 +227,9 @@ class _Heartbeat:
 
 
 def _serve(fd: int, beat_fd: int, parent: int) -> int:
+    # the SIGINT a launcher sends its rank's process group is the rank's to handle: this process
+    # ends with the rank (end of stream, or the kernel's parent-death signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent:
         killed_with_parent(parent)
     heartbeat = _Heartbeat(beat_fd)

@@ -15,7 +15,8 @@ as one line.
   prints nothing (the launcher prints the first rank's line once); otherwise rank 0 prints it.
 * ``record_uncaught()``: an uncaught exception still prints its traceback, and its last line
   and time go to ``$BYTESCALE_RANK_ERRORS/uncaught<R>``, so the launcher can name the rank that
-  failed first, and why, rather than a peer that failed because of it.
+  failed first, and why, rather than a peer that failed because of it; once another rank has
+  reported its cause, a rank's own failure (a collective whose peer left) ends it quietly.
 """
 
 from __future__ import annotations
@@ -113,6 +114,11 @@ def record_uncaught() -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb):
+        folder = os.environ.get(ERRORS_ENV, "")
+        if os.path.isdir(folder) and reported(folder):
+            # another rank reported its cause before ending (the launcher prints it): this rank's
+            # failure follows from that (a collective whose peer left), its traceback says nothing more
+            return
         try:
             why = f"{kind.__name__}: {value}".strip().splitlines()
             _write(f"uncaught{os.environ.get('RANK', '0')}", why[-1] if why else kind.__name__, 1)
