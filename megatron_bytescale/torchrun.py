@@ -95,6 +95,8 @@ def first_failure(failures: dict, errors_folder: str) -> tuple[int, str]:
     pid = f" (pid {failure.pid})" if failure is not None else ""
     if rank in uncaught and rank not in killed:
         why = f"failed first: {uncaught[rank].message}; its traceback is above"
+    elif failure is not None and failure.exitcode < 0:  # a signal: nothing of its own to read above
+        why = f"{exit_description(failure.exitcode)} first"
     elif failure is not None:
         why = f"{exit_description(failure.exitcode)} first; its output is above"
     else:

@@ -289,7 +289,7 @@ def test_the_rank_that_failed_first_is_named_with_why(tmp_path):
     killed = {0: failure(100, 1), 1: failure(101, -signal.SIGKILL), 2: failure(102, -signal.SIGTERM)}
     assert first_failure(killed, str(tmp_path)) == (
         1,
-        "rank 1 (pid 101) was killed by SIGKILL first; its output is above (2 other rank(s) stopped after it)",
+        "rank 1 (pid 101) was killed by SIGKILL first (2 other rank(s) stopped after it)",
     )
     # two uncaught exceptions: the earlier one is named, with its last line
     for rank, when, why in ((0, 2.0, "RuntimeError: Connection closed by peer"), (3, 1.0, "ValueError: bad batch")):
