@@ -166,11 +166,14 @@ def _named_rank(rank, world_size, corpus, address, steps):
 def test_the_first_plan_is_waited_for_under_the_planning_deadline_not_the_answer_deadline(ray_session, corpus):
     # a first plan that compiles the planner's kernels (here: sleeps 4 s) outlasts a 2 s answer
     # deadline; the loader waits for it under the planning deadline and then trains as always
+    from ray import cloudpickle
+
     from megatron_bytescale.data.planning import default_plan_fn
 
-    from data_support import SlowOnCall
+    import data_support
 
-    slow = SlowOnCall(default_plan_fn(CONFIG), call=0, seconds=4.0)
+    cloudpickle.register_pickle_by_value(data_support)  # the actor's interpreter has no tests/ on its path
+    slow = data_support.SlowOnCall(default_plan_fn(CONFIG), call=0, seconds=4.0)
     ld = RayDataLoader(corpus, CONFIG, num_servers=1, lookahead=2, timeout_s=2, plan_fn=slow, **SETTINGS)
     try:
         t0 = time.monotonic()
@@ -196,7 +199,7 @@ def test_an_actor_ends_itself_when_its_owner_is_gone_or_no_loader_calls(ray_sess
     server = ray.remote(DocumentServer).options(num_cpus=0)
     watching = server.remote(corpus, None, 0, 1, owner=(socket.gethostname(), owner.pid), lease_s=600)
     leased = server.remote(corpus, None, 0, 1, owner=("another-node", 1), lease_s=3)
-    pids = ray.get([watching.pid.remote(), leased.pid.remote()], timeout=60)
+    pids = ray.get([watching.pid.remote(), leased.pid.remote()], timeout=300)  # actors start slowly on a loaded machine
     try:
         owner.kill()
         owner.wait()

@@ -240,10 +240,10 @@ class DocumentServer:
         owner: tuple[str, int] | None = None,
         lease_s: float = LEASE_S,
     ):
-        self._lease = _Lease(owner, lease_s)
         self.dataset = DocumentDataset(data_path, vocab_size=vocab_size)
         self.shard, self.num_shards = shard, num_shards
         self.doc_ids = np.arange(shard, len(self.dataset), num_shards, dtype=np.int64)
+        self._lease = _Lease(owner, lease_s)  # from here on: no loader can call before the constructor ends
 
     def metadata(self) -> tuple[np.ndarray, np.ndarray]:
         """(document ids, their lengths) of this shard."""
@@ -285,7 +285,6 @@ class PlanScheduler:
         owner=None,
         lease_s=LEASE_S,
     ):
-        self._lease = _Lease(owner, lease_s) if owner is not None else None  # None: in-process (tests)
         if lengths is None:  # the servers publish their documents' lengths
             parts = ray.get([s.metadata.remote() for s in servers], timeout=timeout_s)
             lengths = np.zeros(sum(len(ids) for ids, _ in parts), dtype=np.int64)
@@ -305,6 +304,8 @@ class PlanScheduler:
         self._stop = False
         self._thread = threading.Thread(target=self._plan_loop, name="plan-ahead", daemon=True)
         self._thread.start()
+        # from here on (no loader can call before the constructor ends); None: in-process (tests)
+        self._lease = _Lease(owner, lease_s) if owner is not None else None
 
     def fingerprint(self) -> dict:
         return self.sampler.fingerprint()
@@ -467,7 +468,7 @@ class RayDataLoader(StepLoader):
                 num_ranks=num_ranks,
                 lookahead=lookahead,
                 retain=retain,
-                timeout_s=self.timeout_s,
+                timeout_s=PLAN_TIMEOUT_S,  # its servers' start: part of the loader's start (_started)
                 owner=me,
                 lease_s=LEASE_S,
             )
