@@ -585,10 +585,12 @@ def datasets_provider(base: Callable) -> Callable:
             return base(train_val_test_num_samples, *args, **kwargs)
         if kwargs.get("vp_stage") or (args and args[0]):
             return None, None, None
-        try:  # bad data, or a resume on another data stream: one line through the launcher
+        try:  # bad data, a resume on another data stream, a loader that cannot start: one line
             train, valid, test = hdp_data_iterators(hdp)
         except ConfigError as exc:
             rank_guard.report(str(exc))
+        except BytescaleError as exc:
+            rank_guard.report(str(exc), status=1)
         return _one_line_errors(train), valid and _one_line_errors(valid), test
 
     provider.is_distributed = True
