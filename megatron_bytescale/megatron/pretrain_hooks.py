@@ -539,6 +539,8 @@ def _one_line_errors(iterator: Iterator) -> Iterator:
     while True:
         try:
             batch = next(iterator)
+        except StopIteration:
+            return
         except ConfigError as exc:
             rank_guard.report(str(exc))
         except BytescaleError as exc:
