@@ -119,6 +119,14 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def _started(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot): tells a process from a later one given its PID."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def alive(pid: int) -> bool:
     st = _stat(pid)
     return st is not None and st[1] not in ("Z", "X")
@@ -139,7 +147,7 @@ class Run:
         self.proc = subprocess.Popen(
             argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=repo, start_new_session=True
         )
-        self.seen: dict[int, str] = {}
+        self.seen: dict[int, tuple[str | None, str]] = {}  # pid -> (start time, command line)
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._track, daemon=True)
         self._watch.start()
@@ -148,7 +156,7 @@ class Run:
         while not self._stop.is_set():
             for pid in descendants(self.proc.pid):
                 if pid not in self.seen:
-                    self.seen[pid] = _cmdline(pid)[:160]
+                    self.seen[pid] = (_started(pid), _cmdline(pid)[:200])
             self._stop.wait(0.3)
 
     def log(self) -> str:
@@ -184,10 +192,10 @@ class Run:
         self._watch.join()
         self._log.close()
         left = []
-        for pid, cmd in sorted(self.seen.items()):
-            if alive(pid):
+        for pid, (started, cmd) in sorted(self.seen.items()):
+            if alive(pid) and _started(pid) == started:  # the same process, not a later one given its PID
                 st = _stat(pid)
-                left.append(f"pid {pid} (parent {st[0] if st else '?'}, state {st[1] if st else '?'}): {cmd[:90]}")
+                left.append(f"pid {pid} (parent {st[0] if st else '?'}, state {st[1] if st else '?'}): {cmd[:200]}")
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
