@@ -44,21 +44,18 @@ _exit_hook = False
 
 
 def die_with_launcher() -> bool:
-    """In a rank started by torchrun or srun: end with the launcher (idempotent), and end quietly
-    on the SIGINT a launcher forwards (the launcher says "interrupted" once; a traceback per rank
-    would bury it). True if installed."""
+    """In a rank started by torchrun or srun: end with the launcher (idempotent), and end at once
+    and quietly on the SIGINT a launcher forwards, as on its SIGTERM (Python's KeyboardInterrupt
+    would print a traceback per rank under the launcher's one "interrupted" line, and waits for
+    a collective the rank is blocked in to return). True if installed."""
     global _installed
     if _installed or not any(os.environ.get(name) for name in LAUNCHED_BY):
         return _installed
     _die_with(os.getppid())
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _interrupted)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     _installed = True
     return True
-
-
-def _interrupted(signum, frame):
-    raise SystemExit(128 + signum)  # at-exit hooks still run (the --save lock is released)
 
 
 def destroy_process_groups_at_exit() -> None:
