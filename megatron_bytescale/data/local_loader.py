@@ -79,8 +79,9 @@ class LocalDataLoader(StepLoader):
             t0 = time.perf_counter()
             if self.plan_ahead:
                 if self._ahead is None:
+                    say = (lambda line: print(line, flush=True)) if self.rank in (None, 0) else None
                     self._ahead = PlanAhead(
-                        self.sampler, self.planner.plan_fn, self.step, self.position, self.plan_ahead
+                        self.sampler, self.planner.plan_fn, self.step, self.position, self.plan_ahead, say=say
                     )
                 samples, plan, end, plan_s = self._ahead.get(self.step, self.position)
                 self._current = self.planner.checked(self.step, samples, plan, self.position, end, plan_s)

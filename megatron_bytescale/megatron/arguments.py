@@ -146,6 +146,7 @@ _HDP_DEFAULTS = {
     "hdp_mock_lengths": None,
     "hdp_ray_servers": 2,
     "hdp_mla_ring": "kv",
+    "hdp_accept_data_change": False,
 }
 MLA_RINGS = ("kv", "latent")  # the ring transports (planner/contract/transports.py) a user picks from
 
@@ -308,6 +309,14 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="Length distribution of --mock-data documents (cut to --seq-length): 'byted', 'github' (the "
         "simulator's workloads), a workload YAML, or 'lognormal[:mean=1K,sigma=1.5,min=128,max=8K]' (the default, "
         "as Megatron's dynamic-CP benchmark draws its mock lengths).",
+    )
+    g.add_argument(
+        "--hdp-accept-data-change",
+        action="store_true",
+        help="Resume although what determines the data stream (--hdp-step-tokens, --seq-length, --seed, the "
+        "dataset) differs from what the checkpoint recorded, which is otherwise refused: with the same order "
+        "(another step size or sequence length) the stream continues where the checkpoint left it; with "
+        "another seed or dataset the new stream starts at its beginning.",
     )
     g.add_argument(
         "--hdp-ranks-per-node",

@@ -25,6 +25,8 @@ from .arguments import (
     check_schedule,
     validate_hdp_args,
 )
+from .checkpoint_guard import check_overwrite
+from .data_stream import check_before_launch
 
 # (flag, kind, Megatron's default); kind: int, float, str, list (nargs='*'), ints3 (nargs=3), true (store_true)
 MEGATRON_FLAGS = (
@@ -150,7 +152,11 @@ def check(flags: list[str], world_size: int) -> argparse.Namespace:
     check_schedule(args)
     check_data_exists(args)
     if args.save:
-        HeartbeatLock(args.save, what="training run").check_free()
+        lock = HeartbeatLock(args.save, what="training run")
+        lock.check_free()
+        lock.check_writable()
+        check_overwrite(args)
+    check_before_launch(args)
     return args
 
 

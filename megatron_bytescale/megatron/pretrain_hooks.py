@@ -31,12 +31,12 @@ import functools
 import io
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import BytescaleError, ConfigError
 from ..megatron_era import is_v019
 from . import checkpoint_guard, rank_guard
 from .arguments import (
@@ -117,6 +117,7 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
             if hdp:
                 check_data_exists(args)
                 checkpoint_guard.hold_save_lock(args)
+                checkpoint_guard.check_overwrite(args)
             print(dump.getvalue(), end="", flush=True)
         except ConfigError as exc:
             # a wrong launch stops here, before any worker trains, with one line: from the
@@ -204,6 +205,7 @@ def install_argument_validation() -> None:
         import megatron.training.initialize as module
 
     rank_guard.die_with_launcher()  # the first hooks every entry point installs
+    rank_guard.record_uncaught()
     rank_guard.destroy_process_groups_at_exit()
     module.validate_args = validate_args_then_hdp(module.validate_args)
 
@@ -215,10 +217,11 @@ def install_forward_backward() -> None:
     import megatron.training.training as training
 
     training.get_forward_backward_func = get_forward_backward_func_or_hdp(training.get_forward_backward_func)
-    install_checkpoint_rng()
     from .elastic import install_elastic_resume
 
+    # inside the verified load: the world it reads is the iteration that verifies
     install_elastic_resume(_hdp_args)  # a checkpoint from another world size: checked, announced, resharded
+    install_checkpoint_rng()
 
 
 def every_hdp_rank_rng(function: Callable) -> Callable:
@@ -256,8 +259,11 @@ def install_checkpoint_rng() -> None:
         return
 
     for module in (checkpointing, training):  # training.py:104-105 imports both by name
-        module.save_checkpoint = checkpoint_guard.manifested_save(every_hdp_rank_rng(module.save_checkpoint), _hdp_args)
+        module.save_checkpoint = checkpoint_guard.manifested_save(
+            every_hdp_rank_rng(module.save_checkpoint), _hdp_args, _record_data_stream
+        )
         module.load_checkpoint = checkpoint_guard.verified_load(every_hdp_rank_rng(module.load_checkpoint), _hdp_args)
+    checkpointing.read_metadata = checkpoint_guard.chosen_tracker(checkpointing.read_metadata)
 
 
 def check_megatron_version() -> None:
@@ -556,13 +562,61 @@ def evaluations_before(iteration: int, args) -> int:
     return done
 
 
+_train_loader = None  # the training loader of this process: its position goes into each checkpoint
+
+
+def _record_data_stream(folder, args, iteration: int) -> None:
+    """checkpoint_guard's ``before_manifest``: what determines the training stream, and where it stands."""
+    from . import data_stream
+
+    data_stream.write(folder, args, iteration, _train_loader)
+
+
+def resume_train(loader, args, documents, iteration: int) -> None:
+    """Continue the training stream at --load's ``iteration``: from the position the checkpoint
+    recorded when what determines the stream is unchanged (ConfigError naming what changed),
+    else by replaying the stream to it (a checkpoint without a record)."""
+    from . import data_stream
+    from .checkpoint_guard import iteration_dir
+
+    if not getattr(args, "load", None):  # (callers that set the iteration by hand) nothing recorded to read
+        fast_forward(loader, args, documents, iteration)
+        return
+    point = data_stream.resume_point(iteration_dir(args.load, iteration), args, iteration)
+    if point.line and torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+        print(point.line, flush=True)
+    if point.position is None:
+        fast_forward(loader, args, documents, iteration)
+    elif point.position == data_stream.START:  # a new loader stands at its stream's beginning
+        loader.load_state_dict(dict(loader.state_dict(), step=iteration))
+    else:  # the loader's own state, at the recorded step and position
+        loader.load_state_dict(dict(loader.state_dict(), step=iteration, position=point.position))
+
+
+def _one_line_errors(iterator: Iterator) -> Iterator:
+    """The loader's errors end the rank with one line through the launcher, not a traceback in
+    every rank: bad data (status 2), a dead or silent planning process (status 1)."""
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except ConfigError as exc:
+            rank_guard.report(str(exc))
+        except BytescaleError as exc:
+            rank_guard.report(str(exc), status=1)
+        yield batch
+
+
 def hdp_data_iterators(args, rank: int | None = None):
     """(train, valid, test) iterators of ``StepBatch`` for this HDP rank, one per split that has
     data (``data_config.data_config_from_args``: blends, ``--split``, mock data, SFT): training
-    resumed at args.iteration; validation continued past the evaluations before it; the test
-    split from its start (Megatron evaluates it once, after training)."""
+    resumed at args.iteration (``resume_train``: from the position the checkpoint recorded);
+    validation continued past the evaluations before it; the test split from its start (Megatron
+    evaluates it once, after training)."""
     from .data_config import data_config_from_args
 
+    global _train_loader
     rank = hdp_rank() if rank is None else rank
     config = data_config_from_args(args)
     iteration = getattr(args, "iteration", 0)
@@ -575,7 +629,9 @@ def hdp_data_iterators(args, rank: int | None = None):
         documents = open_split(args, spec)
         loader = build_loader(args, documents, rank, name=name)
         if name == "train":
-            fast_forward(loader, args, documents, iteration)
+            if iteration > 0:
+                resume_train(loader, args, documents, iteration)
+            _train_loader = loader
         elif name == "valid" and args.eval_interval:
             # Megatron validated --eval-iters steps at every --eval-interval iteration before --load's
             # iteration: a resumed run continues the validation stream where those stopped
@@ -586,7 +642,8 @@ def hdp_data_iterators(args, rank: int | None = None):
 
 def datasets_provider(base: Callable) -> Callable:
     """Wrap pretrain_gpt's ``train_valid_test_datasets_provider``: under HDP it returns the HDP
-    iterators, which Megatron's ``--dataloader-type external`` passes through untouched. Every
+    iterators, which Megatron's ``--dataloader-type external`` passes through untouched (their
+    errors end the rank in one line through the launcher, as bad data does here). Every
     rank builds its own (``is_distributed``): all TP ranks of one HDP rank read the same plan.
     With virtual pipeline stages Megatron asks once per model chunk (``vp_stage``); the HDP
     step reads the first chunk's iterator only, so the others get none."""
@@ -598,7 +655,13 @@ def datasets_provider(base: Callable) -> Callable:
             return base(train_val_test_num_samples, *args, **kwargs)
         if kwargs.get("vp_stage") or (args and args[0]):
             return None, None, None
-        return hdp_data_iterators(hdp)
+        try:  # bad data, a resume on another data stream, a loader that cannot start: one line
+            train, valid, test = hdp_data_iterators(hdp)
+        except ConfigError as exc:
+            rank_guard.report(str(exc))
+        except BytescaleError as exc:
+            rank_guard.report(str(exc), status=1)
+        return tuple(None if it is None else _one_line_errors(it) for it in (train, valid, test))
 
     provider.is_distributed = True
     return provider
