@@ -260,7 +260,9 @@ def test_a_resume_on_another_data_stream_is_refused_before_the_ranks(launch):
         "step_tokens": 4 * 256,  # --global-batch-size (4 ranks) x --seq-length
         "seq_length": 256,
         "seed": 1234,
-        "dataset": data_stream.dataset_identity(tmp_path / "corpus"),
+        "dataset": [data_stream.dataset_identity(tmp_path / "corpus")],
+        "blend": None,
+        "split": [[0.0, 0.969]],  # Megatron's default --split 969,30,1
     }
     record = {"version": 1, "iteration": 4, "fields": saved, "position": {"epoch": 0, "index": 3, "offset": 0}}
     (load / "iter_0000004" / data_stream.RECORD).write_text(json.dumps(record))

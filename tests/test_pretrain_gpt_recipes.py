@@ -34,7 +34,7 @@ from megatron_lm import MEGATRON_LM_DIR, ROOT, needs_tree, patched_copy
 pytestmark = needs_tree
 
 TEST = re.compile(r"validation loss at iteration (\d+) on test set \| lm loss value: (\S+) \|")
-THROUGHPUT = re.compile(r"hdp step \d+: .* (\d+) tokens, ([\d.]+) tokens/s per GPU")
+THROUGHPUT = re.compile(r"hdp iteration \d+: .* (\d+) tokens, ([\d.]+) tokens/s per GPU")
 # what train_local.sh puts on the command line for its own data: replaced by each recipe's
 SCRIPT_DATA_FLAGS = {"--data-path": 1, "--eval-iters": 1, "--eval-interval": 1, "--tokenizer-type": 1}
 

@@ -94,6 +94,7 @@ MEGATRON_FLAGS = (
     ("--seed", "int", 1234),
     ("--save", "str", None),
     ("--load", "str", None),
+    ("--finetune", "true", False),
 )
 
 
