@@ -36,12 +36,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from megatron_bytescale.commands.simulate import add_arguments, config_from_args  # noqa: E402
 from megatron_bytescale.data.workloads import sample_lengths  # noqa: E402
 from megatron_bytescale.errors import PlanError  # noqa: E402
 from megatron_bytescale.planner.contract import BACKWARD, FORWARD, PipelineGraph, encode_stage_orders  # noqa: E402
 from megatron_bytescale.planner.estimate import crosses_nodes, micro_batch_time  # noqa: E402
 from megatron_bytescale.planner.stage_schedule import _list_schedule, stage_schedule  # noqa: E402
-from megatron_bytescale.sim.simulate import add_arguments, check_config, config_from_args  # noqa: E402
+from megatron_bytescale.sim.simulate import check_config  # noqa: E402
 from megatron_bytescale.sim.strategies import StrategyInput, make_plan  # noqa: E402
 from megatron_bytescale.sim.timeline import lower_bound, pipeline_ring_floor, simulate  # noqa: E402
 

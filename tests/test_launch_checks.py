@@ -317,3 +317,149 @@ def test_a_tree_the_package_ships_no_spec_for_is_read_once_and_cached(tmp_path, 
     assert [p.name for p in (tmp_path / "cache" / "megatron_bytescale" / "parser-specs").iterdir()] == [
         f"{parser_spec.tree_version(Path(MEGATRON_LM_DIR))}-{shipped['digest'][:16]}.json"
     ]
+
+
+# ------------------------------------------------------------------ what the ranks would have to find
+def test_a_save_folder_that_cannot_be_written_is_refused_before_the_ranks(launch):
+    run, _, tmp_path = launch
+    (tmp_path / "a-file").write_text("not a folder")
+    save = tmp_path / "a-file" / "ckpt"  # mkdir fails (ENOTDIR), as on a read-only or full filesystem
+    proc, seconds, imported = run(SAVE_DIR=save)
+    print(f"unwritable --save: {seconds:.2f} s: {proc.stderr.strip()}")
+    assert proc.returncode == 2 and imported == "False"
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --save {save}: cannot write there (Not a directory); make it writable, free space, "
+        "or choose another --save"
+    ]
+
+
+def test_a_save_folder_holding_checkpoints_is_not_overwritten_by_a_fresh_run(launch):
+    run, _, tmp_path = launch
+    save = tmp_path / "ckpt"
+    (save / "iter_0000004").mkdir(parents=True)
+    proc, _, imported = run(SAVE_DIR=save)
+    assert proc.returncode == 2 and imported == "False"
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --save {save} already holds checkpoints (newest iter_0000004) that this run would overwrite: it "
+        f"starts from scratch (no --load); resume them with --load {save}, or choose an empty --save"
+    ]
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000004"]  # the probe removed what it wrote
+
+
+def test_a_resume_on_another_data_stream_is_refused_before_the_ranks(launch):
+    import json
+
+    from megatron_bytescale.megatron import data_stream
+
+    run, _, tmp_path = launch
+    load = tmp_path / "ckpt"
+    (load / "iter_0000004").mkdir(parents=True)
+    (load / "latest_checkpointed_iteration.txt").write_text("4")
+    saved = {  # what a run with these settings writes (tests/test_megatron_reliability.py reads a real one)
+        "step_tokens": 4 * 256,  # --global-batch-size (4 ranks) x --seq-length
+        "seq_length": 256,
+        "seed": 1234,
+        "dataset": [data_stream.dataset_identity(tmp_path / "corpus")],
+        "blend": None,
+        "split": [[0.0, 0.969]],  # Megatron's default --split 969,30,1
+    }
+    record = {"version": 1, "iteration": 4, "fields": saved, "position": {"epoch": 0, "index": 3, "offset": 0}}
+    (load / "iter_0000004" / data_stream.RECORD).write_text(json.dumps(record))
+    proc, seconds, imported = run("--seed", "7", "--hdp-step-tokens", "2K", LOAD_DIR=load)
+    print(f"another data stream: {seconds:.2f} s: {proc.stderr.strip()}")
+    assert proc.returncode == 2 and imported == "False"
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --load {load}: iteration 4 was trained on another data stream (--hdp-step-tokens 1024 then, 2048 "
+        "now; --seed 1234 then, 7 now): resume with the settings it was saved with, or pass "
+        "--hdp-accept-data-change to continue on the new stream deliberately"
+    ]
+
+
+# ------------------------------------------------------------------ the launcher's own end
+def test_the_rank_that_failed_first_is_named_with_why(tmp_path):
+    import json
+    import signal
+    from types import SimpleNamespace
+
+    from megatron_bytescale.torchrun import first_failure
+
+    def failure(pid, exitcode):
+        return SimpleNamespace(pid=pid, exitcode=exitcode)
+
+    # rank 1 SIGKILLed: rank 0 failed on its lost peer (or torchrun stopped it); rank 1 is named
+    killed = {0: failure(100, 1), 1: failure(101, -signal.SIGKILL), 2: failure(102, -signal.SIGTERM)}
+    assert first_failure(killed, str(tmp_path)) == (
+        1,
+        "rank 1 (pid 101) was killed by SIGKILL first (2 other rank(s) stopped after it)",
+    )
+    # two uncaught exceptions: the earlier one is named, with its last line
+    for rank, when, why in ((0, 2.0, "RuntimeError: Connection closed by peer"), (3, 1.0, "ValueError: bad batch")):
+        (tmp_path / f"uncaught{rank}").write_text(json.dumps({"message": why, "status": 1, "time": when}))
+    raised = {0: failure(100, 1), 3: failure(103, 1), 1: failure(101, -signal.SIGTERM)}
+    assert first_failure(raised, str(tmp_path)) == (
+        1,
+        "rank 3 (pid 103) failed first: ValueError: bad batch; its traceback is above (2 other rank(s) stopped "
+        "after it)",
+    )
+    # a rank's own one-line report wins, with its status
+    (tmp_path / "rank2").write_text(json.dumps({"message": "--thing 7 is wrong", "status": 2, "time": 5.0}))
+    assert first_failure(raised, str(tmp_path)) == (2, "--thing 7 is wrong")
+
+
+def test_an_uncaught_exception_is_noted_for_the_launcher_unless_a_peer_reported_the_cause(tmp_path):
+    import json
+
+    script = (
+        "from megatron_bytescale.megatron import rank_guard\n"
+        "rank_guard.record_uncaught()\n"
+        "raise RuntimeError('Connection closed by peer')\n"
+    )
+    env = dict(os.environ, BYTESCALE_RANK_ERRORS=str(tmp_path), RANK="1", PYTHONPATH=str(ROOT))
+    alone = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 1 and alone.stderr.strip().endswith("RuntimeError: Connection closed by peer")
+    noted = json.loads((tmp_path / "uncaught1").read_text())
+    assert noted["message"] == "RuntimeError: Connection closed by peer" and noted["status"] == 1
+    (tmp_path / "uncaught1").unlink()
+    (tmp_path / "rank0").write_text(json.dumps({"message": "the planning process ...", "status": 1, "time": 1.0}))
+    after = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert after.returncode == 1 and after.stderr == ""  # the launcher prints rank 0's line; nothing to add
+    assert not (tmp_path / "uncaught1").exists()
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_launcher_ends_in_one_line_and_128_plus_its_number(tmp_path, sig):
+    import signal
+
+    from lifetime_support import wait_for
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(  # a rank as the hooks make one (die with the launcher, end quietly on its SIGINT)
+        "import os, sys, time\n"
+        "from megatron_bytescale.megatron import rank_guard\n"
+        "rank_guard.die_with_launcher()\n"
+        "open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+        "time.sleep(600)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_bytescale.torchrun", "--standalone", "--nproc-per-node", "2",
+         str(script), str(tmp_path)],
+        env=dict(env, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: all((tmp_path / r).exists() for r in "01"), 120, "two ranks")
+        time.sleep(0.5)  # their pid files are written
+        pids = [int((tmp_path / r).read_text()) for r in "01"]
+        number = getattr(signal, sig)
+        proc.send_signal(number)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"{sig}: exit {proc.returncode}: {err.strip()!r}")
+    assert proc.returncode == 128 + number
+    assert err.strip().splitlines() == ["interrupted"]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lm import MEGATRON_LM_DIR, ROOT, needs_tree, patch_series, prepare_text_dataset
+from megatron_lm import MEGATRON_LM_DIR, ROOT, needs_tree, patched_copy, prepare_text_dataset
 
 pytestmark = needs_tree
 
@@ -129,10 +129,7 @@ def data(work):
 @pytest.fixture(scope="module")
 def patched_tree(work):
     """A copy of the checkout with patches/*.patch applied (the checkout itself stays read-only)."""
-    tree = work / "megatron-lm"
-    shutil.copytree(MEGATRON_LM_DIR, tree, ignore=shutil.ignore_patterns("__pycache__", ".git"))
-    for patch in patch_series():
-        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True, capture_output=True)
+    tree = patched_copy(work / "megatron-lm")
     assert "megatron_bytescale.megatron import pretrain_hooks" in (tree / "pretrain_gpt.py").read_text()
     return tree
 

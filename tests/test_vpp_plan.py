@@ -27,7 +27,6 @@ from megatron_bytescale.planner.contract import (
 from megatron_bytescale.planner.cost_model import FORWARD_SHARE, CostModel
 from megatron_bytescale.planner.estimate import one_f_one_b_time
 from megatron_bytescale.planner.pipeline_times import Longer
-from megatron_bytescale.planner.plan_cli import check_vpp
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.planner.slot_alignment import (
     LocalBatch,
@@ -39,6 +38,7 @@ from megatron_bytescale.planner.slot_alignment import (
 from megatron_bytescale.planner.stage_schedule import chunk_schedule, stage_schedule
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import evaluate, pipeline_ring_floor, simulate
+from megatron_bytescale.virtual_stages import check_vpp
 
 from planner_cases import check_stage_orders, draw_lengths, peak_in_flight, ring_pipelines, small_cost
 

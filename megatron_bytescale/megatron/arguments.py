@@ -100,6 +100,7 @@ MEGATRON_ARGS_READ = (
     "padded_vocab_size",
     "vocab_size",
     "multi_latent_attention",
+    "cache_mla_latents",
     "position_embedding_type",
     "experimental_attention_variant",
     "heterogeneous_layers_config_path",
@@ -112,6 +113,8 @@ MEGATRON_ARGS_READ = (
     "data_args_path",
     "per_split_data_args_path",
     "eval_iters",
+    "split",
+    "tokenizer_type",
     "skip_train",
     "full_validation",
     "multiple_validation_sets",
@@ -142,8 +145,12 @@ _HDP_DEFAULTS = {
     "hdp_plan_ahead": 2,
     "hdp_ranks_per_node": None,
     "hdp_step_tokens": None,
+    "hdp_mock_lengths": None,
     "hdp_ray_servers": 2,
+    "hdp_mla_ring": "kv",
+    "hdp_accept_data_change": False,
 }
+MLA_RINGS = ("kv", "latent")  # the ring transports (planner/contract/transports.py) a user picks from
 
 
 # ------------------------------------------------------------------ argparse types
@@ -298,12 +305,38 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "process; the Ray loader plans at least one ahead). Default 2.",
     )
     g.add_argument(
+        "--hdp-mock-lengths",
+        default=None,
+        metavar="DISTRIBUTION",
+        help="Length distribution of --mock-data documents (cut to --seq-length): 'byted', 'github' (the "
+        "simulator's workloads), a workload YAML, or 'lognormal[:mean=1K,sigma=1.5,min=128,max=8K]' (the default, "
+        "as Megatron's dynamic-CP benchmark draws its mock lengths).",
+    )
+    g.add_argument(
+        "--hdp-accept-data-change",
+        action="store_true",
+        help="Resume although what determines the data stream (--hdp-step-tokens, --seq-length, --seed, the "
+        "dataset) differs from what the checkpoint recorded, which is otherwise refused: with the same order "
+        "(another step size or sequence length) the stream continues where the checkpoint left it; with "
+        "another seed or dataset the new stream starts at its beginning.",
+    )
+    g.add_argument(
         "--hdp-ranks-per-node",
         type=_positive_int,
         default=None,
         metavar="N",
         help="HDP ranks that share a node (rings inside a node use the fast link in the cost model). "
         "Default: min(data-parallel size, LOCAL_WORLD_SIZE / tensor-parallel size).",
+    )
+    g.add_argument(
+        "--hdp-mla-ring",
+        choices=MLA_RINGS,
+        default=_HDP_DEFAULTS["hdp_mla_ring"],
+        help="With --multi-latent-attention, what a long sequence's ring carries: 'kv', each layer's K and V "
+        "(heads x (qk + rope + v head dims) values per token, as Megatron's context parallelism sends them), or "
+        "'latent', the compressed KV latent and the rotary key (kv-lora-rank + rope dims per token, whatever "
+        "the heads; each member re-expands K and V, a GEMM per ring step). Both are exact. Default kv. Two-level "
+        "rings carry K and V either way.",
     )
     return parser
 
@@ -429,23 +462,71 @@ def _check_expert_parallel(args) -> None:
         )
 
 
-def _check_data_paths(args) -> None:
-    train = args.train_data_path or args.data_path
-    if not train or len(train) != 1:
+def _check_mla(args) -> None:
+    """Multi-latent attention: what the ring cannot honour, and --hdp-mla-ring without MLA."""
+    if not args.multi_latent_attention:
+        if args.hdp_mla_ring != _HDP_DEFAULTS["hdp_mla_ring"]:
+            raise ConfigError(
+                f"--hdp-mla-ring {args.hdp_mla_ring} without --multi-latent-attention: only multi-latent attention "
+                "has a latent to carry; drop --hdp-mla-ring"
+            )
+        return
+    fused_norm = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine" and getattr(
+        args, "qk_layernorm", False
+    )
+    if args.hdp_mla_ring == "latent" and fused_norm:
         raise ConfigError(
-            f"--data-path {' '.join(train or [])}: --hybrid-data-parallel trains on exactly one dataset prefix "
-            "(no weighted blends); build one dataset from all sources with `bytescale prepare-data`"
+            "--hdp-mla-ring latent with --qk-layernorm and --transformer-impl transformer_engine: TE fuses the KV "
+            "latent's norm into the up-projection, so no member can re-expand the normed latent; use "
+            "--hdp-mla-ring kv (or --transformer-impl local)"
         )
-    if args.valid_data_path is not None and len(args.valid_data_path) != 1:
-        raise ConfigError("--valid-data-path: give exactly one dataset prefix")
 
 
-def _check_validation(args) -> None:
-    if args.eval_iters > 0 and not args.valid_data_path and not args.skip_train:
+def _check_mtp(args) -> None:
+    if args.mtp_num_layers and args.pipeline_model_parallel_size > 1:
         raise ConfigError(
-            f"--eval-iters {args.eval_iters} but no --valid-data-path: HDP validates on its own dataset "
-            "prefix; pass --train-data-path TRAIN --valid-data-path VALID (instead of --data-path), or --eval-iters 0"
+            f"--mtp-num-layers with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: HDP runs "
+            "multi-token prediction without pipelines (its layers and embedding sit on the last stage, not "
+            "tested under HDP); use --pipeline-model-parallel-size 1"
         )
+
+
+def _check_data(args) -> None:
+    """Megatron's data flags under HDP: blends (``--data-path W1 P1 ...``, the per-split paths,
+    ``--data-args-path``, ``--per-split-data-args-path``), ``--split``, ``--mock-data`` and
+    ``--sft`` are read by ``data_config.data_config_from_args`` and honoured; what stays refused
+    is refused here (combinations) or by the flag table (single flags), each in one line naming the fix."""
+    from .data_config import data_config_from_args
+
+    if args.sft and args.mock_data:
+        raise ConfigError("--sft with --mock-data: HDP's mock data are pretraining documents; drop one of them")
+    if args.hdp_mock_lengths is not None and not args.mock_data:
+        raise ConfigError("--hdp-mock-lengths draws the lengths of --mock-data documents: add --mock-data, or drop it")
+    if args.sft and getattr(args, "tokenizer_type", "SFTTokenizer") != "SFTTokenizer":
+        raise ConfigError(
+            f"--sft with --tokenizer-type {args.tokenizer_type}: Megatron's SFT data are conversations that "
+            "SFTTokenizer renders and masks: pass --tokenizer-type SFTTokenizer --tokenizer-model HF_DIR "
+            "(and --sft-tokenizer-prompt-format)"
+        )
+    if args.sft and args.hdp_dataloader == "ray":
+        raise ConfigError(
+            "--sft runs with the local data loader (it tokenizes on every rank): use --hdp-dataloader local"
+        )
+    if args.mock_data and (args.data_path or args.train_data_path):
+        raise ConfigError("--mock-data with a data path: Megatron's mock data replace the datasets; drop one of them")
+    config = data_config_from_args(args)
+    if config.train is None and not args.skip_train:
+        raise ConfigError(
+            "no training data: pass --data-path [W1] PREFIX1 [W2 PREFIX2 ...] (or --train-data-path, "
+            "--data-args-path, --per-split-data-args-path), or --mock-data"
+        )
+    if args.eval_iters > 0 and config.valid is None and not args.skip_train:
+        fix = (
+            f"--split {config.split} gives validation no share: give it one (e.g. --split 969,30,1)"
+            if config.split is not None
+            else "pass --valid-data-path VALID (or a valid list in --per-split-data-args-path)"
+        )
+        raise ConfigError(f"--eval-iters {args.eval_iters} but no validation data: {fix}, or --eval-iters 0")
     if args.eval_interval is None and not args.skip_train and not args.full_validation:
         # core_v0.16.1 training.py:3307 computes train_iters // eval_interval before iteration 1
         raise ConfigError(
@@ -471,8 +552,9 @@ CHECKS = {
     "global_batch": check_global_batch,
     "virtual_stage_groups": _check_virtual_stage_groups,
     "expert_parallel": _check_expert_parallel,
-    "data_paths": _check_data_paths,
-    "validation": _check_validation,
+    "data": _check_data,
+    "mla": _check_mla,
+    "mtp": _check_mtp,
     "eval_batch": _check_eval_batch,
 }
 
@@ -584,16 +666,21 @@ def check_launch(args) -> None:
 
 
 def check_data_exists(args) -> None:
-    """Every dataset prefix the HDP loader will open exists (PREFIX.bin and PREFIX.idx)."""
-    train = getattr(args, "train_data_path", None) or getattr(args, "data_path", None)
-    for flag, paths in (("--data-path", train), ("--valid-data-path", getattr(args, "valid_data_path", None))):
-        for prefix in paths or ():
-            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-            if missing:
-                raise ConfigError(
-                    f"{flag} {prefix}: {prefix}{missing[0]} not found; build the dataset with "
-                    f"`bytescale prepare-data --output {prefix} ...`"
-                )
+    """Every file the HDP loader will open exists: each prefix's PREFIX.bin and PREFIX.idx (as
+    Megatron's tools/preprocess_data.py or `bytescale prepare-data` write them), each --sft JSONL."""
+    from .data_config import data_config_from_args
+
+    for what, path in data_config_from_args(args).paths():
+        if getattr(args, "sft", False):
+            if not os.path.isfile(path):
+                raise ConfigError(f"{what} {path}: no such file (--sft reads a JSONL of conversations)")
+            continue
+        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
+        if missing:
+            raise ConfigError(
+                f"{what} {path}: {path}{missing[0]} not found; give the prefix of a Megatron indexed dataset "
+                f"(tools/preprocess_data.py --output-prefix, or `bytescale prepare-data --output {path} ...`)"
+            )
 
 
 def check_schedule(args) -> None:
@@ -678,4 +765,5 @@ def planner_config_from_args(args):
         pipeline_stages=args.pipeline_model_parallel_size,
         virtual_stages=args.virtual_pipeline_model_parallel_size or 1,
         expert_parallel=args.expert_model_parallel_size,
+        ring_transport=args.hdp_mla_ring if args.multi_latent_attention else "kv",
     )

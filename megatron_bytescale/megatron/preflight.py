@@ -32,6 +32,8 @@ from .arguments import (
     check_schedule,
     validate_hdp_args,
 )
+from .checkpoint_guard import check_overwrite
+from .data_stream import check_before_launch
 
 # the entry scripts HDP serves (its hooks wrap pretrain_gpt.py's providers); any other is refused by name
 SUPPORTED_SCRIPTS = ("pretrain_gpt.py",)
@@ -92,12 +94,15 @@ def derive(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
 
 
 def check(flags: list[str], world_size: int, script: str | Path) -> argparse.Namespace:
-    """Everything about ``script flags`` that can be known before the ranks start: ConfigError if not."""
+    """Everything about ``script flags`` that can be known before the ranks start: ConfigError if not.
+    Without --hybrid-data-parallel the script is Megatron's (or any torchrun program's) to check:
+    only an HDP flag given in vain is refused."""
+    if "--hybrid-data-parallel" not in flag_table.given_flags(flags):
+        hdp = add_hdp_arguments(parser_spec.OneLineParser(add_help=False, allow_abbrev=False))
+        return validate_hdp_args(hdp.parse_known_args(flags)[0])
     check_entry_script(script)
     parser = parser_for(Path(script).resolve().parent)
     args = parser.parse_args(flags)
-    if not args.hybrid_data_parallel:
-        return derive(args, world_size)
     flag_table.refuse(args, flag_table.given_flags(flags), set(parser._option_string_actions))
     args = derive(args, world_size)
     check_global_batch(args)
@@ -107,7 +112,11 @@ def check(flags: list[str], world_size: int, script: str | Path) -> argparse.Nam
     check_schedule(args)
     check_data_exists(args)
     if args.save:
-        HeartbeatLock(args.save, what="training run").check_free()
+        lock = HeartbeatLock(args.save, what="training run")
+        lock.check_free()
+        lock.check_writable()
+        check_overwrite(args)
+    check_before_launch(args)
     return args
 
 

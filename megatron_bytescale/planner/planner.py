@@ -97,6 +97,7 @@ class PlannerConfig:
     virtual_stages: int = 1
     # the capacity's flag in error messages: Megatron's by default; the CLI's commands say --capacity
     capacity_flag: str = "--hdp-token-capacity"
+    ring_transport: str = "kv"  # what plain rings carry (Piece.transport): K and V, or an MLA model's "latent"
 
     def check(self) -> None:
         def whole(name: str, value, low: int, fix: str = "") -> None:
@@ -181,7 +182,7 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
     """The HDP plan for one step. The result passes ``Plan.validate()`` (not run here: it is
     the tests' job, and slow on large clusters)."""
     with _no_cyclic_gc():
-        return _plan_step(seq_lens, config, cost)
+        return _plan_step(seq_lens, config, cost).with_ring_transport(config.ring_transport)
 
 
 def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -> Plan:

@@ -51,6 +51,7 @@ class StepStats:
     tokens: int = 0
     loss_tokens: int = 0
     p2p_bytes: int = 0
+    p2p_bytes_by_transport: dict[str, int] = field(default_factory=dict)  # what the rings carried: "kv", "latent"
     offloaded_bytes: int = 0
     peak_resident_activation_bytes: int = 0
     compute_s: float = 0.0  # forward+backward wall time of this rank's micro-batches
@@ -320,7 +321,10 @@ def run_hdp_step(
         data, layout = pad_micro_batch(data, layout, multiple)
         offload = offloader.micro_batch(mb.offload_ratio) if offloader is not None else contextlib.nullcontext()
         start, wait0 = time.perf_counter(), counter.wait_s
-        with active_micro_batch(layout, data.positions, group=group, counter=counter), offload as handle:
+        with (
+            active_micro_batch(layout, data.positions, group, counter, step.plan.seq_lens),
+            offload as handle,
+        ):
             output_tensor, num_tokens = forward_step(
                 forward_step_func,
                 iter([data]),
@@ -355,7 +359,10 @@ def run_hdp_step(
         layout, positions = active.pop((i, c))
         # Activation recompute re-runs layer forwards here, ring attention included: the layout
         # is active again (and its recomputed KV hops are counted), offloading not.
-        with active_micro_batch(layout, positions, group=group, counter=counter), syncs[c].backward(i):
+        with (
+            active_micro_batch(layout, positions, group, counter, step.plan.seq_lens),
+            syncs[c].backward(i),
+        ):
             grad = backward_step(input_tensor, output_tensor, output_grad, *model_type, config)
         stats.compute_s += time.perf_counter() - start
         _chunk_done(i, counter.wait_s - wait0)
@@ -404,6 +411,7 @@ def run_hdp_step(
     stats.micro_batches = count
     stats.loss_tokens = int(total_tokens.item())
     stats.p2p_bytes = counter.bytes_sent
+    stats.p2p_bytes_by_transport = dict(counter.by_transport)
     stats.p2p_wait_s = counter.wait_s
     stats.pipeline_bytes = link.bytes_sent
 

@@ -11,17 +11,19 @@ import contextlib
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..lengths_file import iter_lengths_file, read_lengths_file
 from ..units import format_size, parse_size
-from .balance import BALANCE_MODES
-from .contract import MicroBatch, Plan
-from .cost_model import CostModel
-from .planner import PlannerConfig, plan_step
-from .specs import HardwareSpec, ModelSpec
+from ..virtual_stages import check_vpp
+
+if TYPE_CHECKING:
+    from ..planner.contract import MicroBatch, Plan
+    from ..planner.cost_model import CostModel
+    from ..planner.planner import PlannerConfig
+
+BALANCE_HELP = "dp | pp | none"  # the planner's BALANCE_MODES, checked in main (not imported for --help)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--lengths-file", help="a file with one positive integer (a sequence length) per line")
     p.add_argument("--context", default="2M", help="longest sequence allowed [2M]")
     p.add_argument("--cut", action="store_true", help="cut sequences longer than --context to the context")
-    p.add_argument("--balance", default="dp", choices=BALANCE_MODES, help="balance scheduler mode [dp]")
+    p.add_argument("--balance", default="dp", help=f"balance scheduler mode: {BALANCE_HELP} [dp]")
     p.add_argument("--slack", type=float, default=0.05, help="balance slack, a fraction of the max time [0.05]")
     p.add_argument("--no-offload", action="store_true", help="never offload activations")
     p.add_argument(
@@ -122,6 +124,8 @@ def format_table(plan: Plan, max_rows: int) -> str:
 
 
 def format_summary(plan: Plan) -> str:
+    import numpy as np
+
     m = plan.meta
     est = np.asarray(m.get("est_rank_time_s") or [0.0])
     rings = ", ".join(f"{n}x{size}" for size, n in m.get("ring_sizes", {}).items()) or "none"
@@ -137,35 +141,17 @@ def format_summary(plan: Plan) -> str:
     )
 
 
-def build_cost(args) -> CostModel:
+def build_cost(args):
+    from ..planner.cost_model import CostModel
+    from ..planner.specs import HardwareSpec, ModelSpec
+
     if args.profile:
         cost = CostModel.from_profile(args.profile)
     else:
         cost = CostModel.analytic(ModelSpec.load(args.model), HardwareSpec.load(args.hardware), tp=args.tp, pp=args.pp)
-    return with_host_memory(cost, getattr(args, "host_memory_per_gpu", None))
-
-
-def with_host_memory(cost: CostModel, text: str | int | None) -> CostModel:
-    """``cost`` with its host budget per GPU replaced by ``text`` (e.g. "64G"), if given."""
-    if text is None:
+    if args.host_memory_per_gpu is None:
         return cost
-    return cost.with_overrides(host_memory_bytes=float(parse_size(text, "--host-memory-per-gpu")))
-
-
-def check_vpp(vpp: int, pp: int, layers_per_stage: int) -> None:
-    """Refuse virtual pipeline stages that cannot be laid out, before any work."""
-    if isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1:
-        raise ConfigError(f"--vpp {vpp!r}: give a whole number of model chunks per pipeline device >= 1 (1: no VPP)")
-    if vpp > 1 and pp <= 1:
-        raise ConfigError(
-            f"--vpp {vpp} needs pipeline stages: virtual stages interleave a pipeline's chunks; pass --pp > 1 or "
-            "--vpp 1"
-        )
-    if layers_per_stage % vpp:
-        raise ConfigError(
-            f"--vpp {vpp} does not divide the {layers_per_stage} layers of a pipeline stage into equal chunks; "
-            f"use a divisor of {layers_per_stage}"
-        )
+    return cost.with_overrides(host_memory_bytes=float(parse_size(args.host_memory_per_gpu, "--host-memory-per-gpu")))
 
 
 def hdp_shape(gpus: int, tp: int, pp: int, gpus_per_node: int) -> tuple[int, int]:
@@ -180,6 +166,12 @@ def hdp_shape(gpus: int, tp: int, pp: int, gpus_per_node: int) -> tuple[int, int
 
 
 def main(args) -> int:
+    from ..planner.balance import BALANCE_MODES
+    from ..planner.planner import PlannerConfig, plan_step
+    from ..planner.specs import HardwareSpec
+
+    if args.balance not in BALANCE_MODES:
+        raise ConfigError(f"--balance {args.balance}: choose one of {', '.join(BALANCE_MODES)}")
     per_node = HardwareSpec.load(args.hardware).gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
     num_ranks, ranks_per_node = hdp_shape(args.gpus, args.tp, args.pp, per_node)
     cost = build_cost(args)
@@ -267,6 +259,8 @@ def step_lengths(lengths: Iterator[int], budget: int, context: int, cut: bool) -
 
 def plan_steps(args, config: PlannerConfig, cost: CostModel, context: int, budget: int) -> int:
     """Plan and print step after step; only the current step's plan is kept."""
+    from ..planner.planner import plan_step
+
     if budget < context and not args.cut:
         raise ConfigError(
             f"--global-batch-tokens {format_size(budget)} is smaller than --context {format_size(context)}: "
