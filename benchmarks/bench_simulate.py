@@ -58,8 +58,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from megatron_bytescale.commands.simulate import add_arguments, config_from_args, format_table  # noqa: E402
 from megatron_bytescale.planner.expert.timing import ep_all_to_all_time  # noqa: E402
-from megatron_bytescale.sim.simulate import add_arguments, config_from_args, format_table, run  # noqa: E402
+from megatron_bytescale.sim.simulate import run  # noqa: E402
 from megatron_bytescale.sim.throughput import totals  # noqa: E402
 from megatron_bytescale.units import format_size  # noqa: E402
 

@@ -7,7 +7,7 @@ For each step's batch (the batches `bytescale simulate` draws with the same flag
 the hdp-balanced plan, simulated (``sim.timeline``) with:
 
 * ``1f1b``: the plan as the planner makes it;
-* ``search``: the planner's stage-order search (``planner/stage_schedule.py``) at the memory
+* ``search``: the planner's stage-order search (``planner/order/stage_schedule.py``) at the memory
   budget of 1F1B (``p`` micro-batches in flight per stage), and at twice it (``search 2p``,
   a what-if: the device and host budgets are sized for ``p``);
 * ``deep warm-up``: 1F1B with ``2 (p - k - 1)`` warm-up forwards on stage ``k`` (up to
@@ -36,12 +36,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from megatron_bytescale.commands.simulate import add_arguments, config_from_args  # noqa: E402
 from megatron_bytescale.data.workloads import sample_lengths  # noqa: E402
 from megatron_bytescale.errors import PlanError  # noqa: E402
 from megatron_bytescale.planner.contract import BACKWARD, FORWARD, PipelineGraph, encode_stage_orders  # noqa: E402
 from megatron_bytescale.planner.estimate import crosses_nodes, micro_batch_time  # noqa: E402
 from megatron_bytescale.planner.order.stage_schedule import _list_schedule, stage_schedule  # noqa: E402
-from megatron_bytescale.sim.simulate import add_arguments, check_config, config_from_args  # noqa: E402
+from megatron_bytescale.sim.simulate import check_config  # noqa: E402
 from megatron_bytescale.sim.strategies import StrategyInput, make_plan  # noqa: E402
 from megatron_bytescale.sim.timeline import lower_bound, pipeline_ring_floor, simulate  # noqa: E402
 

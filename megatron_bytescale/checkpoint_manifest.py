@@ -22,6 +22,7 @@ from pathlib import Path
 
 MANIFEST = "bytescale-manifest.json"
 VERSION = 1
+NO_MANIFEST = "no manifest (its save, or the manifest after it, was interrupted)"
 _CHUNK = 8 << 20
 
 
@@ -131,5 +132,5 @@ def verify(folder: str | Path) -> str | None:
     except ValueError as exc:
         return str(exc)
     if entries is None:
-        return "no manifest (the save did not finish)"
+        return NO_MANIFEST
     return check_sizes(folder, entries) or check_digests(folder, entries, sorted(entries))

@@ -1,6 +1,7 @@
-"""The ``bytescale`` command. Each subcommand lives next to the code it drives and exposes
-``add_arguments(parser)`` and ``main(args) -> int``; modules are imported only when their
-subcommand runs, so ``bytescale --help`` stays fast (no torch import)."""
+"""The ``bytescale`` command. Each subcommand is a module of ``commands/`` exposing
+``add_arguments(parser)`` and ``main(args) -> int``; a command's module is imported only when
+it runs, and imports the library it drives only inside ``main``, so every ``--help`` stays fast
+(no numpy, numba or torch import)."""
 
 from __future__ import annotations
 
@@ -33,26 +34,26 @@ def quiet_optional_backend_warnings() -> None:
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
-        "megatron_bytescale.demo",
+        "megatron_bytescale.commands.demo",
         "train a tiny GPT under HDP on 4 CPU processes, then on the static mesh, and compare",
     ),
-    "verify": ("megatron_bytescale.verify", "check that HDP on N gloo ranks trains exactly like one rank"),
-    "plan": ("megatron_bytescale.planner.plan_cli", "plan one step of HDP for a batch of sequence lengths"),
+    "verify": ("megatron_bytescale.commands.verify", "check that HDP on N gloo ranks trains exactly like one rank"),
+    "plan": ("megatron_bytescale.commands.plan", "plan one step of HDP for a batch of sequence lengths"),
     "simulate": (
-        "megatron_bytescale.sim.simulate",
+        "megatron_bytescale.commands.simulate",
         "compare static CP, Megatron dynamic CP and HDP on a simulated cluster",
     ),
     "prepare-data": (
-        "megatron_bytescale.data.prepare",
+        "megatron_bytescale.commands.prepare_data",
         "write a Megatron indexed dataset from source trees or text files",
     ),
     "dataloader-bench": (
-        "megatron_bytescale.tools.dataloader_bench",
+        "megatron_bytescale.commands.dataloader_bench",
         "time planning and delivery of the local or Ray data loader",
     ),
-    "profile": ("megatron_bytescale.tools.profiler", "measure the cost model's coefficients on this machine"),
+    "profile": ("megatron_bytescale.commands.profile", "measure the cost model's coefficients on this machine"),
     "patches": (
-        "megatron_bytescale.megatron.patch_series",
+        "megatron_bytescale.commands.patches",
         "show (or apply) the pretrain_gpt.py patch series for a Megatron-LM checkout",
     ),
 }

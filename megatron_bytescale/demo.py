@@ -13,7 +13,6 @@ position) every ``--checkpoint-every`` steps, and ``--resume`` continues exactly
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -24,10 +23,8 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
-import numpy as np
-
 from .errors import BytescaleError
-from .units import format_size, parse_size, seed
+from .units import format_size
 
 STRATEGY_NAMES = {"hdp": "HDP (balanced)", "static": "static DP x CP"}
 CPU_PROFILE = Path(__file__).resolve().parent / "configs" / "profiles" / "tiny-cpu.json"
@@ -73,6 +70,7 @@ def ensure_corpus(prefix: Path) -> str:
     files = megatron_core_sources()
     if not files:
         raise BytescaleError("no megatron-core source files found to build the demo corpus; pass --data PREFIX")
+    print(f"building the demo corpus from {len(files)} megatron-core source files (once) ...", flush=True)
     info = write_indexed_dataset(
         prefix, text_file_documents(files), ByteTokenizer(vocab_size=VOCAB), source="megatron-core sources"
     )
@@ -173,6 +171,8 @@ def check_inputs(cfg: DemoConfig) -> None:
 
 def check_dataset(cfg: DemoConfig) -> None:
     """Open the dataset as the ranks will, and scan its token ids against the vocabulary."""
+    import numpy as np
+
     from .data.indexed import DocumentDataset
     from .data.sampler import GlobalBatchSampler
 
@@ -350,6 +350,8 @@ def comparison_table(summaries: dict[str, dict]) -> str:
 def plot_measured(runs: dict[str, list[dict]], path: Path) -> Path | None:
     """One measured step per strategy as a Gantt chart: per rank, each micro-batch's forward and
     backward, with the time spent waiting on ring transfers drawn as exposed communication."""
+    import numpy as np
+
     from .sim.plot import plot_timelines
     from .sim.timeline import BACKWARD, FORWARD, Timeline
 
@@ -365,7 +367,9 @@ def plot_measured(runs: dict[str, list[dict]], path: Path) -> Path | None:
                 rows.append((start, fwd_end, FORWARD, fwd_end - start - fwd_wait, fwd_wait, 0.0))
                 rows.append((fwd_end, end, BACKWARD, end - fwd_end - bwd_wait, bwd_wait, 0.0))
             ops.append(np.array(rows, dtype=float).reshape(-1, 6))
-        timelines[f"{STRATEGY_NAMES[strategy]} (measured step {rec['step'] + 1})"] = Timeline(
+        moved = rec["offloaded_bytes"]  # copied inside the saved-tensor hooks: part of the compute bars
+        offloaded = f"; offloaded {format_size(moved)}B, its copies inside the compute" if moved else ""
+        timelines[f"{STRATEGY_NAMES[strategy]} (measured step {rec['step'] + 1}{offloaded})"] = Timeline(
             step_time=rec["seconds"], num_ranks=len(ops), stages=1, ops=ops
         )
     if not timelines:
@@ -410,88 +414,3 @@ def _run_demo(cfg: DemoConfig) -> dict:
     plot = plot_measured(runs, out / "timeline.png")
     print(f"\nwrote {out / 'demo.json'}" + (f" and {plot}" if plot else ""))
     return report
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = DemoConfig()
-    parser.add_argument("--ranks", type=int, default=d.ranks, help=f"gloo processes (default {d.ranks})")
-    parser.add_argument("--steps", type=int, default=d.steps, help=f"training steps per strategy (default {d.steps})")
-    parser.add_argument(
-        "--capacity", default=str(d.capacity), help=f"tokens per micro-batch per rank (default {d.capacity})"
-    )
-    parser.add_argument(
-        "--context", default=str(d.context), help=f"longest sequence; longer documents are cut (default {d.context})"
-    )
-    parser.add_argument(
-        "--step-tokens", default=str(d.step_tokens), help=f"tokens per global batch (default {d.step_tokens})"
-    )
-    parser.add_argument("--seed", type=seed, default=d.seed)
-    parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument(
-        "--profile", default=d.profile, help="the HDP planner's cost-model profile (default: measured tiny-on-CPU)"
-    )
-    parser.add_argument(
-        "--data", help="Megatron indexed dataset prefix (default: built from megatron-core's source files)"
-    )
-    parser.add_argument("--out", default=d.out, help=f"output folder (default {d.out})")
-    parser.add_argument("--strategies", default=",".join(d.strategies), help="hdp, static or both (default hdp,static)")
-    parser.add_argument(
-        "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints (0: none)"
-    )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue each strategy from its newest valid checkpoint (the same settings; --steps may grow)",
-    )
-    parser.add_argument(
-        "--megatron-lm",
-        metavar="DIR",
-        help="instead: run DIR/pretrain_gpt.py (Megatron-LM core_v0.16.1 or core_v0.19.x, "
-        "Megatron's own training loop) under HDP on CPU/gloo on the demo corpus",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> DemoConfig:
-    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
-    unknown = [s for s in strategies if s not in STRATEGY_NAMES]
-    if unknown or not strategies:
-        raise BytescaleError(f"unknown strategy {unknown or '(none)'}; choose from {', '.join(STRATEGY_NAMES)}")
-    if args.ranks < 1 or args.steps < 1:
-        raise BytescaleError("--ranks and --steps must be at least 1")
-    return DemoConfig(
-        ranks=args.ranks,
-        steps=args.steps,
-        capacity=parse_size(args.capacity, "--capacity"),
-        context=parse_size(args.context, "--context"),
-        step_tokens=parse_size(args.step_tokens, "--step-tokens"),
-        seed=args.seed,
-        lr=args.lr,
-        profile=args.profile,
-        out=args.out,
-        data=args.data,
-        strategies=strategies,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-    )
-
-
-def main(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    if getattr(args, "megatron_lm", None):
-        from .megatron.cpu_pretrain import run_pretrain_gpt
-
-        data = cfg.data or ensure_corpus(Path(cfg.out) / "data" / "megatron_core_sources")
-        return run_pretrain_gpt(
-            args.megatron_lm,
-            data,
-            ranks=cfg.ranks,
-            steps=cfg.steps,
-            capacity=cfg.capacity,
-            context=cfg.context,
-            step_tokens=cfg.step_tokens,
-            seed=cfg.seed,
-            lr=cfg.lr,
-            profile=cfg.profile,
-        )
-    run_demo(cfg)
-    return 0

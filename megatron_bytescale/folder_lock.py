@@ -122,7 +122,7 @@ class HeartbeatLock:
         try:
             text = self.path.read_text()
             age = time.time() - self.path.stat().st_mtime
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         try:
             holder = json.loads(text)
@@ -166,12 +166,43 @@ class HeartbeatLock:
         if found is not None and self._stale(*found) is None:
             raise self._refuse(*found)
 
+    def _unwritable(self, exc: OSError) -> ConfigError:
+        return ConfigError(
+            f"{self.flag} {self.folder}: cannot write there ({exc.strerror or exc}); make it writable, free space, "
+            f"or choose another {self.flag}"
+        )
+
+    def check_writable(self) -> None:
+        """ConfigError unless a file can be created, written and synced in the folder (created if
+        missing): the launcher's look, before the ranks start. What it writes, it removes."""
+        probe = self.folder / f".bytescale-write-probe-{os.getpid()}"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, bytes(4096))  # a whole block: a full disk refuses it (an empty file needs none)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._unwritable(exc) from None
+        finally:
+            try:
+                probe.unlink()
+            except OSError:
+                pass
+
     def acquire(self) -> HeartbeatLock:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise self._unwritable(exc) from None
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
+            except OSError as exc:
+                if not isinstance(exc, FileExistsError):
+                    raise self._unwritable(exc) from None
                 found = self._holder()
                 if found is None:
                     continue  # released meanwhile
@@ -186,10 +217,14 @@ class HeartbeatLock:
                 os.unlink(aside)
                 self.took_over = f"{describe(found[0])}: {why}"
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(job_identity(), f)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(job_identity(), f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as exc:  # a full disk: no empty lock left behind for the next run to puzzle over
+                self.path.unlink(missing_ok=True)
+                raise self._unwritable(exc) from None
             self._thread = threading.Thread(target=self._beat, name="save-lock-heartbeat", daemon=True)
             self._thread.start()
             return self

@@ -71,6 +71,25 @@ def check_world_size(world_size: int, flag: str = "--world-size") -> None:
         )
 
 
+def shape_warnings(ranks: int, capacity: int, longest: int) -> list[str]:
+    """What a local run's shape costs, said before it starts: more ranks than cores share them
+    (every step takes that much longer), and a capacity at or above the longest sequence leaves
+    HDP nothing to split (every sequence runs whole on one rank, no ring forms)."""
+    out = []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if ranks > cores:
+        out.append(
+            f"warning: {ranks} ranks on {cores} core{'s' if cores > 1 else ''}: the ranks share them, so each step "
+            f"takes about {ranks / cores:.1f}x as long as with a core per rank"
+        )
+    if capacity >= longest:
+        out.append(
+            f"warning: capacity {capacity} tokens holds the longest sequence ({longest} tokens) on one rank: every "
+            "sequence runs whole, no ring forms and HDP has nothing to split; lower the capacity to see rings"
+        )
+    return out
+
+
 def _ctx():
     global _context
     if _context is None:

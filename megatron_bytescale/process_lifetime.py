@@ -49,17 +49,59 @@ def _alive(pid: int) -> bool:
             return True
 
 
-def die_with_launcher(launcher_pid: int, heartbeat=None, index: int = 0) -> None:
-    """Call first thing in a worker: die when the forking process or ``launcher_pid`` exits;
-    lead a process group of our own; beat ``heartbeat[index]`` (a shared double array)."""
-    parent = os.getppid()
+def killed_with_parent(parent: int) -> None:
+    """The kernel SIGKILLs this process when the thread that started it exits (Linux
+    ``PR_SET_PDEATHSIG``): also when this process is stopped (SIGSTOP), where no thread of ours
+    could notice. ``parent``: the PID that started us, checked after the call, so a parent that
+    died before it took effect ends us too."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the watchdog below still ends us
+    except (OSError, AttributeError):  # not Linux: the caller's watchdog still ends us
         pass
-    if os.getppid() != parent:  # the parent died before prctl took effect
+    if os.getppid() != parent:
         os._exit(1)
+
+
+def exit_description(returncode: int) -> str:
+    """``exited with status 3`` or ``was killed by SIGKILL``, for a child's return code."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+def state_code(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (R running or runnable, S sleeping, D in I/O, T
+    stopped, Z exited), or None where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def state(pid: int) -> str:
+    """A few words on what ``pid`` is doing now (from /proc), for messages about silent processes."""
+    code = state_code(pid)
+    if code is None:
+        return "gone"
+    return {
+        "T": "stopped (SIGSTOP or a debugger)",
+        "t": "stopped by a debugger",
+        "D": "waiting on I/O in the kernel",
+        "Z": "exited",
+        "R": "running",
+        "S": "sleeping",
+    }.get(code, f"state {code}")
+
+
+def die_with_launcher(launcher_pid: int, heartbeat=None, index: int = 0) -> None:
+    """Call first thing in a worker: die when the forking process or ``launcher_pid`` exits;
+    lead a process group of our own; beat ``heartbeat[index]`` (a shared double array)."""
+    killed_with_parent(os.getppid())
     try:
         os.setpgid(0, 0)
     except OSError:

@@ -6,15 +6,15 @@ every sequence whole, and runs the static DP x CP mesh on the same batch with th
 attention code to measure its traffic. Prints and writes loss, gradient differences and P2P
 bytes; exits non-zero when HDP and the reference differ beyond tolerance or the measured
 traffic differs from the plan's prediction. Also a sanity check for users' own machines.
+
+A multi-latent attention model (``--model tiny-mla``) runs the HDP step once per ring
+transport, K and V then the latent (the same plan, ``Plan.with_ring_transport``): both must
+match one rank, and each one's bytes its prediction.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 
@@ -249,7 +249,11 @@ def verify(
     offload_ratio: float | None = None,
     dtype: str = "fp32",
     two_level: tuple[int, int] | None = None,
+    progress=None,
 ) -> dict:
+    """HDP's step against one rank's (and the static mesh's) on one batch. ``progress(line)``
+    hears what starts next: each of the three runs starts its own gloo processes."""
+    say = progress or (lambda line: None)
     check_request(lengths, world_size=world_size, tp=tp, offload_ratio=offload_ratio, dtype=dtype)
     ranks = world_size // tp
     spec = ModelSpec.load(model)
@@ -276,18 +280,59 @@ def verify(
     else:
         static_skipped = None
 
-    hdp = run_plan(plan, model=model, tp=tp, seed=seed, offload=offload_ratio is not None, dtype=dtype)
-    ref = run_plan(one_rank_plan(lengths, spec.num_layers), model=model, tp=tp, seed=seed, dtype=dtype)
-    mesh = run_plan(static, model=model, tp=tp, seed=seed, dtype=dtype) if static is not None else None
+    from .megatron.model import load_model, ring_values_per_token
 
-    # K and V travel in the activations' dtype (fp32 on CPU), dK/dV accumulators always in fp32
+    model_spec, arch = load_model(model)
+    widths = ring_values_per_token(model_spec, arch, tp)  # per transport: values per token of a block
+    attention_layers = spec.num_layers + (arch.mtp_num_layers or 0)  # an MTP depth runs one layer more
+    if two_level is not None and "latent" in widths:
+        raise BytescaleError(
+            "--two-level with a multi-latent attention model: two-level rings carry K and V of one head dim in the "
+            "plan's byte count; leave --two-level out"
+        )
+    total = len(widths) + 1 + (static is not None)
+    runs = {}
+    for i, transport in enumerate(widths, 1):
+        what = f" ({transport} ring)" if len(widths) > 1 else ""
+        say(f"[{i}/{total}] one step under HDP on {world_size} gloo ranks{what} (starting the processes) ...")
+        runs[transport] = run_plan(
+            plan.with_ring_transport(transport),
+            model=model,
+            tp=tp,
+            seed=seed,
+            offload=offload_ratio is not None,
+            dtype=dtype,
+        )
+    say(f"[{len(widths) + 1}/{total}] the same batch on one rank, every sequence whole ...")
+    ref = run_plan(one_rank_plan(lengths, spec.num_layers), model=model, tp=tp, seed=seed, dtype=dtype)
+    mesh = None
+    if static is not None:
+        say(f"[{total}/{total}] the same batch on the static DP x CP mesh (CP = {static.meta['cp']}) ...")
+        mesh = run_plan(static, model=model, tp=tp, seed=seed, dtype=dtype)
+
+    # blocks travel in the activations' dtype (fp32 on CPU), their gradient accumulators always in fp32
     act = FP32_BYTES if dtype == "fp32" else 2
-    kv = 2 * (spec.num_query_groups // tp) * spec.kv_channels * act
-    grad_kv = 2 * (spec.num_query_groups // tp) * spec.kv_channels * FP32_BYTES
     q_bytes = spec.num_attention_heads // tp * spec.kv_channels * act
-    predicted = p2p_bytes_per_rank(plan, kv, grad_kv, spec.num_layers, q_bytes_per_token=q_bytes)
-    measured = [o["p2p_bytes"] for o in hdp[::tp]]
-    max_abs, max_rel = grad_diffs(hdp, ref)
+    per_transport = {}
+    for transport, hdp in runs.items():
+        predicted = p2p_bytes_per_rank(
+            plan,
+            widths[transport] * act,
+            widths[transport] * FP32_BYTES,
+            attention_layers,
+            q_bytes_per_token=q_bytes,
+        )
+        measured = [o["p2p_bytes"] for o in hdp[::tp]]
+        max_abs, max_rel = grad_diffs(hdp, ref)
+        per_transport[transport] = {
+            "loss_hdp": hdp[0]["loss"],
+            "max_abs_grad_diff": max_abs,
+            "max_rel_grad_diff": max_rel,
+            "p2p_bytes": int(sum(measured) * tp),
+            "p2p_bytes_predicted": int(sum(predicted) * tp),
+            "values_per_token": widths[transport],
+        }
+    hdp, first = runs["kv"], per_transport["kv"]
     sizes = plan.ring_sizes()
     return {
         "world_size": world_size,
@@ -297,14 +342,16 @@ def verify(
         "capacity": capacity,
         "lengths": lengths,
         "loss_ref": ref[0]["loss"],
-        "loss_hdp": hdp[0]["loss"],
+        "loss_hdp": first["loss_hdp"],
         "loss_static": mesh[0]["loss"] if mesh else None,
-        "max_abs_grad_diff": max_abs,
-        "max_rel_grad_diff": max_rel,
+        "max_abs_grad_diff": first["max_abs_grad_diff"],
+        "max_rel_grad_diff": first["max_rel_grad_diff"],
         "static_max_rel_grad_diff": grad_diffs(mesh, ref)[1] if mesh else None,
         "offload_ratios": sorted({mb.offload_ratio for mbs in plan.ranks for mb in mbs if mb.offload_ratio > 0}),
-        "p2p_bytes": int(sum(measured) * tp),
-        "p2p_bytes_predicted": int(sum(predicted) * tp),
+        "p2p_bytes": first["p2p_bytes"],
+        "p2p_bytes_predicted": first["p2p_bytes_predicted"],
+        # a multi-latent attention model: the HDP run of each ring transport (the keys above are "kv"'s)
+        "ring_transports": per_transport if len(per_transport) > 1 else None,
         "p2p_bytes_static": int(sum(o["p2p_bytes"] for o in mesh)) if mesh else None,
         "offloaded_bytes": int(sum(o["offloaded_bytes"] for o in hdp)),
         "ranks_per_sequence": [sizes[i] for i in range(len(lengths))],
@@ -332,96 +379,18 @@ def passed(report: dict) -> list[str]:
         failures.append(
             f"P2P bytes {report['p2p_bytes']} differ from the plan's prediction {report['p2p_bytes_predicted']}"
         )
+    for transport, run in (report.get("ring_transports") or {}).items():
+        if transport == "kv":  # the keys above
+            continue
+        if abs(run["loss_hdp"] - report["loss_ref"]) > tol["loss"] * max(1.0, abs(report["loss_ref"])):
+            failures.append(f"loss differs: HDP ({transport} ring) {run['loss_hdp']:.8f} vs {report['loss_ref']:.8f}")
+        if run["max_rel_grad_diff"] > tol["grad"]:
+            failures.append(
+                f"HDP ({transport} ring) gradients differ: max relative difference {run['max_rel_grad_diff']:.2e}"
+            )
+        if run["p2p_bytes"] != run["p2p_bytes_predicted"]:
+            failures.append(
+                f"P2P bytes of the {transport} ring {run['p2p_bytes']} differ from the prediction "
+                f"{run['p2p_bytes_predicted']}"
+            )
     return failures
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, required=True, help="gloo processes for the HDP run (TP x HDP ranks)")
-    parser.add_argument("--lengths", help="comma-separated sequence lengths, e.g. 300,2K,17")
-    parser.add_argument("--lengths-file", help="one sequence length per line")
-    parser.add_argument("--capacity", required=True, help="tokens per micro-batch per rank (K/M suffixes)")
-    parser.add_argument("--seed", type=int, default=0, help="weights and tokens (default 0)")
-    parser.add_argument("--model", default="tiny", help="model config (default: tiny)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size inside each HDP rank")
-    parser.add_argument(
-        "--offload-ratio",
-        type=float,
-        default=None,
-        help="plan with offloading (a long sequence may then fit on fewer ranks) and offload at least this share "
-        "of every ring micro-batch's activations; the check is that offloading changes nothing",
-    )
-    parser.add_argument(
-        "--dtype",
-        default="fp32",
-        help="fp32 (default: exact, tolerance 1e-5) or bf16: HDP in bf16 against a bf16 one-rank reference, "
-        "tolerance 5e-2 relative on gradients and 2e-3 on the loss (measured: 1e-2 and 3e-6 on the tiny model), since "
-        "bf16 keeps 8 mantissa bits "
-        "(rounding 2^-8 = 0.4%%) and HDP sums ring blocks and gradients in another order than one rank, "
-        "so a few roundings differ. fp64 is not supported",
-    )
-    parser.add_argument(
-        "--two-level",
-        metavar="SEQ[:U]",
-        default=None,
-        help="force two-level attention (head all-to-all in groups of U ranks, default 2, ring across groups) "
-        "on sequence SEQ's ring (an index into the lengths)",
-    )
-    parser.add_argument("--json", help="write the report here")
-
-
-def main(args: argparse.Namespace) -> int:
-    lengths = parse_lengths(args.lengths, args.lengths_file)
-    report = verify(
-        lengths,
-        world_size=args.world_size,
-        capacity=parse_size(args.capacity, "--capacity"),
-        seed=args.seed,
-        model=args.model,
-        tp=args.tp,
-        offload_ratio=args.offload_ratio,
-        dtype=args.dtype,
-        two_level=parse_two_level(args.two_level),
-    )
-    failures = passed(report)
-    report["ok"] = not failures
-    print(
-        f"HDP on {report['world_size']} ranks vs one rank, {len(lengths)} sequences, capacity {report['capacity']}, "
-        f"{report['dtype']}"
-    )
-    print(f"  ranks per sequence : {report['ranks_per_sequence']}")
-    static = report["static_skipped"] is None
-    static_loss = f"  static {report['loss_static']:.8f}" if static else ""
-    print(f"  loss               : one rank {report['loss_ref']:.8f}  HDP {report['loss_hdp']:.8f}{static_loss}")
-    static_grad = f"  static max relative {report['static_max_rel_grad_diff']:.2e}" if static else ""
-    print(
-        f"  gradients          : max |diff| {report['max_abs_grad_diff']:.2e}  max relative "
-        f"{report['max_rel_grad_diff']:.2e}{static_grad}"
-    )
-    static_p2p = (
-        f"static DPxCP (CP={report['static_cp']}) {report['p2p_bytes_static']:,}"
-        if static
-        else f"static DPxCP not run: it cannot hold the batch without offloading ({report['static_skipped']})"
-    )
-    print(
-        f"  P2P bytes          : HDP {report['p2p_bytes']:,} (plan predicts {report['p2p_bytes_predicted']:,})  "
-        f"{static_p2p}"
-    )
-    if report["two_level"] is not None:
-        tl = report["two_level"]
-        print(
-            f"  two-level          : sequence {tl['seq']}'s ring in groups of {tl['heads_split']} (head all-to-all, "
-            "ring across groups)"
-        )
-    if args.offload_ratio is not None:
-        ratios = ", ".join(f"{r:g}" for r in report["offload_ratios"]) or "none"
-        print(f"  offloaded bytes    : {report['offloaded_bytes']:,} (ring micro-batch ratios: {ratios})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    for f in failures:
-        print(f"FAILED: {f}", file=sys.stderr)
-    print(
-        ("OK: HDP matches one rank" + (" (and so does the static mesh)" if static else ""))
-        if not failures
-        else "MISMATCH"
-    )
-    return 0 if not failures else 1

@@ -39,10 +39,32 @@ read_model_args() {
     done <"$file"
 }
 
+# The HDP_* variables these scripts read (docs/cluster.md lists each); any other HDP_* variable
+# in the environment is a misspelling, refused rather than ignored.
+HDP_VARIABLES=(HDP_TOKEN_CAPACITY HDP_STEP_TOKENS HDP_BALANCE HDP_SELECTIVE_OFFLOAD HDP_PROFILE HDP_HARDWARE
+    HDP_DATALOADER HDP_RAY_ADDRESS HDP_PLAN_AHEAD HDP_MODE)
+
+check_hdp_variables() {
+    local name known
+    for name in $(compgen -e); do
+        [[ $name == HDP_* ]] || continue
+        for known in "${HDP_VARIABLES[@]}"; do
+            [[ $name == "$known" ]] && continue 2
+        done
+        die "$name is not a variable of these scripts (a misspelling?); they read ${HDP_VARIABLES[*]}"
+    done
+}
+
+# positive_int NAME VALUE: die unless VALUE is a positive whole number
+positive_int() {
+    [[ $2 =~ ^[1-9][0-9]*$ ]] || die "$1=$2: give a positive whole number"
+}
+
 # hdp_args WORLD_SIZE [extra flags...]: fill TRAIN_ARGS and ENTRY.
 hdp_args() {
     local world_size=$1
     shift
+    check_hdp_variables
     [[ -n ${MEGATRON_LM_DIR:-} ]] || die "set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1 or core_v0.19.x"
     [[ -f $MEGATRON_LM_DIR/pretrain_gpt.py ]] || die "$MEGATRON_LM_DIR/pretrain_gpt.py not found: MEGATRON_LM_DIR must be a Megatron-LM checkout"
     [[ -n ${DATA_PATH:-} ]] || die "set DATA_PATH to an indexed dataset prefix (build one with: bytescale prepare-data --output PREFIX ...)"
@@ -66,6 +88,16 @@ hdp_args() {
 
     local tp=${TP:-1} pp=${PP:-1}
     [[ $pp =~ ^[1-9][0-9]*$ ]] || die "PP=$pp: give the number of pipeline stages, a positive integer (e.g. PP=2)"
+    positive_int TP "$tp"
+    positive_int SEQ_LENGTH "${SEQ_LENGTH:-32768}"
+    positive_int LOG_INTERVAL "${LOG_INTERVAL:-10}"
+    [[ -z ${GLOBAL_BATCH_SIZE:-} ]] || positive_int GLOBAL_BATCH_SIZE "$GLOBAL_BATCH_SIZE"
+    [[ -z ${SAVE_DIR:-} ]] || positive_int SAVE_INTERVAL "${SAVE_INTERVAL:-1000}"
+    [[ -z ${VALID_DATA_PATH:-} ]] || positive_int EVAL_INTERVAL "${EVAL_INTERVAL:-500}"
+    case ${TRANSFORMER_IMPL:-transformer_engine} in
+        local | transformer_engine) ;;
+        *) die "TRANSFORMER_IMPL must be local or transformer_engine, got '${TRANSFORMER_IMPL}'" ;;
+    esac
     ((world_size % (tp * pp) == 0)) || die "world size $world_size does not divide by TP=$tp x PP=$pp"
     local dp=$((world_size / (tp * pp)))
     local seq=${SEQ_LENGTH:-32768}

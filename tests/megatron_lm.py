@@ -35,3 +35,14 @@ def prepare_text_dataset(prefix: Path, files, timeout: float = 300) -> str:
     command = [sys.executable, "-m", "megatron_bytescale.cli", "prepare-data", "--output", str(prefix), "--quiet"]
     subprocess.run([*command, "--text-files", *map(str, files)], check=True, capture_output=True, timeout=timeout)
     return str(prefix)
+
+
+def patched_copy(tree: Path) -> Path:
+    """A copy of the checkout at ``tree`` with its patch series applied (the checkout stays read-only)."""
+    import shutil
+    import subprocess
+
+    shutil.copytree(MEGATRON_LM_DIR, tree, ignore=shutil.ignore_patterns("__pycache__", ".git"))
+    for patch in patch_series():
+        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True, capture_output=True)
+    return tree

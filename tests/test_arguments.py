@@ -11,6 +11,7 @@ import re
 import pytest
 
 from megatron_bytescale.errors import ConfigError
+from megatron_bytescale.megatron import flag_table
 from megatron_bytescale.megatron.arguments import (
     MEGATRON_ARGS_READ,
     MEGATRON_DERIVED_ARGS,
@@ -67,6 +68,7 @@ MEGATRON = dict(
     padded_vocab_size=512,
     vocab_size=512,
     multi_latent_attention=False,
+    cache_mla_latents=False,
     position_embedding_type="rope",
     experimental_attention_variant=None,
     heterogeneous_layers_config_path=None,
@@ -79,6 +81,8 @@ MEGATRON = dict(
     data_args_path=None,
     per_split_data_args_path=None,
     eval_iters=10,
+    split=None,
+    tokenizer_type="NullTokenizer",
     eval_interval=500,
     train_iters=1000,
     skip_train=False,
@@ -215,6 +219,17 @@ def test_pipeline_parallel_is_accepted_with_pp_balance():
     assert (args.hdp_balance, args.hdp_size) == ("pp", 2)
 
 
+def test_multi_latent_attention_and_multi_token_prediction_are_accepted_and_planned():
+    """MLA with either ring transport (the plan's rings carry what --hdp-mla-ring says; K and V
+    by default, and for every model without MLA), and MTP without pipelines."""
+    args = validate_hdp_args(parse(HDP, multi_latent_attention=True, mtp_num_layers=1))
+    assert (args.hdp_mla_ring, planner_config_from_args(args).ring_transport) == ("kv", "kv")
+    mla = dict(multi_latent_attention=True, qk_layernorm=True, transformer_impl="local")
+    args = validate_hdp_args(parse(HDP + ["--hdp-mla-ring", "latent"], **mla))
+    assert planner_config_from_args(args).ring_transport == "latent"
+    assert planner_config_from_args(validate_hdp_args(parse(HDP))).ring_transport == "kv"
+
+
 def test_virtual_pipeline_stages_are_accepted_and_planned_with_their_chunk_count():
     args = validate_hdp_args(
         parse(HDP, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=4)
@@ -256,11 +271,6 @@ CONFLICTS = {
     "static cp": (HDP, dict(context_parallel_size=2), "drop --context-parallel-size"),
     "hybrid cp": (HDP, dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
     "hybrid cp capacity": (HDP, dict(max_seqlen_per_dp_cp_rank=4096), "--max-seqlen-per-dp-cp-rank"),
-    "virtual pp with param gather": (
-        HDP,
-        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_param_gather=True),
-        "--overlap-param-gather with 2 virtual pipeline stages",
-    ),
     "chunk group size": (
         HDP,
         dict(
@@ -311,20 +321,39 @@ CONFLICTS = {
     "cuda graphs": (HDP, dict(cuda_graph_impl="local"), "CUDA graphs need fixed shapes"),
     "legacy models (0.16)": (HDP, dict(use_legacy_models=True), "drop --use-legacy-models"),
     "custom spec": (HDP, dict(spec=["my.module", "my_spec"]), "drop --spec"),
-    "mtp": (HDP, dict(mtp_num_layers=1), "multi-token prediction"),
+    "mtp with pipelines": (
+        HDP,
+        dict(mtp_num_layers=1, pipeline_model_parallel_size=2, data_parallel_size=4),
+        "multi-token prediction without pipelines",
+    ),
     "attention dropout": (HDP, dict(attention_dropout=0.1), "add --attention-dropout 0.0"),
-    "mla": (HDP, dict(multi_latent_attention=True), "not MLA"),
+    "mla latent ring, TE's fused KV norm": (
+        HDP + ["--hdp-mla-ring", "latent"],
+        dict(multi_latent_attention=True, qk_layernorm=True, transformer_impl="transformer_engine"),
+        "use --hdp-mla-ring kv",
+    ),
+    "mla latent caching": (HDP, dict(multi_latent_attention=True, cache_mla_latents=True), "--cache-mla-latents"),
+    "latent ring without mla": (HDP + ["--hdp-mla-ring", "latent"], {}, "without --multi-latent-attention"),
     "yarn": (HDP, dict(position_embedding_type="yarn"), "rope, learned_absolute or none"),
     "attention variant": (HDP, dict(experimental_attention_variant="gated_delta_net"), "choose their own layer specs"),
     "heterogeneous": (HDP, dict(heterogeneous_layers_config_path="h.json"), "choose their own layer specs"),
-    "mock data": (HDP, dict(mock_data=True), "bytescale prepare-data"),
-    "blend": (HDP, dict(train_data_path=["0.3", "data/a", "0.7", "data/b"]), "exactly one dataset prefix"),
-    "no data": (HDP, dict(train_data_path=None), "exactly one dataset prefix"),
-    "data args file": (HDP, dict(data_args_path="paths.txt"), "--data-args-path"),
-    "two valid sets": (HDP, dict(valid_data_path=["data/v1", "data/v2"]), "exactly one dataset prefix"),
-    "test set": (HDP, dict(test_data_path=["data/test"]), "drop it"),
+    "mock data and a data path": (HDP, dict(mock_data=True), "replace the datasets"),
+    "mock lengths without mock data": (HDP + ["--hdp-mock-lengths", "byted"], {}, "add --mock-data"),
+    "no data": (HDP, dict(train_data_path=None, valid_data_path=None), "no training data"),
     "full validation": (HDP, dict(full_validation=True), "--full-validation"),
-    "eval without valid data": (HDP, dict(valid_data_path=None), "--valid-data-path VALID.*or --eval-iters 0"),
+    "eval without valid data": (HDP, dict(valid_data_path=None), "pass --valid-data-path VALID.*or --eval-iters 0"),
+    "eval with a split without validation": (
+        HDP,
+        dict(data_path=["data/a"], train_data_path=None, valid_data_path=None, split="100,0,0"),
+        "--split 100,0,0 gives validation no share",
+    ),
+    "sft without its tokenizer": (HDP, dict(sft=True), "--tokenizer-type SFTTokenizer"),
+    "sft on ray": (
+        HDP + ["--hdp-dataloader", "ray", "--hdp-ray-address", "head:6379"],
+        dict(sft=True, tokenizer_type="SFTTokenizer"),
+        "--hdp-dataloader local",
+    ),
+    "sft with mock data": (HDP, dict(sft=True, mock_data=True, tokenizer_type="SFTTokenizer"), "drop one of them"),
     "no eval interval": (
         HDP,
         dict(eval_interval=None, eval_iters=0, valid_data_path=None),
@@ -332,12 +361,14 @@ CONFLICTS = {
     ),
     "step below seq length": (HDP + ["--hdp-step-tokens", "16K"], {}, "below --seq-length 32K"),
     "ray servers without ray": (HDP + ["--hdp-ray-servers", "4"], {}, "--hdp-dataloader ray"),
-    "sft": (HDP, dict(sft=True), "--sft / --fim-data"),
-    "fim": (HDP, dict(fim_data=True), "--sft / --fim-data"),
+    "fim": (HDP, dict(fim_data=True), "drop --fim-data"),
     "cyclic loader": (HDP, dict(dataloader_type="cyclic"), "drop --dataloader-type"),
     "ray address without ray": (HDP + ["--hdp-ray-address", "ray://head:10001"], {}, "--hdp-dataloader ray"),
-    "two offloaders": (HDP + ["--hdp-selective-offload"], dict(fine_grained_activation_offloading=True), "keep one"),
-    "two offloaders (TE)": (HDP + ["--hdp-selective-offload"], dict(cpu_offloading_num_layers=2), "keep one"),
+    "megatron's offloading": (HDP, dict(fine_grained_activation_offloading=True), "--hdp-selective-offload: use that"),
+    "megatron's offloading (layers)": (HDP, dict(cpu_offloading_num_layers=2), "--hdp-selective-offload: use that"),
+    "sliding window": (HDP, dict(window_size=(64, 0)), "no sliding window"),
+    "attention sinks": (HDP, dict(softmax_type="learnable"), "no attention sinks"),
+    "global aux loss": (HDP, dict(moe_router_load_balancing_type=["global_aux_loss"]), "use aux_loss or seq_aux_loss"),
     "no capacity": (["--hybrid-data-parallel"], {}, "needs --hdp-token-capacity"),
     "unknown hardware": (HDP + ["--hdp-hardware", "tpu-v5"], {}, "unknown hardware 'tpu-v5'.*h100"),
     "profile and hardware": (HDP + ["--hdp-profile", __file__, "--hdp-hardware", "h200"], {}, "keep one"),
@@ -359,9 +390,91 @@ CONFLICTS = {
 
 @pytest.mark.parametrize("case", sorted(CONFLICTS))
 def test_every_conflict_is_a_config_error(case):
+    """As the ranks check: the flag table's refusals, then validate_hdp_args."""
     argv, megatron, message = CONFLICTS[case]
+    args = parse(argv, **megatron)
     with pytest.raises(ConfigError, match=message):
-        validate_hdp_args(parse(argv, **megatron))
+        if args.hybrid_data_parallel:
+            flag_table.refuse(args)
+        validate_hdp_args(args)
+
+
+# Megatron's data flags HDP honours (refused before): (flags, Megatron's values, what each split reads)
+ACCEPTED_DATA = {
+    "weighted blend, split": (
+        HDP,
+        dict(data_path=["0.3", "a", "0.7", "b"], train_data_path=None, valid_data_path=None, split="98,2,0"),
+        {
+            "train": [("a", 0.3, (0, 0.98)), ("b", 0.7, (0, 0.98))],
+            "valid": [("a", 0.3, (0.98, 1)), ("b", 0.7, (0.98, 1))],
+        },
+    ),
+    "prefixes without weights, Megatron's default split": (
+        HDP,
+        dict(data_path=["a", "b"], train_data_path=None, valid_data_path=None),
+        {
+            "train": [("a", None, (0, 0.969)), ("b", None, (0, 0.969))],
+            "valid": [("a", None, (0.969, 0.999)), ("b", None, (0.969, 0.999))],
+            "test": [("a", None, (0.999, 1)), ("b", None, (0.999, 1))],
+        },
+    ),
+    "per-split blends": (
+        HDP,
+        dict(train_data_path=["2", "a", "1", "b"], valid_data_path=["v"], test_data_path=["t"]),
+        {
+            "train": [("a", 2.0, (0, 1)), ("b", 1.0, (0, 1))],
+            "valid": [("v", None, (0, 1))],
+            "test": [("t", None, (0, 1))],
+        },
+    ),
+    "mock data": (
+        HDP + ["--hdp-mock-lengths", "byted"],
+        dict(mock_data=True, train_data_path=None, valid_data_path=None, split="99,1,0"),
+        {"train": [(None, None, (0, 1))], "valid": [(None, None, (0, 1))]},
+    ),
+    "sft": (
+        HDP,
+        dict(sft=True, tokenizer_type="SFTTokenizer", train_data_path=["c.jsonl"], valid_data_path=["v.jsonl"]),
+        {"train": [("c.jsonl", None, (0, 1))], "valid": [("v.jsonl", None, (0, 1))]},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ACCEPTED_DATA))
+def test_megatron_data_flags_are_honoured(case):
+    from megatron_bytescale.megatron.data_config import data_config_from_args
+
+    argv, megatron, expected = ACCEPTED_DATA[case]
+    config = data_config_from_args(validate_hdp_args(parse(argv, **megatron)))
+    got = {}
+    for name in ("train", "valid", "test"):
+        spec = config.stream(name)
+        if spec is not None:
+            got[name] = [(p.path, p.weight, tuple(round(x, 6) for x in p.split)) for p in spec.parts]
+    assert got == {k: [(p, w, tuple(float(x) for x in r)) for p, w, r in v] for k, v in expected.items()}
+    assert config.record()["seed"] == 1234 and "train" in config.record()
+
+
+def test_data_args_files_read_as_megatron_reads_them(tmp_path):
+    from megatron_bytescale.megatron.data_config import data_config_from_args
+
+    (tmp_path / "blend.txt").write_text("0.4 books\n0.6 code\n")
+    (tmp_path / "splits.json").write_text('{"train": "1 a 3 b", "valid": ["v"], "test": ["t"]}')
+    config = data_config_from_args(
+        validate_hdp_args(
+            parse(HDP, data_args_path=str(tmp_path / "blend.txt"), train_data_path=None, valid_data_path=None)
+        )
+    )
+    assert [(p.path, p.weight) for p in config.train.parts] == [("books", 0.4), ("code", 0.6)]
+    config = data_config_from_args(
+        validate_hdp_args(
+            parse(
+                HDP, per_split_data_args_path=str(tmp_path / "splits.json"), train_data_path=None, valid_data_path=None
+            )
+        )
+    )
+    assert [(p.path, p.weight) for p in config.train.parts] == [("a", 1.0), ("b", 3.0)]
+    assert [p.path for p in config.test.parts] == ["t"]
 
 
 def test_data_path_and_no_eval_are_accepted():

@@ -27,6 +27,7 @@ pytestmark = needs_tree
 
 PRELUDE = r"""
 import json, os, re, sys
+from pathlib import Path
 import megatron_bytescale  # first: where triton is missing, its stand-ins for megatron-core's kernel modules
 from megatron.training.arguments import add_megatron_arguments, validate_args
 import argparse
@@ -41,6 +42,9 @@ def megatron_parser():
     return add_hdp_arguments(parser)
 
 def validated(extra):
+    # parsed, then what the ranks run: the flag table's refusals on the values as given,
+    # Megatron's validate_args, validate_hdp_args
+    from megatron_bytescale.megatron import flag_table
     argv = read_args_file("configs/models/tiny.args") + [
         "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1",
         "--global-batch-size", "16", "--train-iters", "10", "--lr", "1e-4",
@@ -49,6 +53,9 @@ def validated(extra):
         "--attention-dropout", "0.0"] + extra
     args = megatron_parser().parse_args(argv)
     args.rank, args.world_size = 0, 8
+    if args.hybrid_data_parallel:
+        known = {o for a in megatron_parser()._actions for o in a.option_strings}
+        flag_table.refuse(args, flag_table.given_flags(argv), known)
     validate_args(args, {})
     return validate_hdp_args(args)
 """
@@ -135,44 +142,165 @@ print(json.dumps({"missing": sorted(set(MEGATRON_ARGS_READ) - dests),
     assert out == {"missing": [], "clash": []}
 
 
-def test_the_launchers_parser_matches_megatrons():
-    """megatron/preflight.py reads some Megatron flags without Megatron: each with Megatron's type,
-    number of values and default; and on a real command line both parsers give the same values."""
+def test_the_shipped_parser_spec_is_megatrons():
+    """The launcher reads a command line with the parser spec the package ships for this tree
+    (parser_spec.find_shipped): it must be the real parser's, action for action, and its
+    sources must be the files the real parser's flags come from."""
     out = run(
         """
-from megatron_bytescale.megatron import preflight
-parser = argparse.ArgumentParser(allow_abbrev=False)
-add_megatron_arguments(parser)
-by_flag = {o: a for a in parser._actions for o in a.option_strings}
-kinds = {int: "int", float: "float", str: "str", None: "str"}
-wrong = []
-for flag, kind, default in preflight.MEGATRON_FLAGS:
-    a = by_flag.get(flag)
-    if a is None:
-        wrong.append([flag, "not a Megatron flag"]); continue
-    if isinstance(a, argparse._StoreTrueAction):
-        theirs = "true"
-    elif a.nargs in ("*", "+"):
-        theirs = "list"
-    elif a.nargs == 3:
-        theirs = "ints3"
-    else:
-        theirs = kinds.get(a.type, repr(a.type))
-    if theirs != kind or a.default != default:
-        wrong.append([flag, theirs, a.default, kind, default])
-    if a.dest != preflight.MEGATRON_DESTS.get(flag, flag[2:].replace("-", "_")):
-        wrong.append([flag, "attribute", a.dest])
-argv = read_args_file("configs/models/tiny.args") + ["--seq-length", "4096", "--micro-batch-size", "1", "--lr", "1e-4",
-    "--data-path", "a", "--spec", "m", "n", "--rampup-batch-size", "1", "2", "3", "--lr-warmup-iters", "5",
-    "--train-iters", "9", "--save", "s", "--microbatch-group-size-per-virtual-pipeline-stage", "2",
-    "--hybrid-data-parallel", "--hdp-token-capacity", "8K"]
-theirs = vars(megatron_parser().parse_args(argv))
-ours = vars(preflight.parse(argv))
-differ = sorted(k for k in ours if theirs.get(k, "absent") != ours[k])
-print(json.dumps({"wrong": wrong, "differ": differ}))
+from megatron_bytescale.megatron import parser_spec
+real = json.loads(json.dumps(parser_spec.spec_of(*parser_spec.megatron_parser())))
+shipped = parser_spec.find_shipped(Path(os.environ["MEGATRON_LM_DIR"]))
+differ = None if shipped is None else [
+    [a, b] for a, b in zip(real["actions"], shipped["actions"]) if a != b][:1]
+print(json.dumps({"shipped": shipped is not None, "differ": differ,
+                  "same": shipped == real, "sources": real["sources"] == (shipped or {}).get("sources")}))
 """
     )
-    assert out == {"wrong": [], "differ": []}
+    assert out["shipped"], "no shipped parser spec matches this tree's sources"
+    assert out == {"shipped": True, "differ": [], "same": True, "sources": True}, out
+
+
+# command lines both parsers read (every kind of action: ints, floats, lists, choices, enums,
+# store_false, Megatron's own converters, the HDP group)
+COMMAND_LINES = [
+    [
+        "--seq-length",
+        "4096",
+        "--micro-batch-size",
+        "1",
+        "--lr",
+        "1e-4",
+        "--data-path",
+        "a",
+        "--spec",
+        "m",
+        "n",
+        "--rampup-batch-size",
+        "1",
+        "2",
+        "3",
+        "--lr-warmup-iters",
+        "5",
+        "--train-iters",
+        "9",
+        "--save",
+        "s",
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        "2",
+        "--hybrid-data-parallel",
+        "--hdp-token-capacity",
+        "8K",
+    ],
+    [
+        "--num-layers",
+        "4",
+        "--attention-backend",
+        "flash",
+        "--no-rope-fusion",
+        "--window-size",
+        "64,0",
+        "--moe-router-load-balancing-type",
+        "aux_loss",
+        "seq_aux_loss",
+        "--moe-aux-loss-coeff",
+        "1e-2",
+        "1e-3",
+        "--position-embedding-type",
+        "rope",
+        "--bf16",
+        "--ckpt-format",
+        "torch",
+        "--exit-signal-handler",
+    ],
+]
+
+
+def test_the_launchers_parser_reads_a_command_line_as_megatrons():
+    """The parser the launcher builds from the spec (preflight.parser_for, no torch) gives the
+    same values as Megatron's on real command lines; Megatron's own converters' values stay
+    text in the launcher (Megatron converts them in the ranks)."""
+    out = run(
+        f"""
+from megatron_bytescale.megatron import parser_spec, preflight
+tree = os.environ["MEGATRON_LM_DIR"]
+text = {{a["dest"] for a in parser_spec.load(tree)["actions"] if a["type"] == "text"}}
+result = []
+# Megatron's parser as a plain shell builds it (two defaults read WORLD_SIZE and LOCAL_RANK)
+for argv in {COMMAND_LINES!r}:
+    theirs = vars(add_hdp_arguments(parser_spec.megatron_parser()[0]).parse_args(argv))
+    ours = vars(preflight.parse(argv, tree))
+    result.append(sorted(k for k in theirs if k not in text and parser_spec._plain(theirs[k]) != ours.get(k)))
+    result.append(sorted(set(theirs) ^ set(ours)))
+print(json.dumps(result))
+"""
+    )
+    assert out == [[]] * (2 * len(COMMAND_LINES))
+
+
+# what the flag table's classification check finds on a parser: option strings the table lacks
+# for this tree, rows claiming this tree that the parser lacks, and rows whose attribute differs
+CLASSIFY = """
+from megatron_bytescale.megatron import flag_table
+def classify(parser, tree):
+    table = flag_table.rows()
+    options = {o: a.dest for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    return {
+        "unclassified": sorted(o for o in options if o not in table or tree not in table[o].trees),
+        "gone": sorted(f for f, r in table.items() if tree in r.trees and f not in options),
+        "attribute": sorted(o for o in options if o in table and options[o] not in table[o].dests),
+    }
+parser = argparse.ArgumentParser(allow_abbrev=False)
+add_megatron_arguments(parser)
+"""
+
+
+def _tree_key() -> str:
+    from megatron_bytescale.megatron.flag_table import TREES
+
+    name = Path(MEGATRON_LM_DIR).resolve().name
+    keys = [key for key, tree in TREES.items() if tree == name]
+    assert keys, f"{name}: not one of the trees the flag table covers ({', '.join(TREES.values())})"
+    return keys[0]
+
+
+def test_every_megatron_flag_is_classified():
+    """Every option string of this tree's real parser has its row in megatron_flags.tsv (for
+    this tree, with Megatron's attribute), and no row claims a flag the parser lacks: a new
+    Megatron release cannot be accepted silently."""
+    out = run(CLASSIFY + f"print(json.dumps(classify(parser, {_tree_key()!r})))")
+    assert out == {"unclassified": [], "gone": [], "attribute": []}, out
+
+
+def test_a_flag_the_table_does_not_know_fails_the_classification():
+    """The same check on this parser with one flag added, as a newer Megatron would add it."""
+    out = run(
+        CLASSIFY
+        + "parser.add_argument('--brand-new-attention-trick', type=int, default=0)\n"
+        + f"print(json.dumps(classify(parser, {_tree_key()!r})))"
+    )
+    assert out == {"unclassified": ["--brand-new-attention-trick"], "gone": [], "attribute": []}
+
+
+# the rows whose rule refuses Megatron's own default: HDP needs another value on the command line
+REQUIRED = {"--calculate-per-token-loss", "--attention-dropout", "--micro-batch-size"}
+
+
+def test_no_refusal_rule_refuses_megatrons_default_except_the_required_values():
+    out = run(
+        """
+from megatron_bytescale.megatron import flag_table
+parser = argparse.ArgumentParser(allow_abbrev=False)
+add_megatron_arguments(parser)
+by_option = {o: a for a in parser._actions for o in a.option_strings}
+refused = []
+for flag, row in flag_table.rows().items():
+    if row.condition is not None and flag in by_option and flag_table._refuses(*row.condition, by_option[flag].default):
+        refused.append(flag)
+print(json.dumps(sorted(refused)))
+"""
+    )
+    assert set(out) == REQUIRED
 
 
 def test_valid_command_line_after_megatron_validation():
@@ -183,6 +311,25 @@ print(json.dumps({k: getattr(args, k) for k in ("hdp_size", "hdp_balance", "hdp_
 """
     )
     assert out == {"hdp_size": 8, "hdp_balance": "dp", "hdp_token_capacity": 1024, "dataloader_type": "external"}
+
+
+def test_virtual_stages_with_overlapped_param_gather_after_megatron_validation():
+    """The HDP step dispatches every chunk's parameter all-gather, so Megatron's
+    validation and HDP's accept virtual stages with --overlap-param-gather, and with the first
+    chunk's gather in the optimizer step (which Megatron allows with virtual stages only, and
+    without distributed checkpoints)."""
+    out = run(
+        """
+common = ["--calculate-per-token-loss", "--hybrid-data-parallel", "--hdp-token-capacity", "1K",
+          "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+          "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+a = validated(common)
+b = validated(common + ["--overlap-param-gather-with-optimizer-step", "--ckpt-format", "torch"])
+print(json.dumps([a.virtual_pipeline_model_parallel_size, a.overlap_param_gather,
+                  b.overlap_param_gather_with_optimizer_step]))
+"""
+    )
+    assert out == [2, True, True]
 
 
 def test_virtual_pipeline_stages_after_megatron_validation():
@@ -209,10 +356,8 @@ VPP_2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeli
     [
         (["--hybrid-data-parallel", "--hdp-token-capacity", "1K"], "add --calculate-per-token-loss"),
         (HDP_1K + ["--micro-batch-size", "2"], "use --micro-batch-size 1"),
-        (
-            HDP_1K + VPP_2 + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
-            "--overlap-param-gather with 2 virtual pipeline stages per rank",
-        ),
+        (HDP_1K + ["--window-size", "64,0"], "no sliding window"),
+        (HDP_1K + ["--softmax-type", "learnable"], "no attention sinks"),
         (
             HDP_1K + VPP_2 + ["--microbatch-group-size-per-virtual-pipeline-stage", "4"],
             "--microbatch-group-size-per-virtual-pipeline-stage 4: the HDP step picks",

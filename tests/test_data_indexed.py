@@ -127,6 +127,36 @@ def test_bin_and_idx_from_different_builds(small, tmp_path):
         DocumentDataset(small)
 
 
+def test_a_bin_of_the_same_size_from_another_build_is_refused(small, tmp_path):
+    # the index describes sizes only: the .bin's sampled content, recorded by prepare-data, tells
+    write_indexed_dataset(tmp_path / "o", _docs(["jello ", "world"], ["second dog"]))  # same lengths
+    assert (tmp_path / "o.bin").stat().st_size == open(small + ".bin", "rb").seek(0, 2)
+    shutil.copy(tmp_path / "o.bin", small + ".bin")
+    with pytest.raises(ConfigError) as error:
+        DocumentDataset(small)
+    assert str(error.value) == (
+        f"{small}.bin: its content does not match s.idx (a sample of its bytes differs from the one "
+        "s.bytescale.json recorded when the dataset was built): the .bin comes from another build or was "
+        "overwritten; rebuild it (Megatron's tools/preprocess_data.py, or `bytescale prepare-data --output PREFIX ...`)"
+    )
+    meta = json.loads(open(small + ".bytescale.json").read())
+    del meta["bin_sample_sha256"]  # a sidecar from before the digest: nothing to compare, it opens
+    open(small + ".bytescale.json", "w").write(json.dumps(meta))
+    assert DocumentDataset(small).read(0, 0, 1).tolist() == [ord("j")]
+
+
+def test_a_datasets_identity_is_its_content_not_its_place(small, tmp_path):
+    from megatron_bytescale.data.indexed import dataset_identity
+
+    for suffix in (".bin", ".idx"):
+        shutil.copy(small + suffix, tmp_path / f"moved{suffix}")
+    assert dataset_identity(tmp_path / "moved") == dataset_identity(small)
+    write_indexed_dataset(tmp_path / "o", _docs(["jello ", "world"], ["second dog"]))
+    other = dataset_identity(tmp_path / "o")
+    assert other["index_sha256"] == dataset_identity(small)["index_sha256"]  # the same lengths
+    assert other["bin_sample_sha256"] != dataset_identity(small)["bin_sample_sha256"]
+
+
 def test_float_token_dtype(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 

@@ -103,8 +103,42 @@ def _wrong_plan(seq_lens):
     return default_plan_fn(CONFIG)(list(seq_lens)[:-1] or [1])
 
 
+@pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
+def test_a_stopped_or_dead_planning_process_is_named_within_seconds(corpus, monkeypatch, sig):
+    import os
+    import signal
+
+    from megatron_bytescale.data import plan_ahead
+
+    monkeypatch.setattr(plan_ahead, "HEARTBEAT_TIMEOUT_S", 2.0)
+    loader = LocalDataLoader(corpus, CONFIG, rank=0, plan_ahead=1, **SETTINGS)
+    try:
+        loader.next_step()
+        child = loader._ahead._proc.pid
+        os.kill(child, getattr(signal, sig))
+        t0 = time.monotonic()
+        with pytest.raises(PlanError) as error:
+            for _ in range(3):  # step 1 may have been planned before the signal
+                loader.next_step()
+        waited = time.monotonic() - t0
+    finally:
+        loader.close()
+    said = str(error.value)
+    print(f"{sig}: {waited:.1f} s: {said}")
+    assert said.startswith(f"the planning process (pid {child}, data/plan_ahead.py) ")
+    if sig == "SIGSTOP":
+        assert "has been silent for" in said and "stopped (SIGSTOP" in said
+        assert waited < 2.0 + 10, waited  # the deadline, plus a loaded machine's slack
+    else:
+        assert "was killed by SIGKILL before step" in said
+        assert waited < 10, waited
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # close() ended (and reaped) even the stopped one
+
+
 def test_a_killed_training_process_leaves_no_planning_process(corpus, tmp_path):
-    # the child reads end of stream on its socket when the training process dies, and exits
+    # the kernel kills a child when the training process dies (PR_SET_PDEATHSIG), also a stopped
+    # child, which no thread of its own could end; a running one also reads end of stream
     import os
     import signal
     import subprocess
@@ -124,27 +158,34 @@ def test_a_killed_training_process_leaves_no_planning_process(corpus, tmp_path):
         "cost = CostModel.analytic(ModelSpec.load('tiny'), HardwareSpec.load('h200'))\n"
         f"plan_fn = functools.partial(plan_step, config=PlannerConfig(num_ranks={RANKS}, capacity={CAPACITY}), "
         "cost=cost)\n"
-        "ahead = PlanAhead(sampler, plan_fn, 0, Position(), 2)\n"
-        "ahead.get(0, Position())\n"
-        "print(ahead._proc.pid, flush=True)\n"
+        "running, stopped = (PlanAhead(sampler, plan_fn, 0, Position(), 2) for _ in range(2))\n"
+        "for ahead in (running, stopped):\n"
+        "    ahead.get(0, Position())\n"
+        "print(running._proc.pid, stopped._proc.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
-        child = int(proc.stdout.readline())
+        children = [int(pid) for pid in proc.stdout.readline().split()]
+        os.kill(children[1], signal.SIGSTOP)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.time() + 20
-        while time.time() < deadline:
-            try:
-                os.kill(child, 0)
-            except ProcessLookupError:
-                break
-            if open(f"/proc/{child}/stat").read().split()[2] == "Z":  # exited, not yet reaped by init
-                break
+        left = children
+        while left and time.time() < deadline:
+            left = [c for c in left if _running(c)]
             time.sleep(0.1)
-        else:
-            raise AssertionError(f"planning process {child} outlived the killed training process")
+        assert not left, f"planning processes {left} (running, stopped) outlived the killed training process"
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _running(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return open(f"/proc/{pid}/stat").read().split()[2] != "Z"  # a zombie has exited, not yet reaped by init

@@ -163,6 +163,53 @@ def _named_rank(rank, world_size, corpus, address, steps):
     return digests
 
 
+def test_the_first_plan_is_waited_for_under_the_planning_deadline_not_the_answer_deadline(ray_session, corpus):
+    # a first plan that compiles the planner's kernels (here: sleeps 4 s) outlasts a 2 s answer
+    # deadline; the loader waits for it under the planning deadline and then trains as always
+    from ray import cloudpickle
+
+    from megatron_bytescale.data.planning import default_plan_fn
+
+    import data_support
+
+    cloudpickle.register_pickle_by_value(data_support)  # the actor's interpreter has no tests/ on its path
+    slow = data_support.SlowOnCall(default_plan_fn(CONFIG), call=0, seconds=4.0)
+    ld = RayDataLoader(corpus, CONFIG, num_servers=1, lookahead=2, timeout_s=2, plan_fn=slow, **SETTINGS)
+    try:
+        t0 = time.monotonic()
+        for rank in range(RANKS):
+            ld.batch(rank)
+        assert time.monotonic() - t0 < 2  # planned while the loader waited for it
+    finally:
+        ld.close()
+
+
+def test_an_actor_ends_itself_when_its_owner_is_gone_or_no_loader_calls(ray_session, corpus):
+    # what Ray does for them only while its GCS lives (the battery kills the GCS itself:
+    # scripts/reliability_battery.py, case ray-gcs-killed)
+    import socket
+    import subprocess
+
+    from megatron_bytescale.data.ray_loader import DocumentServer
+    from megatron_bytescale.process_lifetime import _alive
+
+    from lifetime_support import wait_for
+
+    owner = subprocess.Popen(["sleep", "600"])
+    server = ray.remote(DocumentServer).options(num_cpus=0)
+    watching = server.remote(corpus, None, 0, 1, owner=(socket.gethostname(), owner.pid), lease_s=600)
+    leased = server.remote(corpus, None, 0, 1, owner=("another-node", 1), lease_s=3)
+    pids = ray.get([watching.pid.remote(), leased.pid.remote()], timeout=300)  # actors start slowly on a loaded machine
+    try:
+        owner.kill()
+        owner.wait()
+        wait_for(lambda: not _alive(pids[0]), 10, "the actor whose owner died to end")
+        wait_for(lambda: not _alive(pids[1]), 20, "the actor nobody called for 3 s to end")
+    finally:
+        for actor in (watching, leased):
+            ray.kill(actor)
+
+
 def test_ranks_in_separate_processes_share_one_named_loader(ray_session, corpus):
     from megatron_bytescale.local_world import run_local_world
 

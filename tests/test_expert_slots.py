@@ -1,4 +1,4 @@
-"""Aligned micro-batch slots for expert parallelism (planner/expert_slots.py): every token once,
+"""Aligned micro-batch slots for expert parallelism (planner/expert/slots.py): every token once,
 slots equal per EP group, rings at one slot on all members, no deadlock; and the checks that
 refuse plans that would hang."""
 

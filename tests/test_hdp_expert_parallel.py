@@ -1,7 +1,7 @@
 """Expert parallelism under HDP: EP=2 x HDP=4 on four gloo ranks (megatron-core's MoE layer,
 4 experts, top-2, the all-to-all token dispatcher) trains exactly like one rank holding every
 expert. The plan rings a sequence across the two EP groups and gives two ranks empty slots
-(planner.expert_slots): they run one padding token that joins every all-to-all."""
+(planner.expert.slots): they run one padding token that joins every all-to-all."""
 
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ LAYER_OF = {
     "megatron_era": "base",  # which megatron-core API is imported (stdlib only)
     "folder_lock": "base",  # one run per output folder (stdlib only)
     "checkpoint_manifest": "base",  # sizes and SHA-256 of a checkpoint folder (stdlib only)
+    "virtual_stages": "base",  # the VPP layout check `bytescale plan` and the simulator share (stdlib only)
     "checkpoint_io": "runtime",  # atomic, checksummed torch.save files
     "planner.contract": "contract",  # the Plan, Op, the pipeline dependency graph, the rules
     "planner": "planner",
@@ -39,6 +40,7 @@ LAYER_OF = {
     "sim": "sim",
     "megatron": "megatron",
     "tools": "top",
+    "commands": "top",  # each subcommand's flags and printing, above every library package
     "cli": "top",
     "demo": "top",
     "verify": "top",
@@ -94,7 +96,6 @@ EXTRA_ALLOWED_WHY = {
         "planner.fields": "the planner's errors name its fields; the simulator spells them as its flags",
         "planner.cost_model": "every strategy is costed with the planner's cost model, so they compare like for like",
         "planner.specs": "the model and hardware specs the cost model is built from",
-        "planner.plan_cli": "the CLI checks shared with `bytescale plan` (--vpp, --host-memory-per-gpu)",
         "planner.sizing.offload": "the copy-exposure rule of offloaded activations, the one the planner plans with",
         "planner.sizing.two_level": "the two-level attention costs (head all-to-all, split choice), the planner's",
         "planner.expert.slots": "aligning a strategy's plan to EP slots",
@@ -118,7 +119,6 @@ PLANNER_PART_OF = {
     "planner.search": "step",
     "planner.build": "step",
     "planner.planner": "step",
-    "planner.plan_cli": "step",
     "planner": "shared",  # jit, selection, fields, placement, lengths, specs, cost_model, ring_traffic, cpu_profile
 }
 PLANNER_PARTS_ALLOWED = {
@@ -271,7 +271,7 @@ def test_no_modules_import_each_other_in_a_cycle(found):
 @pytest.mark.parametrize(
     "package",
     ["data", "planner", "planner.contract", "planner.sizing", "planner.balance", "planner.order", "planner.expert"]
-    + ["runtime", "sim", "megatron", "tools"],
+    + ["runtime", "sim", "megatron", "tools", "commands"],
 )
 def test_each_package_imports_its_own_modules_without_a_cycle(found, package):
     bad = cycles(found, f"{PACKAGE}.{package}")
@@ -323,6 +323,22 @@ def test_every_planner_module_has_a_part():
 
 def test_every_module_has_a_layer():
     assert all(layer(name) for name in all_modules())
+
+
+def test_command_lines_are_parsed_and_printed_in_commands_only():
+    """A subcommand's flags (``add_arguments``) and its ``main(args)`` live in ``commands/``:
+    the library packages take values, never a command line (docs/design.md, section 1.2)."""
+    found = []
+    for name, path in all_modules().items():
+        if name.startswith(f"{PACKAGE}.commands."):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        found += [f"{name}.{n.name}" for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "add_arguments"]
+    assert not found, "subcommand flags outside commands/: " + ", ".join(found)
+    cli = ast.parse((ROOT / "cli.py").read_text())
+    (table,) = [n.value for n in cli.body if isinstance(n, ast.AnnAssign) and n.target.id == "SUBCOMMANDS"]
+    modules = [entry.elts[0].value for entry in table.values]
+    assert modules and all(m.startswith(f"{PACKAGE}.commands.") for m in modules), modules
 
 
 # The checker itself: it must see what it is meant to catch.

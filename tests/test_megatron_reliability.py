@@ -1,9 +1,11 @@
 """Megatron-LM's pretrain_gpt.py under scripts/train_local.sh: a SIGKILLed launcher takes its
 ranks with it and nothing is saved after the kill; a second run on the same --save folder is
 refused with one line naming the first; the next run takes over the dead run's lock, saying so;
-a checkpoint whose newest iteration has a flipped byte in a .distcp shard resumes from the
-newest iteration that verifies, naming the one it skipped. Truncated and bit-flipped shards of a
-real checkpoint are also checked one by one against its manifest.
+a checkpoint folder with a garbled tracker whose newest iteration has a flipped byte in a
+.distcp shard resumes from the newest iteration that verifies, naming the one it skipped, and
+continues the data stream its checkpoint recorded. Truncated and bit-flipped shards of a real
+checkpoint are also checked one by one against its manifest, and its data-stream record against
+changed settings.
 
 One training run is started, killed and resumed (two Megatron starts, 2 gloo ranks, tiny model).
 Needs MEGATRON_LM_DIR (a core_v0.16.1 checkout); skipped, with that reason, without it.
@@ -74,6 +76,12 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _manifested(save: Path) -> list[int]:
+    """The iterations in ``save`` with a manifest, newest first."""
+    found = checkpoint_guard.saved_iterations(save)
+    return [i for i in found if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()]
+
+
 def _newest_files_mtime(folder: Path) -> float:
     return max((p.stat().st_mtime for p in folder.rglob("*") if p.is_file()), default=0.0)
 
@@ -95,21 +103,7 @@ def killed_run(data, tmp_path_factory):
     with open(output, "w") as log_file:
         run = _start(DATA_PATH=data, TRAIN_ITERS=10000, SAVE_DIR=save, SAVE_INTERVAL=1, stdout=log_file)
     try:
-        wait_for(
-            lambda: (
-                len(
-                    [
-                        i
-                        for i in checkpoint_guard.saved_iterations(save)
-                        if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()
-                    ]
-                )
-                >= 2
-                or run.poll() is not None
-            ),
-            600,
-            "two checkpoints with manifests",
-        )
+        wait_for(lambda: len(_manifested(save)) >= 2 or run.poll() is not None, 600, "two checkpoints with manifests")
         assert run.poll() is None, output.read_text()[-3000:]
         ranks = _children(run.pid)
         assert len(ranks) == 2, ranks
@@ -169,12 +163,7 @@ def test_truncated_and_bit_flipped_shards_fail_verification(killed_run, tmp_path
     import shutil
 
     save = killed_run["save"]
-    newest = next(
-        i
-        for i in checkpoint_guard.saved_iterations(save)
-        if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()
-    )
-    source = checkpoint_guard.iteration_dir(save, newest)
+    source = checkpoint_guard.iteration_dir(save, _manifested(save)[0])
     assert manifest.verify(source) is None
     for damage in ("truncate", "flip"):
         copy = tmp_path / damage
@@ -196,13 +185,10 @@ def test_truncated_and_bit_flipped_shards_fail_verification(killed_run, tmp_path
 
 def test_resume_takes_over_the_dead_runs_lock_and_skips_a_corrupted_iteration(killed_run, data):
     save = killed_run["save"]
-    verified = [
-        i
-        for i in checkpoint_guard.saved_iterations(save)
-        if (checkpoint_guard.iteration_dir(save, i) / manifest.MANIFEST).exists()
-    ]
-    newest, previous = verified[0], verified[1]
-    (save / checkpoint_guard.TRACKER).write_text(str(newest))  # as if the kill came after this save's tracker
+    newest, previous = _manifested(save)[:2]
+    # a garbled tracker (Megatron would exit 0 having trained nothing): the newest iteration that
+    # verifies is looked for among the folders
+    (save / checkpoint_guard.TRACKER).write_text("abc")
     for later in checkpoint_guard.saved_iterations(save):
         if later > newest:
             subprocess.run(["rm", "-rf", str(checkpoint_guard.iteration_dir(save, later))], check=True)
@@ -230,11 +216,38 @@ def test_resume_takes_over_the_dead_runs_lock_and_skips_a_corrupted_iteration(ki
         log,
     ), log[-4000:]
     assert (
+        f"bytescale: {save}/{checkpoint_guard.TRACKER} holds 'abc', not an iteration: resuming from the newest "
+        "checkpoint that verifies"
+    ) in log, log[-4000:]
+    assert (
         f"bytescale: skipped checkpoint iter_{newest:07d} in {save}: {shard.name} does not match its checksum "
         "(corrupted)"
     ) in log, log[-4000:]
+    assert "data-stream record" not in log  # continued from the recorded position, not replayed
     assert f"bytescale: checkpoint iter_{previous:07d} in {save} verified against its manifest" in log
     assert [int(i) for i in ITERATION.findall(log)] == [previous + 1], log[-3000:]
+
+
+def test_each_checkpoint_records_its_data_stream_and_a_changed_one_is_refused(killed_run, data):
+    from types import SimpleNamespace
+
+    from megatron_bytescale.errors import ConfigError
+    from megatron_bytescale.megatron import data_stream
+
+    save = killed_run["save"]
+    iteration = _manifested(save)[0]
+    folder = checkpoint_guard.iteration_dir(save, iteration)
+    body = data_stream.read(folder)
+    assert data_stream.RECORD in manifest.read(folder)  # written before the manifest, covered by it
+    assert body["iteration"] == iteration and set(body["position"]) == {"epoch", "index", "offset"}
+    # the run's settings (tests/test_pretrain_gpt_cpu.py: 2 ranks, --global-batch-size 4, --seq-length 256)
+    args = SimpleNamespace(
+        hdp_step_tokens=4 * 256, seq_length=256, seed=1234, data_path=[data], train_data_path=None, load=str(save)
+    )
+    assert data_stream.resume_point(folder, args, iteration).line is None
+    args.seed = 7
+    with pytest.raises(ConfigError, match=r"was trained on another data stream \(--seed 1234 then, 7 now\)"):
+        data_stream.resume_point(folder, args, iteration)
 
 
 def test_a_refusal_only_the_ranks_can_make_is_one_line_from_the_launcher(data):

@@ -191,7 +191,7 @@ def test_patched_pretrain_gpt_defines_every_name_the_patch_uses(patched_tree):
 def test_bytescale_patches_applies_the_checkouts_series_once(tmp_path, capsys):
     import argparse
 
-    from megatron_bytescale.megatron import patch_series as command
+    from megatron_bytescale.commands import patches as command
 
     tree = tmp_path / "Megatron-LM"
     (tree / "megatron" / "core").mkdir(parents=True)
@@ -208,8 +208,8 @@ def test_bytescale_patches_applies_the_checkouts_series_once(tmp_path, capsys):
 def test_bytescale_patches_refuses_what_is_not_a_supported_checkout(tmp_path):
     import argparse
 
+    from megatron_bytescale.commands import patches as command
     from megatron_bytescale.errors import ConfigError
-    from megatron_bytescale.megatron import patch_series as command
 
     with pytest.raises(ConfigError, match="not a Megatron-LM checkout"):
         command.main(argparse.Namespace(megatron_lm=str(tmp_path), apply=False))

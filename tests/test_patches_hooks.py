@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_arguments import HDP, parse
 
+from megatron_bytescale.data.indexed import DocumentDataset
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.local_world import preload, run_local_world
 from megatron_bytescale.megatron import pretrain_hooks as hooks
@@ -207,11 +208,22 @@ def test_validation_iterator_and_datasets_provider(corpus, megatron_args, monkey
     del args
 
 
-def test_a_blend_reaching_the_loader_is_refused(corpus):
-    args = data_args(corpus)
-    args.train_data_path = ["0.5", corpus, "0.5", corpus]
-    with pytest.raises(ConfigError, match="one dataset prefix"):
-        hooks.hdp_data_iterators(args, rank=0)
+def test_a_blend_reaching_the_loader_takes_tokens_by_weight(corpus):
+    """A weighted blend of two prefixes (the same files twice: part 1's documents are numbered
+    after part 0's) cut by --split: the training stream takes tokens by weight (within the bound
+    of data/blend.py: (parts - 1) x the context length over the run), and a validation stream
+    exists where the split gives it a share."""
+    args = data_args(corpus, train_data_path=None, data_path=["0.25", corpus, "0.75", corpus], split="90,10,0")
+    args.eval_iters = 1
+    train, valid, test = hooks.hdp_data_iterators(args, rank=0)
+    assert valid is not None and test is None
+    first_of_part_1 = round(0.9 * len(DocumentDataset(corpus).lengths))
+    taken = [0, 0]
+    for _ in range(6):
+        for sample in next(train).samples:
+            taken[sample.doc_id >= first_of_part_1] += sample.length
+    assert abs(taken[1] - 0.75 * sum(taken)) <= args.seq_length, taken
+    assert next(valid).samples
 
 
 # ---------------------------------------------------------------- on gloo ranks
@@ -237,7 +249,12 @@ def _megatron_step(rank, world, plan_json, offload):
     from megatron_bytescale.megatron import pretrain_hooks as hooks
     from megatron_bytescale.runtime.step import last_step_stats
 
-    args = parse(HDP + (["--hdp-selective-offload"] if offload else []), data_parallel_size=world, seq_length=20)
+    args = parse(
+        HDP + (["--hdp-selective-offload"] if offload else []),
+        data_parallel_size=world,
+        seq_length=20,
+        global_batch_size=4 * world,
+    )
     hooks._megatron_args = lambda: args
     model, group = local_run.setup_model("tiny", seed=3)
     offloader = hooks._offloader(model)  # what megatron_forward_backward will pass for this model

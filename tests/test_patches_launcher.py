@@ -207,7 +207,8 @@ def test_hdp_conflicts_stop_the_run_with_the_config_error(stand_in):
 
 def test_a_patched_script_is_run_as_is(stand_in):
     tmp_path, script = stand_in
-    patched = tmp_path / "mlm" / "pretrain_gpt_patched.py"
+    patched = tmp_path / "mlm_patched" / "pretrain_gpt.py"  # the launcher serves pretrain_gpt.py only
+    patched.parent.mkdir()
     text = (
         script.read_text()
         .replace(

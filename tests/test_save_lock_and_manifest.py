@@ -137,7 +137,7 @@ def test_a_manifest_lists_every_file_and_verifies(tmp_path):
         ("flip", "__1_0.distcp does not match its checksum (corrupted)"),
         ("missing", "__1_0.distcp is missing"),
         ("extra", "__2_0.distcp is not in the manifest (written by another run?)"),
-        ("no manifest", "no manifest (the save did not finish)"),
+        ("no manifest", manifest.NO_MANIFEST),
         ("bad manifest", "manifest malformed"),
     ],
 )
@@ -173,7 +173,7 @@ def test_load_falls_back_to_the_newest_iteration_that_verifies(tmp_path):
     iteration, lines = checkpoint_guard.choose_iteration(tmp_path)
     assert iteration == 2
     assert lines == [
-        f"bytescale: skipped checkpoint iter_0000006 in {tmp_path}: no manifest (the save did not finish)",
+        f"bytescale: skipped checkpoint iter_0000006 in {tmp_path}: {manifest.NO_MANIFEST}",
         f"bytescale: skipped checkpoint iter_0000004 in {tmp_path}: "
         "__0_0.distcp is truncated or overwritten: 10 of 5000 bytes",
         f"bytescale: checkpoint iter_0000002 in {tmp_path} verified against its manifest",
@@ -186,8 +186,7 @@ def test_a_tracker_naming_a_missing_folder_is_skipped_saying_so(tmp_path):
     iteration, lines = checkpoint_guard.choose_iteration(tmp_path)
     assert (
         iteration == 2
-        and lines[0]
-        == f"bytescale: skipped checkpoint iter_0000004 in {tmp_path}: no manifest (the save did not finish)"
+        and lines[0] == f"bytescale: skipped checkpoint iter_0000004 in {tmp_path}: its folder is missing"
     )
 
 
@@ -209,3 +208,108 @@ def test_folders_without_manifests_or_tracker_are_left_to_megatron(tmp_path):
     )
     (tmp_path / checkpoint_guard.TRACKER).write_text("release")
     assert checkpoint_guard.choose_iteration(tmp_path) == (None, [])
+
+
+@pytest.mark.parametrize("tracker", [None, "abc"], ids=["tracker deleted", "tracker garbled"])
+def test_no_readable_tracker_beside_verified_folders_resumes_the_newest_that_verifies(tmp_path, tracker):
+    # Megatron would start from random weights and overwrite these folders (deleted tracker), or
+    # exit 0 having trained nothing (garbled tracker)
+    for i in (2, 4):
+        _checkpoint(tmp_path / f"iter_{i:07d}", seed=i)
+    (tmp_path / "iter_0000004" / ".metadata").write_bytes(b"\xff" * 300)  # same size, other bytes
+    if tracker is not None:
+        (tmp_path / checkpoint_guard.TRACKER).write_text(tracker)
+    iteration, lines = checkpoint_guard.choose_iteration(tmp_path)
+    said = "is missing" if tracker is None else "holds 'abc', not an iteration"
+    assert iteration == 2 and lines == [
+        f"bytescale: {tmp_path}/{checkpoint_guard.TRACKER} {said}: resuming from the newest checkpoint that verifies",
+        f"bytescale: skipped checkpoint iter_0000004 in {tmp_path}: .metadata does not match its checksum (corrupted)",
+        f"bytescale: checkpoint iter_0000002 in {tmp_path} verified against its manifest",
+    ]
+
+
+def test_an_unreadable_tracker_with_nothing_to_choose_from_is_one_line(tmp_path):
+    (tmp_path / checkpoint_guard.TRACKER).write_text("abc")
+    with pytest.raises(ConfigError, match=r"holds 'abc', not an iteration, and no iter_\* folder is there"):
+        checkpoint_guard.choose_iteration(tmp_path)
+    (tmp_path / checkpoint_guard.TRACKER).unlink()
+    (tmp_path / "iter_0000003").mkdir()  # saved before manifests existed: nothing to choose one by
+    with pytest.raises(ConfigError, match=r"is missing, and its iter_\* folders \(newest iter_0000003\) have no manif"):
+        checkpoint_guard.choose_iteration(tmp_path)
+
+
+def test_the_only_checkpoint_whose_manifest_a_kill_interrupted_loads_unverified_saying_so(tmp_path):
+    # the marker says this folder's saves write manifests: a missing one was interrupted, not
+    # "saved without them"
+    _checkpoint(tmp_path / "iter_0000002")
+    (tmp_path / "iter_0000002" / manifest.MANIFEST).unlink()
+    (tmp_path / checkpoint_guard.TRACKER).write_text("2")
+    (tmp_path / checkpoint_guard.MARKER).write_text("{}")
+    assert checkpoint_guard.choose_iteration(tmp_path) == (
+        None,
+        [
+            f"bytescale: checkpoint iter_0000002 in {tmp_path} has no manifest (a kill came after Megatron's save "
+            "and before the manifest) and no older one verifies: it is loaded unverified"
+        ],
+    )
+
+
+def test_a_save_folder_holding_checkpoints_is_written_only_by_a_run_resuming_it(tmp_path):
+    from types import SimpleNamespace
+
+    save = tmp_path / "ckpt"
+    checkpoint_guard.check_overwrite(SimpleNamespace(save=str(save), load=None))  # nothing there yet
+    _checkpoint(save / "iter_0000004")
+    checkpoint_guard.check_overwrite(SimpleNamespace(save=str(save), load=str(tmp_path / "." / "ckpt")))
+    for load, finetune, how in (
+        (None, False, "it starts from scratch (no --load)"),
+        (str(tmp_path / "other"), False, "it loads from another folder"),
+        (str(save), True, "it starts at iteration 0 (--finetune)"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            checkpoint_guard.check_overwrite(SimpleNamespace(save=str(save), load=load, finetune=finetune))
+        assert str(error.value) == (
+            f"--save {save} already holds checkpoints (newest iter_0000004) that this run would overwrite: {how}; "
+            f"resume them with --load {save}, or choose an empty --save"
+        )
+
+
+def test_while_another_iteration_loads_the_trackers_reads_answer_it(tmp_path):
+    calls = []
+
+    def read_metadata(tracker_filename):  # Megatron's: exits 0 on a garbled tracker
+        calls.append(tracker_filename)
+        raise SystemExit(0)
+
+    read = checkpoint_guard.chosen_tracker(read_metadata)
+    assert checkpoint_guard.chosen_tracker(read) is read
+    checkpoint_guard._chosen = (str(tmp_path), 2)
+    try:
+        assert read(str(tmp_path / checkpoint_guard.TRACKER)) == (2, False)
+        with pytest.raises(SystemExit):  # another folder's tracker (a non-persistent one) reads as it is
+            read(str(tmp_path / "non_persistent" / checkpoint_guard.TRACKER))
+    finally:
+        checkpoint_guard._chosen = None
+    assert calls == [str(tmp_path / "non_persistent" / checkpoint_guard.TRACKER)]
+
+
+def test_an_unwritable_folder_is_one_line_and_leaves_no_lock(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    lock = HeartbeatLock(blocker / "ckpt", what="training run")
+    for attempt in (lock.check_writable, lock.acquire):
+        with pytest.raises(ConfigError, match=rf"^--save {blocker}/ckpt: cannot write there \(Not a directory\); "):
+            attempt()
+    # a write that fails after the lock file was created (a full disk) removes it
+    folder = tmp_path / "full"
+    folder.mkdir()
+    lock = HeartbeatLock(folder, what="training run")
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(folder_lock.os, "fsync", no_space)
+    with pytest.raises(ConfigError, match=r"cannot write there \(No space left on device\)"):
+        lock.acquire()
+    monkeypatch.undo()
+    assert not (folder / SAVE_LOCK).exists() and not list(folder.iterdir())

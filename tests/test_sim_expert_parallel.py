@@ -7,11 +7,12 @@ import argparse
 import pytest
 from test_sim_timeline import MS, cost_model
 
+from megatron_bytescale.commands.simulate import add_arguments, config_from_args
 from megatron_bytescale.errors import ConfigError, PlanError
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
 from megatron_bytescale.planner.expert.slots import align_expert_slots
 from megatron_bytescale.sim.cluster import Cluster
-from megatron_bytescale.sim.simulate import SimConfig, add_arguments, check_config, config_from_args, run
+from megatron_bytescale.sim.simulate import SimConfig, check_config, run
 from megatron_bytescale.sim.timeline import simulate
 
 

@@ -37,6 +37,23 @@ def test_verify_command_passes_and_writes_its_report(tmp_path, capsys):
     assert "OK: HDP matches one rank" in text
 
 
+def test_verify_runs_a_multi_latent_attention_model_over_both_ring_transports(tmp_path, capsys):
+    """tiny-mla: the K/V ring and the latent ring each match one rank and send what the plan
+    predicts; the latent ring's bytes are (latent + rope) / (heads x (qk + rope + v)) of the K/V
+    ring's: 40 / 160 values per token."""
+    out = tmp_path / "verify.json"
+    argv = ["verify", "--world-size", "2", "--lengths", "41,9,23", "--capacity", "24", "--model", "tiny-mla"]
+    rc = cli.main([*argv, "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    runs = json.loads(out.read_text())["ring_transports"]
+    assert set(runs) == {"kv", "latent"} and runs["kv"]["values_per_token"] == 160
+    for run in runs.values():
+        assert run["max_rel_grad_diff"] < 1e-5 and run["p2p_bytes"] == run["p2p_bytes_predicted"] > 0
+    assert runs["latent"]["p2p_bytes"] * 160 == runs["kv"]["p2p_bytes"] * 40
+    assert "bytes by transport : K/V ring" in text and "0.250 of the K/V ring's" in text
+
+
 def test_verify_with_offloading_is_still_exact():
     report = verify([20, 6, 3], world_size=2, capacity=12, offload_ratio=0.5)
     assert not passed(report), report
@@ -52,7 +69,6 @@ def test_a_mismatch_is_reported_as_a_failure():
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--world-size", "2", "--capacity", "8"], "--lengths L1,L2,... or --lengths-file"),
         (["--world-size", "2", "--capacity", "8", "--lengths", "4,0"], "must be positive"),
         (["--world-size", "3", "--tp", "2", "--capacity", "8", "--lengths", "4"], "multiple of --tp 2"),
         (["--world-size", "2", "--capacity", "8", "--lengths", "4", "--offload-ratio", "1.5"], "in [0, 1]"),

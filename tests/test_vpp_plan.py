@@ -28,10 +28,10 @@ from megatron_bytescale.planner.order.runs import LocalBatch, Ordered, rings_at_
 from megatron_bytescale.planner.order.slots import rank_estimates
 from megatron_bytescale.planner.order.stage_schedule import chunk_schedule, stage_schedule
 from megatron_bytescale.planner.order.walk import Longer
-from megatron_bytescale.planner.plan_cli import check_vpp
 from megatron_bytescale.planner.planner import PlannerConfig, plan_step
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.timeline import evaluate, pipeline_ring_floor, simulate
+from megatron_bytescale.virtual_stages import check_vpp
 
 from planner_cases import check_stage_orders, draw_lengths, peak_in_flight, ring_pipelines, small_cost
 from planner_oracles import plain_one_pipeline

@@ -11,10 +11,18 @@ an assertion deep inside megatron-core or silent garbage: both files present, th
 header, its size, the dtype, that the .bin matches the index byte for byte, no empty
 documents, and that token ids fit the model's vocabulary. Document lengths come from the
 index alone; :meth:`DocumentDataset.read` reads just the requested tokens.
+
+The index says how long the .bin is, not what it holds: a .bin of another build with the same
+byte size would pass every check above. So the sidecar records a digest of a fixed sample of
+the .bin's bytes (``content_digest``: its size and 64 blocks of 4 KiB spread over it, about as
+cheap to check as the header), and opening refuses a .bin whose sample differs.
+``dataset_identity`` (the whole index's SHA-256 and the .bin's sample) is what a checkpoint
+records of the data it was trained on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -31,7 +39,8 @@ from .tokenizer import ByteTokenizer
 INDEX_MAGIC = b"MMIDIDX\x00\x00"  # megatron-core's _INDEX_HEADER
 INDEX_HEADER_BYTES = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
 SIDECAR_SUFFIX = ".bytescale.json"
-PREPARE_HINT = "rebuild it with `bytescale prepare-data --output PREFIX ...`"
+PREPARE_HINT = "rebuild it (Megatron's tools/preprocess_data.py, or `bytescale prepare-data --output PREFIX ...`)"
+SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 64, 4096
 
 
 def dataset_prefix(path: str | Path) -> str:
@@ -54,6 +63,45 @@ class DatasetInfo:
     num_tokens: int
     skipped_empty: int
     max_token_id: int
+
+
+# --------------------------------------------------------------------------- identity
+def content_digest(path: str | Path) -> str:
+    """SHA-256 of a file's size and ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK_BYTES`` at evenly
+    spaced offsets (first and last included): another file of the same size differs here unless
+    it agrees with this one in every sampled block."""
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        span = max(0, size - SAMPLE_BLOCK_BYTES)
+        for i in range(SAMPLE_BLOCKS):
+            f.seek(span * i // (SAMPLE_BLOCKS - 1))
+            h.update(f.read(SAMPLE_BLOCK_BYTES))
+    return h.hexdigest()
+
+
+_index_digests: dict[tuple, str] = {}
+
+
+def _index_digest(path: Path) -> str:
+    """SHA-256 of the whole index (remembered per size and modification time: it is read once per process)."""
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _index_digests:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+        _index_digests[key] = h.hexdigest()
+    return _index_digests[key]
+
+
+def dataset_identity(path: str | Path) -> dict:
+    """What a dataset is, independent of where it lies: its index's SHA-256 and its .bin's
+    ``content_digest``."""
+    bin_path, idx_path, _ = _paths(dataset_prefix(path))
+    return {"index_sha256": _index_digest(idx_path), "bin_sample_sha256": content_digest(bin_path)}
 
 
 # --------------------------------------------------------------------------- writing
@@ -118,6 +166,7 @@ def write_indexed_dataset(
             "skipped_empty_documents": skipped,
             "source": source,
             "document_names": names if keep_names else None,
+            "bin_sample_sha256": content_digest(tmp_bin),
         }
         os.replace(tmp_bin, bin_path)
         os.replace(tmp_idx, idx_path)
@@ -176,10 +225,12 @@ class DocumentDataset:
     """Documents of an indexed dataset: lengths from the index, token ranges on demand.
 
     ``vocab_size``: the model's vocabulary; datasets whose ids do not fit are refused (from
-    the sidecar when present, and on every read). Pickles as its path (for Ray actors).
+    the sidecar when present, and on every read). ``allow_empty``: keep empty documents (length
+    0; Megatron's ``tools/preprocess_data.py`` writes one for an empty text) for a caller that
+    skips them (``documents.py``); otherwise they are refused. Pickles as its path (for Ray actors).
     """
 
-    def __init__(self, path: str | Path, vocab_size: int | None = None):
+    def __init__(self, path: str | Path, vocab_size: int | None = None, allow_empty: bool = False):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         self.prefix = dataset_prefix(path)
@@ -219,8 +270,9 @@ class DocumentDataset:
             )
         self.lengths = starts[doc_idx[1:]] - starts[doc_idx[:-1]]  # tokens per document
         self._first_seq = doc_idx[:-1]  # each document's first Megatron sequence (item)
+        self.allow_empty = allow_empty
         empty = np.flatnonzero(self.lengths == 0)
-        if empty.size:
+        if empty.size and not allow_empty:
             raise ConfigError(
                 f"{idx_path}: {empty.size} empty documents (first: document {int(empty[0])}); every document must "
                 f"hold at least one token - {PREPARE_HINT} (it skips empty documents)"
@@ -240,6 +292,13 @@ class DocumentDataset:
                 f"{meta_path} describes {meta.get('num_documents')} documents / {meta.get('num_tokens')} tokens, "
                 f"the index {len(self.lengths)} / {int(self.lengths.sum())}: the files come from different builds; "
                 f"{PREPARE_HINT}"
+            )
+        # (a sidecar written before this digest existed has none: nothing to compare)
+        if "bin_sample_sha256" in meta and content_digest(self.bin_path) != meta["bin_sample_sha256"]:
+            raise ConfigError(
+                f"{self.bin_path}: its content does not match {self.idx_path.name} (a sample of its bytes differs from "
+                f"the one {meta_path.name} recorded when the dataset was built): the .bin comes from another build or "
+                f"was overwritten; {PREPARE_HINT}"
             )
         if self.vocab_size is not None:
             tok_vocab = int(meta.get("tokenizer", {}).get("vocab_size", 0))
@@ -284,7 +343,7 @@ class DocumentDataset:
         return ids
 
     def __getstate__(self):
-        return {"path": self.prefix, "vocab_size": self.vocab_size}
+        return {"path": self.prefix, "vocab_size": self.vocab_size, "allow_empty": self.allow_empty}
 
     def __setstate__(self, state):
-        self.__init__(state["path"], state["vocab_size"])
+        self.__init__(state["path"], state["vocab_size"], state.get("allow_empty", False))

@@ -26,11 +26,12 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError
+from .documents import StreamDocuments
 from .indexed import DocumentDataset
 from .loader import StepLoader
 from .plan_ahead import PlanAhead
 from .planning import PlanFn, StepBatch, StepPlan, StepPlanner, default_plan_fn, deliver
-from .sampler import GlobalBatchSampler, Position, loader_state, restore_state
+from .sampler import GlobalBatchSampler, loader_state, restore_state
 
 
 class LocalDataLoader(StepLoader):
@@ -50,15 +51,20 @@ class LocalDataLoader(StepLoader):
     ):
         if plan_fn is None and planner_config is None:
             raise ConfigError("give the loader a PlannerConfig (or a plan_fn) so it can plan steps")
-        self.dataset = DocumentDataset(data_path, vocab_size=vocab_size)
-        self.sampler = GlobalBatchSampler(
-            self.dataset.lengths, step_tokens=step_tokens, context_length=context_length, seed=seed
-        )
+        if isinstance(data_path, StreamDocuments):  # a split of blended, mock or SFT documents (documents.py)
+            self.dataset = data_path
+            self.sampler = data_path.sampler(step_tokens=step_tokens, context_length=context_length, seed=seed)
+        else:
+            self.dataset = DocumentDataset(data_path, vocab_size=vocab_size)
+            self.sampler = GlobalBatchSampler(
+                self.dataset.lengths, step_tokens=step_tokens, context_length=context_length, seed=seed
+            )
+        self._label_mask = self.dataset.label_mask if getattr(self.dataset, "has_label_mask", False) else None
         num_ranks = planner_config.num_ranks if planner_config is not None else None
         self.planner = StepPlanner(self.sampler, plan_fn or default_plan_fn(planner_config, cost), num_ranks)
         self.rank = rank
         self.step = 0
-        self.position = Position()
+        self.position = self.sampler.start()
         self._current: StepPlan | None = None
         if plan_ahead < 0:
             raise ConfigError(f"plan_ahead must be >= 0 steps, got {plan_ahead}")
@@ -73,8 +79,9 @@ class LocalDataLoader(StepLoader):
             t0 = time.perf_counter()
             if self.plan_ahead:
                 if self._ahead is None:
+                    say = (lambda line: print(line, flush=True)) if self.rank in (None, 0) else None
                     self._ahead = PlanAhead(
-                        self.sampler, self.planner.plan_fn, self.step, self.position, self.plan_ahead
+                        self.sampler, self.planner.plan_fn, self.step, self.position, self.plan_ahead, say=say
                     )
                 samples, plan, end, plan_s = self._ahead.get(self.step, self.position)
                 self._current = self.planner.checked(self.step, samples, plan, self.position, end, plan_s)
@@ -90,7 +97,7 @@ class LocalDataLoader(StepLoader):
         fresh = self._current is None
         sp = self.step_plan()
         before = self.dataset.bytes_read
-        mbs = deliver(sp, rank, self.dataset.read)
+        mbs = deliver(sp, rank, self.dataset.read, self._label_mask)
         return StepBatch(
             step=sp.step,
             rank=rank,
@@ -114,7 +121,7 @@ class LocalDataLoader(StepLoader):
         return loader_state(self.step, self.position, self.sampler.fingerprint())
 
     def load_state_dict(self, state: dict) -> None:
-        step, position = restore_state(state, self.sampler.fingerprint())
+        step, position = restore_state(state, self.sampler.fingerprint(), self.sampler.position_type)
         self.sampler.check_position(position)
         self.step, self.position = step, position
         self._current = None

@@ -17,28 +17,57 @@ Protocol over one socket pair (``multiprocessing.connection`` framing): the pare
 ``sys.path``, then ``(sampler, plan_fn, step, position)``, then one credit per step it
 allows ahead; the child answers each credit with ``("plan", step, samples, plan, start, end,
 plan_s)`` or ``("error", exception)`` and stops at end of stream (the parent closed its end
-or died: no orphan outlives its loader).
+or died).
+
+The planning process is watched, so a stopped or dead one is named within seconds, never left
+to the collective timeout of the ranks that wait for this one:
+
+* it beats: a thread of the child writes the time, and the step it plans since when, into a
+  small shared file every ``BEAT_S``; the loader, while it waits for a plan, names a child
+  silent for ``HEARTBEAT_TIMEOUT_S`` (``BYTESCALE_PLAN_HEARTBEAT_TIMEOUT_S``, default 10 s) that
+  is not running (stopped, or asleep holding the interpreter: one that runs without beating is
+  in one long call, such as a kernel compile), one that exited (with its status or signal), and
+  a plan that took longer than ``PLAN_TIMEOUT_S`` (``BYTESCALE_PLAN_TIMEOUT_S``, default 600 s:
+  a first plan also compiles the planner's kernels; a planner stuck in a loop beats on);
+* it dies with its rank whatever signal the rank got: the kernel kills it when the rank exits
+  (``PR_SET_PDEATHSIG``), which also reaches a stopped child, and it reads end of stream on
+  its socket when the rank closes it or dies.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
+import signal
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from ..errors import PlanError
+from ..process_lifetime import exit_description, killed_with_parent, state, state_code
 
 CREDIT = b"+"
+BEAT_S = 0.5
+# Deadlines a loaded machine must not trip and an operator must not wait for; tests set them.
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("BYTESCALE_PLAN_HEARTBEAT_TIMEOUT_S", "10"))
+PLAN_TIMEOUT_S = float(os.environ.get("BYTESCALE_PLAN_TIMEOUT_S", "600"))
+STARTUP_S = 60.0  # a fresh interpreter importing numpy and the planner, on a loaded machine
+SAY_AFTER_S = 10.0  # a wait this long gets a line saying what it waits for
+# the shared heartbeat: (time of the last beat, step being planned or -1, when it began), monotonic clock
+_BEAT = struct.Struct("ddd")
 
 
 class PlanAhead:
     """Steps' plans from a child process, in order, up to ``depth`` ahead of the consumer."""
 
-    def __init__(self, sampler, plan_fn, step: int, position, depth: int):
+    def __init__(self, sampler, plan_fn, step: int, position, depth: int, say: Callable[[str], None] | None = None):
         if depth < 1:
             raise ValueError(f"plan ahead depth must be >= 1, got {depth}")
         try:
@@ -56,13 +85,30 @@ class PlanAhead:
             OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
             PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
         )
+        beat = tempfile.TemporaryFile()  # noqa: SIM115 - closed below, once the child holds it
+        beat.write(bytes(_BEAT.size))
+        beat.flush()
+        self._beat = mmap.mmap(beat.fileno(), _BEAT.size)
+        # the kernel's parent-death signal follows the thread that started the child: only the
+        # main thread lives as long as this process
+        main = threading.current_thread() is threading.main_thread()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_bytescale.data.plan_ahead", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
+            [
+                sys.executable,
+                "-m",
+                "megatron_bytescale.data.plan_ahead",
+                str(theirs.fileno()),
+                str(beat.fileno()),
+                str(os.getpid() if main else 0),
+            ],
+            pass_fds=(theirs.fileno(), beat.fileno()),
             env=env,
             stdin=subprocess.DEVNULL,
         )
         theirs.close()
+        beat.close()  # the mapping stays
+        self._spawned = time.monotonic()
+        self._say = say
         self._conn = Connection(ours.detach())
         self._conn.send(list(sys.path))
         self._conn.send_bytes(payload)
@@ -76,25 +122,76 @@ class PlanAhead:
         is still planning it: ``(samples, plan, end, plan_s)``."""
         if step != self._next:
             raise PlanError(f"plan ahead: asked for step {step}, the planning process plans step {self._next} next")
-        while not self._conn.poll(1.0):
-            if self._proc.poll() is not None:
-                raise PlanError(
-                    f"the planning process exited with status {self._proc.returncode} before step {step}'s plan"
+        waited, said = time.monotonic(), False
+        while not self._conn.poll(BEAT_S):
+            self._check(step)
+            if not said and self._say is not None and time.monotonic() - waited > SAY_AFTER_S:
+                self._say(
+                    f"bytescale: waiting for step {step}'s plan from the planning process (pid {self._proc.pid}; "
+                    "a first plan on this machine also compiles the planner's kernels)"
                 )
+                said = True
         try:
             message = self._conn.recv()
-        except EOFError:
-            raise PlanError(f"the planning process closed before step {step}'s plan") from None
+        except (EOFError, OSError):
+            raise PlanError(self._gone(step) or self._describe(step, "closed its connection")) from None
         if message[0] == "error":
             raise message[1]
         _, got, samples, plan, start, end, plan_s = message
         if got != step or start != position:
             raise PlanError(f"plan ahead: got step {got} from {start}, expected step {step} from {position}")
         self._next = step + 1
-        self._conn.send_bytes(CREDIT)  # room for one more step ahead
+        try:
+            self._conn.send_bytes(CREDIT)  # room for one more step ahead
+        except OSError:  # it died after this plan: the next get names how
+            pass
         return samples, plan, end, plan_s
 
+    def _describe(self, step: int, what: str) -> str:
+        return (
+            f"the planning process (pid {self._proc.pid}, data/plan_ahead.py) {what} before step {step}'s plan; "
+            "training cannot continue without it: resume from the last checkpoint"
+        )
+
+    def _gone(self, step: int) -> str | None:
+        try:
+            code = self._proc.wait(timeout=1.0)  # a closed connection: its process is ending
+        except subprocess.TimeoutExpired:
+            return None
+        return self._describe(step, exit_description(code))
+
+    def _check(self, step: int) -> None:
+        """PlanError when the child exited, went silent, or overran the deadline on ``step``'s plan."""
+        if self._proc.poll() is not None:
+            raise PlanError(self._describe(step, exit_description(self._proc.returncode)))
+        now = time.monotonic()
+        beat, planning, since = _BEAT.unpack(self._beat[:])
+        if beat == 0.0:  # not started yet
+            if now - self._spawned > max(STARTUP_S, HEARTBEAT_TIMEOUT_S):
+                raise PlanError(self._describe(step, f"did not start within {now - self._spawned:.0f} s"))
+        elif now - beat > HEARTBEAT_TIMEOUT_S and state_code(self._proc.pid) != "R":
+            # silent and not running: stopped, or asleep holding the interpreter (a process that
+            # runs without beating is in one long call, e.g. compiling: the plan deadline bounds it)
+            raise PlanError(
+                self._describe(
+                    step,
+                    f"has been silent for {now - beat:.0f} s ({state(self._proc.pid)}; "
+                    f"BYTESCALE_PLAN_HEARTBEAT_TIMEOUT_S={HEARTBEAT_TIMEOUT_S:g})",
+                )
+            )
+        elif planning == step and now - since > PLAN_TIMEOUT_S:
+            raise PlanError(
+                self._describe(
+                    step,
+                    f"has been planning it for {now - since:.0f} s, past the deadline "
+                    f"(BYTESCALE_PLAN_TIMEOUT_S={PLAN_TIMEOUT_S:g}); it is alive and beating: the planner is "
+                    "stuck, or this step is too large to plan in time",
+                )
+            )
+
     def close(self) -> None:
+        if not self._beat.closed:
+            self._beat.close()
         if self._proc.poll() is None:
             self._conn.close()  # the child reads end of stream and exits
             try:
@@ -106,7 +203,36 @@ class PlanAhead:
             self._conn.close()
 
 
-def _serve(fd: int) -> int:
+class _Heartbeat:
+    """The child's side of the shared heartbeat: a thread writes the time every ``BEAT_S``."""
+
+    def __init__(self, fd: int):
+        self._map = mmap.mmap(fd, _BEAT.size)
+        os.close(fd)
+        self.planning, self.since = -1, 0.0
+        self._write()
+        threading.Thread(target=self._run, name="plan-heartbeat", daemon=True).start()
+
+    def _write(self) -> None:
+        self._map[:] = _BEAT.pack(time.monotonic(), self.planning, self.since)
+
+    def _run(self) -> None:
+        while True:
+            self._write()
+            time.sleep(BEAT_S)
+
+    def begin(self, step: int) -> None:
+        self.planning, self.since = step, time.monotonic()
+        self._write()
+
+
+def _serve(fd: int, beat_fd: int, parent: int) -> int:
+    # the SIGINT a launcher sends its rank's process group is the rank's to handle: this process
+    # ends with the rank (end of stream, or the kernel's parent-death signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent:
+        killed_with_parent(parent)
+    heartbeat = _Heartbeat(beat_fd)
     conn = Connection(fd)
     try:
         sys.path[:] = conn.recv()
@@ -114,6 +240,7 @@ def _serve(fd: int) -> int:
         while True:
             conn.recv_bytes()  # a credit: the parent has room for one more step
             try:
+                heartbeat.begin(step)
                 samples, end = sampler.batch(position)
                 t0 = time.perf_counter()
                 plan = plan_fn([s.length for s in samples])
@@ -131,4 +258,4 @@ def _serve(fd: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve(int(sys.argv[1])))
+    sys.exit(_serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])))

@@ -116,15 +116,22 @@ def rank_token_ranges(step_plan: StepPlan, rank: int) -> list[tuple[int, int, in
     return reads
 
 
-def deliver(step_plan: StepPlan, rank: int, read: DocReader) -> list[MicroBatchData]:
-    """This rank's micro-batches, built from only its planned token ranges."""
+def deliver(
+    step_plan: StepPlan, rank: int, read: DocReader, label_mask: DocReader | None = None
+) -> list[MicroBatchData]:
+    """This rank's micro-batches, built from only its planned token ranges (``label_mask``: the
+    documents' labels in the loss, where not every token's is: ``--sft``)."""
     samples = step_plan.samples
 
-    def read_piece(seq_id: int, start: int, stop: int) -> np.ndarray:
-        s = samples[seq_id]
-        return read(s.doc_id, s.start + start, s.start + stop)
+    def in_document(reader: DocReader):
+        def read_piece(seq_id: int, start: int, stop: int) -> np.ndarray:
+            s = samples[seq_id]
+            return reader(s.doc_id, s.start + start, s.start + stop)
 
-    return [build_micro_batch_data(mb, read_piece) for mb in step_plan.plan.micro_batches(rank)]
+        return read_piece
+
+    masks = None if label_mask is None else in_document(label_mask)
+    return [build_micro_batch_data(mb, in_document(read), masks) for mb in step_plan.plan.micro_batches(rank)]
 
 
 class SamplesDigest:

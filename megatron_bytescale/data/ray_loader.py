@@ -16,7 +16,16 @@
   pulls only its own token ranges from the servers that own those documents, and builds its
   ``MicroBatchData`` list locally; the next step is prefetched in a background thread.
 
-Every ``ray.get`` has a timeout; a silent actor becomes a ``BytescaleError`` naming it.
+Every ``ray.get`` has a timeout (``BYTESCALE_RAY_TIMEOUT_S``, default 120 s); a silent actor
+becomes a ``BytescaleError`` naming it. The scheduler's first plan, which also compiles the
+planner's kernels on a machine that has not compiled them yet, is waited for before that
+deadline counts, under the planning deadline (``BYTESCALE_PLAN_TIMEOUT_S``, default 600 s) and
+with a line saying what is waited for.
+
+The actors die with the job, also where Ray cannot end them (its GCS died, so no owner's death
+reaches the actors): each watches the process that created it when it runs on the same node,
+and every actor ends itself when no loader has called it for ``LEASE_S``
+(``BYTESCALE_RAY_LEASE_S``, default 60 s); each loader renews the lease from a thread.
 
 Ranks in separate processes share the actors by passing the same ``name`` (and the same
 settings, ``num_servers`` included). Named actors live as long as the process that created
@@ -41,12 +50,16 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ..errors import BytescaleError, ConfigError
+from .documents import StreamDocuments
 from .indexed import DocumentDataset, dataset_prefix
 from .loader import StepLoader
 from .planning import PlanFn, StepBatch, StepPlan, StepPlanner, default_plan_fn, deliver, rank_token_ranges
 from .sampler import GlobalBatchSampler, Position, loader_state, restore_state
 
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S = float(os.environ.get("BYTESCALE_RAY_TIMEOUT_S", "120"))
+PLAN_TIMEOUT_S = float(os.environ.get("BYTESCALE_PLAN_TIMEOUT_S", "600"))  # the first plan: kernels compile
+LEASE_S = float(os.environ.get("BYTESCALE_RAY_LEASE_S", "60"))
+SAY_AFTER_S = 10.0
 NAMESPACE = "megatron_bytescale"  # named loaders live here, visible to every job on the cluster
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -184,19 +197,65 @@ def init_ray(address: str | None = None, num_cpus: int = 2, object_store_memory:
 
 
 # --------------------------------------------------------------------------- actors
+def owner() -> tuple[str, int]:
+    """(host, pid) of this process: what an actor it creates watches."""
+    import socket
+
+    return socket.gethostname(), os.getpid()
+
+
+class _Lease:
+    """In an actor: end this process when the process that created it (``owner``, on the same
+    node) is gone, or when no loader has called for ``lease_s``. Ray ends an actor whose owner
+    died, but only while its GCS lives."""
+
+    def __init__(self, owner: tuple[str, int] | None, lease_s: float):
+        import socket
+
+        self.last = time.monotonic()
+        self._pid = owner[1] if owner and owner[0] == socket.gethostname() else None
+        self._lease_s = lease_s
+        threading.Thread(target=self._watch, name="bytescale-lease", daemon=True).start()
+
+    def renew(self) -> None:
+        self.last = time.monotonic()
+
+    def _watch(self) -> None:
+        from ..process_lifetime import _alive
+
+        while True:
+            time.sleep(min(1.0, self._lease_s / 4))
+            if (self._pid is not None and not _alive(self._pid)) or time.monotonic() - self.last > self._lease_s:
+                os._exit(0)
+
+
 class DocumentServer:
     """Reads the documents of one shard. Stateless beyond the open dataset."""
 
-    def __init__(self, data_path: str, vocab_size: int | None, shard: int, num_shards: int):
-        self.dataset = DocumentDataset(data_path, vocab_size=vocab_size)
+    def __init__(
+        self,
+        data_path,
+        vocab_size: int | None,
+        shard: int,
+        num_shards: int,
+        owner: tuple[str, int] | None = None,
+        lease_s: float = LEASE_S,
+    ):
+        # a prefix, or a split of blended or mock documents (documents.StreamDocuments, pickled)
+        self.dataset = data_path if isinstance(data_path, StreamDocuments) else DocumentDataset(data_path, vocab_size)
         self.shard, self.num_shards = shard, num_shards
         self.doc_ids = np.arange(shard, len(self.dataset), num_shards, dtype=np.int64)
+        self._lease = _Lease(owner, lease_s)  # from here on: no loader can call before the constructor ends
 
     def metadata(self) -> tuple[np.ndarray, np.ndarray]:
         """(document ids, their lengths) of this shard."""
         return self.doc_ids, self.dataset.lengths[self.doc_ids]
 
+    def keepalive(self) -> None:
+        self._lease.renew()
+
     def read(self, ranges: list[tuple[int, int, int]]) -> list[np.ndarray]:
+        self._lease.renew()
         for doc, _, _ in ranges:
             if doc % self.num_shards != self.shard:
                 raise ConfigError(f"document {doc} belongs to server {doc % self.num_shards}, not {self.shard}")
@@ -225,18 +284,25 @@ class PlanScheduler:
         retain,
         timeout_s,
         lengths=None,
+        sampler=None,
+        owner=None,
+        lease_s=LEASE_S,
     ):
-        if lengths is None:  # the servers publish their documents' lengths
+        if sampler is not None:  # a blend's (or a split's) sampler, built where the stream was opened
+            lengths = sampler.lengths
+        elif lengths is None:  # the servers publish their documents' lengths
             parts = ray.get([s.metadata.remote() for s in servers], timeout=timeout_s)
             lengths = np.zeros(sum(len(ids) for ids, _ in parts), dtype=np.int64)
             for ids, lens in parts:
                 lengths[ids] = lens
-        self.sampler = GlobalBatchSampler(lengths, step_tokens=step_tokens, context_length=context_length, seed=seed)
+        self.sampler = sampler or GlobalBatchSampler(
+            lengths, step_tokens=step_tokens, context_length=context_length, seed=seed
+        )
         self.planner = StepPlanner(self.sampler, plan_fn, num_ranks)
         self.lookahead, self.retain = max(1, lookahead), max(1, retain)
         self._cond = threading.Condition()
         self._plans: OrderedDict[int, StepPlan] = OrderedDict()
-        self._starts: dict[int, Position] = {0: Position()}  # start of every step known
+        self._starts: dict[int, Position] = {0: self.sampler.start()}  # start of every step known
         self._base = 0  # earliest step with a known start
         self._frontier = 0  # next step the thread plans
         self._wanted = self.lookahead - 1  # plan up to here
@@ -245,9 +311,29 @@ class PlanScheduler:
         self._stop = False
         self._thread = threading.Thread(target=self._plan_loop, name="plan-ahead", daemon=True)
         self._thread.start()
+        # from here on (no loader can call before the constructor ends); None: in-process (tests)
+        self._lease = _Lease(owner, lease_s) if owner is not None else None
 
     def fingerprint(self) -> dict:
         return self.sampler.fingerprint()
+
+    def keepalive(self) -> None:
+        if self._lease is not None:
+            self._lease.renew()
+
+    def ready(self, timeout_s: float) -> dict:
+        """The fingerprint, once the first step this scheduler plans is planned (a first plan on a
+        machine also compiles the planner's kernels). Raises the planning error, or TimeoutError."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._plans and self._error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"the scheduler's first plan took more than {timeout_s:g} s")
+                self._cond.wait(remaining)
+            if self._error is not None:
+                raise self._error
+        return self.fingerprint()
 
     def _plan_loop(self) -> None:
         while True:
@@ -277,6 +363,7 @@ class PlanScheduler:
                 self._cond.notify_all()
 
     def step_plan(self, step: int, timeout_s: float) -> StepPlan:
+        self.keepalive()
         deadline = time.monotonic() + timeout_s
         with self._cond:
             if step < self._base:
@@ -303,7 +390,7 @@ class PlanScheduler:
 
     def reset(self, step: int, position: dict) -> None:
         """Continue from (step, position): a restored checkpoint."""
-        pos = Position.from_dict(position)
+        pos = self.sampler.position_type.from_dict(position)
         self.sampler.check_position(pos)
         with self._cond:
             if self._starts.get(step) == pos:
@@ -355,8 +442,16 @@ class RayDataLoader(StepLoader):
             raise ConfigError("give the loader a PlannerConfig (or a plan_fn) so it can plan steps")
         if num_servers < 1:
             raise ConfigError(f"num_servers must be at least 1, got {num_servers}")
-        prefix = os.path.abspath(dataset_prefix(data_path))  # actors may run elsewhere
-        DocumentDataset(prefix, vocab_size=vocab_size)  # refuse bad files here, with a clear error
+        sampler = None
+        if isinstance(data_path, StreamDocuments):  # opened here (bad files refused here), pickled to the servers
+            if data_path.has_label_mask:
+                raise ConfigError("--sft runs with the local data loader: use --hdp-dataloader local")
+            prefix = data_path
+            sampler = data_path.sampler(step_tokens=step_tokens, context_length=context_length, seed=seed)
+        else:
+            prefix = os.path.abspath(dataset_prefix(data_path))  # actors may run elsewhere
+            DocumentDataset(prefix, vocab_size=vocab_size)  # refuse bad files here, with a clear error
+        self._position_type = sampler.position_type if sampler is not None else Position
         init_ray(address)
         self.rank, self.timeout_s, self.prefetch = rank, float(timeout_s), prefetch
         num_ranks = planner_config.num_ranks if planner_config is not None else None
@@ -366,13 +461,14 @@ class RayDataLoader(StepLoader):
             return {"name": f"{name}-{suffix}", "namespace": NAMESPACE, "get_if_exists": True} if name else {}
 
         server_cls = ray.remote(DocumentServer)
+        me = owner()
         self.servers = [
             server_cls.options(
                 num_cpus=0,
                 max_restarts=server_max_restarts,
                 max_task_retries=server_max_restarts,
                 **named(f"server-{k}"),
-            ).remote(prefix, vocab_size, k, num_servers)
+            ).remote(prefix, vocab_size, k, num_servers, owner=me, lease_s=LEASE_S)
             for k in range(num_servers)
         ]
         self.scheduler = (
@@ -387,29 +483,58 @@ class RayDataLoader(StepLoader):
                 num_ranks=num_ranks,
                 lookahead=lookahead,
                 retain=retain,
-                timeout_s=self.timeout_s,
+                timeout_s=PLAN_TIMEOUT_S,  # its servers' start: part of the loader's start (_started)
+                owner=me,
+                lease_s=LEASE_S,
+                sampler=sampler,
             )
         )
-        self._fingerprint = self._get(self.scheduler.fingerprint.remote(), "the scheduler (starting)")
+        self._closed = threading.Event()
+        threading.Thread(target=self._keep_alive, name="bytescale-lease", daemon=True).start()
+        self._fingerprint = self._started()
         mine = {"seed": seed, "step_tokens": step_tokens, "context_length": context_length}
         if any(self._fingerprint[k] != v for k, v in mine.items()):
             raise ConfigError(
                 f"the named loader {name!r} already runs with {self._fingerprint}; this rank asked for {mine} - "
                 "give every rank the same loader settings"
             )
-        self.step, self.position = 0, Position()
+        self.step, self.position = 0, sampler.start() if sampler is not None else Position()
         self._current: StepPlan | None = None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ray-prefetch") if prefetch else None
         self._pending: dict[tuple[int, int], Future] = {}
 
     # ------------------------------------------------------------------ ray calls
-    def _get(self, refs, what: str):
+    def _keep_alive(self) -> None:
+        """Renew the actors' lease while this loader is open (a thread: training may not call them for minutes)."""
+        while not self._closed.wait(LEASE_S / 4):
+            for actor in [self.scheduler, *self.servers]:
+                try:
+                    actor.keepalive.remote()
+                except Exception:  # noqa: BLE001 - a dead actor is reported where the loader calls it
+                    pass
+
+    def _started(self) -> dict:
+        """The scheduler's fingerprint once it started and planned its first step: under the
+        planning deadline, not the answer deadline (the actors start and a first plan on a machine
+        also compiles the planner's kernels); a wait over SAY_AFTER_S says so (rank 0)."""
+        ref = self.scheduler.ready.remote(PLAN_TIMEOUT_S)
+        done, _ = ray.wait([ref], timeout=SAY_AFTER_S)
+        if not done and self.rank in (None, 0):
+            print(
+                "bytescale: waiting for the Ray loader's actors to start and plan a first step (a first plan on a "
+                f"machine also compiles the planner's kernels; up to {PLAN_TIMEOUT_S:.0f} s, BYTESCALE_PLAN_TIMEOUT_S)",
+                flush=True,
+            )
+        return self._get(ref, "the dataloader scheduler actor (starting)", timeout_s=PLAN_TIMEOUT_S + self.timeout_s)
+
+    def _get(self, refs, what: str, timeout_s: float | None = None):
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return ray.get(refs, timeout=self.timeout_s)
+            return ray.get(refs, timeout=timeout_s)
         except GetTimeoutError:
             raise BytescaleError(
-                f"{what} did not answer within {self.timeout_s:.0f}s; check that the Ray cluster is alive "
-                "(`ray status`) and raise timeout_s if planning is legitimately this slow"
+                f"{what} did not answer within {timeout_s:.0f}s; check that the Ray cluster is alive "
+                "(`ray status`), or raise BYTESCALE_RAY_TIMEOUT_S if planning is legitimately this slow"
             ) from None
         except RayTaskError as exc:
             cause = getattr(exc, "cause", None)
@@ -482,7 +607,7 @@ class RayDataLoader(StepLoader):
         return loader_state(self.step, self.position, self._fingerprint)
 
     def load_state_dict(self, state: dict) -> None:
-        step, position = restore_state(state, self._fingerprint)
+        step, position = restore_state(state, self._fingerprint, self._position_type)
         self._drop_prefetch()
         self._get(self.scheduler.reset.remote(step, position.to_dict()), "the dataloader scheduler actor")
         self.step, self.position, self._current = step, position, None
@@ -500,6 +625,7 @@ class RayDataLoader(StepLoader):
     def close(self, kill_actors: bool = True) -> None:
         """Stop prefetching; kill the actors unless other ranks still use them (named loaders:
         pass ``kill_actors`` only from the last rank)."""
+        self._closed.set()
         self._drop_prefetch()
         if self._pool is not None:
             self._pool.shutdown(wait=True)

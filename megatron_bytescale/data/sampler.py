@@ -87,13 +87,7 @@ class GlobalBatchSampler:
 
     def fingerprint(self) -> dict:
         """What a saved stream position is only valid with."""
-        return {
-            "seed": self.seed,
-            "step_tokens": self.step_tokens,
-            "context_length": self.context_length,
-            "num_documents": self.num_documents,
-            "num_tokens": int(self.lengths.sum()),
-        }
+        return stream_fingerprint(self)
 
     def check_position(self, pos: Position) -> None:
         if pos.epoch < 0 or not 0 <= pos.index < self.lengths.size:
@@ -102,28 +96,51 @@ class GlobalBatchSampler:
         if not 0 <= pos.offset < self.lengths[doc]:
             raise ConfigError(f"loader position {pos}: offset outside document {doc} of {self.lengths[doc]} tokens")
 
+    position_type = Position
+
+    def start(self) -> Position:
+        """Where the stream begins."""
+        return Position()
+
+    def take(self, pos: Position) -> tuple[Sample, Position]:
+        """The stream's next sample at ``pos``, and the position after it."""
+        doc = int(self.order(pos.epoch)[pos.index])
+        length = int(self.lengths[doc])
+        end = min(pos.offset + self.context_length, length)
+        if end < length:
+            return Sample(doc, pos.offset, end), Position(pos.epoch, pos.index, end)
+        if pos.index + 1 == self.lengths.size:
+            return Sample(doc, pos.offset, end), Position(pos.epoch + 1, 0, 0)
+        return Sample(doc, pos.offset, end), Position(pos.epoch, pos.index + 1, 0)
+
     def batch(self, pos: Position) -> tuple[tuple[Sample, ...], Position]:
         """The samples of the step that starts at ``pos``, and where the next step starts."""
-        epoch, index, offset = pos.epoch, pos.index, pos.offset
-        order = self.order(epoch)
-        samples: list[Sample] = []
-        total = 0
-        while True:
-            doc = int(order[index])
-            length = int(self.lengths[doc])
-            end = min(offset + self.context_length, length)
-            if samples and total + (end - offset) > self.step_tokens:
-                break
-            samples.append(Sample(doc, offset, end))
-            total += end - offset
-            if end < length:
-                offset = end
-            else:
-                offset, index = 0, index + 1
-                if index == self.lengths.size:
-                    epoch, index = epoch + 1, 0
-                    order = self.order(epoch)
-        return tuple(samples), Position(epoch, index, offset)
+        return cut_step(self.take, pos, self.step_tokens)
+
+
+def stream_fingerprint(sampler) -> dict:
+    """The settings and data a sampler's positions are only valid with."""
+    return {
+        "seed": sampler.seed,
+        "step_tokens": sampler.step_tokens,
+        "context_length": sampler.context_length,
+        "num_documents": sampler.num_documents,
+        "num_tokens": int(sampler.lengths.sum()),
+    }
+
+
+def cut_step(take, pos, step_tokens: int):
+    """One step of a sample stream: samples in stream order while their total stays within
+    ``step_tokens``; the sample that would overflow opens the next step (it is not taken)."""
+    samples: list[Sample] = []
+    total = 0
+    while True:
+        sample, after = take(pos)
+        if samples and total + sample.length > step_tokens:
+            return tuple(samples), pos
+        samples.append(sample)
+        total += sample.length
+        pos = after
 
 
 STATE_VERSION = 1
@@ -136,18 +153,20 @@ def loader_state(step: int, position: Position, fingerprint: dict) -> dict:
     return {"version": STATE_VERSION, "step": int(step), "position": position.to_dict(), **fingerprint}
 
 
-def restore_state(state: dict, fingerprint: dict) -> tuple[int, Position]:
-    """(step, position) from :func:`loader_state`, refused if the loader differs."""
+def restore_state(state: dict, fingerprint: dict, position_type=Position) -> tuple[int, Position]:
+    """(step, position) from :func:`loader_state`, refused if the loader differs (every key of
+    ``fingerprint``: a blend's adds its parts and weights)."""
+    keys = (*_FINGERPRINT_KEYS, *(k for k in fingerprint if k not in _FINGERPRINT_KEYS))
     try:
         if state.get("version") != STATE_VERSION:
             raise ConfigError(f"data loader state version {state.get('version')!r}; this loader reads {STATE_VERSION}")
-        step, position = int(state["step"]), Position.from_dict(state["position"])
-        saved = {k: state[k] for k in _FINGERPRINT_KEYS}
+        step, position = int(state["step"]), position_type.from_dict(state["position"])
+        saved = {k: state[k] for k in keys}
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(
             f"malformed data loader state ({type(exc).__name__}: {exc}); pass what state_dict() returned"
         ) from None
-    diff = [f"{k}: saved {saved[k]}, now {fingerprint[k]}" for k in _FINGERPRINT_KEYS if saved[k] != fingerprint[k]]
+    diff = [f"{k}: saved {saved[k]}, now {fingerprint[k]}" for k in keys if saved[k] != fingerprint[k]]
     if diff:
         raise ConfigError(
             "the data loader state was saved with a different dataset or settings (" + "; ".join(diff) + "); "

@@ -173,6 +173,61 @@ class Workload:
         )
 
 
+LOGNORMAL = "lognormal"
+# Megatron's dynamic-CP benchmark draws its mock lengths so (examples/dynamic_context_parallel,
+# VARLEN_DATASET_JSON: min 128, max 8192, mean 1024, sigma 1.5)
+LOGNORMAL_DEFAULTS = {"mean": 1024, "sigma": 1.5, "min": 128, "max": 8192}
+
+
+@dataclass(frozen=True)
+class LogNormal:
+    """Lengths ``exp(N(mu, sigma))`` with ``mu = ln(mean) - sigma^2 / 2`` (so the mean before
+    clipping is ``mean``), clipped to ``[min, max]`` and truncated to integers: the draw of
+    Megatron's mock variable-length datasets (``generate_lognormal_samples``)."""
+
+    mean: float = LOGNORMAL_DEFAULTS["mean"]
+    sigma: float = LOGNORMAL_DEFAULTS["sigma"]
+    min: int = LOGNORMAL_DEFAULTS["min"]
+    max: int = LOGNORMAL_DEFAULTS["max"]
+
+    @property
+    def name(self) -> str:
+        return f"{LOGNORMAL}:mean={self.mean:g},sigma={self.sigma:g},min={self.min},max={self.max}"
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        mu = math.log(self.mean) - self.sigma**2 / 2
+        return np.clip(rng.lognormal(mu, self.sigma, n), self.min, self.max).astype(np.int64)
+
+    @property
+    def mean_length(self) -> float:
+        return float(self.draw(20000, np.random.default_rng(0)).mean())
+
+    @classmethod
+    def parse(cls, spec: str) -> LogNormal:
+        """``lognormal`` or ``lognormal:mean=1K,sigma=1.5,min=128,max=8K`` (any of the four)."""
+        _, _, rest = spec.partition(":")
+        values: dict = dict(LOGNORMAL_DEFAULTS)
+        for item in filter(None, (part.strip() for part in rest.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in values:
+                raise ConfigError(
+                    f"{spec!r}: write lognormal:KEY=VALUE,... with keys {', '.join(LOGNORMAL_DEFAULTS)} "
+                    f"(e.g. {LOGNORMAL}:mean=1K,sigma=1.5,min=128,max=8K)"
+                )
+            values[key] = float(value) if key == "sigma" else parse_size(value, f"lognormal {key}")
+        if not (0 < values["min"] <= values["max"]) or values["mean"] <= 0 or values["sigma"] <= 0:
+            raise ConfigError(f"{spec!r}: needs 0 < min <= max, a positive mean and a positive sigma")
+        return cls(**values)
+
+
+def length_distribution(spec: str) -> Workload | LogNormal:
+    """A named length distribution: ``byted``, ``github`` (or a workload YAML) or ``lognormal[:...]``;
+    each has ``draw(n, rng)`` and ``mean_length``."""
+    if spec == LOGNORMAL or spec.startswith(LOGNORMAL + ":"):
+        return LogNormal.parse(spec)
+    return Workload.load(spec)
+
+
 def check_targets(workload: Workload, lengths) -> list[tuple[Target, float, bool]]:
     """(target, measured value, within tolerance) for each of the workload's statistics."""
     arr = np.asarray(lengths, dtype=np.int64)
@@ -202,10 +257,10 @@ def fill_batch(draw: Callable[[int], np.ndarray], total_tokens: int, context: in
 
 
 def sample_lengths(dataset: str, total_tokens: int, context: int, rng: Rng = None) -> list[int]:
-    """One global batch of sequence lengths from a named workload (``byted``, ``github``, or a
-    path to a workload YAML): drawn until the batch holds exactly ``total_tokens``, each cut
-    to ``context``."""
-    workload = Workload.load(dataset)
+    """One global batch of sequence lengths from a named workload (``byted``, ``github``, a path
+    to a workload YAML, or ``lognormal[:...]``, an SFT-like mix): drawn until the batch holds
+    exactly ``total_tokens``, each cut to ``context``."""
+    workload = length_distribution(dataset)
     gen = as_rng(rng)
     return fill_batch(lambda n: workload.draw(n, gen), total_tokens, context, workload.mean_length)
 
@@ -227,25 +282,33 @@ def lengths_from_file(lengths: np.ndarray, total_tokens: int, context: int, rng:
     )
 
 
-def training_batches(prefix: str, step_tokens: int, context: int, seed: int):
-    """The sequence lengths of the global batches training on ``prefix`` would see, step by
+def training_batches(data_path, step_tokens: int, context: int, seed: int):
+    """The sequence lengths of the global batches training on ``data_path`` would see, step by
     step (the HDP loaders' sampler: documents in the seeded epoch order, cut at ``context``,
-    ``step_tokens`` per step), and a description of the dataset."""
+    ``step_tokens`` per step), and a description of the data. ``data_path``: a prefix, or
+    Megatron's blend syntax (``W1 P1 W2 P2 ...`` as a list or one string: the blend's stream,
+    each prefix whole; training with --data-path also holds back --split's validation and test
+    shares)."""
+    from .blend import blend_from_list, make_sampler
     from .indexed import DocumentDataset
-    from .sampler import GlobalBatchSampler, Position
 
-    docs = DocumentDataset(prefix)
-    sampler = GlobalBatchSampler(docs.lengths, step_tokens=step_tokens, context_length=context, seed=seed)
+    prefixes, weights = blend_from_list(data_path, "--data-path")
+    parts = [DocumentDataset(p, allow_empty=True).lengths for p in prefixes]
+    parts = [lengths[lengths > 0] for lengths in parts]  # as training skips empty documents
+    sampler = make_sampler(parts, weights, step_tokens=step_tokens, context_length=context, seed=seed)
+    lengths = np.concatenate(parts)
     info = {
-        "prefix": docs.prefix,
-        "documents": len(docs),
-        "tokens": docs.num_tokens,
-        "longest_document": int(docs.lengths.max()),
-        "documents_over_context": int((docs.lengths > context).sum()),
+        "prefix": " + ".join(prefixes)
+        if weights is None
+        else " + ".join(f"{w:g} x {p}" for p, w in zip(prefixes, weights)),
+        "documents": int(lengths.size),
+        "tokens": int(lengths.sum()),
+        "longest_document": int(lengths.max()),
+        "documents_over_context": int((lengths > context).sum()),
     }
 
     def steps():
-        position = Position()
+        position = sampler.start()
         while True:
             samples, position = sampler.batch(position)
             yield [s.length for s in samples]

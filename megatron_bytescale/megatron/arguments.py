@@ -2,10 +2,11 @@
 
 ``add_hdp_arguments(parser)`` is a Megatron ``extra_args_provider``: it adds one argument
 group in Megatron's kebab-case. ``validate_hdp_args(args)`` runs after Megatron's own
-``validate_args`` (so derived values such as ``data_parallel_size`` exist), refuses every
-flag combination HDP cannot honour with a ConfigError that names the fix, and resolves the
-defaults that depend on other flags. ``planner_config_from_args`` / ``cost_model_from_args``
-turn the validated flags into what the planner needs.
+``validate_args`` (so derived values such as ``data_parallel_size`` exist), runs the checks
+that combine several Megatron flags (``CHECKS``; every single-flag refusal is a row of the flag
+table, ``flag_table``, applied before Megatron's validation) with a ConfigError that names the
+fix, and resolves the defaults that depend on other flags. ``planner_config_from_args`` /
+``cost_model_from_args`` turn the validated flags into what the planner needs.
 
 Nothing here imports Megatron-LM's training package: the validator reads plain attributes,
 so it is tested with argparse and a namespace carrying the Megatron flags it reads
@@ -53,9 +54,10 @@ def default_hardware() -> str:
     return DEFAULT_HARDWARE if cuda else CPU_HARDWARE
 
 
-# Megatron-LM (core_v0.16.1) attributes the validator, the translators below and pretrain_hooks
-# read, after Megatron's validate_args has run. tests/test_arguments_megatron.py checks each one
-# exists there.
+# Megatron-LM (core_v0.16.1) attributes the validator, the translators below, pretrain_hooks and
+# some of the flag table's rules read (the table's own attributes are checked against every tree's
+# parser). tests/test_arguments_megatron.py checks each one exists there; tests/test_arguments.py
+# gives each the value a valid GPT run has after Megatron's validate_args.
 MEGATRON_ARGS_READ = (
     "attention_dropout",
     "calculate_per_token_loss",
@@ -98,6 +100,7 @@ MEGATRON_ARGS_READ = (
     "padded_vocab_size",
     "vocab_size",
     "multi_latent_attention",
+    "cache_mla_latents",
     "position_embedding_type",
     "experimental_attention_variant",
     "heterogeneous_layers_config_path",
@@ -110,6 +113,8 @@ MEGATRON_ARGS_READ = (
     "data_args_path",
     "per_split_data_args_path",
     "eval_iters",
+    "split",
+    "tokenizer_type",
     "skip_train",
     "full_validation",
     "multiple_validation_sets",
@@ -140,8 +145,12 @@ _HDP_DEFAULTS = {
     "hdp_plan_ahead": 2,
     "hdp_ranks_per_node": None,
     "hdp_step_tokens": None,
+    "hdp_mock_lengths": None,
     "hdp_ray_servers": 2,
+    "hdp_mla_ring": "kv",
+    "hdp_accept_data_change": False,
 }
+MLA_RINGS = ("kv", "latent")  # the ring transports (planner/contract/transports.py) a user picks from
 
 
 # ------------------------------------------------------------------ argparse types
@@ -296,12 +305,38 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "process; the Ray loader plans at least one ahead). Default 2.",
     )
     g.add_argument(
+        "--hdp-mock-lengths",
+        default=None,
+        metavar="DISTRIBUTION",
+        help="Length distribution of --mock-data documents (cut to --seq-length): 'byted', 'github' (the "
+        "simulator's workloads), a workload YAML, or 'lognormal[:mean=1K,sigma=1.5,min=128,max=8K]' (the default, "
+        "as Megatron's dynamic-CP benchmark draws its mock lengths).",
+    )
+    g.add_argument(
+        "--hdp-accept-data-change",
+        action="store_true",
+        help="Resume although what determines the data stream (--hdp-step-tokens, --seq-length, --seed, the "
+        "dataset) differs from what the checkpoint recorded, which is otherwise refused: with the same order "
+        "(another step size or sequence length) the stream continues where the checkpoint left it; with "
+        "another seed or dataset the new stream starts at its beginning.",
+    )
+    g.add_argument(
         "--hdp-ranks-per-node",
         type=_positive_int,
         default=None,
         metavar="N",
         help="HDP ranks that share a node (rings inside a node use the fast link in the cost model). "
         "Default: min(data-parallel size, LOCAL_WORLD_SIZE / tensor-parallel size).",
+    )
+    g.add_argument(
+        "--hdp-mla-ring",
+        choices=MLA_RINGS,
+        default=_HDP_DEFAULTS["hdp_mla_ring"],
+        help="With --multi-latent-attention, what a long sequence's ring carries: 'kv', each layer's K and V "
+        "(heads x (qk + rope + v head dims) values per token, as Megatron's context parallelism sends them), or "
+        "'latent', the compressed KV latent and the rotary key (kv-lora-rank + rope dims per token, whatever "
+        "the heads; each member re-expands K and V, a GEMM per ring step). Both are exact. Default kv. Two-level "
+        "rings carry K and V either way.",
     )
     return parser
 
@@ -326,9 +361,12 @@ def validate_hdp_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check HDP flags against Megatron's (after Megatron's validate_args) and resolve defaults.
 
     Without --hybrid-data-parallel it only refuses HDP flags that would have no effect. With it,
-    it sets ``hdp_balance``, ``hdp_hardware``, ``hdp_ranks_per_node``, ``hdp_size`` and
+    it runs the checks that combine several flags (``CHECKS``, which the flag table names), then
+    sets ``hdp_balance``, ``hdp_hardware``, ``hdp_ranks_per_node``, ``hdp_size`` and
     ``hdp_step_tokens`` and ``dataloader_type = 'external'`` (the HDP loader hands Megatron ready
-    micro-batches).
+    micro-batches). The flag table's refusals of single flags (``flag_table.refuse``) judge the
+    values as given, before Megatron's validate_args fills its own defaults in (it sets --split,
+    for one): the launcher and ``pretrain_hooks.validate_args_then_hdp`` run them first.
     """
     if not args.hybrid_data_parallel:
         stray = [name for name, default in _HDP_DEFAULTS.items() if getattr(args, name, default) != default]
@@ -337,15 +375,18 @@ def validate_hdp_args(args: argparse.Namespace) -> argparse.Namespace:
             raise ConfigError(f"{flags} only apply with --hybrid-data-parallel: add it, or drop them")
         return args
 
-    _check_loss_and_batch(args)
-    _check_parallelism(args)
-    _check_model(args)
-    _check_data(args)
-    _check_newer_megatron_flags(args)
-    _check_offload(args)
+    for check in CHECKS.values():
+        check(args)
+    _check_pipeline_balance(args)
+    _check_ray(args)
     _resolve(args)
     _check_capacity(args)
     return args
+
+
+def hdp_option_strings() -> set[str]:
+    """The option strings of the HDP group (not Megatron's: the flag table does not list them)."""
+    return {o for a in add_hdp_arguments(argparse.ArgumentParser(add_help=False))._actions for o in a.option_strings}
 
 
 def check_global_batch(args) -> None:
@@ -353,7 +394,7 @@ def check_global_batch(args) -> None:
     line: under HDP it still counts --global-batch-size / data-parallel-size samples per rank, and
     the LR schedule and consumed samples follow that count. Run before Megatron's validate_args
     (``pretrain_hooks.validate_args_then_hdp``: core_v0.19's asserts the same of its evaluation
-    batch); an elastic restart on fewer ranks meets it."""
+    batch) and by the launcher; an elastic restart on fewer ranks meets it."""
     dp = getattr(args, "data_parallel_size", None)
     if not dp:  # before Megatron's validate_args derives it (core_v0.19 asserts on it there)
         world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
@@ -369,51 +410,12 @@ def check_global_batch(args) -> None:
         )
 
 
-def _check_loss_and_batch(args) -> None:
-    if not args.calculate_per_token_loss:
-        raise ConfigError(
-            "--hybrid-data-parallel normalises the loss by the step's global token count (ranks hold "
-            "different numbers of tokens and micro-batches): add --calculate-per-token-loss"
-        )
-    if args.micro_batch_size != 1:
-        raise ConfigError(
-            f"--hybrid-data-parallel packs each rank's micro-batch by tokens (--hdp-token-capacity), not "
-            f"by samples: use --micro-batch-size 1 (got {args.micro_batch_size})"
-        )
-    if args.rampup_batch_size is not None:
-        raise ConfigError(
-            "--rampup-batch-size is not supported with --hybrid-data-parallel (each HDP step plans one "
-            "fixed --global-batch-size of sequences): drop --rampup-batch-size"
-        )
-
-
-def _check_parallelism(args) -> None:
-    if args.context_parallel_size > 1:
-        raise ConfigError(
-            f"--context-parallel-size {args.context_parallel_size} is a static CP mesh; HDP replaces it "
-            "(every DP rank joins the rings it needs, per sequence): drop --context-parallel-size and give "
-            "those GPUs to data parallelism"
-        )
-    if args.hybrid_context_parallel or args.max_seqlen_per_dp_cp_rank is not None:
-        raise ConfigError(
-            "--hybrid-context-parallel / --max-seqlen-per-dp-cp-rank are Megatron's own dynamic CP; it "
-            "cannot run together with --hybrid-data-parallel: drop them (the HDP capacity is "
-            "--hdp-token-capacity)"
-        )
-    pp = args.pipeline_model_parallel_size
-    # Virtual pipeline stages (Megatron derives the count from --num-layers-per-virtual-pipeline-stage,
-    # --num-virtual-stages-per-pipeline-rank or --pipeline-model-parallel-layout) run in the HDP
-    # step's interleaved order; the overlapped parameter all-gather is dispatched per model, not per chunk.
-    vpp = args.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp > 1 and getattr(args, "overlap_param_gather", False):
-        raise ConfigError(
-            f"--overlap-param-gather with {vpp} virtual pipeline stages per rank: HDP dispatches the overlapped "
-            "parameter all-gather for one model chunk only; drop --overlap-param-gather or the virtual pipeline stages"
-        )
-    # Megatron's interleaved schedule runs micro-batches in groups of this size per model chunk
-    # (unused without virtual stages). The HDP step chooses each step's chunk orders itself
-    # (groups of pp, or slot-aligned orders) and the capacity is sized for what groups of pp hold
-    # in flight, so another size would silently not be used: it is refused instead.
+def _check_virtual_stage_groups(args) -> None:
+    """Megatron's interleaved schedule runs micro-batches in groups of this size per model chunk
+    (unused without virtual stages). The HDP step chooses each step's chunk orders itself
+    (groups of pp, or slot-aligned orders) and the capacity is sized for what groups of pp hold
+    in flight, so another size would silently not be used: it is refused instead."""
+    pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     group = getattr(args, "microbatch_group_size_per_vp_stage", None)
     if vpp is not None and vpp > 1 and group is not None and group != pp:
         raise ConfigError(
@@ -421,128 +423,110 @@ def _check_parallelism(args) -> None:
             f"chunk order itself (Megatron's groups of --pipeline-model-parallel-size {pp} micro-batches, or "
             'a slot-aligned order; docs/design.md, "Virtual pipeline stages"); drop the flag'
         )
+
+
+def _check_pipeline_balance(args) -> None:
+    pp = args.pipeline_model_parallel_size
     if pp > 1 and args.hdp_balance == "dp":
         raise ConfigError(
             f"--hdp-balance dp with --pipeline-model-parallel-size {pp}: DP-balance gives pipelines "
             "micro-batches of different lengths back to back, so stages bubble; use --hdp-balance pp"
         )
-    # --overlap-grad-reduce / --overlap-param-gather are supported (runtime.grad_sync says how
-    # ranks with different numbers of micro-batches launch the same buckets in the same order).
-    # --expert-model-parallel-size > 1 is supported through aligned micro-batch slots per EP
-    # group (planner/expert_slots.py): empty slots join the all-to-alls of megatron-core's
-    # all-to-all token dispatcher, the one tested; the others are refused.
-    ep = args.expert_model_parallel_size
-    if ep > 1:
-        dispatcher = args.moe_token_dispatcher_type
-        if dispatcher != "alltoall":
-            raise ConfigError(
-                f"--moe-token-dispatcher-type {dispatcher} with --expert-model-parallel-size {ep}: HDP aligns "
-                "expert-parallel micro-batch slots for the all-to-all dispatcher: "
-                "use --moe-token-dispatcher-type alltoall"
-            )
-        if pp > 1:
-            raise ConfigError(
-                f"--expert-model-parallel-size {ep} with --pipeline-model-parallel-size {pp}: HDP aligns "
-                "expert-parallel slots without pipelines; use one of them (--pipeline-model-parallel-size 1)"
-            )
-        if args.overlap_moe_expert_parallel_comm:
-            raise ConfigError(
-                "--overlap-moe-expert-parallel-comm overlaps the all-to-alls of two micro-batches through Megatron's "
-                "MoE schedule plans, which HDP's per-rank micro-batches do not have: drop it"
-            )
-        etp = args.expert_tensor_parallel_size
-        if etp is not None and etp != args.tensor_model_parallel_size:
-            raise ConfigError(
-                f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
-                f"{args.tensor_model_parallel_size}: HDP's EP groups are blocks of HDP ranks only when they "
-                "match; drop --expert-tensor-parallel-size"
-            )
-    if args.use_megatron_fsdp or args.use_torch_fsdp2:
+
+
+def _check_expert_parallel(args) -> None:
+    """--expert-model-parallel-size > 1 is supported through aligned micro-batch slots per EP
+    group (planner/expert/slots.py): empty slots join the all-to-alls of megatron-core's
+    all-to-all token dispatcher, the one tested; the others are refused."""
+    ep, pp = args.expert_model_parallel_size, args.pipeline_model_parallel_size
+    if ep <= 1:
+        return
+    dispatcher = args.moe_token_dispatcher_type
+    if dispatcher != "alltoall":
         raise ConfigError(
-            "FSDP (--use-megatron-fsdp / --use-torch-fsdp2) gathers parameters once per micro-batch across "
-            "DP ranks, and HDP ranks run different numbers of micro-batches, so they would hang: use "
-            "--use-distributed-optimizer (ZeRO-1 over the HDP group) instead"
+            f"--moe-token-dispatcher-type {dispatcher} with --expert-model-parallel-size {ep}: HDP aligns "
+            "expert-parallel micro-batch slots for the all-to-all dispatcher: "
+            "use --moe-token-dispatcher-type alltoall"
         )
-    # --sequence-parallel is supported: the HDP step pads each micro-batch to a multiple of TP
-    # (runtime/padding.py).
-    impl = getattr(args, "cuda_graph_impl", "none")
-    if impl != "none" or getattr(args, "enable_cuda_graph", False) or getattr(args, "external_cuda_graph", False):
+    if pp > 1:
         raise ConfigError(
-            "CUDA graphs need fixed shapes, and HDP micro-batches change shape every step: drop "
-            "--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph"
+            f"--expert-model-parallel-size {ep} with --pipeline-model-parallel-size {pp}: HDP aligns "
+            "expert-parallel slots without pipelines; use one of them (--pipeline-model-parallel-size 1)"
+        )
+    etp = args.expert_tensor_parallel_size
+    if etp is not None and etp != args.tensor_model_parallel_size:
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
+            f"{args.tensor_model_parallel_size}: HDP's EP groups are blocks of HDP ranks only when they "
+            "match; drop --expert-tensor-parallel-size"
         )
 
 
-def _check_model(args) -> None:
-    if getattr(args, "use_legacy_models", False):  # (removed in core_v0.19)
-        raise ConfigError("--hybrid-data-parallel needs Megatron-Core models: drop --use-legacy-models")
-    if args.spec is not None:
+def _check_mla(args) -> None:
+    """Multi-latent attention: what the ring cannot honour, and --hdp-mla-ring without MLA."""
+    if not args.multi_latent_attention:
+        if args.hdp_mla_ring != _HDP_DEFAULTS["hdp_mla_ring"]:
+            raise ConfigError(
+                f"--hdp-mla-ring {args.hdp_mla_ring} without --multi-latent-attention: only multi-latent attention "
+                "has a latent to carry; drop --hdp-mla-ring"
+            )
+        return
+    fused_norm = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine" and getattr(
+        args, "qk_layernorm", False
+    )
+    if args.hdp_mla_ring == "latent" and fused_norm:
         raise ConfigError(
-            f"--spec {' '.join(args.spec)}: --hybrid-data-parallel supplies its own layer spec (HDP ring "
-            "attention as the core attention): drop --spec"
+            "--hdp-mla-ring latent with --qk-layernorm and --transformer-impl transformer_engine: TE fuses the KV "
+            "latent's norm into the up-projection, so no member can re-expand the normed latent; use "
+            "--hdp-mla-ring kv (or --transformer-impl local)"
         )
-    if args.multi_latent_attention:
+
+
+def _check_mtp(args) -> None:
+    if args.mtp_num_layers and args.pipeline_model_parallel_size > 1:
         raise ConfigError(
-            "--multi-latent-attention: HDP ring attention plugs into megatron-core's SelfAttention, not MLA: drop it"
-        )
-    if args.position_embedding_type not in ("rope", "learned_absolute", "none"):
-        raise ConfigError(
-            f"--position-embedding-type {args.position_embedding_type}: HDP places each token at its true "
-            "position with rope, learned_absolute or none; use one of those"
-        )
-    if args.experimental_attention_variant is not None or args.heterogeneous_layers_config_path is not None:
-        raise ConfigError(
-            "--experimental-attention-variant / --heterogeneous-layers-config-path choose their own layer specs; "
-            "--hybrid-data-parallel needs its own (HDP core attention): drop them"
-        )
-    if getattr(args, "attention_dropout", 0.0):
-        raise ConfigError(
-            f"--attention-dropout {args.attention_dropout}: HDP ring attention merges blocks of a sequence "
-            "computed on different ranks and applies no dropout to them: add --attention-dropout 0.0"
-        )
-    if args.mtp_num_layers:
-        raise ConfigError(
-            "--mtp-num-layers: multi-token prediction shifts tokens across the packed sequences of a "
-            "micro-batch, which HDP does not support: drop it"
+            f"--mtp-num-layers with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: HDP runs "
+            "multi-token prediction without pipelines (its layers and embedding sit on the last stage, not "
+            "tested under HDP); use --pipeline-model-parallel-size 1"
         )
 
 
 def _check_data(args) -> None:
-    if args.sft or args.fim_data:
+    """Megatron's data flags under HDP: blends (``--data-path W1 P1 ...``, the per-split paths,
+    ``--data-args-path``, ``--per-split-data-args-path``), ``--split``, ``--mock-data`` and
+    ``--sft`` are read by ``data_config.data_config_from_args`` and honoured; what stays refused
+    is refused here (combinations) or by the flag table (single flags), each in one line naming the fix."""
+    from .data_config import data_config_from_args
+
+    if args.sft and args.mock_data:
+        raise ConfigError("--sft with --mock-data: HDP's mock data are pretraining documents; drop one of them")
+    if args.hdp_mock_lengths is not None and not args.mock_data:
+        raise ConfigError("--hdp-mock-lengths draws the lengths of --mock-data documents: add --mock-data, or drop it")
+    if args.sft and getattr(args, "tokenizer_type", "SFTTokenizer") != "SFTTokenizer":
         raise ConfigError(
-            "--sft / --fim-data build their own samples; the HDP loader reads whole documents from "
-            "--data-path: drop them"
+            f"--sft with --tokenizer-type {args.tokenizer_type}: Megatron's SFT data are conversations that "
+            "SFTTokenizer renders and masks: pass --tokenizer-type SFTTokenizer --tokenizer-model HF_DIR "
+            "(and --sft-tokenizer-prompt-format)"
         )
-    if args.mock_data:
+    if args.sft and args.hdp_dataloader == "ray":
         raise ConfigError(
-            "--mock-data: the HDP loader reads real documents (variable lengths are the point); build a "
-            "dataset with `bytescale prepare-data` and pass --data-path"
+            "--sft runs with the local data loader (it tokenizes on every rank): use --hdp-dataloader local"
         )
-    if args.data_args_path or args.per_split_data_args_path:
+    if args.mock_data and (args.data_path or args.train_data_path):
+        raise ConfigError("--mock-data with a data path: Megatron's mock data replace the datasets; drop one of them")
+    config = data_config_from_args(args)
+    if config.train is None and not args.skip_train:
         raise ConfigError(
-            "--data-args-path / --per-split-data-args-path: the HDP loader reads one prefix from --data-path "
-            "or --train-data-path (validation from --valid-data-path): pass those instead"
+            "no training data: pass --data-path [W1] PREFIX1 [W2 PREFIX2 ...] (or --train-data-path, "
+            "--data-args-path, --per-split-data-args-path), or --mock-data"
         )
-    train = args.train_data_path or args.data_path
-    if not train or len(train) != 1:
-        raise ConfigError(
-            f"--data-path {' '.join(train or [])}: --hybrid-data-parallel trains on exactly one dataset prefix "
-            "(no weighted blends); build one dataset from all sources with `bytescale prepare-data`"
+    if args.eval_iters > 0 and config.valid is None and not args.skip_train:
+        fix = (
+            f"--split {config.split} gives validation no share: give it one (e.g. --split 969,30,1)"
+            if config.split is not None
+            else "pass --valid-data-path VALID (or a valid list in --per-split-data-args-path)"
         )
-    if args.valid_data_path is not None and len(args.valid_data_path) != 1:
-        raise ConfigError("--valid-data-path: give exactly one dataset prefix")
-    if args.test_data_path:
-        raise ConfigError("--test-data-path: HDP runs no test-set evaluation; drop it (use --valid-data-path)")
-    if args.full_validation or args.multiple_validation_sets:
-        raise ConfigError(
-            "--full-validation / --multiple-validation-sets are not supported with --hybrid-data-parallel: "
-            "drop them (validation runs --eval-iters steps from --valid-data-path)"
-        )
-    if args.eval_iters > 0 and not args.valid_data_path and not args.skip_train:
-        raise ConfigError(
-            f"--eval-iters {args.eval_iters} but no --valid-data-path: HDP validates on its own dataset "
-            "prefix; pass --train-data-path TRAIN --valid-data-path VALID (instead of --data-path), or --eval-iters 0"
-        )
+        raise ConfigError(f"--eval-iters {args.eval_iters} but no validation data: {fix}, or --eval-iters 0")
     if args.eval_interval is None and not args.skip_train and not args.full_validation:
         # core_v0.16.1 training.py:3307 computes train_iters // eval_interval before iteration 1
         raise ConfigError(
@@ -550,11 +534,32 @@ def _check_data(args) -> None:
             "--eval-interval when it sizes the validation set (also with --eval-iters 0); add --eval-interval N "
             f"(e.g. --eval-interval {args.train_iters or 1000})"
         )
-    if args.dataloader_type not in (None, "single", "external"):
+
+
+def _check_eval_batch(args) -> None:
+    """core_v0.19's --eval-global-batch-size (absent in core_v0.16: read with a default)."""
+    eval_batch = getattr(args, "eval_global_batch_size", None)
+    if eval_batch is not None and eval_batch != args.global_batch_size:
         raise ConfigError(
-            f"--dataloader-type {args.dataloader_type}: the HDP loader replaces Megatron's samplers (it sets "
-            "'external' itself): drop --dataloader-type"
+            f"--eval-global-batch-size {eval_batch}: an HDP validation step holds --hdp-step-tokens tokens, as "
+            "a training step does: drop it"
         )
+
+
+# The refusals that combine several flags, by the name megatron_flags.tsv gives them ('check:NAME'
+# rules); every other refusal of a Megatron flag is a row's rule and message in the table.
+CHECKS = {
+    "global_batch": check_global_batch,
+    "virtual_stage_groups": _check_virtual_stage_groups,
+    "expert_parallel": _check_expert_parallel,
+    "data": _check_data,
+    "mla": _check_mla,
+    "mtp": _check_mtp,
+    "eval_batch": _check_eval_batch,
+}
+
+
+def _check_ray(args) -> None:
     if args.hdp_dataloader != "ray" and (
         args.hdp_ray_address is not None or args.hdp_ray_servers != _HDP_DEFAULTS["hdp_ray_servers"]
     ):
@@ -573,48 +578,6 @@ def _check_data(args) -> None:
                 "--hdp-dataloader ray with several ranks needs one Ray cluster they all join: start it "
                 "(`ray start --head` on one node) and pass --hdp-ray-address HOST:PORT (or set RAY_ADDRESS)"
             )
-
-
-def _check_newer_megatron_flags(args) -> None:
-    """Flags Megatron-LM added in core_v0.17-0.19 that touch batching, packing or the data
-    loader (read with defaults: core_v0.16 has none of them). docs/cluster.md lists each one
-    with what HDP does with it. Accepted without a check: --dataloader-inter-document-masking
-    (HDP always masks attention at document boundaries, which is what the flag asks for),
-    --override-ckpt-iteration (the HDP loader resumes at the iteration Megatron sets),
-    --mlp-chunks-for-training (it chunks the MLP inside one micro-batch),
-    --start-eval-at-iter (the validation stream resumes past the evaluations it skipped)."""
-    if getattr(args, "eval_micro_batch_size", None) not in (None, 1):
-        raise ConfigError(
-            f"--eval-micro-batch-size {args.eval_micro_batch_size}: HDP validation packs micro-batches by "
-            "tokens like training (--hdp-token-capacity): drop it"
-        )
-    eval_batch = getattr(args, "eval_global_batch_size", None)
-    if eval_batch is not None and eval_batch != args.global_batch_size:
-        raise ConfigError(
-            f"--eval-global-batch-size {eval_batch}: an HDP validation step holds --hdp-step-tokens tokens, as "
-            "a training step does: drop it"
-        )
-    if getattr(args, "step_batch_size_schedule", None):
-        raise ConfigError(
-            "--step-batch-size-schedule is not supported with --hybrid-data-parallel (each HDP step plans one "
-            "fixed --global-batch-size of sequences): drop it"
-        )
-    if getattr(args, "moe_paged_stash", False) or getattr(args, "moe_expert_rank_capacity_factor", None) is not None:
-        raise ConfigError(
-            "--moe-paged-stash / --moe-expert-rank-capacity-factor wrap Megatron's pipeline schedules, which "
-            "the HDP step replaces: drop them"
-        )
-
-
-def _check_offload(args) -> None:
-    if not args.hdp_selective_offload:
-        return
-    if args.fine_grained_activation_offloading or (args.cpu_offloading_num_layers or 0) > 0:
-        raise ConfigError(
-            "--hdp-selective-offload and Megatron's own activation offloading "
-            "(--fine-grained-activation-offloading / --cpu-offloading-num-layers) would both hook saved "
-            "tensors: keep one of them"
-        )
 
 
 def _resolve(args) -> None:
@@ -705,16 +668,21 @@ def check_launch(args) -> None:
 
 
 def check_data_exists(args) -> None:
-    """Every dataset prefix the HDP loader will open exists (PREFIX.bin and PREFIX.idx)."""
-    train = getattr(args, "train_data_path", None) or getattr(args, "data_path", None)
-    for flag, paths in (("--data-path", train), ("--valid-data-path", getattr(args, "valid_data_path", None))):
-        for prefix in paths or ():
-            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-            if missing:
-                raise ConfigError(
-                    f"{flag} {prefix}: {prefix}{missing[0]} not found; build the dataset with "
-                    f"`bytescale prepare-data --output {prefix} ...`"
-                )
+    """Every file the HDP loader will open exists: each prefix's PREFIX.bin and PREFIX.idx (as
+    Megatron's tools/preprocess_data.py or `bytescale prepare-data` write them), each --sft JSONL."""
+    from .data_config import data_config_from_args
+
+    for what, path in data_config_from_args(args).paths():
+        if getattr(args, "sft", False):
+            if not os.path.isfile(path):
+                raise ConfigError(f"{what} {path}: no such file (--sft reads a JSONL of conversations)")
+            continue
+        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
+        if missing:
+            raise ConfigError(
+                f"{what} {path}: {path}{missing[0]} not found; give the prefix of a Megatron indexed dataset "
+                f"(tools/preprocess_data.py --output-prefix, or `bytescale prepare-data --output {path} ...`)"
+            )
 
 
 def check_schedule(args) -> None:
@@ -799,4 +767,5 @@ def planner_config_from_args(args):
         pipeline_stages=args.pipeline_model_parallel_size,
         virtual_stages=args.virtual_pipeline_model_parallel_size or 1,
         expert_parallel=args.expert_model_parallel_size,
+        ring_transport=args.hdp_mla_ring if args.multi_latent_attention else "kv",
     )

@@ -15,6 +15,11 @@ Activation recompute (``--recompute-granularity full``, or selective with ``core
 re-runs this forward during backward, inside the micro-batch's backward: the HDP step makes
 the layout active again there, and every ring member recomputes the same layers in the same
 (reverse) order, so the recomputed KV hops pair up like the first ones and are counted again.
+
+Multi-latent attention (``mla.HDPMLASelfAttention``) builds this module with its K head dim
+(``k_channels``) and V head dim (``v_channels``), which differ; K and V then travel as one
+buffer per token, or, where the plan makes the ring a latent ring, the layer's latent travels
+instead (``latent``, or what the layer kept from this forward) and each member re-expands it.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class HDPCoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         super().__init__(config=config)
         check_config(config)
@@ -67,7 +74,12 @@ class HDPCoreAttention(MegatronModule):
         if attention_dropout:
             raise ConfigError(f"HDP ring attention has no attention dropout, got attention_dropout={attention_dropout}")
         self.layer_number = layer_number
-        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
+        self.softmax_scale = softmax_scale if softmax_scale is not None else (k_channels or config.kv_channels) ** -0.5
+        self._latent_source = None  # an MLA layer (weakref) whose latent a latent ring carries
+
+    def bind_latent_source(self, layer_ref) -> None:
+        """``layer_ref()``: the multi-latent attention layer this module serves (``mla``)."""
+        self._latent_source = layer_ref
 
     def forward(
         self,
@@ -78,6 +90,7 @@ class HDPCoreAttention(MegatronModule):
         attn_mask_type: AttnMaskType | None = None,
         attention_bias: Tensor | None = None,
         packed_seq_params=None,
+        latent: Tensor | None = None,
     ) -> Tensor:
         if attention_mask is not None or attention_bias is not None:
             raise BytescaleError(
@@ -97,6 +110,18 @@ class HDPCoreAttention(MegatronModule):
             )
         active = current_micro_batch()
         group = active.group if active.group is not None else parallel.hdp_group()
+        layer = self._latent_source() if self._latent_source is not None else None
+        if layer is not None and latent is None:
+            latent = layer.take_latent()  # kept by the layer's forward, just before this call
+        ring_latent = None
+        if active.layout.transport == "latent" and active.layout.blocks:
+            if layer is None or latent is None:
+                raise BytescaleError(
+                    "the plan makes this micro-batch's ring a latent ring, but this attention layer has no MLA latent: "
+                    "plan with the 'kv' ring transport (--hdp-mla-ring kv) unless the model uses "
+                    "--multi-latent-attention"
+                )
+            ring_latent = layer.ring_latent(latent)
         out = ring_attention(
             query[:, 0],
             key[:, 0],
@@ -105,5 +130,6 @@ class HDPCoreAttention(MegatronModule):
             group=group,
             softmax_scale=self.softmax_scale,
             counter=active.counter,
-        )  # [T, heads, head_dim]
+            latent=ring_latent,
+        )  # [T, heads, v head dim]
         return out.reshape(out.shape[0], 1, -1)

@@ -9,7 +9,7 @@ and why we override it.
 
 What running GPTModel forward+backward (+ DDP grad sync) on CPU needed:
 
-* ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()``;
+* ``RotaryEmbedding.get_emb`` (and YaRN's) moves ``inv_freq`` to ``torch.cuda.current_device()``;
 * Megatron DDP allocates its param/grad buffers on ``torch.cuda.current_device()``;
 * sequence parallelism's all-gather / reduce-scatter allocate their outputs on
   ``torch.cuda.current_device()`` (megatron-core's torch norm refuses sequence parallelism:
@@ -26,6 +26,9 @@ What running GPTModel forward+backward (+ DDP grad sync) on CPU needed:
   ``all_to_all_single`` takes no tensor as split sizes;
 * the MoE router names ``te_general_gemm`` that megatron-core only defines when Transformer
   Engine is installed (a NameError on GPUs without TE too: that one fix applies everywhere);
+* core_v0.16.1's multi-latent attention believes Transformer Engine present whenever its
+  extension module imports (a TypeError building the layer without TE, on GPUs too: applied
+  everywhere, ``_mla_without_te``);
 * the local ``DotProductAttention`` builds its mask on CUDA: not patched, HDP replaces core
   attention altogether (``core_attention.HDPCoreAttention``);
 * weights: build with ``use_cpu_initialization=True`` (``model.build_gpt_model`` does), else
@@ -137,6 +140,10 @@ class _TorchOnCpu:
 ALLOCATE_ON_CPU = (
     # RotaryEmbedding.get_emb moves inv_freq to the current CUDA device on first use.
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    # so does YaRN's (multi-latent attention's --rope-type yarn), and its __init__ builds there
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+    # multi-token prediction's loss tracker (and core_v0.19's acceptance counts) live there
+    "megatron.core.transformer.multi_token_prediction",
     # Megatron DDP allocates its contiguous param/grad buffers on the current CUDA device.
     "megatron.core.distributed.param_and_grad_buffer",
     # the MoE router moves its gating weight to the current CUDA device in every forward.
@@ -271,6 +278,21 @@ def _define_names_missing_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _mla_without_te() -> None:
+    """megatron-core 0.16.1's ``multi_latent_attention`` sets its own ``HAVE_TE`` when
+    ``megatron.core.extensions.transformer_engine`` imports, and that module imports without
+    Transformer Engine too (its TE classes are then mock stand-ins, not types), so
+    ``MLASelfAttention.__init__`` fails on every machine without TE at
+    ``isinstance(self.linear_proj, TELinear)`` (multi_latent_attention.py:185, a TypeError).
+    The module's flag is set to the extension's own ``HAVE_TE``, which is what its code means
+    by "TE present" (core_v0.19 imports that flag itself)."""
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.transformer import multi_latent_attention
+
+    if not te_extension.HAVE_TE and getattr(multi_latent_attention, "HAVE_TE", False):
+        multi_latent_attention.HAVE_TE = False
+
+
 def install() -> bool:
     """Install the workarounds once (idempotent). On a CUDA machine only the Transformer-Engine
     name fix above applies (and only where TE is absent); everything CPU-specific is skipped.
@@ -282,6 +304,7 @@ def install() -> bool:
         if _installed:
             return not cuda_in_use()
         _define_names_missing_without_te()
+        _mla_without_te()
         if not cuda_in_use():
             cpu_torch = _TorchOnCpu()
             for name in ALLOCATE_ON_CPU:
@@ -482,6 +505,7 @@ def install_training() -> bool:
             return not cuda_in_use()
         _training_installed = True
     _load_torch_adam_state()
+    _mla_without_te()  # a megatron-core fault on any device without Transformer Engine
     if cuda_in_use():
         return False
     install()

@@ -59,9 +59,11 @@ class SavedWorld:
 
 
 def saved_world(args, load_dir: str | None) -> SavedWorld | None:
-    """The newest checkpoint's world in ``load_dir`` (Megatron's tracker file picks it), or None
-    when there is none. Reads only the common state (rank 0's part)."""
-    if not load_dir or not os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
+    """The world of the checkpoint Megatron is about to load from ``load_dir`` (the tracker's
+    iteration, or ``args.ckpt_step``: the one ``checkpoint_guard.verified_load`` chose, which
+    wraps this load), or None when there is none. Reads only the common state (rank 0's part)."""
+    tracker = os.path.join(load_dir or "", "latest_checkpointed_iteration.txt")
+    if not load_dir or not (os.path.isfile(tracker) or getattr(args, "ckpt_step", None)):
         return None
     from megatron.training.checkpointing import _load_base_checkpoint
 

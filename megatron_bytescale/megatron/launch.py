@@ -27,6 +27,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..megatron_era import is_v019
 from . import pretrain_hooks as hooks
+from .preflight import check_entry_script
 
 PATCH_MARKER = "megatron_bytescale.megatron import pretrain_hooks"
 USAGE = (
@@ -121,6 +122,7 @@ def run(script: str | Path, args: list[str]) -> None:
     path = Path(script)
     if not path.is_file() or path.suffix != ".py":
         raise ConfigError(f"{script}: not a Python file; give the path of Megatron-LM's pretrain_gpt.py")
+    check_entry_script(path)
     path = path.resolve()
     patched = PATCH_MARKER in path.read_text()
     sys.path.insert(0, str(path.parent))  # pretrain_gpt.py imports gpt_builders, model_provider from its folder

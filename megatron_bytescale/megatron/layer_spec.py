@@ -3,7 +3,8 @@
 ``hdp_gpt_layer_spec`` is megatron-core's local spec (``get_gpt_layer_local_spec``: only
 megatron-core modules, so it runs on CPU and on GPUs without Transformer Engine) with
 ``core_attention`` replaced. ``with_hdp_core_attention`` does the same swap on any GPT layer
-spec whose self-attention is ``SelfAttention``: for the Transformer Engine spec, pass
+spec whose self-attention is ``SelfAttention`` (or ``MLASelfAttention``, which becomes
+``mla.HDPMLASelfAttention``): for the Transformer Engine spec, pass
 ``get_gpt_layer_with_transformer_engine_spec(...)`` through it; TE's fused QKV/norm linears
 and fused RoPE stay, only ``TEDotProductAttention`` is replaced (our module takes the same
 constructor and forward arguments), and TE's sbhd fused RoPE applies our per-token angle rows
@@ -17,24 +18,32 @@ import copy
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ..errors import ConfigError
 from .core_attention import HDPCoreAttention
+from .mla import HDPMLASelfAttention
 
 
 def _swap(layer: ModuleSpec) -> None:
     attention = getattr(layer.submodules, "self_attention", None)
+    module = getattr(attention, "module", None)
+    if module in (MLASelfAttention, HDPMLASelfAttention) and isinstance(
+        attention.submodules, MLASelfAttentionSubmodules
+    ):
+        attention.module = HDPMLASelfAttention  # RoPE at true positions, the latent for a latent ring
+        attention.submodules.core_attention = HDPCoreAttention
+        return
     if (
         not isinstance(attention, ModuleSpec)
-        or attention.module is not SelfAttention
+        or module is not SelfAttention
         or not isinstance(attention.submodules, SelfAttentionSubmodules)
     ):
-        found = getattr(attention, "module", attention)
         raise ConfigError(
-            f"HDP core attention plugs into megatron-core's SelfAttention; this layer spec uses {found!r} "
-            "(multi-latent attention and other attention modules are not supported)"
+            f"HDP core attention plugs into megatron-core's SelfAttention or MLASelfAttention; this layer spec uses "
+            f"{getattr(attention, 'module', attention)!r}"
         )
     attention.submodules.core_attention = HDPCoreAttention
 
@@ -89,6 +98,7 @@ def hdp_gpt_layer_spec(
     qk_l2_norm: bool = False,
     sequence_parallel: bool = False,
     num_layers: int | None = None,
+    multi_latent_attention: bool = False,
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """megatron-core's local GPT layer spec with HDP ring attention as core attention. With
     ``sequence_parallel``: the decoder block spec for ``num_layers`` layers with
@@ -98,6 +108,7 @@ def hdp_gpt_layer_spec(
             num_experts=num_experts,
             moe_grouped_gemm=moe_grouped_gemm,
             qk_layernorm=qk_layernorm,
+            multi_latent_attention=multi_latent_attention,
             normalization=normalization,
             qk_l2_norm=qk_l2_norm,
         )

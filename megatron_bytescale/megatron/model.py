@@ -18,14 +18,28 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from ..errors import ConfigError
 from ..planner.specs import MODEL_DIR, ModelSpec, _resolve, read_args_file
 from . import parallel
 from .layer_spec import hdp_gpt_layer_spec
 from .rotary import use_true_positions
+
+# Megatron's multi-latent attention flags (name, type, Megatron's default): their values go to
+# megatron-core's MLATransformerConfig under the same names
+MLA_FLAGS = (
+    ("--q-lora-rank", int, None),
+    ("--kv-lora-rank", int, 32),
+    ("--qk-head-dim", int, 128),
+    ("--qk-pos-emb-head-dim", int, 64),
+    ("--v-head-dim", int, 128),
+    ("--rope-type", str, None),
+    ("--rotary-scaling-factor", float, 1.0),
+    ("--mscale", float, 1.0),
+    ("--mscale-all-dim", float, 0.0),
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,11 @@ class Architecture:
     add_bias_linear: bool = False
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
+    qk_layernorm: bool = False
+    # multi-latent attention: (field, value) pairs of megatron-core's MLATransformerConfig; None: not MLA
+    mla: tuple[tuple[str, object], ...] | None = None
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
 
     @classmethod
     def from_args(cls, argv: list[str], name: str) -> Architecture:
@@ -55,10 +74,21 @@ class Architecture:
         parser.add_argument("--disable-bias-linear", action="store_true")
         parser.add_argument("--init-method-std", type=float, default=0.02)
         parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+        parser.add_argument("--qk-layernorm", action="store_true")
+        parser.add_argument("--multi-latent-attention", action="store_true")
+        for flag, kind, default in MLA_FLAGS:  # Megatron's defaults
+            parser.add_argument(flag, type=kind, default=default)
+        parser.add_argument("--mtp-num-layers", type=int, default=None)
+        parser.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1)
         try:
             args, _ = parser.parse_known_args(argv)
         except SystemExit:
             raise ConfigError(f"model {name!r}: cannot parse its architecture flags {argv}") from None
+        mla = None
+        if args.multi_latent_attention:
+            names = [flag[2:].replace("-", "_") for flag, _, _ in MLA_FLAGS]
+            # a rope type left unset keeps megatron-core's default (yarn), as Megatron's arguments do
+            mla = tuple((n, getattr(args, n)) for n in names if not (n == "rope_type" and args.rope_type is None))
         return cls(
             normalization=args.normalization,
             norm_epsilon=args.norm_epsilon,
@@ -69,6 +99,10 @@ class Architecture:
             add_bias_linear=not args.disable_bias_linear,
             init_method_std=args.init_method_std,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            qk_layernorm=args.qk_layernorm,
+            mla=mla,
+            mtp_num_layers=args.mtp_num_layers,
+            mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         )
 
 
@@ -79,6 +113,20 @@ def load_model(model: str | Path | ModelSpec) -> tuple[ModelSpec, Architecture]:
     path = _resolve(str(model), MODEL_DIR, ".args", "model")
     spec = ModelSpec.load(str(path))
     return spec, Architecture.from_args(read_args_file(path), spec.name)
+
+
+def ring_values_per_token(spec: ModelSpec, arch: Architecture, tp: int = 1) -> dict[str, int]:
+    """Per ring transport the model may use, the values one token of a ring block holds in what
+    travels, per TP rank: K and V (``"kv"``), and for multi-latent attention also the latent and
+    rotary key (``"latent"``: the same on every TP rank, whatever the heads)."""
+    if arch.mla is None:
+        return {"kv": 2 * (spec.num_query_groups // tp) * spec.kv_channels}
+    mla = dict(arch.mla)
+    heads = spec.num_attention_heads // tp
+    return {
+        "kv": heads * (mla["qk_head_dim"] + mla["qk_pos_emb_head_dim"] + mla["v_head_dim"]),
+        "latent": mla["kv_lora_rank"] + mla["qk_pos_emb_head_dim"],
+    }
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -131,14 +179,22 @@ def transformer_config(
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype,  # dtype of the activations sent between pipeline stages
         cuda_graph_scope=[],  # megatron-core's default ("full") only triggers its own deprecation warning
+        qk_layernorm=arch.qk_layernorm,
     )
+    if arch.mtp_num_layers:
+        fields.update(mtp_num_layers=arch.mtp_num_layers, mtp_loss_scaling_factor=arch.mtp_loss_scaling_factor)
+    config_class = TransformerConfig
+    if arch.mla is not None:
+        fields.update(dict(arch.mla), rotary_base=arch.rotary_base, multi_latent_attention=True)
+        fields.update(apply_rope_fusion=False)  # the fused YaRN kernel is triton's (GPUs)
+        config_class = MLATransformerConfig
     fields.update(overrides)
     if spec.num_experts and tp > 1 and not fields.get("sequence_parallel"):
         raise ConfigError(
             f"model {spec.name!r}: megatron-core runs MoE with tp={tp} only with sequence parallelism; pass "
             "sequence_parallel=True or use tp=1"
         )
-    return TransformerConfig(**fields)
+    return config_class(**fields)
 
 
 def build_gpt_model(
@@ -180,14 +236,28 @@ def build_gpt_model(
     # Dropout streams (Megatron's RNG tracker), then the CPU generator the weights are drawn from.
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
+    layer_spec = hdp_gpt_layer_spec(
+        num_experts=spec.num_experts or None,
+        normalization=arch.normalization,
+        sequence_parallel=config.sequence_parallel,
+        num_layers=get_num_layers_to_build(config, vp_stage=vp_stage),
+        qk_layernorm=arch.qk_layernorm,
+        multi_latent_attention=arch.mla is not None,
+    )
+    mtp_spec = None
+    if arch.mtp_num_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        from . import mtp
+
+        mtp.install()
+
+        last = layer_spec.layer_specs[-1] if isinstance(layer_spec, TransformerBlockSubmodules) else layer_spec
+        mtp_spec = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp_stage)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=hdp_gpt_layer_spec(
-            num_experts=spec.num_experts or None,
-            normalization=arch.normalization,
-            sequence_parallel=config.sequence_parallel,
-            num_layers=get_num_layers_to_build(config, vp_stage=vp_stage),
-        ),
+        transformer_layer_spec=layer_spec,
+        mtp_block_spec=mtp_spec,
         vocab_size=padded_vocab_size(spec.vocab_size, arch.make_vocab_size_divisible_by, tp),
         max_sequence_length=max_sequence_length,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -1,122 +1,81 @@
-"""The checks a launcher runs once, before any rank starts: ``validate_hdp_args`` on the command
-line it is about to hand to torchrun (or srun), without importing torch or Megatron-LM.
+"""The checks a launcher runs once, before any rank starts, on the pretrain_gpt.py command line it
+is about to hand to torchrun (or srun), without importing torch or Megatron-LM.
 
-Importing Megatron's argument parser costs seconds (it pulls in torch and megatron-core), so the
-launcher reads the few Megatron flags the HDP validator needs with a parser of its own:
-``MEGATRON_FLAGS`` lists each with Megatron's (core_v0.16.1) type and default, and
-tests/test_arguments_megatron.py compares the table with Megatron's real parser. Flags it does
-not know are left alone (Megatron's own parser still reads them in the ranks); the values
-Megatron's validate_args derives (data-parallel size, default global batch, virtual stages) are
-derived here the same way. The ranks still run the full validation: this is the early copy of
-what can be known from the command line, so a wrong launch ends in one line within a second.
+Megatron's own parser judges the command line first: importing it costs seconds (Megatron's
+``arguments`` module imports torch and megatron-core), so the launcher builds it from the
+parser's spec (``parser_spec``: shipped for each supported tree and compared with the real
+parsers by the tests, extracted once and cached for any other tree). Unknown and misspelled
+flags end in one line with the nearest flag; values are read with Megatron's types, counts and
+choices. Then: the entry script (only pretrain_gpt.py), every refusal of the flag table
+(``flag_table``), the global batch's divisibility, ``validate_hdp_args``, Megatron's LR-schedule
+rule, the dataset files and the ``--save`` lock. The values Megatron's validate_args derives
+(data-parallel size, default global batch, virtual stages) are derived here the same way. The
+ranks still run Megatron's full validation: this is the early copy of what can be known from the
+command line, so a wrong launch ends in one line within a second or two.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
+from pathlib import Path
 
 from ..errors import ConfigError
 from ..folder_lock import HeartbeatLock
+from . import flag_table, parser_spec
 from .arguments import (
     add_hdp_arguments,
     check_data_exists,
+    check_global_batch,
     check_launch,
     check_schedule,
     validate_hdp_args,
 )
+from .checkpoint_guard import check_overwrite
+from .data_stream import check_before_launch
 
-# (flag, kind, Megatron's default); kind: int, float, str, list (nargs='*'), ints3 (nargs=3), true (store_true)
-MEGATRON_FLAGS = (
-    ("--tensor-model-parallel-size", "int", 1),
-    ("--pipeline-model-parallel-size", "int", 1),
-    ("--context-parallel-size", "int", 1),
-    ("--sequence-parallel", "true", False),
-    ("--max-seqlen-per-dp-cp-rank", "int", None),
-    ("--hybrid-context-parallel", "true", False),
-    ("--expert-model-parallel-size", "int", 1),
-    ("--expert-tensor-parallel-size", "int", None),
-    ("--overlap-moe-expert-parallel-comm", "true", False),
-    ("--moe-token-dispatcher-type", "str", "allgather"),
-    ("--cpu-offloading-num-layers", "int", 0),
-    ("--fine-grained-activation-offloading", "true", False),
-    ("--num-layers", "int", None),
-    ("--mtp-num-layers", "int", None),
-    ("--attention-dropout", "float", 0.1),
-    ("--calculate-per-token-loss", "true", False),
-    ("--multi-latent-attention", "true", False),
-    ("--experimental-attention-variant", "str", None),
-    ("--position-embedding-type", "str", "learned_absolute"),
-    ("--heterogeneous-layers-config-path", "str", None),
-    ("--spec", "list", None),
-    ("--enable-cuda-graph", "true", False),
-    ("--external-cuda-graph", "true", False),
-    ("--cuda-graph-impl", "str", "none"),
-    ("--use-megatron-fsdp", "true", False),
-    ("--use-torch-fsdp2", "true", False),
-    ("--overlap-param-gather", "true", False),
-    ("--num-layers-per-virtual-pipeline-stage", "int", None),
-    ("--num-virtual-stages-per-pipeline-rank", "int", None),
-    ("--pipeline-model-parallel-layout", "str", None),
-    ("--microbatch-group-size-per-virtual-pipeline-stage", "int", None),
-    ("--micro-batch-size", "int", None),
-    ("--global-batch-size", "int", None),
-    ("--rampup-batch-size", "ints3", None),
-    ("--seq-length", "int", None),
-    ("--train-iters", "int", None),
-    ("--train-samples", "int", None),
-    ("--lr-decay-iters", "int", None),
-    ("--lr-warmup-iters", "int", 0),
-    ("--lr-warmup-fraction", "float", None),
-    ("--lr-warmup-samples", "int", 0),
-    ("--dataloader-type", "str", None),
-    ("--data-path", "list", None),
-    ("--train-data-path", "list", None),
-    ("--valid-data-path", "list", None),
-    ("--test-data-path", "list", None),
-    ("--data-args-path", "str", None),
-    ("--per-split-data-args-path", "str", None),
-    ("--mock-data", "true", False),
-    ("--sft", "true", False),
-    ("--fim-data", "true", False),
-    ("--eval-iters", "int", 100),
-    ("--eval-interval", "int", None),
-    ("--skip-train", "true", False),
-    ("--full-validation", "true", False),
-    ("--multiple-validation-sets", "true", False),
-    ("--seed", "int", 1234),
-    ("--save", "str", None),
-    ("--load", "str", None),
-)
+# the entry scripts HDP serves (its hooks wrap pretrain_gpt.py's providers); any other is refused by name
+SUPPORTED_SCRIPTS = ("pretrain_gpt.py",)
 
 
-# the flags whose attribute Megatron names otherwise than argparse would (a config dataclass field)
-MEGATRON_DESTS = {"--microbatch-group-size-per-virtual-pipeline-stage": "microbatch_group_size_per_vp_stage"}
+def check_entry_script(script: str | Path) -> None:
+    """Only Megatron-LM's pretrain_gpt.py (under any folder) runs under HDP."""
+    name = Path(script).name
+    if name not in SUPPORTED_SCRIPTS:
+        raise ConfigError(
+            f"{name}: megatron_bytescale trains GPT models through Megatron-LM's pretrain_gpt.py; {name} "
+            f"(its own models, data and steps) is not supported under --hybrid-data-parallel: run pretrain_gpt.py"
+        )
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a refusal is a ConfigError (one line), not usage text and exit 2."""
+class _Parser(parser_spec.OneLineParser):
+    """Megatron's parser, rebuilt: an unknown flag is one line that names the nearest known one."""
 
     def error(self, message):
+        if message.startswith("unrecognized arguments:"):
+            unknown = next((w for w in message.split()[2:] if w.startswith("--")), None)
+            if unknown:
+                # a misspelling, not any flag that shares a few words (cutoff above difflib's 0.6)
+                near = difflib.get_close_matches(
+                    unknown.split("=")[0], list(self._option_string_actions), n=1, cutoff=0.8
+                )
+                if near:
+                    message += f" (did you mean {near[0]}?)"
         raise ConfigError(message)
 
 
-def parse(flags: list[str]) -> argparse.Namespace:
-    """The Megatron flags of ``MEGATRON_FLAGS`` and the HDP group from a pretrain_gpt.py command line."""
-    parser = _OneLineParser(prog="pretrain_gpt.py", add_help=False, allow_abbrev=False)
-    for flag, kind, default in MEGATRON_FLAGS:
-        dest = MEGATRON_DESTS.get(flag, flag[2:].replace("-", "_"))  # argparse's own name, but where Megatron's differs
-        if kind == "true":
-            parser.add_argument(flag, action="store_true", dest=dest)
-        elif kind == "list":
-            parser.add_argument(flag, nargs="*", default=default, dest=dest)
-        elif kind == "ints3":
-            parser.add_argument(flag, nargs=3, type=int, default=default, dest=dest)
-        else:
-            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind], default=default, dest=dest)
-    add_hdp_arguments(parser)
-    args, _unknown = parser.parse_known_args(flags)
-    return args
+def parser_for(tree: str | Path) -> argparse.ArgumentParser:
+    """Megatron's parser of ``tree`` (from its spec) with the HDP group, as pretrain_gpt.py builds it."""
+    parser = _Parser(prog="pretrain_gpt.py", add_help=False, allow_abbrev=False)
+    for action in parser_spec.build_parser(parser_spec.load(tree))._actions:
+        parser._add_action(action)
+    return add_hdp_arguments(parser)
+
+
+def parse(flags: list[str], tree: str | Path) -> argparse.Namespace:
+    """A pretrain_gpt.py command line read as Megatron's parser of ``tree`` reads it."""
+    return parser_for(tree).parse_args(flags)
 
 
 def derive(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -134,30 +93,48 @@ def derive(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     return args
 
 
-def check(flags: list[str], world_size: int) -> argparse.Namespace:
-    """Everything about ``flags`` that can be known before the ranks start: ConfigError if not."""
-    args = derive(parse(flags), world_size)
-    if args.hybrid_data_parallel and args.seq_length is None:
+def check(flags: list[str], world_size: int, script: str | Path) -> argparse.Namespace:
+    """Everything about ``script flags`` that can be known before the ranks start: ConfigError if not.
+    Without --hybrid-data-parallel the script is Megatron's (or any torchrun program's) to check:
+    only an HDP flag given in vain is refused."""
+    if "--hybrid-data-parallel" not in flag_table.given_flags(flags):
+        hdp = add_hdp_arguments(parser_spec.OneLineParser(add_help=False, allow_abbrev=False))
+        return validate_hdp_args(hdp.parse_known_args(flags)[0])
+    check_entry_script(script)
+    parser = parser_for(Path(script).resolve().parent)
+    args = parser.parse_args(flags)
+    flag_table.refuse(args, flag_table.given_flags(flags), set(parser._option_string_actions))
+    args = derive(args, world_size)
+    check_global_batch(args)
+    if args.seq_length is None:
         raise ConfigError("--seq-length is required: the longest sequence a step holds, e.g. --seq-length 32768")
     validate_hdp_args(args)
-    if not args.hybrid_data_parallel:
-        return args
     check_schedule(args)
     check_data_exists(args)
     if args.save:
-        HeartbeatLock(args.save, what="training run").check_free()
+        lock = HeartbeatLock(args.save, what="training run")
+        lock.check_free()
+        lock.check_writable()
+        check_overwrite(args)
+    check_before_launch(args)
     return args
 
 
-def training_flags(argv: list[str]) -> list[str] | None:
-    """The pretrain_gpt.py flags in a launcher's command line: what follows
+def training_command(argv: list[str]) -> tuple[str, list[str]] | None:
+    """(the entry script, its flags) in a launcher's command line: what follows
     ``-m megatron_bytescale.launch SCRIPT`` or ``SCRIPT.py``; None if neither is there."""
     for i, word in enumerate(argv):
         if word == "megatron_bytescale.launch" and i and argv[i - 1] in ("-m", "--module"):
-            return argv[i + 2 :]
+            return (argv[i + 1], argv[i + 2 :]) if i + 1 < len(argv) else None
         if word.endswith(".py") and not word.startswith("-"):
-            return argv[i + 1 :]
+            return word, argv[i + 1 :]
     return None
+
+
+def training_flags(argv: list[str]) -> list[str] | None:
+    """The pretrain_gpt.py flags of a launcher's command line (``training_command``'s second part)."""
+    command = training_command(argv)
+    return None if command is None else command[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,9 +147,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    flags = training_flags(argv[2:])
+    command = training_command(argv[2:])
+    if command is None:
+        print("error: no entry script (pretrain_gpt.py) in the command line", file=sys.stderr)
+        return 2
     try:
-        check(flags if flags is not None else argv[2:], int(argv[1]))
+        check(command[1], int(argv[1]), command[0])
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

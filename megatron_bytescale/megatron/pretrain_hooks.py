@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import BytescaleError, ConfigError
 from ..megatron_era import is_v019
-from . import checkpoint_guard, rank_guard
+from . import checkpoint_guard, flag_table, rank_guard
 from .arguments import (
     add_hdp_arguments,
     chain_extra_args_providers,
@@ -50,7 +50,7 @@ from .arguments import (
     planner_config_from_args,
     validate_hdp_args,
 )
-from .step_timing import StepTimer
+from .step_timing import StepTimer, measured_elsewhere
 
 # Megatron's ``--spec MODULE NAME`` reads ``vars(MODULE)[NAME]``: the HDP model provider puts
 # the layer spec it built for this run here and points args.spec at it.
@@ -101,6 +101,10 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
         hdp = getattr(args, "hybrid_data_parallel", False)
         try:
             if hdp:
+                # the flag table's refusals on the values as parsed (Megatron's validate_args
+                # asserts on some of them with a traceback), and any Megatron flag given that the
+                # table does not classify
+                flag_table.refuse(args, flag_table.given_flags(sys.argv[1:]), megatron_options())
                 check_launch(args)  # before Megatron's asserts would fire with a traceback
                 check_global_batch(args)
                 check_schedule(args)  # Megatron's scheduler asserts it a minute later, in every rank
@@ -117,6 +121,7 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
             if hdp:
                 check_data_exists(args)
                 checkpoint_guard.hold_save_lock(args)
+                checkpoint_guard.check_overwrite(args)
             print(dump.getvalue(), end="", flush=True)
         except ConfigError as exc:
             # a wrong launch stops here, before any worker trains, with one line: from the
@@ -126,6 +131,17 @@ def validate_args_then_hdp(validate_args: Callable) -> Callable:
 
     validate._hdp_wrapped = True
     return validate
+
+
+def megatron_options() -> set[str] | None:
+    """The option strings of the Megatron parser this rank runs (its modules are imported by
+    now); None for a training package without Megatron's parser (the launcher tests' stand-in)."""
+    import argparse
+
+    from megatron.training import arguments
+
+    add = getattr(arguments, "add_megatron_arguments", None)
+    return None if add is None else set(add(argparse.ArgumentParser(allow_abbrev=False))._option_string_actions)
 
 
 # ------------------------------------------------------------------ forward/backward
@@ -170,16 +186,28 @@ def megatron_forward_backward(**kwargs) -> list:
     step answers with zero sums for the keys it last reported, so the all-reduce still matches.
     """
     from ..runtime.step import hdp_forward_backward
+    from . import moe_statistics
 
+    moe_statistics.install()  # a padding-only expert-parallel filler's router statistics: 0, not 0 / 0
     kwargs.setdefault("offloader", _offloader(kwargs.get("model")))
     args = _hdp_args()  # every --log-interval: the planner's predicted step time beside the measured one
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    losses = _step_timer.run(hdp_forward_backward, kwargs, getattr(args, "log_interval", None), rank)
+    gpus = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if args is not None and _step_timer.steps == 0:  # the profiling hint only where re-profiling can help
+        from .arguments import default_hardware
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        hardware = getattr(args, "hdp_hardware", None) or default_hardware()
+        _step_timer.measured_elsewhere = measured_elsewhere(getattr(args, "hdp_profile", None), hardware, device)
+    losses = _step_timer.run(hdp_forward_backward, kwargs, getattr(args, "log_interval", None), rank, gpus)
     if losses:
         megatron_forward_backward.keys = tuple(losses[0].keys())
     elif not kwargs.get("collect_non_loss_data"):
         zeros = torch.zeros(2, dtype=torch.float32, device=_device())
         losses = [{key: zeros.clone() for key in megatron_forward_backward.keys}]
+        if not kwargs.get("forward_only"):  # the routers' logged losses, as a filler records them
+            model = kwargs.get("model")
+            moe_statistics.record_idle_rank(model if isinstance(model, list) else [model])
     return losses
 
 
@@ -197,6 +225,7 @@ def install_argument_validation() -> None:
         import megatron.training.initialize as module
 
     rank_guard.die_with_launcher()  # the first hooks every entry point installs
+    rank_guard.record_uncaught()
     rank_guard.destroy_process_groups_at_exit()
     module.validate_args = validate_args_then_hdp(module.validate_args)
 
@@ -208,10 +237,11 @@ def install_forward_backward() -> None:
     import megatron.training.training as training
 
     training.get_forward_backward_func = get_forward_backward_func_or_hdp(training.get_forward_backward_func)
-    install_checkpoint_rng()
     from .elastic import install_elastic_resume
 
+    # inside the verified load: the world it reads is the iteration that verifies
     install_elastic_resume(_hdp_args)  # a checkpoint from another world size: checked, announced, resharded
+    install_checkpoint_rng()
 
 
 def every_hdp_rank_rng(function: Callable) -> Callable:
@@ -249,8 +279,11 @@ def install_checkpoint_rng() -> None:
         return
 
     for module in (checkpointing, training):  # training.py:104-105 imports both by name
-        module.save_checkpoint = checkpoint_guard.manifested_save(every_hdp_rank_rng(module.save_checkpoint), _hdp_args)
+        module.save_checkpoint = checkpoint_guard.manifested_save(
+            every_hdp_rank_rng(module.save_checkpoint), _hdp_args, _record_data_stream
+        )
         module.load_checkpoint = checkpoint_guard.verified_load(every_hdp_rank_rng(module.load_checkpoint), _hdp_args)
+    checkpointing.read_metadata = checkpoint_guard.chosen_tracker(checkpointing.read_metadata)
 
 
 def check_megatron_version() -> None:
@@ -312,12 +345,26 @@ def hdp_layer_spec(args, config=None, vp_stage=None):
         return with_hdp_core_attention(
             get_gpt_layer_with_transformer_engine_spec(
                 qk_layernorm=args.qk_layernorm,
+                multi_latent_attention=args.multi_latent_attention,
                 qk_l2_norm=args.qk_l2_norm,
             )
         )
     return hdp_gpt_layer_spec(
-        qk_layernorm=args.qk_layernorm, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm
+        qk_layernorm=args.qk_layernorm,
+        normalization=args.normalization,
+        qk_l2_norm=args.qk_l2_norm,
+        multi_latent_attention=args.multi_latent_attention,
     )
+
+
+def _install_model_hooks(args) -> None:
+    """Hooks the model's build and forward need beyond the layer spec: multi-token prediction's
+    (HDP attention in its layers, the roll along documents, the loss scale: ``mtp``)."""
+    if args.mtp_num_layers:
+        from . import mtp
+
+        mtp.install()
+        mtp.install_spec_hook("gpt_builders")  # core_v0.16's builder module, imported by pretrain_gpt.py
 
 
 def model_provider(base: Callable) -> Callable:
@@ -331,9 +378,14 @@ def model_provider(base: Callable) -> Callable:
         if hdp is None:
             return base(*args, **kwargs)
         global HDP_LAYER_SPEC
+        _install_model_hooks(hdp)
         HDP_LAYER_SPEC = hdp_layer_spec(hdp, kwargs.get("config"), kwargs.get("vp_stage"))
-        hdp.spec = list(_SPEC_TARGET)
-        model = base(*args, **kwargs)
+        if hdp.mtp_num_layers:
+            with _spec_from_builder_functions(HDP_LAYER_SPEC):
+                model = base(*args, **kwargs)
+        else:
+            hdp.spec = list(_SPEC_TARGET)
+            model = base(*args, **kwargs)
         if hdp.position_embedding_type == "rope":  # learned positions read position_ids directly
             from .rotary import use_true_positions
 
@@ -341,6 +393,30 @@ def model_provider(base: Callable) -> Callable:
         return model
 
     return provider
+
+
+@contextlib.contextmanager
+def _spec_from_builder_functions(spec):
+    """core_v0.16's ``gpt_builder`` with multi-token prediction: given ``--spec`` it never sets
+    the ``use_te`` its MTP branch reads (gpt_builders.py, an UnboundLocalError), so the HDP spec
+    reaches it through the builder module's own spec functions instead (``args.spec`` unset),
+    for this build only; its MTP branch then builds from Megatron's decoder specs, which the MTP
+    spec hook (``mtp.install_spec_hook``) gives HDP attention."""
+    builder = sys.modules.get("gpt_builders")
+    names = ("_get_transformer_layer_spec", "get_gpt_decoder_block_spec")
+    if builder is None or not all(hasattr(builder, n) for n in names):
+        raise ConfigError(
+            "--mtp-num-layers under HDP on core_v0.16 builds through pretrain_gpt.py's gpt_builders module, "
+            "which this entry point did not load"
+        )
+    saved = {n: getattr(builder, n) for n in names}
+    for n in names:
+        setattr(builder, n, lambda *args, **kwargs: spec)
+    try:
+        yield
+    finally:
+        for n, function in saved.items():
+            setattr(builder, n, function)
 
 
 def _config_layer_spec(model_config, vp_stage=None):
@@ -357,8 +433,10 @@ def model_config(config):
     the HDP layer spec, and a builder that rotates q/k at each token's true position (the
     config's ``builder`` is a class attribute naming the builder: this instance names ours, a
     subclass of Megatron's). Returns the config (changed in place)."""
-    if _hdp_args() is None:
+    args = _hdp_args()
+    if args is None:
         return config
+    _install_model_hooks(args)
     config.transformer_layer_spec = _config_layer_spec
     object.__setattr__(config, "builder", HDP_GPT_BUILDER)
     return config
@@ -417,26 +495,41 @@ def forward_step(base: Callable, loss_func: Callable | None = None) -> Callable:
     return step
 
 
-def _single_prefix(paths, flag: str) -> str:
-    """One dataset prefix from Megatron's nargs='*' data-path flags (no blends)."""
-    if isinstance(paths, str):
-        paths = [paths]
-    if not paths or len(paths) != 1:
-        raise ConfigError(
-            f"{flag} {' '.join(paths or [])}: the HDP loader reads one dataset prefix (no weighted blends); "
-            "build one dataset from all sources with `bytescale prepare-data`"
-        )
-    return paths[0]
-
-
 def hdp_rank() -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_data_parallel_rank(with_context_parallel=True)
 
 
-def build_loader(args, prefix: str, rank: int, *, name: str = "train"):
-    """The HDP loader (local or Ray) for ``prefix`` serving HDP rank ``rank``."""
+def _source_kwargs(args, spec) -> dict:
+    """What opening a split needs beyond its paths: the model's vocabulary (indexed datasets),
+    Megatron's tokenizer for mock tokens (its vocabulary and EOD) and for SFT conversations."""
+    if spec.kind == "indexed":
+        return {"vocab_size": getattr(args, "padded_vocab_size", None) or args.vocab_size}
+    from megatron.training import get_tokenizer
+
+    tokenizer = get_tokenizer()
+    if spec.kind == "mock":
+        return {"mock": {"vocab_size": int(tokenizer.vocab_size), "eod": int(tokenizer.eod)}}
+
+    def tokenize(conversation):
+        return tokenizer.tokenize_conversation(conversation, return_target=True, add_generation_prompt=False)
+
+    # core_v0.16.1's SFTDataset ends every conversation with EOD, core_v0.19's does not
+    return {"sft": {"tokenize": tokenize, "pad_id": tokenizer.pad, "eod": tokenizer.eod, "append_eod": not is_v019()}}
+
+
+def open_split(args, spec):
+    """One split's documents (``data.documents.StreamDocuments``) from its ``StreamSpec``."""
+    from ..data.documents import open_stream
+
+    if spec.kind == "sft":
+        print(f"hdp: tokenizing the {spec.name} conversations of {', '.join(p.path for p in spec.parts)}", flush=True)
+    return open_stream(spec, context_length=args.seq_length, seed=args.seed, **_source_kwargs(args, spec))
+
+
+def build_loader(args, documents, rank: int, *, name: str = "train"):
+    """The HDP loader (local or Ray) for one split's ``documents`` serving HDP rank ``rank``."""
     config, cost = planner_config_from_args(args), cost_model_from_args(args)
     common = dict(
         step_tokens=args.hdp_step_tokens,
@@ -444,14 +537,13 @@ def build_loader(args, prefix: str, rank: int, *, name: str = "train"):
         seed=args.seed,
         rank=rank,
         cost=cost,
-        vocab_size=getattr(args, "padded_vocab_size", None) or args.vocab_size,
     )
     if args.hdp_dataloader == "ray":
         from ..data.ray_loader import RayDataLoader
 
         job = os.environ.get("SLURM_JOB_ID") or os.environ.get("MASTER_PORT", "0")
         return RayDataLoader(
-            prefix,
+            documents,
             config,
             **common,
             num_servers=args.hdp_ray_servers,
@@ -463,24 +555,18 @@ def build_loader(args, prefix: str, rank: int, *, name: str = "train"):
 
     # the next steps are planned in a background process (data/plan_ahead.py), not a thread:
     # planning would hold the GIL the training loop launches its kernels with
-    return LocalDataLoader(prefix, config, **common, plan_ahead=args.hdp_plan_ahead)
+    return LocalDataLoader(documents, config, **common, plan_ahead=args.hdp_plan_ahead)
 
 
-def fast_forward(loader, args, prefix: str, steps: int) -> None:
+def fast_forward(loader, args, documents, steps: int) -> None:
     """Move a fresh loader past the first ``steps`` steps (resuming at --load's iteration).
-    Only the sample stream advances (document lengths from the index): nothing is planned or read."""
+    Only the sample stream advances (document lengths only): nothing is planned or read."""
     if steps <= 0:
         return
-    from ..data.indexed import DocumentDataset
-    from ..data.sampler import GlobalBatchSampler, Position, loader_state
+    from ..data.sampler import loader_state
 
-    sampler = GlobalBatchSampler(
-        DocumentDataset(prefix).lengths,
-        step_tokens=args.hdp_step_tokens,
-        context_length=args.seq_length,
-        seed=args.seed,
-    )
-    position = Position()
+    sampler = documents.sampler(step_tokens=args.hdp_step_tokens, context_length=args.seq_length, seed=args.seed)
+    position = sampler.start()
     for _ in range(steps):
         _, position = sampler.batch(position)
     loader.load_state_dict(loader_state(steps, position, sampler.fingerprint()))
@@ -496,31 +582,88 @@ def evaluations_before(iteration: int, args) -> int:
     return done
 
 
+_train_loader = None  # the training loader of this process: its position goes into each checkpoint
+
+
+def _record_data_stream(folder, args, iteration: int) -> None:
+    """checkpoint_guard's ``before_manifest``: what determines the training stream, and where it stands."""
+    from . import data_stream
+
+    data_stream.write(folder, args, iteration, _train_loader)
+
+
+def resume_train(loader, args, documents, iteration: int) -> None:
+    """Continue the training stream at --load's ``iteration``: from the position the checkpoint
+    recorded when what determines the stream is unchanged (ConfigError naming what changed),
+    else by replaying the stream to it (a checkpoint without a record)."""
+    from . import data_stream
+    from .checkpoint_guard import iteration_dir
+
+    if not getattr(args, "load", None):  # (callers that set the iteration by hand) nothing recorded to read
+        fast_forward(loader, args, documents, iteration)
+        return
+    point = data_stream.resume_point(iteration_dir(args.load, iteration), args, iteration)
+    if point.line and torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+        print(point.line, flush=True)
+    if point.position is None:
+        fast_forward(loader, args, documents, iteration)
+    elif point.position == data_stream.START:  # a new loader stands at its stream's beginning
+        loader.load_state_dict(dict(loader.state_dict(), step=iteration))
+    else:  # the loader's own state, at the recorded step and position
+        loader.load_state_dict(dict(loader.state_dict(), step=iteration, position=point.position))
+
+
+def _one_line_errors(iterator: Iterator) -> Iterator:
+    """The loader's errors end the rank with one line through the launcher, not a traceback in
+    every rank: bad data (status 2), a dead or silent planning process (status 1)."""
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except ConfigError as exc:
+            rank_guard.report(str(exc))
+        except BytescaleError as exc:
+            rank_guard.report(str(exc), status=1)
+        yield batch
+
+
 def hdp_data_iterators(args, rank: int | None = None):
-    """(train, valid, test) iterators of ``StepBatch`` for this HDP rank: training from
-    --data-path (or --train-data-path), resumed at args.iteration; validation from
-    --valid-data-path when given; no test set."""
+    """(train, valid, test) iterators of ``StepBatch`` for this HDP rank, one per split that has
+    data (``data_config.data_config_from_args``: blends, ``--split``, mock data, SFT): training
+    resumed at args.iteration (``resume_train``: from the position the checkpoint recorded);
+    validation continued past the evaluations before it; the test split from its start (Megatron
+    evaluates it once, after training)."""
+    from .data_config import data_config_from_args
+
+    global _train_loader
     rank = hdp_rank() if rank is None else rank
-    train_prefix = _single_prefix(args.train_data_path or args.data_path, "--data-path")
-    train = build_loader(args, train_prefix, rank, name="train")
-    fast_forward(train, args, train_prefix, getattr(args, "iteration", 0))
-    train_iter: Iterator = iter(train)
-    valid_iter = None
-    if args.valid_data_path:
-        valid_prefix = _single_prefix(args.valid_data_path, "--valid-data-path")
-        valid = build_loader(args, valid_prefix, rank, name="valid")
-        # Megatron validated --eval-iters steps at every --eval-interval iteration before --load's
-        # iteration: a resumed run continues the validation stream where those stopped
-        iteration = getattr(args, "iteration", 0)
-        if args.eval_interval:
-            fast_forward(valid, args, valid_prefix, evaluations_before(iteration, args) * args.eval_iters)
-        valid_iter = iter(valid)
-    return train_iter, valid_iter, None
+    config = data_config_from_args(args)
+    iteration = getattr(args, "iteration", 0)
+    iterators = []
+    for name in ("train", "valid", "test"):
+        spec = config.stream(name)
+        if spec is None or (name != "train" and args.eval_iters <= 0) or (name == "train" and args.skip_train):
+            iterators.append(None)
+            continue
+        documents = open_split(args, spec)
+        loader = build_loader(args, documents, rank, name=name)
+        if name == "train":
+            if iteration > 0:
+                resume_train(loader, args, documents, iteration)
+            _train_loader = loader
+        elif name == "valid" and args.eval_interval:
+            # Megatron validated --eval-iters steps at every --eval-interval iteration before --load's
+            # iteration: a resumed run continues the validation stream where those stopped
+            fast_forward(loader, args, documents, evaluations_before(iteration, args) * args.eval_iters)
+        iterators.append(iter(loader))
+    return tuple(iterators)
 
 
 def datasets_provider(base: Callable) -> Callable:
     """Wrap pretrain_gpt's ``train_valid_test_datasets_provider``: under HDP it returns the HDP
-    iterators, which Megatron's ``--dataloader-type external`` passes through untouched. Every
+    iterators, which Megatron's ``--dataloader-type external`` passes through untouched (their
+    errors end the rank in one line through the launcher, as bad data does here). Every
     rank builds its own (``is_distributed``): all TP ranks of one HDP rank read the same plan.
     With virtual pipeline stages Megatron asks once per model chunk (``vp_stage``); the HDP
     step reads the first chunk's iterator only, so the others get none."""
@@ -532,7 +675,13 @@ def datasets_provider(base: Callable) -> Callable:
             return base(train_val_test_num_samples, *args, **kwargs)
         if kwargs.get("vp_stage") or (args and args[0]):
             return None, None, None
-        return hdp_data_iterators(hdp)
+        try:  # bad data, a resume on another data stream, a loader that cannot start: one line
+            train, valid, test = hdp_data_iterators(hdp)
+        except ConfigError as exc:
+            rank_guard.report(str(exc))
+        except BytescaleError as exc:
+            rank_guard.report(str(exc), status=1)
+        return tuple(None if it is None else _one_line_errors(it) for it in (train, valid, test))
 
     provider.is_distributed = True
     return provider

@@ -9,16 +9,26 @@ as one line.
   is gone. A SIGKILLed launcher so leaves no rank training or saving behind.
 * ``destroy_process_groups_at_exit()``: at exit the rank destroys torch.distributed's process
   groups while the interpreter is still whole (see there why).
-* ``report(message)``: a rank that refuses its input exits with status 2. Under
+* ``report(message)``: a rank that refuses its input exits with status 2 (``status``: 1 for a
+  failure that is not the input's, e.g. a dead planning process). Under
   ``megatron_bytescale.torchrun`` it writes the line to ``$BYTESCALE_RANK_ERRORS/rank<R>`` and
-  prints nothing (the launcher prints it once); otherwise rank 0 prints it.
+  prints nothing (the launcher prints the first rank's line once); otherwise rank 0 prints it.
+* ``record_uncaught()``: an uncaught exception still prints its traceback, and its last line
+  and time go to ``$BYTESCALE_RANK_ERRORS/uncaught<R>``, so the launcher can name the rank that
+  failed first, and why, rather than a peer that failed because of it; once another rank has
+  reported its cause, a rank's own failure (a collective whose peer left) ends it quietly.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
+import signal
 import sys
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
@@ -34,11 +44,16 @@ _exit_hook = False
 
 
 def die_with_launcher() -> bool:
-    """In a rank started by torchrun or srun: end with the launcher (idempotent). True if installed."""
+    """In a rank started by torchrun or srun: end with the launcher (idempotent), and end at once
+    and quietly on the SIGINT a launcher forwards, as on its SIGTERM (Python's KeyboardInterrupt
+    would print a traceback per rank under the launcher's one "interrupted" line, and waits for
+    a collective the rank is blocked in to return). True if installed."""
     global _installed
     if _installed or not any(os.environ.get(name) for name in LAUNCHED_BY):
         return _installed
     _die_with(os.getppid())
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     _installed = True
     return True
 
@@ -68,23 +83,76 @@ def _destroy_process_groups() -> None:
             pass
 
 
-def report(message: str) -> NoReturn:
-    """Exit this rank with status 2 after handing ``message`` (one line) to the launcher."""
+def _write(name: str, message: str, status: int) -> bool:
+    """Hand ``message`` to the launcher as ``$BYTESCALE_RANK_ERRORS/<name>``; False without a launcher."""
     folder = os.environ.get(ERRORS_ENV)
+    if not folder or not os.path.isdir(folder):
+        return False
+    record = {"message": " ".join(message.split("\n")), "status": status, "time": time.time()}
+    tmp = Path(folder) / f".{name}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, Path(folder) / name)
+    return True
+
+
+def report(message: str, status: int = 2) -> NoReturn:
+    """Exit this rank with ``status`` after handing ``message`` (one line) to the launcher."""
     rank = int(os.environ.get("RANK", "0"))
-    if folder and os.path.isdir(folder):
-        tmp = Path(folder) / f".rank{rank}.tmp"
-        tmp.write_text(message.replace("\n", " ") + "\n")
-        os.replace(tmp, Path(folder) / f"rank{rank}")
-    elif rank == 0:
+    if not _write(f"rank{rank}", message, status) and rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
-def reported(folder: str | Path) -> list[tuple[int, str]]:
-    """(rank, line) of each rank that reported, by rank (the launcher's side)."""
+def record_uncaught() -> None:
+    """Note each uncaught exception's last line and time for the launcher (idempotent); the
+    traceback is printed as before."""
+    if getattr(sys.excepthook, "_bytescale", False) or not os.environ.get(ERRORS_ENV):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        folder = os.environ.get(ERRORS_ENV, "")
+        if os.path.isdir(folder) and reported(folder):
+            # another rank reported its cause before ending (the launcher prints it): this rank's
+            # failure follows from that (a collective whose peer left), its traceback says nothing more
+            return
+        try:
+            why = f"{kind.__name__}: {value}".strip().splitlines()
+            _write(f"uncaught{os.environ.get('RANK', '0')}", why[-1] if why else kind.__name__, 1)
+        except OSError:
+            pass
+        previous(kind, value, tb)
+
+    hook._bytescale = True
+    sys.excepthook = hook
+
+
+@dataclass(frozen=True)
+class Report:
+    rank: int
+    message: str
+    status: int
+    time: float
+
+
+def _read(folder: str | Path, prefix: str) -> list[Report]:
     out = []
-    for path in Path(folder).glob("rank*"):
-        if path.name[4:].isdigit():
-            out.append((int(path.name[4:]), path.read_text().strip()))
-    return sorted(out)
+    for path in Path(folder).glob(f"{prefix}*"):
+        rank = path.name[len(prefix) :]
+        if rank.isdigit():
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            out.append(Report(int(rank), record["message"], int(record["status"]), float(record["time"])))
+    return sorted(out, key=lambda r: (r.time, r.rank))
+
+
+def reported(folder: str | Path) -> list[Report]:
+    """The ranks' reports (``report``), first reported first (the launcher's side)."""
+    return _read(folder, "rank")
+
+
+def uncaught(folder: str | Path) -> list[Report]:
+    """The ranks' uncaught exceptions (``record_uncaught``), first raised first."""
+    return _read(folder, "uncaught")

@@ -26,6 +26,14 @@ consecutive *distinct* positions of the micro-batch: whole sequences all start a
 positions form one run however many are packed, and each zigzag piece adds at most two. The
 angles are bit-identical to those of the whole sequence (``arange(n) + offset`` is exact in
 float32 below 2^24 positions).
+
+Multi-latent attention keeps its RoPE in every attention layer instead (``MLASelfAttention``'s
+own ``rotary_pos_emb``, ``RotaryEmbedding`` or ``YarnRotaryEmbedding`` for ``--rope-type yarn``;
+GPTModel then has none), and asks it the same way: ``get_rotary_seq_len``, then the table
+(YaRN: the table and its mscale) or, with the fused YaRN kernel, ``get_cached_cos_sin`` (the
+kernel rotates row t of the tokens by row t of the cos/sin tables). ``mla.HDPMLASelfAttention``
+wraps that module in the same ``TruePositionRotaryEmbedding``, which answers all three with
+rows at the true positions.
 """
 
 from __future__ import annotations
@@ -53,6 +61,12 @@ def position_runs(positions: torch.Tensor) -> list[tuple[int, int]]:
 
 def true_position_emb(rotary: RotaryEmbedding, positions: torch.Tensor) -> torch.Tensor:
     """Megatron's RoPE angle table ``[T, 1, 1, d]``, row i taken at position ``positions[i]``."""
+    return true_position_table(rotary, positions)[0]
+
+
+def true_position_table(rotary: RotaryEmbedding, positions: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+    """(angle table at ``positions``, YaRN's mscale or None): what ``rotary.get_emb`` gives
+    (``YarnRotaryEmbedding.get_emb`` answers a pair)."""
     if positions.dim() != 1 or positions.numel() == 0:
         raise BytescaleError(f"RoPE needs a non-empty 1-D positions tensor, got shape {tuple(positions.shape)}")
     distinct, row_of_token = torch.unique(positions.to("cpu", torch.int64), sorted=True, return_inverse=True)
@@ -60,9 +74,14 @@ def true_position_emb(rotary: RotaryEmbedding, positions: torch.Tensor) -> torch
         raise BytescaleError(
             f"position {int(distinct[-1])} is beyond {_EXACT_POSITIONS}: float32 RoPE angles would be inexact"
         )
-    parts = [rotary.get_emb(length, offset=start) for start, length in position_runs(distinct)]
+    parts, mscale = [], None
+    for start, length in position_runs(distinct):
+        emb = rotary.get_emb(length, offset=start)
+        if isinstance(emb, tuple):
+            emb, mscale = emb
+        parts.append(emb)
     table = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    return table[row_of_token.to(table.device)]
+    return table[row_of_token.to(table.device)], mscale
 
 
 class TruePositionRotaryEmbedding(nn.Module):
@@ -80,7 +99,21 @@ class TruePositionRotaryEmbedding(nn.Module):
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
         return self.rotary.get_rotary_seq_len(*args, **kwargs)
 
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        """The angle table at the active micro-batch's positions; for YaRN (table, mscale), as
+        ``YarnRotaryEmbedding`` answers."""
+        table, mscale = true_position_table(self.rotary, self._positions(max_seq_len, offset, cp_group))
+        return table if mscale is None else (table, mscale)
+
+    def get_cached_cos_sin(self, seq_len: int, offset: int = 0, dtype=None, packed_seq: bool = False):
+        """YaRN's fused path: cos and sin (times mscale) of the angle table, one row per token at
+        its true position (``YarnRotaryEmbedding`` caches the same values for rows 0..seq_len-1)."""
+        table, mscale = true_position_table(self.rotary, self._positions(seq_len, offset, None))
+        mscale = 1.0 if mscale is None else mscale
+        dtype = dtype if dtype is not None else torch.get_default_dtype()
+        return (table.cos() * mscale).to(dtype).contiguous(), (table.sin() * mscale).to(dtype).contiguous()
+
+    def _positions(self, max_seq_len: int, offset: int, cp_group) -> torch.Tensor:
         active = current_micro_batch()
         if offset:
             raise BytescaleError(
@@ -93,15 +126,19 @@ class TruePositionRotaryEmbedding(nn.Module):
                 f"the model runs {max_seq_len} tokens but the active micro-batch has {active.num_tokens} positions: "
                 "activate the micro-batch whose tokens are being run (micro-batch size 1, no sequence padding)"
             )
-        return true_position_emb(self.rotary, active.positions)
+        return active.positions
 
 
 def use_true_positions(model: nn.Module) -> nn.Module:
     """Swap GPTModel's RoPE for true-position RoPE (in place; wrappers such as DDP are looked
-    through). Returns the model. Idempotent."""
+    through). Returns the model. Idempotent. A multi-latent attention model has its RoPE in its
+    attention layers, which HDP's MLA layer already turns to true positions: checked here."""
     gpt = model
     while not hasattr(gpt, "rotary_pos_emb") and hasattr(gpt, "module"):
         gpt = gpt.module
+    if getattr(getattr(gpt, "config", None), "multi_latent_attention", False):
+        _check_mla_rotary(gpt)
+        return model
     rotary = getattr(gpt, "rotary_pos_emb", None)
     if isinstance(rotary, TruePositionRotaryEmbedding):
         return model
@@ -112,3 +149,17 @@ def use_true_positions(model: nn.Module) -> nn.Module:
         )
     gpt.rotary_pos_emb = TruePositionRotaryEmbedding(rotary)
     return model
+
+
+def _check_mla_rotary(gpt: nn.Module) -> None:
+    """Every multi-latent attention layer of ``gpt`` rotates at true positions."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    for name, module in gpt.named_modules():
+        if isinstance(module, MultiLatentAttention) and not isinstance(
+            module.rotary_pos_emb, TruePositionRotaryEmbedding
+        ):
+            raise ConfigError(
+                f"{name} ({type(module).__name__}) rotates keys at row positions: under HDP multi-latent attention "
+                "layers come from HDP's layer spec (megatron_bytescale.megatron.mla.HDPMLASelfAttention)"
+            )

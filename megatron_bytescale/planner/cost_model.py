@@ -74,12 +74,12 @@ class CostModel:
         """m / l: the share of layers whose ring forward runs again in backward."""
         return self.recomputed_attention_layers / self.num_layers if self.num_layers else 0.0
 
-    # two-level attention (planner/two_level.py): the heads of one TP shard, and what the head
+    # two-level attention (planner/sizing/two_level.py): the heads of one TP shard, and what the head
     # all-to-all moves per token and layer for the queries (bf16); 0 heads: two-level off
     q_heads: int = 0
     kv_heads: int = 0
     q_bytes_per_token: float = 0.0
-    # MoE (planner/expert_slots.py): bytes one token's routed hidden states take in one
+    # MoE (planner/expert/timing.py): bytes one token's routed hidden states take in one
     # all-to-all of one layer (top-k x hidden, bf16); 0: a dense model
     moe_a2a_bytes_per_token: float = 0.0
 

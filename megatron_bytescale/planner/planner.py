@@ -106,7 +106,7 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
     """The HDP plan for one step. The result passes ``Plan.validate()`` (not run here: it is
     the tests' job, and slow on large clusters)."""
     with _no_cyclic_gc():
-        return _plan_step(seq_lens, config, cost)
+        return _plan_step(seq_lens, config, cost).with_ring_transport(config.ring_transport)
 
 
 def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -> Plan:

@@ -9,14 +9,18 @@ P = exp(S - lse), dV = P^T dout and dS = P * (dP - D), so per-block gradients si
 
 Two backends share one interface, ``forward(q, k, v, qblock, kblock, scale) -> (out, lse)`` and
 ``backward(dout, q, k, v, out, lse, qblock, kblock, scale) -> (dq, dk, dv)``, each returning
-None when nothing in the pair is visible. Shapes: q [Tq, hq, d], k/v [Tk, hkv, d] (GQA:
-hq % hkv == 0), out [Tq, hq, d], lse [Tq, hq]; results fp32.
+None when nothing in the pair is visible. Shapes: q [Tq, hq, dk], k [Tk, hkv, dk], v [Tk, hkv, dv]
+(GQA: hq % hkv == 0; dv may differ from dk, as in multi-latent attention), out [Tq, hq, dv],
+lse [Tq, hq]; results fp32.
 
 * ``TorchBackend``: dense math under the boolean visibility mask; any device and dtype.
 * ``VarlenBackend``: flash-attention kernels through varlen calls — flash-attn or torch's
   built-in kernels on CUDA (fp16/bf16), torch's CPU flash kernels on the CPU. Zigzag makes
   every (query run, key run) pair of one sequence fully visible, causal, or invisible, so a
-  block pair is at most two varlen calls (``varlen_calls``).
+  block pair is at most two varlen calls (``varlen_calls``). These kernels take one head dim
+  for q, k and v: a V narrower than K (multi-latent attention) is padded with zeros for the
+  call, and only there (the output's extra columns are zero and dropped; the scores do not
+  change); a wider V pads q and k instead.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def block_forward(q, k, v, mask: torch.Tensor, scale: float):
     lse = torch.logsumexp(s, dim=-1)  # [hkv, g, Tq]
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
     out = torch.einsum("hgqk,khd->qhgd", p, v.float())
-    return out.reshape(q.shape), lse.permute(2, 0, 1).reshape(q.shape[0], q.shape[1])
+    return out.reshape(*q.shape[:2], v.shape[-1]), lse.permute(2, 0, 1).reshape(q.shape[0], q.shape[1])
 
 
 def block_backward(dout, q, k, v, out, lse, mask: torch.Tensor, scale: float):
@@ -208,11 +212,14 @@ class VarlenBackend:
         calls = varlen_calls(qblock, kblock)
         if not calls:
             return None
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dv, width = v.shape[-1], max(q.shape[-1], v.shape[-1])
+        q, k, v = (_pad_head_dim(x, width) for x in (q, k, v))
+        out = torch.zeros(*q.shape[:2], dv, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:2], NEG_INF, dtype=torch.float32, device=q.device)
         for call in calls:
             qrows, krows, *meta = call_tensors(call, q.shape[0], k.shape[0], q.device)
             o, l = self.kernel.forward(_take(q, qrows), _take(k, krows), _take(v, krows), *meta, scale, call.causal)
+            o = o[..., :dv]
             if qrows is None:
                 out, lse = o.float(), l.t().float()
             else:
@@ -227,6 +234,9 @@ class VarlenBackend:
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        dk_dim, dv_dim = k.shape[-1], v.shape[-1]
+        width = max(dk_dim, dv_dim)
+        q, k, v, dout, out = (_pad_head_dim(x, width) for x in (q, k, v, dout, out))
         for call in calls:
             qrows, krows, *meta = call_tensors(call, q.shape[0], k.shape[0], q.device)
             dqc, dkc, dvc = self.kernel.backward(
@@ -240,10 +250,17 @@ class VarlenBackend:
                 scale,
                 call.causal,
             )
-            _add_rows(dq, qrows, dqc)
-            _add_rows(dk, krows, dkc)
-            _add_rows(dv, krows, dvc)
+            _add_rows(dq, qrows, dqc[..., :dk_dim])
+            _add_rows(dk, krows, dkc[..., :dk_dim])
+            _add_rows(dv, krows, dvc[..., :dv_dim])
         return dq, dk, dv
+
+
+def _pad_head_dim(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` [T, h, d] with zero columns up to ``width`` (the flash kernels take one head dim for
+    q, k and v: zero V columns give zero output columns, zero q/k columns add nothing to the
+    scores, zero dout columns change no gradient)."""
+    return x if x.shape[-1] >= width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
 def _take(x, rows):

@@ -64,8 +64,11 @@ class StepBatch:
             data.check()
 
 
-def build_micro_batch_data(mb: MicroBatch, read: TokenReader) -> MicroBatchData:
-    """Read exactly this micro-batch's tokens (plus one label token past each range end)."""
+def build_micro_batch_data(mb: MicroBatch, read: TokenReader, label_mask: TokenReader | None = None) -> MicroBatchData:
+    """Read exactly this micro-batch's tokens (plus one label token past each range end).
+    ``label_mask(seq_id, start, end)``, where given: 1 for each token of ``[start, end)`` that
+    counts as a label (an answer token of a conversation, ``--sft``); a token's loss-mask entry
+    is then its label's, so prompt tokens stay out of the loss on whichever rank holds them."""
     tokens, labels, mask, positions = [], [], [], []
     for piece in mb.pieces:
         for start, end in piece.ranges:
@@ -82,6 +85,8 @@ def build_micro_batch_data(mb: MicroBatch, read: TokenReader) -> MicroBatchData:
             lab[: stop - start - 1] = ids[1:]
             labels.append(lab)
             m = np.ones(n, dtype=np.float32)
+            if label_mask is not None:
+                m[: stop - start - 1] = np.asarray(label_mask(piece.seq_id, start + 1, stop), dtype=np.float32)
             if end == piece.seq_len:
                 m[-1] = 0.0
             mask.append(m)

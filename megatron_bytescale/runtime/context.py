@@ -30,6 +30,9 @@ class ActiveMicroBatch:
     positions: torch.Tensor  # int64 [T]: each token's position inside its own sequence
     group: Any = None  # process group the ring ranks belong to (None: the caller's default)
     counter: Any = None  # runtime.ring_comm.P2PCounter that accumulates ring bytes, or None
+    # every sequence length of the step's global batch (the plan's); what per-token counts
+    # over the whole step derive from (multi-token prediction's loss scale)
+    step_seq_lens: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +56,9 @@ def _check(layout, positions) -> None:
 
 
 @contextlib.contextmanager
-def active_micro_batch(layout, positions: torch.Tensor, group=None, counter=None) -> Iterator[ActiveMicroBatch]:
+def active_micro_batch(
+    layout, positions: torch.Tensor, group=None, counter=None, step_seq_lens: tuple[int, ...] = ()
+) -> Iterator[ActiveMicroBatch]:
     """Make one micro-batch current for the forward run inside this block (not nestable)."""
     if _active.get() is not None:
         raise BytescaleError(
@@ -61,7 +66,9 @@ def active_micro_batch(layout, positions: torch.Tensor, group=None, counter=None
             "(leave the previous active_micro_batch block first)"
         )
     _check(layout, positions)
-    active = ActiveMicroBatch(layout=layout, positions=positions, group=group, counter=counter)
+    active = ActiveMicroBatch(
+        layout=layout, positions=positions, group=group, counter=counter, step_seq_lens=tuple(step_seq_lens)
+    )
     token = _active.set(active)
     try:
         yield active
@@ -79,3 +86,8 @@ def current_micro_batch() -> ActiveMicroBatch:
             "(the HDP step does this for each micro-batch)"
         )
     return active
+
+
+def active_or_none() -> ActiveMicroBatch | None:
+    """The active micro-batch, or None outside the HDP step (Megatron's own schedules)."""
+    return _active.get()

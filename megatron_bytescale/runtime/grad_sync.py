@@ -88,18 +88,59 @@ def make_finalize_grads(group=None, *, tp_group=None, pp_group=None, embedding_g
 #   (Backward finishes buckets slightly out of order, e.g. 0, 1, 2, 4, 3 for the tiny GPT, and
 #   collectives pair up by issue order across ranks.)
 #
-# --overlap-param-gather (distributed optimizer): Megatron dispatches each bucket's parameter
-# all-gather from the forward pre-hooks of the step's first forward, one bucket after another;
-# a rank with no micro-batch has no forward and would never join them. So the HDP step
-# dispatches every bucket's all-gather itself when the step starts, in bucket order on every
-# rank (Megatron's aligned param gather, ``align_param_gather``, which it uses for pipeline
-# schedules: the pre-hooks then only wait), and a rank with no micro-batch waits for them there.
+# --overlap-param-gather (distributed optimizer): after the optimizer step each rank holds its
+# shard of the new parameters; Megatron's DDP gathers the rest during the next forward, from
+# forward pre-hooks (each module waits for its bucket's all-gather, dispatching it first if
+# nobody has), or, with aligned gathers (``align_param_gather``, virtual stages), from the
+# schedule's ``param_sync_func`` per model chunk. Megatron's training loop switches the
+# pre-hooks (and ``param_sync_func``) off for its first iteration (the parameters are in sync
+# from initialisation or the checkpoint), while it validates and saves (after a synchronous
+# gather), and on again after; with ``--overlap-param-gather-with-optimizer-step`` the optimizer
+# dispatches the first chunk's gather itself right after its step.
+#
+# HDP ranks run different numbers of micro-batches, and a rank with none for a chunk runs no
+# forward of it, so forward pre-hooks cannot decide when the all-gathers happen. ``ParamGather``
+# follows the same life cycle per step: when a chunk's pre-hooks are on, the step dispatches
+# every bucket's all-gather of every chunk at its start, chunk by chunk in bucket order, on
+# every rank (a chunk whose gather the optimizer dispatched is skipped by Megatron's own
+# ``start_param_sync``); the pre-hooks then only wait (aligned gathers); and before the step
+# ends every rank waits for every gather still open, so none is in flight when the optimizer
+# writes the parameters again and the next step finds no handle left (Megatron asserts it).
+# Collectives are issued before any ring or pipeline transfer of the step, in the same order on
+# every rank. When the pre-hooks are off, nothing is dispatched, as in Megatron.
 
 
 def overlaps_param_gather(model) -> bool:
     """Is ``model`` a Megatron DDP (distributed optimizer) that overlaps its param all-gather?"""
     config = getattr(model, "ddp_config", None)
     return bool(config is not None and config.use_distributed_optimizer and config.overlap_param_gather)
+
+
+def param_gather_hooks_on(model) -> bool:
+    """Are the forward pre-hooks of the overlapped param all-gather on (Megatron's training loop
+    turns them off for its first iteration, validation and saving)?"""
+    return overlaps_param_gather(model) and bool(getattr(model, "remove_forward_pre_hook_handles", None))
+
+
+class ParamGather:
+    """The overlapped parameter all-gathers of one step, for every model chunk (see above)."""
+
+    def __init__(self, chunks):
+        self.chunks = [chunk for chunk in chunks if param_gather_hooks_on(chunk)]
+
+    def dispatch(self) -> None:
+        """At the step's start: every bucket's all-gather, chunk by chunk, in bucket order."""
+        for chunk in self.chunks:
+            chunk.ddp_config.align_param_gather = True  # the pre-hooks wait and dispatch nothing
+            chunk.start_param_sync()  # returns at once where the optimizer step dispatched it
+
+    def finish(self) -> None:
+        """Before the step ends: wait for every all-gather still open (all of them on a rank
+        without micro-batches, those of modules no forward reached elsewhere)."""
+        for chunk in self.chunks:
+            for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+                if group.param_gather_handle is not None:
+                    group.finish_param_sync(skip_next_bucket_dispatch=True)
 
 
 def overlaps_grad_reduce(model) -> bool:
@@ -157,10 +198,10 @@ def in_order_launch(model) -> InOrderLaunch | None:
 
 
 class StepGradSync:
-    """One rank's overlapped communication in one step (``runtime.step`` calls this at the
-    start, ``backward`` around each backward, ``launch_rest`` before finalize_model_grads):
-    the parameter all-gathers, which micro-batch reduces gradients during backward, and the
-    explicit launch for ranks where none does."""
+    """One rank's overlapped gradient reduction in one step (``runtime.step`` calls
+    ``backward`` around each backward, ``launch_rest`` before finalize_model_grads): which
+    micro-batch reduces gradients during backward, and the explicit launch for ranks where
+    none does."""
 
     def __init__(
         self,
@@ -185,15 +226,6 @@ class StepGradSync:
             reduce_in_backward and bool(micro_batches) and micro_batches[last].ring is None and expert_parallel == 1
         )
         self.sync_index = last if self.launcher is not None and last_is_local else None
-        if not forward_only and overlaps_param_gather(model):
-            self._gather_params(idle=not micro_batches)
-
-    def _gather_params(self, idle: bool) -> None:
-        self.model.ddp_config.align_param_gather = True  # the pre-hooks wait; we dispatch
-        self.model.start_param_sync()  # every bucket, in bucket order, asynchronously
-        if idle:  # no forward will wait for them
-            for g in self.model.bucket_groups + self.model.expert_parallel_bucket_groups:
-                g.finish_param_sync(skip_next_bucket_dispatch=True)
 
     @contextlib.contextmanager
     def backward(self, index: int):

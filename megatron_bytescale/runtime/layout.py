@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 
 from ..errors import PlanError
-from ..planner.contract import MicroBatch
+from ..planner.contract import RING_TRANSPORTS, MicroBatch
 from ..planner.contract.zigzag import zigzag_ranges
 
 Run = tuple[int, int, int]  # (seq_id, start, end): positions [start, end) of one sequence
@@ -70,6 +70,7 @@ class MicroBatchLayout:
     blocks: tuple[TokenBlock, ...]  # every ring member's block (empty when there is no ring)
     ring_rows: Rows  # where this rank's own block sits among its tokens, in block order
     heads_split: int = 1  # two-level group size u (1: the plain ring)
+    transport: str = "kv"  # what the ring carries (the plan's Piece.transport)
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +122,13 @@ class MicroBatchLayout:
         heads_split = splits.pop() if len(splits) == 1 else 1
         if splits or (rings and (heads_split < 1 or len(next(iter(rings))) % heads_split)):
             raise PlanError(f"rank {rank}: distributed pieces need one heads_split that divides their ring's size")
+        carried = {p.transport for p in mb.pieces if p.is_distributed}
+        transport = carried.pop() if len(carried) == 1 else "kv"
+        if carried or transport not in RING_TRANSPORTS or (transport != "kv" and heads_split > 1):
+            raise PlanError(
+                f"rank {rank}: distributed pieces need one ring transport of {', '.join(RING_TRANSPORTS)} "
+                "('latent' on a plain ring only)"
+            )
 
         # this rank's token order, and the offset of each piece in it
         offsets, seq_ids, positions, row = {}, [], [], 0
@@ -157,6 +165,7 @@ class MicroBatchLayout:
             blocks=blocks,
             ring_rows=ring_rows,
             heads_split=heads_split if rings else 1,
+            transport=transport,
         )
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -37,20 +37,25 @@ RING_TIMEOUT_S = float(os.environ.get("BYTESCALE_RING_TIMEOUT_S", "60"))
 @dataclass
 class P2PCounter:
     """Bytes (and messages) this rank has sent through ring exchanges, and the time it spent
-    waiting for them to complete (communication not hidden behind compute)."""
+    waiting for them to complete (communication not hidden behind compute). ``by_transport``:
+    the bytes per ring transport (``ring_transport``: "kv", or an MLA ring's "latent")."""
 
     bytes_sent: int = 0
     messages: int = 0
     wait_s: float = 0.0
+    by_transport: dict[str, int] = field(default_factory=dict)
 
-    def add(self, tensor: torch.Tensor) -> None:
-        self.bytes_sent += tensor.numel() * tensor.element_size()
+    def add(self, tensor: torch.Tensor, transport: str = "kv") -> None:
+        sent = tensor.numel() * tensor.element_size()
+        self.bytes_sent += sent
         self.messages += 1
+        self.by_transport[transport] = self.by_transport.get(transport, 0) + sent
 
     def reset(self) -> None:
         self.bytes_sent = 0
         self.messages = 0
         self.wait_s = 0.0
+        self.by_transport = {}
 
 
 class Pending:
@@ -86,9 +91,17 @@ class Pending:
 
 
 class RingComm:
-    """This rank's place in one ring over ``group`` (None: the default world group)."""
+    """This rank's place in one ring over ``group`` (None: the default world group); its bytes
+    count under ``transport`` (what the ring carries)."""
 
-    def __init__(self, ring: tuple[int, ...], index: int, group=None, counter: P2PCounter | None = None):
+    def __init__(
+        self,
+        ring: tuple[int, ...],
+        index: int,
+        group=None,
+        counter: P2PCounter | None = None,
+        transport: str = "kv",
+    ):
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(
                 f"ring attention over ring {ring} needs torch.distributed initialised (init_process_group) first"
@@ -105,7 +118,7 @@ class RingComm:
             )
         to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
         self.ring, self.index, self.size = tuple(ring), index, len(ring)
-        self.group, self.counter = group, counter
+        self.group, self.counter, self.transport = group, counter, transport
         self._next = to_global(ring[(index + 1) % self.size])
         self._prev = to_global(ring[(index - 1) % self.size])
         self._timeout = RING_TIMEOUT_S if dist.get_backend(group) == "gloo" else None
@@ -124,7 +137,7 @@ class RingComm:
         ]
         works = dist.batch_isend_irecv(ops)
         if self.counter is not None:
-            self.counter.add(send)
+            self.counter.add(send, self.transport)
         return Pending(works, recv, self.counter, self._timeout, self._peers)
 
 
@@ -135,18 +148,19 @@ class LocalRing:
         self.size, self.timeout_s = size, timeout_s
         self._inbox = [{KV_TAG: queue.Queue(), GRAD_TAG: queue.Queue()} for _ in range(size)]
 
-    def member(self, index: int, counter: P2PCounter | None = None) -> LocalRingMember:
-        return LocalRingMember(self, index, counter)
+    def member(self, index: int, counter: P2PCounter | None = None, transport: str = "kv") -> LocalRingMember:
+        return LocalRingMember(self, index, counter, transport)
 
 
 class LocalRingMember:
-    def __init__(self, hub: LocalRing, index: int, counter: P2PCounter | None):
+    def __init__(self, hub: LocalRing, index: int, counter: P2PCounter | None, transport: str = "kv"):
         self.hub, self.index, self.size, self.counter = hub, index, hub.size, counter
+        self.transport = transport
 
     def send_recv(self, send: torch.Tensor, recv_shape, tag: int = KV_TAG) -> _LocalPending:
         self.hub._inbox[(self.index + 1) % self.size][tag].put(send.clone())  # a copy, as a real send would be
         if self.counter is not None:
-            self.counter.add(send)
+            self.counter.add(send, self.transport)
         return _LocalPending(self.hub._inbox[self.index][tag], tuple(recv_shape), self.hub.timeout_s)
 
 

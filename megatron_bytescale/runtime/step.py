@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, PlanError
+from ..errors import PlanError
 from ..planner.contract import BACKWARD, crossing_order_mismatch, plan_pipeline_deadlock
 from .batch import StepBatch
 from .context import active_micro_batch
-from .grad_sync import StepGradSync, overlaps_param_gather
+from .grad_sync import ParamGather, StepGradSync
 from .layout import MicroBatchLayout
 from .padding import pad_micro_batch, sequence_parallel_multiple
 from .pipeline import StageLink, gradient_group, run_one_f_one_b
@@ -51,6 +51,7 @@ class StepStats:
     tokens: int = 0
     loss_tokens: int = 0
     p2p_bytes: int = 0
+    p2p_bytes_by_transport: dict[str, int] = field(default_factory=dict)  # what the rings carried: "kv", "latent"
     offloaded_bytes: int = 0
     peak_resident_activation_bytes: int = 0
     compute_s: float = 0.0  # forward+backward wall time of this rank's micro-batches
@@ -273,8 +274,6 @@ def run_hdp_step(
     global _last_stats
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     virtual = len(chunks)
-    if virtual > 1:
-        _refuse_param_gather_with_chunks(chunks)
     rank = dist.get_rank(group)
     pp_group = _pipeline_group(pg_collection)
     check_step_agreement(step, group, pp_group, virtual)
@@ -309,6 +308,10 @@ def run_hdp_step(
         for chunk in chunks
     ]
     multiple = sequence_parallel_multiple(config)  # sequence parallelism: tokens padded to TP
+    # --overlap-param-gather: every chunk's all-gathers dispatched here on every rank, waited for
+    # by the forward pre-hooks and, for what they did not reach, after the last forward
+    gathers = ParamGather(chunks)
+    gathers.dispatch()
 
     def forward(i: int, c: int, input_tensor):
         nonlocal total_tokens
@@ -318,7 +321,10 @@ def run_hdp_step(
         data, layout = pad_micro_batch(data, layout, multiple)
         offload = offloader.micro_batch(mb.offload_ratio) if offloader is not None else contextlib.nullcontext()
         start, wait0 = time.perf_counter(), counter.wait_s
-        with active_micro_batch(layout, data.positions, group=group, counter=counter), offload as handle:
+        with (
+            active_micro_batch(layout, data.positions, group, counter, step.plan.seq_lens),
+            offload as handle,
+        ):
             output_tensor, num_tokens = forward_step(
                 forward_step_func,
                 iter([data]),
@@ -353,7 +359,10 @@ def run_hdp_step(
         layout, positions = active.pop((i, c))
         # Activation recompute re-runs layer forwards here, ring attention included: the layout
         # is active again (and its recomputed KV hops are counted), offloading not.
-        with active_micro_batch(layout, positions, group=group, counter=counter), syncs[c].backward(i):
+        with (
+            active_micro_batch(layout, positions, group, counter, step.plan.seq_lens),
+            syncs[c].backward(i),
+        ):
             grad = backward_step(input_tensor, output_tensor, output_grad, *model_type, config)
         stats.compute_s += time.perf_counter() - start
         _chunk_done(i, counter.wait_s - wait0)
@@ -397,10 +406,12 @@ def run_hdp_step(
             release=release,
             order=order,
         )
+    gathers.finish()
     stats.timings.sort(key=lambda t: t.start)
     stats.micro_batches = count
     stats.loss_tokens = int(total_tokens.item())
     stats.p2p_bytes = counter.bytes_sent
+    stats.p2p_bytes_by_transport = dict(counter.by_transport)
     stats.p2p_wait_s = counter.wait_s
     stats.pipeline_bytes = link.bytes_sent
 
@@ -425,17 +436,6 @@ def _no_sync(config):
     for func in funcs:
         stack.enter_context(func())
     return stack
-
-
-def _refuse_param_gather_with_chunks(chunks) -> None:
-    """The overlapped parameter all-gather is dispatched per DDP module at the step's start
-    (``grad_sync``); with model chunks that path is not tested: refuse it."""
-    for chunk in chunks:
-        if overlaps_param_gather(chunk):
-            raise ConfigError(
-                "--overlap-param-gather with virtual pipeline stages: HDP dispatches the overlapped parameter "
-                "all-gather for one model chunk only; drop --overlap-param-gather or the virtual pipeline stages"
-            )
 
 
 def _model_device(model) -> torch.device:

@@ -74,28 +74,34 @@ def _heads(x: torch.Tensor, heads: tuple[int, ...]) -> torch.Tensor:
     return x.index_select(1, torch.tensor(heads, device=x.device))
 
 
-def to_group_block(exchange, gl, parts) -> torch.Tensor:
+def to_group_block(exchange, gl, parts) -> list[torch.Tensor]:
     """This rank's block, all heads -> its group block, its head slice.
 
-    ``parts``: (tensor [T_i, h, d], heads of every place) per input; the result holds each
-    input's slice for this place side by side along the heads, rows in group-block order."""
+    ``parts``: (tensor [T_i, h, d], heads of every place) per input, head dims free (MLA's K and
+    V differ); one message per place carries every input's slice, each flattened per token.
+    Returns per input its group block [S, heads of this place, d], rows in group-block order."""
     x0 = parts[0][0]
-    sends = [torch.cat([_heads(x, heads[b]) for x, heads in parts], dim=1) for b in range(gl.size)]
+    sends = [torch.cat([_heads(x, heads[b]).flatten(1) for x, heads in parts], dim=1) for b in range(gl.size)]
     width = sends[gl.place].shape[1]
-    shapes = [(gl.member_tokens[b], width, x0.shape[2]) for b in range(gl.size)]
+    shapes = [(gl.member_tokens[b], width) for b in range(gl.size)]
     got = exchange.exchange(sends, shapes, x0.dtype, x0.device)
     got[gl.place] = sends[gl.place]
-    return torch.cat(got).index_select(0, gl.order.to(x0.device))
+    block = torch.cat(got).index_select(0, gl.order.to(x0.device))
+    sizes = [len(heads[gl.place]) * x.shape[2] for x, heads in parts]
+    return [
+        part.reshape(part.shape[0], len(heads[gl.place]), x.shape[2])
+        for part, (x, heads) in zip(block.split(sizes, dim=1), parts)
+    ]
 
 
 def from_group_block(exchange, gl, x: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
-    """The reverse: group block rows, this place's heads -> per place b, the rows of this
-    rank's block for b's heads (``widths[b]`` heads each)."""
+    """The reverse: group block rows [S, W] (this place's heads, flattened per token) -> per
+    place b, the rows of this rank's block for b's heads (``widths[b]`` values per token)."""
     rows = torch.empty_like(x)
     rows.index_copy_(0, gl.order.to(x.device), x)  # back to the members' blocks back to back
     mine = list(torch.split(rows, list(gl.member_tokens)))
     t = gl.member_tokens[gl.place]
-    shapes = [(t, widths[b], x.shape[2]) for b in range(gl.size)]
+    shapes = [(t, widths[b]) for b in range(gl.size)]
     got = exchange.exchange(mine, shapes, x.dtype, x.device)
     got[gl.place] = mine[gl.place]
     return got
@@ -113,36 +119,35 @@ class _TwoLevel(torch.autograd.Function):
         gl = layout.groups
         qh = [s[0] for s in slices]
         kvh = [s[1] for s in slices]
-        nq, nkv = len(qh[gl.place]), len(kvh[gl.place])
         rq, rk, rv = (take_rows(x, layout.ring_rows) for x in (q, k, v))
-        blk = to_group_block(exchange, gl, [(rq, qh), (rk, kvh), (rv, kvh)])
-        sq, sk, sv = blk[:, :nq], blk[:, nq : nq + nkv], blk[:, nq + nkv :]
+        sq, sk, sv = to_group_block(exchange, gl, [(rq, qh), (rk, kvh), (rv, kvh)])
 
-        out = torch.zeros_like(q)
+        dv = v.shape[2]
+        out = q.new_zeros(*q.shape[:2], dv)
         local = _LocalPart(q, k, v, layout, scale, backend)
         so, slse = ring_forward(sq, sk, sv, gl, ring, scale, backend, side_work=lambda: local.forward(out))
         so = so.to(q.dtype)
-        back = from_group_block(exchange, gl, so, [len(h) for h in qh])
-        ro = torch.zeros(rq.shape, dtype=q.dtype, device=q.device)
+        back = from_group_block(exchange, gl, so.flatten(1), [len(h) * dv for h in qh])
+        ro = q.new_zeros(rq.shape[0], rq.shape[1], dv)
         for b, part in enumerate(back):
-            _scatter_heads(ro, qh[b], part)
+            _scatter_heads(ro, qh[b], part.reshape(part.shape[0], len(qh[b]), dv))
         put_rows(out, layout.ring_rows, ro)
 
         ctx.save_for_backward(sq, sk, sv, so, slse, *local.saved())
-        ctx.args = (layout, exchange, ring, slices, scale, backend, grad_dtype, q.shape, k.shape)
+        ctx.args = (layout, exchange, ring, slices, scale, backend, grad_dtype, q.shape, k.shape, v.shape)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         sq, sk, sv, so, slse, *local_saved = ctx.saved_tensors
-        layout, exchange, ring, slices, scale, backend, grad_dtype, qshape, kshape = ctx.args
+        layout, exchange, ring, slices, scale, backend, grad_dtype, qshape, kshape, vshape = ctx.args
         gl = layout.groups
         qh = [s[0] for s in slices]
         kvh = [s[1] for s in slices]
         dq = torch.zeros(qshape, dtype=sq.dtype, device=sq.device)
         dk = torch.zeros(kshape, dtype=sq.dtype, device=sq.device)
-        dv = torch.zeros(kshape, dtype=sq.dtype, device=sq.device)
-        sdo = to_group_block(exchange, gl, [(take_rows(dout, layout.ring_rows), qh)])
+        dv = torch.zeros(vshape, dtype=sq.dtype, device=sq.device)
+        (sdo,) = to_group_block(exchange, gl, [(take_rows(dout, layout.ring_rows), qh)])
         local = _LocalPart.restore(local_saved, layout, scale, backend)
         gq, gk, gv = ring_backward(
             sdo,
@@ -158,17 +163,20 @@ class _TwoLevel(torch.autograd.Function):
             side_work=lambda: local.backward(dout, dq, dk, dv),
             grad_dtype=grad_dtype,
         )
-        msg = torch.cat((gq, gk, gv), dim=1).to(sq.dtype)
-        back = from_group_block(exchange, gl, msg, [len(qh[b]) + 2 * len(kvh[b]) for b in range(gl.size)])
+        dims = (qshape[2], kshape[2], vshape[2])
+        msg = torch.cat((gq.flatten(1), gk.flatten(1), gv.flatten(1)), dim=1).to(sq.dtype)
+        sizes = [(len(qh[b]) * dims[0], len(kvh[b]) * dims[1], len(kvh[b]) * dims[2]) for b in range(gl.size)]
+        back = from_group_block(exchange, gl, msg, [sum(z) for z in sizes])
         t = gl.member_tokens[gl.place]
-        rq = torch.zeros((t, qshape[1], qshape[2]), dtype=torch.float32, device=sq.device)
-        rk = torch.zeros((t, kshape[1], kshape[2]), dtype=torch.float32, device=sq.device)
-        rv = torch.zeros_like(rk)
+        rq, rk, rv = (
+            torch.zeros((t, shape[1], shape[2]), dtype=torch.float32, device=sq.device)
+            for shape in (qshape, kshape, vshape)
+        )
         for b, part in enumerate(back):
-            nq, nkv = len(qh[b]), len(kvh[b])
-            _scatter_heads(rq, qh[b], part[:, :nq])
-            _scatter_heads(rk, kvh[b], part[:, nq : nq + nkv])  # copies of a KV head add up here
-            _scatter_heads(rv, kvh[b], part[:, nq + nkv :])
+            pq, pk, pv = part.split(sizes[b], dim=1)
+            _scatter_heads(rq, qh[b], pq.reshape(t, len(qh[b]), dims[0]))
+            _scatter_heads(rk, kvh[b], pk.reshape(t, len(kvh[b]), dims[1]))  # copies of a KV head add up here
+            _scatter_heads(rv, kvh[b], pv.reshape(t, len(kvh[b]), dims[2]))
         for dst, g in ((dq, rq), (dk, rk), (dv, rv)):
             put_rows(dst, layout.ring_rows, g)
         return dq, dk, dv, None, None, None, None, None, None, None

@@ -4,7 +4,8 @@ waits on offload copies, or idles — one panel per strategy, on one time axis.
 Each micro-batch is drawn as its compute first, then its exposed communication, then its
 exposed offload copy; the rest of its span (waiting for ring partners) and the gaps between
 micro-batches are idle. With more GPUs than ``max_rows``, evenly spaced GPUs are shown (the
-title says which); the dashed line marks the lower bound.
+title says which); the dashed line marks the lower bound, dotted lines the barriers. The legend
+and the title name only what is drawn.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def plot_timelines(
         gridspec_kw={"height_ratios": [h + 4 for h in heights]},
     )
     horizon = max(t.step_time for t in timelines.values()) or 1.0
+    drawn: set[str] = set()  # the legend and the title name only what some panel shows
+    barriers = False
     for ax, name in zip(axes[:, 0], names):
         t = timelines[name]
         rows = sampled_rows(len(t.ops), max_rows)
@@ -83,6 +86,7 @@ def plot_timelines(
             for k, color in COLORS.items():
                 if bars[k][y]:
                     ax.broken_barh(bars[k][y], (y - 0.4, 0.8), facecolors=color, linewidth=0)
+                    drawn.add(k)
         ax.set_ylim(len(rows) - 0.5, -0.5)
         step = len(t.ops) // len(rows) if len(rows) < len(t.ops) else 1
         shown = "all" if len(rows) == len(t.ops) else f"{len(rows)} of {len(t.ops)}, evenly spaced (~1 in {step})"
@@ -95,6 +99,7 @@ def plot_timelines(
             ax.axvline(lower_bound, color="black", linestyle="--", linewidth=1)
         for b in t.barriers:
             ax.axvline(b, color="black", linestyle=":", linewidth=1, zorder=5)
+            barriers = True
         if not shared:
             ax.set_xlim(0, t.step_time * 1.02)
     if shared:
@@ -105,11 +110,14 @@ def plot_timelines(
             color=c, label={"a2a": "exposed all-to-all"}.get(k, k if k not in ("comm", "offload") else f"exposed {k}")
         )
         for k, c in COLORS.items()
+        if k in drawn
     ]
     handles.append(Patch(facecolor="white", edgecolor="grey", label="idle"))
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
-    note = "dashed: lower bound; dotted: barriers" if lower_bound else "dotted: barriers"
-    fig.suptitle((title + "\n" if title else "") + note, fontsize=10, x=0.01, ha="left")
+    note = "; ".join(
+        text for text, shown in (("dashed: lower bound", bool(lower_bound)), ("dotted: barriers", barriers)) if shown
+    )
+    fig.suptitle("\n".join(filter(None, (title, note))), fontsize=10, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     path = Path(path)
     fig.savefig(path, dpi=110)

@@ -1,4 +1,5 @@
-"""``bytescale simulate``: compare strategies on a simulated cluster, step by step.
+"""The simulator's run: compare strategies on a simulated cluster, step by step
+(``bytescale simulate``, ``commands/simulate.py``, parses its flags and prints the table).
 
 Every step draws one global batch of sequence lengths (a synthetic workload, a lengths
 file, or the user's own Megatron dataset), each strategy plans it, and the timeline engine
@@ -15,11 +16,11 @@ lengths, documents cut at ``--context``, ``--global-batch-tokens`` per step, the
 
 from __future__ import annotations
 
-import argparse
-import json
+import gc
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -27,9 +28,9 @@ from tqdm import tqdm
 from ..data.workloads import lengths_from_file, read_lengths_file, sample_lengths, training_batches
 from ..errors import ConfigError
 from ..planner.cost_model import CostModel
-from ..planner.plan_cli import check_vpp, with_host_memory
 from ..planner.specs import HardwareSpec, ModelSpec
-from ..units import format_size, parse_size, seed
+from ..units import format_size
+from ..virtual_stages import check_vpp
 from .cluster import Cluster
 from .static_cp import StrategyError
 from .strategies import STRATEGIES, StrategyInput, make_plan, parse_strategies
@@ -57,7 +58,8 @@ class SimConfig:
     validate: str = "first"  # "first" | "all" | "none": which steps' plans to check with Plan.validate
     dkv_bf16: bool = False  # ring attention sends the backward's dK/dV accumulators in bf16
     host_memory_per_gpu: int | None = None  # bytes; default: the hardware spec's host_memory_bytes
-    data_path: str | None = None  # a Megatron indexed dataset: draw the batches training would see
+    # a Megatron indexed dataset, or a blend (W1 P1 W2 P2 ...): draw the batches training would see
+    data_path: str | list[str] | None = None
     pipeline_schedule: str = "1f1b"  # HDP plans with PP: "1f1b", or "search" for per-stage orders
     vpp: int = 1  # model chunks per pipeline device (virtual pipeline stages), every strategy
 
@@ -129,9 +131,9 @@ def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
             f"--ep {cfg.ep}: model {model.name!r} has no experts; "
             "expert parallelism needs a MoE model (e.g. mistral-8x7b)"
         )
-    cost = with_host_memory(
-        CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp, dkv_bf16=cfg.dkv_bf16), cfg.host_memory_per_gpu
-    )
+    cost = CostModel.analytic(model, hw, tp=cfg.tp, pp=cfg.pp, dkv_bf16=cfg.dkv_bf16)
+    if cfg.host_memory_per_gpu is not None:
+        cost = cost.with_overrides(host_memory_bytes=float(cfg.host_memory_per_gpu))
     if cfg.capacity <= 0 or cfg.context <= 0 or cfg.global_batch_tokens <= 0:
         raise ConfigError("capacity, context and global batch tokens must be positive")
     if cfg.context < cfg.capacity:
@@ -169,6 +171,22 @@ def default_strategies(ep: int) -> tuple[str, ...]:
     return tuple(n for n in STRATEGIES if not (ep > 1 and n == NO_EXPERT_SLOTS))
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while one strategy plans and costs a step. A plan
+    is ~10^6 small objects without reference cycles (the static mesh gives every member of a
+    256-rank ring its piece of every sequence): the collector, started every few hundred
+    allocations, would walk them again and again while they are built, and find nothing to
+    free; their memory goes by reference counting as before."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def run(cfg: SimConfig, progress: bool = True) -> SimReport:
     cluster, cost = check_config(cfg)
     rng = np.random.default_rng(cfg.seed)
@@ -177,9 +195,7 @@ def run(cfg: SimConfig, progress: bool = True) -> SimReport:
     batches = None
     if cfg.data_path:
         batches, report.dataset = training_batches(cfg.data_path, cfg.global_batch_tokens, cfg.context, cfg.seed)
-    bar = tqdm(
-        total=cfg.steps * len(cfg.strategies), disable=not progress or cfg.steps == 1, file=sys.stderr, unit="plan"
-    )
+    bar = tqdm(total=cfg.steps * len(cfg.strategies), disable=not progress, file=sys.stderr, unit="plan")
     for step in range(cfg.steps):
         if batches is not None:
             lengths = next(batches)
@@ -194,10 +210,11 @@ def run(cfg: SimConfig, progress: bool = True) -> SimReport:
             bar.set_description(f"step {step + 1}/{cfg.steps} {name}")
             if name not in report.errors:
                 try:
-                    plan = make_plan(name, x)
-                    if cfg.validate == "all" or (cfg.validate == "first" and step == 0):
-                        plan.validate()
-                    result = evaluate(plan, cluster, cost)
+                    with collector_paused():
+                        plan = make_plan(name, x)
+                        if cfg.validate == "all" or (cfg.validate == "first" and step == 0):
+                            plan.validate()
+                        result = evaluate(plan, cluster, cost)
                 except StrategyError as exc:
                     report.errors[name] = str(exc)
                 else:
@@ -215,255 +232,3 @@ def run(cfg: SimConfig, progress: bool = True) -> SimReport:
             bar.update(1)
     bar.close()
     return report
-
-
-def format_table(report: SimReport) -> str:
-    """Step: the mean over the steps (their total / the count); speedup and x LB, x bound:
-    ratios of totals; "per batch": the median of the per-step ratios, beside them; the other
-    columns are means over the steps."""
-    med = report.results()
-    many = report.config.steps > 1
-    head = (
-        f"{'strategy':<14}{'step s':>9}{'speedup':>9}"
-        + (f"{'(batch)':>9}" if many else "")
-        + f"{'x LB':>7}"
-        + (f"{'(batch)':>8}" if many else "")
-        + f"{'x bound':>8}{'busy max':>9}{'busy avg':>9}"
-        f"{'exp.comm':>9}{'P2P TB':>8}{'offl TB':>8}{'host GB':>8}{'mb max':>7}{'plan s':>8}"
-    )
-    lines = [head, "-" * len(head)]
-    for name, m in med.items():
-        if "error" in m:
-            lines.append(f"{name:<14}n/a: {m['error']}")
-            continue
-        speedup = f"{m['speedup_vs_static']:.2f}x" if "speedup_vs_static" in m else "-"
-        per_batch = f"{m['speedup_vs_static_per_batch_median']:.2f}x" if "speedup_vs_static" in m else "-"
-        lines.append(
-            f"{name:<14}{m['mean_step_time_s']:>9.2f}{speedup:>9}"
-            + (f"{per_batch:>9}" if many else "")
-            + f"{m['x_lower_bound']:>7.2f}"
-            + (f"{m['x_lower_bound_per_batch_median']:>8.2f}" if many else "")
-            + f"{m['x_bound']:>8.2f}"
-            f"{m['busy_max_s']:>9.2f}{m['busy_mean_s']:>9.2f}{m['exposed_comm_s']:>9.2f}"
-            f"{m['p2p_bytes'] / 1e12:>8.1f}{m['offload_bytes'] / 1e12:>8.1f}{m['host_bytes_max_gpu'] / 1e9:>8.1f}"
-            f"{m['microbatches_max']:>7.0f}{m['plan_time_s']:>8.2f}"
-        )
-    ok = [m for m in med.values() if "lower_bound_s" in m]
-    if ok:
-        lines.append(
-            f"lower bound LB (all FLOPs spread over all GPUs): {ok[0]['lower_bound_s']:.2f} s; critical path (longest "
-            f"sequence alone, best ring): {ok[0]['critical_path_s']:.2f} s; "
-            "bound = max of the two (means over the steps); "
-            f"the bounds total {ok[0]['bound_x_lower_bound']:.2f}x the lower bounds' total: "
-            "no plan gets under that x LB"
-        )
-    lines.append(
-        "step: mean over the steps; speedup: static's total step time / this total, x LB / x bound: total step time / "
-        "sum of the steps' bounds (ratios of totals: throughput)"
-        + ("; (batch): median of the per-step ratios" if many else "")
-        + "; other columns: means over the steps"
-    )
-    lines.append(
-        "busy, exposed comm: per GPU (max / mean); P2P, offload: all GPUs; exp.comm: mean; "
-        f"host: pinned host memory the busiest GPU needs for offloaded activations (budget "
-        f"{report.cost.host_memory_bytes / 1e9:.0f} GB per GPU)"
-    )
-    floors = [
-        f"{n} " + ", ".join(f"{r['pipeline_ring_floor_s']:.2f}" for r in rows)
-        for n, rows in report.steps.items()
-        if any(r.get("pipeline_ring_floor_s", 0.0) > 0 for r in rows)
-    ]
-    if floors:
-        lines.append(
-            "ring micro-batches spanning every pipeline alone, in any stage order (a floor of the step, s per step; "
-            "0: no such ring): " + "; ".join(floors)
-        )
-    if report.config.vpp > 1:
-        p, v = report.config.pp, report.config.vpp
-        held = [f"{n} {max(r['chunks_in_flight_max'] for r in rows):.0f}" for n, rows in report.steps.items() if rows]
-        lines.append(
-            f"chunk forwards a device holds at most (1F1B's memory: {p * v}; Megatron's interleaved warm-up: "
-            f"{p * v + p - 1}): " + "; ".join(held)
-        )
-    reduce = [
-        f"{n} {m['exposed_grad_reduce_s']:.2f} -> {m['exposed_grad_reduce_overlap_s']:.2f}"
-        for n, m in med.items()
-        if "exposed_grad_reduce_s" in m
-    ]
-    if reduce:
-        lines.append(
-            "exposed gradient reduction after the step, s (without -> with --overlap-grad-reduce): " + "; ".join(reduce)
-        )
-    for name, notes in report.notes.items():
-        for note in notes:
-            lines.append(f"note [{name}]: {note}")
-    return "\n".join(lines)
-
-
-def shadow_verdict(report: SimReport) -> str:
-    """One line answering "would HDP help here?": HDP's total step time over these batches
-    against static DP x CP's and Megatron's dynamic CP's on this cluster (ratios of totals)."""
-    hdp = report.steps.get("hdp-balanced", [])
-    if not hdp or "hdp-balanced" in report.errors:
-        return ""
-    parts = []
-    for name, label in (("static", "static DP x CP"), ("megatron-dcp", "Megatron's dynamic CP")):
-        other = report.steps.get(name, [])
-        if len(other) == len(hdp) and name not in report.errors:
-            t = totals(hdp, other)
-            parts.append(
-                f"{t['speedup']:.2f}x faster than {label} ({t['total_baseline_step_time_s'] / len(hdp):.2f} s)"
-            )
-    if not parts:
-        return ""
-    return (
-        f"HDP (hdp-balanced) {totals(hdp)['mean_step_time_s']:.2f} s per step: "
-        + "; ".join(parts)
-        + f" (ratios of the total time over the {len(hdp)} step(s); seconds: mean per step)"
-    )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-7b", help="a configs/models name or a Megatron .args file")
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models; PP 1)")
-    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware spec's")
-    parser.add_argument("--hardware", default="h100", help="a configs/hardware name or a YAML file")
-    parser.add_argument("--context", required=True, help="longest sequence, e.g. 2M")
-    parser.add_argument("--capacity", required=True, help="tokens per rank per micro-batch, e.g. 8K")
-    parser.add_argument("--global-batch-tokens", required=True, help="tokens per step, e.g. 32M")
-    src = parser.add_mutually_exclusive_group()
-    src.add_argument("--dataset", default="byted", help="byted | github | a workload YAML (default byted)")
-    src.add_argument(
-        "--lengths-file", default=None, help="one token length per line, resampled until the batch is full"
-    )
-    src.add_argument(
-        "--data-path",
-        default=None,
-        metavar="PREFIX",
-        help="a Megatron indexed dataset (PREFIX.bin/.idx): simulate the global batches training on it "
-        "would see (documents cut at --context, --global-batch-tokens per step, the same --seed)",
-    )
-    parser.add_argument(
-        "--host-memory-per-gpu",
-        default=None,
-        metavar="BYTES",
-        help="pinned host memory per GPU for offloaded activations, e.g. 64G (default: the hardware spec's)",
-    )
-    parser.add_argument(
-        "--strategies",
-        default=None,
-        help=f"comma-separated from {', '.join(STRATEGIES)} (default: all; with --ep > 1 all but "
-        f"{NO_EXPERT_SLOTS}, whose barriers the simulator does not align for expert all-to-alls)",
-    )
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--seed", type=seed, default=0)
-    parser.add_argument(
-        "--validate", default="first", choices=["first", "all", "none"], help="which steps' plans to validate"
-    )
-    parser.add_argument(
-        "--dkv-bf16",
-        action="store_true",
-        help="cost ring attention with the backward's dK/dV accumulators sent in bf16 (fp32 by default)",
-    )
-    parser.add_argument(
-        "--pipeline-schedule",
-        default="1f1b",
-        choices=["1f1b", "search"],
-        help="with --pp > 1, the HDP plans' stage orders: 1F1B, or per-stage orders searched by "
-        "simulating all pipelines together, kept when shorter (planner/stage_schedule.py)",
-    )
-    parser.add_argument(
-        "--vpp",
-        type=int,
-        default=1,
-        metavar="V",
-        help="model chunks per pipeline device (virtual pipeline stages, interleaved 1F1B); every "
-        "strategy runs with them, the static baseline Megatron's interleaved order [1]",
-    )
-    parser.add_argument(
-        "--json",
-        default=None,
-        metavar="OUT",
-        help="write the config, every step's figures per strategy and the totals as JSON",
-    )
-    parser.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart of the first step")
-
-
-def config_from_args(args: argparse.Namespace) -> SimConfig:
-    return SimConfig(
-        gpus=args.gpus,
-        context=parse_size(args.context, "context"),
-        capacity=parse_size(args.capacity, "capacity"),
-        global_batch_tokens=parse_size(args.global_batch_tokens, "global batch tokens"),
-        model=args.model,
-        hardware=args.hardware,
-        tp=args.tp,
-        pp=args.pp,
-        ep=args.ep,
-        gpus_per_node=args.gpus_per_node,
-        dataset=args.dataset,
-        lengths_file=args.lengths_file,
-        strategies=tuple(parse_strategies(args.strategies)) if args.strategies else default_strategies(args.ep),
-        steps=args.steps,
-        seed=args.seed,
-        validate=args.validate,
-        dkv_bf16=args.dkv_bf16,
-        data_path=args.data_path,
-        pipeline_schedule=args.pipeline_schedule,
-        vpp=args.vpp,
-        host_memory_per_gpu=(
-            parse_size(args.host_memory_per_gpu, "--host-memory-per-gpu") if args.host_memory_per_gpu else None
-        ),
-    )
-
-
-def main(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    report = run(cfg)
-    if cfg.data_path:
-        d = report.dataset
-        source = f"dataset {d['prefix']} (training's batches, seed {cfg.seed})"
-        print(
-            f"shadow run on {d['prefix']}: {d['documents']:,} documents, {d['tokens']:,} tokens, longest "
-            f"{format_size(d['longest_document'])} ({d['documents_over_context']} cut at the context); steps "
-            + ", ".join(f"{n} seqs/{format_size(m)} longest" for n, m, _ in report.batch_stats)
-        )
-    elif cfg.lengths_file:
-        source = f"lengths file {cfg.lengths_file}"
-    else:
-        source = f"{cfg.dataset}-like batches"
-    print(
-        f"{cfg.model} on {report.cluster.describe()}; context {format_size(cfg.context)}, capacity "
-        f"{format_size(cfg.capacity)}, {format_size(cfg.global_batch_tokens)} tokens/step of {source}; "
-        f"{cfg.steps} step(s), ratios of totals"
-        + (
-            f"; VPP {cfg.vpp}: {cfg.vpp} model chunks per pipeline device for every strategy (static and "
-            "megatron-dcp run Megatron's interleaved 1F1B over their micro-batches)"
-            if cfg.vpp > 1
-            else ""
-        )
-    )
-    print(format_table(report))
-    verdict = shadow_verdict(report)
-    if verdict:
-        print(verdict)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        print(f"wrote {args.json}")
-    if args.plot:
-        if report.timelines:
-            from .plot import plot_timelines
-
-            plot_timelines(
-                report.timelines,
-                args.plot,
-                lower_bound=report.lower_bound_first,
-                title=f"{cfg.model}, {report.cluster.describe()}, {format_size(cfg.context)} context, first step",
-            )
-            print(f"wrote {args.plot}")
-        else:
-            print("no strategy produced a timeline; nothing to plot", file=sys.stderr)
-    return 0 if report.steps else 2

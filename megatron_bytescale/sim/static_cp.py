@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import ConfigError
-from ..planner.contract import MicroBatch, Piece, Plan, ring_pieces, whole_piece
+from ..planner.contract import MicroBatch, Plan, micro_batch, ring_pieces, whole_piece
 from .cluster import Cluster
 
 
@@ -120,17 +120,16 @@ def static_plan(seq_lens: Sequence[int], cluster: Cluster, capacity: int, contex
     for g in range(dp):
         ring = tuple(range(g * cp, (g + 1) * cp))
         for pack in owned[g]:
-            pieces: list[list[Piece]] = [[] for _ in range(cp)]
+            spread = [ring_pieces(sid, seq_lens[sid], ring) for sid, member in pack.members if member is None]
+            # one row per ring member: its share of every spread sequence, in pack order (a
+            # pack of a 1,024-GPU step holds ~10^5 pieces: the transpose runs in C)
+            rows = [list(row) for row in zip(*spread)] if spread else [[] for _ in range(cp)]
             for sid, member in pack.members:
-                s = seq_lens[sid]
                 if member is not None:
-                    pieces[member].append(whole_piece(sid, s, ring[member]))
-                else:
-                    for j, piece in enumerate(ring_pieces(sid, s, ring)):
-                        pieces[j].append(piece)
+                    rows[member].append(whole_piece(sid, seq_lens[sid], ring[member]))
             for j in range(cp):
-                if pieces[j]:
-                    ranks[ring[j]].append(MicroBatch(tuple(pieces[j])))
+                if rows[j]:
+                    ranks[ring[j]].append(micro_batch(tuple(rows[j])))
     return Plan(
         num_ranks=d,
         capacity=capacity,

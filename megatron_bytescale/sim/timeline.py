@@ -441,7 +441,7 @@ def _scaled(w: Work, share: float) -> Work:
 
 
 def _expert_slots(plan: Plan, cluster: Cluster, cost: CostModel, work, barriers) -> dict | None:
-    """With expert parallelism: each micro-batch's merged slot (``expert_slots``), with its
+    """With expert parallelism: each micro-batch's merged slot (``planner/expert/slots.py``), with its
     MoE all-to-alls added to ``work`` in place; None without."""
     e = plan.expert_parallel
     if e == 1:
@@ -665,5 +665,17 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         microbatches=[len(mbs) for mbs in plan.ranks],
         plan_time_s=float(plan.meta.get("plan_time_s", math.nan)),
         notes=list(plan.meta.get("notes", [])),
-        two_level_rings=len({mb.ring_key for mbs in plan.ranks for mb in mbs if mb.heads_split > 1}),
+        two_level_rings=two_level_rings(plan),
     )
+
+
+def two_level_rings(plan: Plan) -> int:
+    """Ring micro-batches run two-level: one look per ring micro-batch (its members share one
+    ``heads_split``), not one per member (a static plan's micro-batches hold ~10^2 pieces each)."""
+    first: dict[tuple, MicroBatch] = {}
+    for mbs in plan.ranks:
+        for mb in mbs:
+            key = mb.ring_key
+            if key is not None and key not in first:
+                first[key] = mb
+    return sum(1 for mb in first.values() if mb.heads_split > 1)

@@ -21,40 +21,15 @@ and as the planner estimates it, each with its ratio to planning + delivery.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..units import seed
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megatron_bytescale"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mode", choices=["local", "ray"], default="local")
-    parser.add_argument("--ranks", type=int, default=8, help="HDP ranks to plan and deliver for")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--seed", type=seed, default=0)
-    parser.add_argument(
-        "--data",
-        help="indexed dataset prefix (default: a corpus of this interpreter's site-packages, built once "
-        f"under {DEFAULT_CACHE})",
-    )
-    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
-    parser.add_argument(
-        "--capacity", type=int, default=8192, help="tokens per rank per micro-batch (planner capacity C)"
-    )
-    parser.add_argument("--step-tokens", type=int, help="token budget per step (default: 4 x ranks x capacity)")
-    parser.add_argument("--context-length", type=int, help="longest sample (default: ranks x capacity / 2)")
-    parser.add_argument("--ranks-per-node", type=int, default=8, help="HDP ranks per node (planner placement)")
-    parser.add_argument("--model", default="tiny", help="model config for the planner's cost model")
-    parser.add_argument("--hardware", default="h200", help="hardware config for the planner's cost model")
-    parser.add_argument("--servers", type=int, default=2, help="ray mode: document server actors")
-    parser.add_argument("--lookahead", type=int, default=4, help="ray mode: steps planned ahead")
-    parser.add_argument("--address", help="ray mode: attach to this Ray cluster instead of starting one")
 
 
 def default_dataset() -> str:
@@ -133,8 +108,10 @@ def run_bench(args) -> dict:
     plan_s, delivery_s, step_token_counts, step_sample_counts, est_step_s, sim_step_s = [], [], [], [], [], []
     per_rank = [0] * args.ranks
     t_start = time.perf_counter()
+    from tqdm import tqdm
+
     try:
-        for _ in range(args.steps):
+        for _ in tqdm(range(args.steps), desc=f"{args.mode} loader", unit="step", file=sys.stderr, delay=2.0):
             if args.mode == "local":  # planned once: every rank computes this same plan in parallel
                 t0 = time.perf_counter()
                 loader.step_plan()
@@ -190,12 +167,3 @@ def run_bench(args) -> dict:
         result["planner_est_step_s_median"] = est
         result["step_s_over_plan_plus_delivery"] = est / (result["plan_s_median"] + result["delivery_s_median"])
     return result
-
-
-def main(args) -> int:
-    result = run_bench(args)
-    for key, value in result.items():
-        print(f"{key:32s} {value:.6g}" if isinstance(value, float) else f"{key:32s} {value}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0

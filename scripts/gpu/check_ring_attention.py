@@ -149,24 +149,33 @@ def accuracy(cases, hq, hkv, d, dtype, device, backends) -> list[dict]:
                 for dst, t in zip(got, tensors):
                     dst[rows] = t.float()
             fused = run_fused(seqs, backend, scale)
-            rec = {
-                "case": name,
-                "ring": n,
-                "tokens": sum(lens),
-                "backend": backend.name,
-                "ring_err": max_errors(got, want),
-                "one_call_err": max_errors(fused, want),
-                "ring_vs_one_call": max_errors(got, [f.float() for f in fused]),
-            }
-            records.append(rec)
-            print(
-                f"{name:13s} N={n} {sum(lens):6d} tok {backend.name:5s} | max |err| vs fp32: ring "
-                + " ".join(f"{k}={v:.2e}" for k, v in rec["ring_err"].items())
-                + " | one call "
-                + " ".join(f"{k}={v:.2e}" for k, v in rec["one_call_err"].items()),
-                flush=True,
-            )
+            records.append(accuracy_record(name, n, sum(lens), backend.name, got, want, fused))
     return records
+
+
+def accuracy_record(name, n, tokens, backend, got, want, fused, errors=None, **extra) -> dict:
+    """One accuracy case's figures (the ring's and the one call's errors against the fp32
+    oracle, the ring against the one call), printed as one line. ``errors``: how two lists of
+    tensors are compared (default ``max_errors``); ``extra``: more keys, printed after the backend."""
+    errors = errors or max_errors
+    rec = {
+        "case": name,
+        "ring": n,
+        "tokens": tokens,
+        "backend": backend,
+        **extra,
+        "ring_err": errors(got, want),
+        "one_call_err": errors(fused, want),
+        "ring_vs_one_call": errors(got, [f.float() for f in fused]),
+    }
+    print(
+        f"{name:13s} N={n} {tokens:6d} tok {backend:5s} {' '.join(map(str, extra.values()))} | max err vs fp32: ring "
+        + " ".join(f"{k}={v:.2e}" for k, v in rec["ring_err"].items())
+        + " | one call "
+        + " ".join(f"{k}={v:.2e}" for k, v in rec["one_call_err"].items()),
+        flush=True,
+    )
+    return rec
 
 
 def timed(fn, repeats: int, device) -> float:

@@ -9,7 +9,8 @@ Megatron glue read plans through it without loading the schedulers above it.
 * ``graph``: the one dependency graph of pipelines sharing ring micro-batches (deadlock,
   longest paths, finish times);
 * ``rules``: the invariants ``Plan.validate`` checks, one function each; ``slots``: the
-  expert-parallel slot rule; ``zigzag``: each ring member's share of a sequence.
+  expert-parallel slot rule; ``zigzag``: each ring member's share of a sequence;
+  ``transports``: what a ring may carry (K and V, or an MLA latent).
 """
 
 from .graph import PipelineGraph, find_pipeline_deadlock, longest_paths, one_f_one_b_time, pipelined_finish_times
@@ -26,12 +27,14 @@ from .ops import (
 )
 from .plan import PLAN_FORMAT_VERSION, MicroBatch, Piece, Plan, micro_batch, ring_pieces, whole_piece, whole_pieces
 from .rules import crossing_order_mismatch, plan_pipeline_deadlock, resident_fraction
+from .transports import RING_TRANSPORTS
 from .zigzag import rank_tokens, zigzag_ranges
 
 __all__ = [
     "BACKWARD",
     "FORWARD",
     "PLAN_FORMAT_VERSION",
+    "RING_TRANSPORTS",
     "MicroBatch",
     "Op",
     "Piece",

@@ -9,6 +9,10 @@ short whole sequences may sit next to them. Each micro-batch has an offload rati
 With pipeline parallelism each rank is a pipeline; a plan may also fix the order in which
 each stage runs its micro-batches' forwards and backwards (``stage_orders``; None: 1F1B).
 
+Each ring also says what travels round it (``Piece.transport``, one of ``RING_TRANSPORTS``):
+``"kv"``, the attention's K and V (every model), or ``"latent"``, for multi-latent attention
+models, the compressed KV latent and the rotary key that every member re-expands into K and V.
+
 ``validate()`` checks every invariant the runtime relies on (``rules``, one function each).
 """
 
@@ -22,6 +26,7 @@ from pathlib import Path
 from ...errors import PlanError
 from . import rules
 from .ops import Op, decode_order, interleaved_order
+from .transports import RING_TRANSPORTS
 from .zigzag import Ranges, zigzag_ranges
 
 PLAN_FORMAT_VERSION = 1
@@ -39,6 +44,9 @@ class Piece:
     # ``heads_split`` (one node each) swap heads by all-to-all, so the ring proper runs across
     # the groups with blocks ``heads_split`` times larger; 1 is the plain ring
     heads_split: int = 1
+    # what travels round the ring (``RING_TRANSPORTS``): "kv", K and V; "latent" (multi-latent
+    # attention models, plain rings only), the KV latent and rotary key, re-expanded by each member
+    transport: str = "kv"
 
     @property
     def tokens(self) -> int:
@@ -114,6 +122,14 @@ class MicroBatch:
         """The two-level group size of this micro-batch's ring (1: a plain ring or no ring)."""
         return max((p.heads_split for p in self.pieces if p.is_distributed), default=1)
 
+    @property
+    def transport(self) -> str:
+        """What this micro-batch's ring carries ("kv" without a ring)."""
+        for p in self.pieces:
+            if len(p.ring) > 1:
+                return p.transport
+        return "kv"
+
 
 @dataclass
 class Plan:
@@ -125,7 +141,7 @@ class Plan:
     # provenance only (strategy, planner time, estimates, ...): never affects execution or costing
     meta: dict = field(default_factory=dict)
     # token-equivalents of a micro-batch that may sit in pinned host memory (offloaded
-    # activations; see offload_policy.host_capacity); None: no host budget to check
+    # activations; see sizing/offload.py: host_capacity); None: no host budget to check
     host_capacity: int | None = None
     # layers recomputed whole (--recompute-granularity full): they keep no activations, so
     # capacity and offloading concern the other num_layers - recomputed_layers
@@ -181,6 +197,45 @@ class Plan:
         """Layers per stage that keep their activations for backward (what offloading applies to)."""
         return self.num_layers - self.recomputed_layers
 
+    def with_ring_transport(self, transport: str) -> Plan:
+        """This plan with every plain ring (``heads_split`` 1) carrying ``transport``; two-level
+        rings keep K and V (their members hold a slice of the heads, the latent is every head's).
+        The same plan when nothing changes."""
+        if transport not in RING_TRANSPORTS:
+            raise PlanError(f"unknown ring transport {transport!r}; choose one of {', '.join(RING_TRANSPORTS)}")
+        if not any(
+            p.transport != transport and len(p.ring) > 1 and p.heads_split == 1
+            for mbs in self.ranks
+            for mb in mbs
+            for p in mb.pieces
+        ):
+            return self
+
+        def carried(mb: MicroBatch) -> MicroBatch:
+            pieces = tuple(
+                _piece(p.seq_id, p.seq_len, p.ranges, p.ring, p.heads_split, transport)
+                if len(p.ring) > 1 and p.heads_split == 1
+                else p
+                for p in mb.pieces
+            )
+            return micro_batch(pieces, mb.offload_ratio)
+
+        ranks = tuple(tuple(carried(mb) for mb in mbs) for mbs in self.ranks)
+        return Plan(
+            num_ranks=self.num_ranks,
+            capacity=self.capacity,
+            num_layers=self.num_layers,
+            seq_lens=self.seq_lens,
+            ranks=ranks,
+            meta=dict(self.meta),
+            host_capacity=self.host_capacity,
+            recomputed_layers=self.recomputed_layers,
+            stage_orders=self.stage_orders,
+            expert_parallel=self.expert_parallel,
+            virtual_stages=self.virtual_stages,
+            barriers=self.barriers,
+        )
+
     # ------------------------------------------------------------------ queries
     def micro_batches(self, rank: int) -> tuple[MicroBatch, ...]:
         if not 0 <= rank < self.num_ranks:
@@ -206,7 +261,8 @@ class Plan:
         1. one micro-batch list per rank; sequence lengths positive (``rules.shape_errors``);
         2. every token of every sequence appears exactly once across the plan; a whole
            sequence is one piece ``[0, s)`` on its ring's only rank; a distributed sequence's
-           ring has distinct ranks and each member holds exactly its zigzag share
+           ring has distinct ranks and each member holds exactly its zigzag share, all its
+           pieces carrying one transport ("latent" on plain rings only)
            (``rules.sequence_errors``);
         3. no micro-batch exceeds the capacity once its offload ratio is applied, nor parks
            more than ``host_capacity`` token-equivalents in host memory; ratios in [0, 1];
@@ -265,6 +321,7 @@ class Plan:
                                 "ranges": [list(r) for r in p.ranges],
                                 "ring": list(p.ring),
                                 **({"heads_split": p.heads_split} if p.heads_split != 1 else {}),
+                                **({"transport": p.transport} if p.transport != "kv" else {}),
                             }
                             for p in mb.pieces
                         ],
@@ -293,6 +350,7 @@ class Plan:
                                 ranges=tuple((int(a), int(b)) for a, b in p["ranges"]),
                                 ring=tuple(int(r) for r in p["ring"]),
                                 heads_split=int(p.get("heads_split", 1)),
+                                transport=str(p.get("transport", "kv")),
                             )
                             for p in mb["pieces"]
                         ),
@@ -340,7 +398,9 @@ class Plan:
             raise PlanError(f"plan is not valid JSON: {exc}") from None
 
 
-def _piece(seq_id: int, seq_len: int, ranges: Ranges, ring: tuple[int, ...], heads_split: int = 1) -> Piece:
+def _piece(
+    seq_id: int, seq_len: int, ranges: Ranges, ring: tuple[int, ...], heads_split: int = 1, transport: str = "kv"
+) -> Piece:
     """``Piece(...)`` without the frozen dataclass's per-field ``object.__setattr__``: a
     plan for 16K ranks builds ~10^5 pieces, and this is three times faster (same object)."""
     p = _new_object(Piece)
@@ -350,6 +410,7 @@ def _piece(seq_id: int, seq_len: int, ranges: Ranges, ring: tuple[int, ...], hea
     d["ranges"] = ranges
     d["ring"] = ring
     d["heads_split"] = heads_split
+    d["transport"] = transport
     return p
 
 
@@ -387,12 +448,16 @@ def whole_pieces(seq_ids, seq_lens, ring: tuple[int], ranges_of: dict[int, Range
         d["ranges"] = ranges
         d["ring"] = ring
         d["heads_split"] = 1
+        d["transport"] = "kv"
         out.append(p)
     return tuple(out)
 
 
-def ring_pieces(seq_id: int, seq_len: int, ring: tuple[int, ...], heads_split: int = 1) -> list[Piece]:
-    """The zigzag pieces of one sequence over ``ring``, in ring order (``heads_split``: two-level)."""
+def ring_pieces(
+    seq_id: int, seq_len: int, ring: tuple[int, ...], heads_split: int = 1, transport: str = "kv"
+) -> list[Piece]:
+    """The zigzag pieces of one sequence over ``ring``, in ring order (``heads_split``: two-level;
+    ``transport``: what the ring carries)."""
     shares = zigzag_ranges(seq_len, len(ring))
     ring = tuple(ring)
-    return [_piece(seq_id, seq_len, share, ring, heads_split) for share in shares]
+    return [_piece(seq_id, seq_len, share, ring, heads_split, transport) for share in shares]

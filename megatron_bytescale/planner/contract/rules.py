@@ -10,6 +10,7 @@ from graphlib import CycleError, TopologicalSorter
 from .graph import find_pipeline_deadlock
 from .ops import FORWARD, as_ops
 from .slots import slot_errors
+from .transports import RING_TRANSPORTS
 from .zigzag import zigzag_ranges
 
 __all__ = [
@@ -105,6 +106,9 @@ def micro_batch_errors(plan) -> list[str]:
             splits = {p.heads_split for p in mb.pieces if p.is_distributed}
             if len(splits) > 1:
                 errors.append(f"{where}: pieces use heads_split {sorted(splits)}; one micro-batch has one")
+            carried = {p.transport for p in mb.pieces if p.is_distributed}
+            if len(carried) > 1:
+                errors.append(f"{where}: its ring pieces carry {sorted(carried)}; one ring carries one transport")
     return errors
 
 
@@ -152,6 +156,15 @@ def _ring_errors(num_ranks: int, sid: int, s: int, held: list) -> list[str]:
         return [f"sequence {sid}: pieces disagree about heads_split: {sorted({p.heads_split for _, p in held})}"]
     if u < 1 or len(ring) % u or (u > 1 and len(ring) == 1):
         return [f"sequence {sid}: heads_split {u} does not divide its ring of {len(ring)} ranks into groups"]
+    carried = {p.transport for _, p in held}
+    if len(carried) > 1:
+        return [f"sequence {sid}: its ring's pieces disagree about what it carries: {sorted(carried)}"]
+    transport = carried.pop()
+    if transport not in RING_TRANSPORTS:
+        return [f"sequence {sid}: ring transport {transport!r} is not one of {', '.join(RING_TRANSPORTS)}"]
+    if transport != "kv" and (len(ring) == 1 or u > 1):
+        what = "a whole sequence has no ring" if len(ring) == 1 else f"its two-level ring (heads_split {u}) splits it"
+        return [f"sequence {sid}: transport {transport!r} needs a plain ring, but {what}; use 'kv'"]
     ranks_holding = sorted(r for r, _ in held)
     if ranks_holding != sorted(ring):
         return [f"sequence {sid}: held by ranks {ranks_holding}, ring is {ring}; each member holds one piece"]

@@ -8,7 +8,7 @@ backward (default ``p``: 1F1B's first stage). The orders are timed on the contra
 dependency graph (``contract.graph.PipelineGraph``, the simulator's rule) and kept only if
 shorter than the base orders (1F1B, or the interleaved order with chunks). ``chunk_schedule``
 does the same over chunk operations with ``V > 1`` model chunks per device and keeps the
-shortest of it and the slot-aligned interleaved orders (``slot_alignment``). Why the orders
+shortest of it and the slot-aligned interleaved orders (``order/interleaved.py``). Why the orders
 cannot deadlock, and what the search buys on which batches: docs/design.md, "Stage orders".
 """
 

@@ -91,7 +91,7 @@ class PipelineArrays:
         cls, rings: np.ndarray, t: np.ndarray, counts: list[int], stages: int, forward_share: float, chunks: int = 1
     ) -> PipelineArrays:
         """The same from arrays: every micro-batch's ring (-1: local work) and seconds, the
-        ranks' ``counts`` of them one after the other (``slot_alignment.item_arrays``)."""
+        ranks' ``counts`` of them one after the other (``order/runs.py: item_arrays``)."""
         self = cls.__new__(cls)
         self._build(counts, _first_of_ring(rings), t, stages, forward_share, chunks)
         return self

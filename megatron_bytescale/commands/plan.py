@@ -2,6 +2,8 @@
 
 bytescale plan --model llama-7b --gpus 64 --capacity 8K --lengths 1K,300K,4K,9K
 bytescale plan --model llama-7b --gpus 1024 --capacity 8K --lengths-file lens.txt --json plan.json
+bytescale plan --model llama-7b --gpus 64 --capacity 8K --context 32K --data-path 0.3 books 0.7 code \
+    --global-batch-tokens 1M --steps 4
 """
 
 from __future__ import annotations
@@ -11,18 +13,19 @@ import contextlib
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..lengths_file import iter_lengths_file, read_lengths_file
 from ..units import format_size, parse_size
-from .balance import BALANCE_MODES
-from .contract import MicroBatch, Plan
-from .cost_model import CostModel
-from .fields import FieldMessage
-from .planner import PlannerConfig, plan_step
-from .specs import HardwareSpec, ModelSpec
+from ..virtual_stages import check_vpp
+
+if TYPE_CHECKING:
+    from ..planner.contract import MicroBatch, Plan
+    from ..planner.cost_model import CostModel
+    from ..planner.planner import PlannerConfig
+
+BALANCE_HELP = "dp | pp | none"  # the planner's BALANCE_MODES, checked in main (not imported for --help)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,9 +48,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="comma-separated sequence lengths, e.g. 1K,300K,4096")
     src.add_argument("--lengths-file", help="a file with one positive integer (a sequence length) per line")
+    src.add_argument(
+        "--data-path",
+        nargs="+",
+        metavar="[WEIGHT] PREFIX",
+        help="a Megatron indexed dataset, or a blend in Megatron's syntax (W1 P1 W2 P2 ...): plan the steps "
+        "training on it would see (the HDP loader's order for --seed, documents cut at --context, "
+        "--global-batch-tokens per step, a blend's tokens by weight); needs --global-batch-tokens",
+    )
+    p.add_argument("--steps", type=int, default=1, help="with --data-path: how many steps to plan [1]")
+    p.add_argument("--seed", type=int, default=1234, help="with --data-path: the training run's --seed [1234]")
     p.add_argument("--context", default="2M", help="longest sequence allowed [2M]")
     p.add_argument("--cut", action="store_true", help="cut sequences longer than --context to the context")
-    p.add_argument("--balance", default="dp", choices=BALANCE_MODES, help="balance scheduler mode [dp]")
+    p.add_argument("--balance", default="dp", help=f"balance scheduler mode: {BALANCE_HELP} [dp]")
     p.add_argument("--slack", type=float, default=0.05, help="balance slack, a fraction of the max time [0.05]")
     p.add_argument("--no-offload", action="store_true", help="never offload activations")
     p.add_argument(
@@ -123,6 +136,8 @@ def format_table(plan: Plan, max_rows: int) -> str:
 
 
 def format_summary(plan: Plan) -> str:
+    import numpy as np
+
     m = plan.meta
     est = np.asarray(m.get("est_rank_time_s") or [0.0])
     rings = ", ".join(f"{n}x{size}" for size, n in m.get("ring_sizes", {}).items()) or "none"
@@ -138,35 +153,17 @@ def format_summary(plan: Plan) -> str:
     )
 
 
-def build_cost(args) -> CostModel:
+def build_cost(args):
+    from ..planner.cost_model import CostModel
+    from ..planner.specs import HardwareSpec, ModelSpec
+
     if args.profile:
         cost = CostModel.from_profile(args.profile)
     else:
         cost = CostModel.analytic(ModelSpec.load(args.model), HardwareSpec.load(args.hardware), tp=args.tp, pp=args.pp)
-    return with_host_memory(cost, getattr(args, "host_memory_per_gpu", None))
-
-
-def with_host_memory(cost: CostModel, text: str | int | None) -> CostModel:
-    """``cost`` with its host budget per GPU replaced by ``text`` (e.g. "64G"), if given."""
-    if text is None:
+    if args.host_memory_per_gpu is None:
         return cost
-    return cost.with_overrides(host_memory_bytes=float(parse_size(text, "--host-memory-per-gpu")))
-
-
-def check_vpp(vpp: int, pp: int, layers_per_stage: int) -> None:
-    """Refuse virtual pipeline stages that cannot be laid out, before any work."""
-    if isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1:
-        raise ConfigError(f"--vpp {vpp!r}: give a whole number of model chunks per pipeline device >= 1 (1: no VPP)")
-    if vpp > 1 and pp <= 1:
-        raise ConfigError(
-            f"--vpp {vpp} needs pipeline stages: virtual stages interleave a pipeline's chunks; pass --pp > 1 or "
-            "--vpp 1"
-        )
-    if layers_per_stage % vpp:
-        raise ConfigError(
-            f"--vpp {vpp} does not divide the {layers_per_stage} layers of a pipeline stage into equal chunks; "
-            f"use a divisor of {layers_per_stage}"
-        )
+    return cost.with_overrides(host_memory_bytes=float(parse_size(args.host_memory_per_gpu, "--host-memory-per-gpu")))
 
 
 def hdp_shape(gpus: int, tp: int, pp: int, gpus_per_node: int) -> tuple[int, int]:
@@ -196,6 +193,8 @@ FLAGS = {
 
 
 def main(args) -> int:
+    from ..planner.fields import FieldMessage
+
     try:
         return _main(args)
     except FieldMessage as exc:
@@ -203,6 +202,12 @@ def main(args) -> int:
 
 
 def _main(args) -> int:
+    from ..planner.balance import BALANCE_MODES
+    from ..planner.planner import PlannerConfig, plan_step
+    from ..planner.specs import HardwareSpec
+
+    if args.balance not in BALANCE_MODES:
+        raise ConfigError(f"--balance {args.balance}: choose one of {', '.join(BALANCE_MODES)}")
     per_node = HardwareSpec.load(args.hardware).gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
     num_ranks, ranks_per_node = hdp_shape(args.gpus, args.tp, args.pp, per_node)
     cost = build_cost(args)
@@ -220,6 +225,8 @@ def _main(args) -> int:
         expert_parallel=args.ep,
         virtual_stages=args.vpp,
     )
+    if args.data_path is not None and args.global_batch_tokens is None:
+        raise ConfigError("--data-path plans training's steps: add --global-batch-tokens (the step size, e.g. 1M)")
     if args.global_batch_tokens is not None:
         return plan_steps(args, config, cost, context, parse_size(args.global_batch_tokens, "--global-batch-tokens"))
     if args.lengths is not None:
@@ -287,22 +294,47 @@ def step_lengths(lengths: Iterator[int], budget: int, context: int, cut: bool) -
         yield step
 
 
+def data_steps(data_path: list[str], budget: int, context: int, seed: int, count: int) -> Iterator[list[int]]:
+    """The first ``count`` global batches training on ``data_path`` would see (the HDP loader's
+    sampler, as ``bytescale simulate --data-path`` reads them), saying what the data are."""
+    import itertools
+
+    from ..data.workloads import training_batches
+
+    if count < 1:
+        raise ConfigError(f"--steps {count}: give a positive number of steps")
+    batches, info = training_batches(data_path, budget, context, seed)
+    print(
+        f"data: {info['prefix']}: {info['documents']:,} documents, {info['tokens']:,} tokens, longest "
+        f"{info['longest_document']:,} ({info['documents_over_context']:,} longer than the context, cut)",
+        flush=True,
+    )
+    return itertools.islice(batches, count)
+
+
 def plan_steps(args, config: PlannerConfig, cost: CostModel, context: int, budget: int) -> int:
     """Plan and print step after step; only the current step's plan is kept."""
+    from ..planner.planner import plan_step
+
     if budget < context and not args.cut:
         raise ConfigError(
             f"--global-batch-tokens {format_size(budget)} is smaller than --context {format_size(context)}: "
             "a context-long sequence could never be in a step; raise --global-batch-tokens or lower --context"
         )
     context = min(context, budget)
-    source = iter(parse_lengths(args.lengths)) if args.lengths is not None else None
-    bar = None if source is not None else _progress_bar(args.lengths_file)
-    if source is None:
-        source = iter_lengths_file(args.lengths_file, bar.update)
+    bar = None
+    if args.data_path is not None:
+        steps_of_data = data_steps(args.data_path, budget, context, args.seed, args.steps)
+    else:
+        source = iter(parse_lengths(args.lengths)) if args.lengths is not None else None
+        bar = None if source is not None else _progress_bar(args.lengths_file)
+        if source is None:
+            source = iter_lengths_file(args.lengths_file, bar.update)
+        steps_of_data = step_lengths(source, budget, context, args.cut)
     with open(args.json, "w") if args.json else contextlib.nullcontext() as out:
         try:
             steps = 0
-            for steps, lengths in enumerate(step_lengths(source, budget, context, args.cut), start=1):
+            for steps, lengths in enumerate(steps_of_data, start=1):
                 plan = plan_step(lengths, config, cost).validate()
                 if out is not None:
                     out.write(plan.to_json() + "\n")
