@@ -73,14 +73,11 @@ def assign(
     ``give_up_above`` first)."""
     n = num_ranks
     loads, tree, nodes, groups, busiest = _initial_state(n, rpn, ep)
-    clock, key, idle, peak, count = loads
-    by_node, stale, c_start, c_waits, s_tree, dirty, dirty_top, built, is_dirty = nodes
-    g_val, g_tree, g_dirty, g_dirty_top, g_built, g_is_dirty = groups
+    clock, key, idle, peak, _ = loads
     total_members = 0
     for j in range(order.size):
         total_members += ring_size[order[j]]
-    ev_rank, ev_unit = np.empty(total_members, dtype=np.int64), np.empty(total_members, dtype=np.int64)
-    events = np.zeros(1, np.int64)
+    log = (np.empty(total_members, dtype=np.int64), np.empty(total_members, dtype=np.int64), np.zeros(1, np.int64))
     given = np.empty(order.size, dtype=np.int64)
     members = np.empty(total_members, dtype=np.int64)
     n_given, n_members = 0, 0
@@ -92,49 +89,20 @@ def assign(
         i = lo
         while i < hi:
             if top[0] > give_up_above:
-                e = events[0]
-                return ev_rank[:e], ev_unit[:e], given[:n_given], members[:n_members], clock, key, idle, False
+                e = log[2][0]
+                return log[0][:e], log[1][:e], given[:n_given], members[:n_members], clock, key, idle, False
             u = order[i]
             k = ring_size[u]
             if k > 1:  # a ring: placed, then every member runs it from its slowest member's clock
-                ranks = _ring_ranks(
-                    k,
-                    group[u],
-                    key,
-                    tree,
-                    by_node,
-                    stale,
-                    c_start,
-                    c_waits,
-                    s_tree,
-                    dirty,
-                    dirty_top,
-                    built,
-                    is_dirty,
-                    g_val,
-                    g_tree,
-                    g_dirty,
-                    g_dirty_top,
-                    g_built,
-                    g_is_dirty,
-                    busiest,
-                    pick,
-                    ep,
-                    tree_pick,
-                )
+                ranks = _ring_ranks(k, group[u], key, tree, nodes, groups, busiest, pick, ep, tree_pick)
                 start = clock[ranks[0]]
                 for q in range(1, k):
                     start = max(start, clock[ranks[q]])
                 for q in range(k):
-                    r = ranks[q]
-                    _run(clock, key, idle, peak, count, top, seconds, tokens, by_tokens, bubble, r, start, u)
-                    ev_rank[events[0]], ev_unit[events[0]] = r, u
-                    events[0] += 1
-                    members[n_members + q] = r
+                    _run(loads, top, log, seconds, tokens, by_tokens, bubble, ranks[q], start, u)
+                    members[n_members + q] = ranks[q]
                 for q in range(k):
-                    r = ranks[q]
-                    _changed(r, key, tree, stale, built, is_dirty, dirty, dirty_top, rpn)
-                    _groups_changed(r, g_built, g_is_dirty, g_dirty, g_dirty_top, key, busiest, rpn, ep)
+                    _changed(ranks[q], key, tree, nodes, groups, busiest, ep)
                 n_members += k
                 given[n_given] = u
                 n_given += 1
@@ -148,9 +116,7 @@ def assign(
             while True:
                 u = order[i]
                 i += 1
-                _run(clock, key, idle, peak, count, top, seconds, tokens, by_tokens, bubble, r, clock[r], u)
-                ev_rank[events[0]], ev_unit[events[0]] = r, u
-                events[0] += 1
+                _run(loads, top, log, seconds, tokens, by_tokens, bubble, r, clock[r], u)
                 given[n_given] = u
                 n_given += 1
                 if first:
@@ -161,11 +127,10 @@ def assign(
                 w = seconds[order[i]]
                 if clock[r] + w + bubble * max(peak[r], w) > level:
                     break
-            _changed(r, key, tree, stale, built, is_dirty, dirty, dirty_top, rpn)
-            _groups_changed(r, g_built, g_is_dirty, g_dirty, g_dirty_top, key, busiest, rpn, ep)
+            _changed(r, key, tree, nodes, groups, busiest, ep)
         lo = hi
-    e = events[0]
-    return ev_rank[:e], ev_unit[:e], given[:n_given], members[:n_members], clock, key, idle, True
+    e = log[2][0]
+    return log[0][:e], log[1][:e], given[:n_given], members[:n_members], clock, key, idle, True
 
 
 @jitable
@@ -213,8 +178,9 @@ def _initial_state(n: int, rpn: int, ep: int):
 
 
 @jitable
-def _run(clock, key, idle, peak, count, top, seconds, tokens, by_tokens: bool, bubble: int, r: int, start, u: int):
+def _run(loads, top, log, seconds, tokens, by_tokens: bool, bubble: int, r: int, start: float, u: int) -> None:
     """Rank ``r`` runs unit ``u`` from ``start`` (its own clock, or a ring's)."""
+    clock, key, idle, peak, count = loads
     idle[r] += start - clock[r]
     clock[r] = start + seconds[u]
     count[r] += tokens[u]
@@ -223,12 +189,18 @@ def _run(clock, key, idle, peak, count, top, seconds, tokens, by_tokens: bool, b
     key[r] = count[r] if by_tokens else clock[r] + bubble * peak[r]
     if key[r] > top[0]:
         top[0] = key[r]
+    ev_rank, ev_unit, events = log
+    ev_rank[events[0]], ev_unit[events[0]] = r, u
+    events[0] += 1
 
 
 @jitable
-def _changed(r: int, key, tree, stale, built, is_dirty, dirty, dirty_top, rpn: int) -> None:
-    """Rank ``r``'s key rose: its path up the rank tree, and its node's order and picks go
-    stale (made again when next asked for)."""
+def _changed(r: int, key, tree, nodes, groups, busiest, ep: int) -> None:
+    """Rank ``r``'s key rose: its path up the rank tree, and its node's order, picks and
+    groups go stale (made again when next asked for)."""
+    by_node, stale, _, _, _, dirty, dirty_top, built, is_dirty = nodes
+    _, _, g_dirty, g_dirty_top, g_built, g_is_dirty = groups
+    rpn = by_node.shape[1]
     g = r // rpn
     stale[g] = True
     for k in range(2, rpn + 1):  # its picks for the ring sizes seen so far
@@ -236,15 +208,6 @@ def _changed(r: int, key, tree, stale, built, is_dirty, dirty, dirty_top, rpn: i
             is_dirty[k, g] = True
             dirty[k, dirty_top[k]] = g
             dirty_top[k] += 1
-    _climb(tree, key, r)
-
-
-@jitable
-def _groups_changed(r: int, g_built, g_is_dirty, g_dirty, g_dirty_top, key, busiest, rpn: int, ep: int) -> None:
-    """Rank ``r``'s key rose: its node's two-level groups go stale, and its EP group's busiest
-    key is taken again."""
-    g = r // rpn
-    for k in range(2, rpn + 1):
         if g_built[k] and not g_is_dirty[k, g]:
             g_is_dirty[k, g] = True
             g_dirty[k, g_dirty_top[k]] = g
@@ -252,6 +215,7 @@ def _groups_changed(r: int, g_built, g_is_dirty, g_dirty, g_dirty_top, key, busi
     if ep > 1:
         g = r // ep
         busiest[g] = key[g * ep : g * ep + ep].max()
+    _climb(tree, key, r)
 
 
 @jitable
@@ -265,37 +229,13 @@ def _climb(tree, key, r: int) -> None:
 
 
 @jitable
-def _ring_ranks(
-    k: int,
-    g: int,
-    key,
-    tree,
-    by_node,
-    stale,
-    c_start,
-    c_waits,
-    s_tree,
-    dirty,
-    dirty_top,
-    built,
-    is_dirty,
-    g_val,
-    g_tree,
-    g_dirty,
-    g_dirty_top,
-    g_built,
-    g_is_dirty,
-    busiest,
-    pick,
-    ep: int,
-    tree_pick: int,
-):
+def _ring_ranks(k: int, g: int, key, tree, nodes, groups, busiest, pick, ep: int, tree_pick: int):
     """A ring of ``k`` members' ranks (two-level group size ``g``), by the placement rules."""
-    rpn = by_node.shape[1]
+    rpn = nodes[0].shape[1]
     if ep > 1 and k % ep == 0 and g == 1:  # on whole EP groups
         return _whole_groups(k, busiest, ep)
     if k <= rpn:  # inside one node: earliest start, least idle, lowest node
-        base = _best_node_of(k, key, by_node, stale, c_start, c_waits, s_tree, dirty, dirty_top, built, is_dirty) * rpn
+        base = _best_node_of(k, key, nodes) * rpn
         for j in range(rpn):  # the node's ranks by (key, rank): a stable insertion sort
             x = key[base + j]
             q = j
@@ -305,7 +245,7 @@ def _ring_ranks(
             pick[q] = base + j
         return np.sort(pick[:k])  # its k least, in rank order
     if g > 1 and k % g == 0 and rpn % g == 0:
-        return _in_groups(k, g, key, tree, by_node, stale, g_val, g_tree, g_dirty, g_dirty_top, g_built, g_is_dirty)
+        return _in_groups(k, g, key, tree, nodes, groups)
     if k * tree_pick <= key.size:  # the k least-loaded ranks, ties to the lowest, in rank order
         return _least_by_tree(k, key, tree)
     return least_of(key, k)
@@ -340,8 +280,9 @@ def _sort_node(g: int, key, by_node, stale) -> None:
 
 
 @jitable
-def _node_pick(g: int, k: int, key, by_node, stale, c_start, c_waits) -> None:
+def _node_pick(g: int, k: int, key, nodes) -> None:
     """Node g's k least-loaded ranks: when the last is free, and the waits."""
+    by_node, stale, c_start, c_waits = nodes[0], nodes[1], nodes[2], nodes[3]
     _sort_node(g, key, by_node, stale)
     start = by_node[g, k - 1]
     prefix = by_node[g, 0]
@@ -358,21 +299,22 @@ def _better_node(a: int, b: int, k: int, c_start, c_waits) -> int:
 
 
 @jitable
-def _best_node_of(k: int, key, by_node, stale, c_start, c_waits, s_tree, dirty, dirty_top, built, is_dirty) -> int:
+def _best_node_of(k: int, key, nodes) -> int:
     """The node a ring of ``k`` goes to inside one node: earliest start, least idle, lowest
     node (the size's tree made on its first ring, its changed nodes' leaves made again)."""
+    by_node, _, c_start, c_waits, s_tree, dirty, dirty_top, built, is_dirty = nodes
     width = s_tree.shape[1] // 2
     if not built[k]:
         built[k] = True
         for g in range(by_node.shape[0]):
-            _node_pick(g, k, key, by_node, stale, c_start, c_waits)
+            _node_pick(g, k, key, nodes)
             s_tree[k, width + g] = g
         for v in range(width - 1, 0, -1):
             s_tree[k, v] = _better_node(s_tree[k, 2 * v], s_tree[k, 2 * v + 1], k, c_start, c_waits)
     for d in range(dirty_top[k]):
         g = dirty[k, d]
         is_dirty[k, g] = False
-        _node_pick(g, k, key, by_node, stale, c_start, c_waits)
+        _node_pick(g, k, key, nodes)
         v = (width + g) // 2
         while v >= 1:
             s_tree[k, v] = _better_node(s_tree[k, 2 * v], s_tree[k, 2 * v + 1], k, c_start, c_waits)
@@ -393,11 +335,13 @@ def _group_climb(i: int, g: int, g_val, g_tree) -> None:
 
 
 @jitable
-def _least_groups(count: int, g: int, key, by_node, stale, g_val, g_tree, g_dirty, g_dirty_top, g_built, g_is_dirty):
+def _least_groups(count: int, g: int, key, nodes, groups):
     """The ``count`` least-loaded groups of ``g`` (``least_of`` over every node's groups by
     their busiest member: ties to the lower node and group), in index order, each taken out
     of the tree; the caller's ``_changed`` of their members puts them back (their nodes'
     leaves set again before the size's next ring)."""
+    by_node, stale = nodes[0], nodes[1]
+    g_val, g_tree, g_dirty, g_dirty_top, g_built, g_is_dirty = groups
     g_width = g_tree.shape[1] // 2
     per = by_node.shape[1] // g
     if not g_built[g]:
@@ -449,10 +393,11 @@ def _least_by_tree(k: int, key, tree):
 
 
 @jitable
-def _in_groups(k: int, g: int, key, tree, by_node, stale, g_val, g_tree, g_dirty, g_dirty_top, g_built, g_is_dirty):
+def _in_groups(k: int, g: int, key, tree, nodes, groups):
     """A ring of k members in groups of g: whole groups of ranks at the least load where
     there are enough, else the least-loaded groups (``_least_groups``), each group's ranks in
     rank order."""
+    by_node = nodes[0]
     n_nodes, rpn = by_node.shape[0], by_node.shape[1]
     out = np.empty(k, dtype=np.int64)
     least = key[tree[1]]  # key.min()
@@ -479,9 +424,7 @@ def _in_groups(k: int, g: int, key, tree, by_node, stale, g_val, g_tree, g_dirty
                             m += 1
             return out
     per = rpn // g  # each node's groups: its ranks least loaded first, cut every g
-    chosen = _least_groups(
-        k // g, g, key, by_node, stale, g_val, g_tree, g_dirty, g_dirty_top, g_built, g_is_dirty
-    )  # ties: the lower node and group
+    chosen = _least_groups(k // g, g, key, nodes, groups)  # ties: the lower node and group
     local = np.empty(rpn, dtype=np.int64)  # a node's ranks by (key, rank), once per node
     block = np.empty(g, dtype=np.int64)
     last = -1
