@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from .balance import Unit
 from .contract import MicroBatch, Piece, micro_batch, ring_pieces, whole_pieces
-from .contract.zigzag import zigzag_ranges
 from .cost_model import CostModel
 from .order.runs import Item, LocalBatch
 from .sizing import two_level
@@ -23,7 +22,7 @@ def build_ranks(
     group size its placement allows: ``two_level.realized_split``)."""
     pieces_of: dict[int, dict[int, Piece]] = {}  # rings with whole sequences beside their shares
     ring_mbs: dict[int, dict[int, MicroBatch]] = {}  # the others: each member's micro-batch
-    new = object.__new__  # ``_piece`` and ``micro_batch`` inlined: a ring member each
+    new = object.__new__  # ``micro_batch`` inlined: a ring member each
     for u, ring in members.items():
         unit = units[u]
         sid = unit.seq_ids[0]
@@ -36,14 +35,7 @@ def build_ranks(
         ratio = unit.ratio
         key = (ring_t, (sid,))  # MicroBatch.ring_key, one tuple for all members
         per_member = {}
-        for r, share in zip(ring, zigzag_ranges(s, len(ring))):  # what ``ring_pieces`` gives, in ring order
-            piece = new(Piece)
-            d = piece.__dict__
-            d["seq_id"] = sid
-            d["seq_len"] = s
-            d["ranges"] = share
-            d["ring"] = ring_t
-            d["heads_split"] = split
+        for r, piece in zip(ring, ring_pieces(sid, s, ring_t, heads_split=split)):
             mb = new(MicroBatch)
             d = mb.__dict__
             d["pieces"] = (piece,)
