@@ -137,3 +137,17 @@ def ring_pipelines(
             keys[r].append(None)
             times[r].append(draw(st.floats(0.05, 2.0)))
     return (keys, times, p) if v is None else (keys, times, p, v)
+
+
+@st.composite
+def ring_keys(draw):
+    """Per rank, its micro-batches' keys: rings (shared ints, in one order on every member) or None."""
+    n = draw(st.integers(2, 6))
+    rings = draw(st.lists(st.lists(st.integers(0, n - 1), min_size=2, max_size=n, unique=True), max_size=5))
+    keys = [[] for _ in range(n)]
+    for u, members in enumerate(rings):
+        for r in members:
+            keys[r] += [None] * draw(st.integers(0, 2)) + [u]
+    for r in range(n):
+        keys[r] += [None] * draw(st.integers(0 if keys[r] else 1, 3))
+    return keys

@@ -24,7 +24,7 @@ from megatron_bytescale.planner.sizing.packing import fill_ring_spare, pack_best
 from megatron_bytescale.planner.sizing.rings import RingSizer
 from megatron_bytescale.planner.specs import HardwareSpec, ModelSpec
 
-from planner_cases import small_cost
+from planner_cases import ring_keys, small_cost
 from planner_oracles import (
     BestFit,
     plain_buckets,
@@ -39,20 +39,6 @@ from planner_oracles import (
 
 BOTH = pytest.mark.parametrize("mode", ["python", "compiled"])
 coarse = st.integers(0, 6).map(lambda v: v / 4)  # equal keys and times: the tie rules must agree
-
-
-@st.composite
-def ring_keys(draw):
-    """Per rank, its micro-batches' keys: rings (shared ints, in one order on every member) or None."""
-    n = draw(st.integers(2, 6))
-    rings = draw(st.lists(st.lists(st.integers(0, n - 1), min_size=2, max_size=n, unique=True), max_size=5))
-    keys = [[] for _ in range(n)]
-    for u, members in enumerate(rings):
-        for r in members:
-            keys[r] += [None] * draw(st.integers(0, 2)) + [u]
-    for r in range(n):
-        keys[r] += [None] * draw(st.integers(0 if keys[r] else 1, 3))
-    return keys
 
 
 # ------------------------------------------------------------------ the balance scheduler

@@ -28,7 +28,7 @@ from megatron_bytescale.planner.order.runs import (
 )
 from megatron_bytescale.planner.order.walk import ArrayOrders, Longer, PipelineArrays
 
-from planner_cases import small_cost
+from planner_cases import ring_keys, small_cost
 from planner_oracles import plain_slot_offsets
 
 BOTH = pytest.mark.parametrize("mode", ["python", "compiled"])
@@ -189,20 +189,6 @@ def test_run_arrays_hold_every_item_of_the_runs(case):
     assert [pool[a:b] for a, b in zip(bounds, bounds[1:])] == [
         [x for x in run if not isinstance(x, int)] for run in runs
     ]
-
-
-@st.composite
-def ring_keys(draw):
-    """Per rank, its micro-batches' keys: rings (shared ints, in one order on every member) or None."""
-    n = draw(st.integers(2, 6))
-    rings = draw(st.lists(st.lists(st.integers(0, n - 1), min_size=2, max_size=n, unique=True), max_size=5))
-    keys = [[] for _ in range(n)]
-    for u, ring in enumerate(rings):
-        for r in ring:
-            keys[r] += [None] * draw(st.integers(0, 2)) + [u]
-    for r in range(n):
-        keys[r] += [None] * draw(st.integers(0 if keys[r] else 1, 3))
-    return keys
 
 
 @settings(max_examples=60, deadline=None)
