@@ -152,10 +152,19 @@ def local_work(load: MemberLoad, cost: CostModel, layers: int) -> tuple[Work, Wo
 
 
 def ring_work(
-    ring: tuple[int, ...], loads: list[MemberLoad], cluster: Cluster, cost: CostModel, layers: int
+    ring: tuple[int, ...],
+    loads: list[MemberLoad],
+    cluster: Cluster,
+    cost: CostModel,
+    layers: int,
+    transport: str = "kv",
 ) -> list[tuple[Work, Work]]:
-    """(forward, backward) Work of each member (in ring order) of one ring micro-batch."""
+    """(forward, backward) Work of each member (in ring order) of one ring micro-batch. A
+    latent ring (``transport``) moves the narrower latent blocks and re-expands each received
+    block before attending to it: that GEMM (``CostModel.expand_time``) adds to the step's
+    compute, forward and backward."""
     n = len(ring)
+    width, grad_width = cost.ring_bytes(transport)
     block = np.array([ld.dist_tokens for ld in loads], dtype=float)
     inter = np.array([not cluster.same_node(ring[i], ring[(i + 1) % n]) for i in range(n)])
     bw = np.where(inter, cost.bw_inter_node, cost.bw_intra_node)
@@ -169,6 +178,8 @@ def ring_work(
     }
     # hop k (0 <= k < n-1): member i passes the block that started at member (i - k)
     sender_block = block[(np.arange(n)[:, None] - np.arange(n - 1)[None, :]) % n]  # [member, hop]
+    # step k (1 <= k < n): member i attends to the block that started at member (i - k)
+    received = block[(np.arange(n)[:, None] - np.arange(1, n)[None, :]) % n]  # [member, step - 1]
     lat = cost.p2p_latency_s
     results = []
     redo_attn = cost.recompute_attention_share  # m / l: forward ring pass again in backward
@@ -177,24 +188,30 @@ def ring_work(
     fs = cost.forward_share
     for direction, share in ((FORWARD, fs), (BACKWARD, 1.0 - fs)):
         off = off_by_dir[direction]  # exposed copy seconds per layer in this pass
-        per_token = cost.kv_bytes_per_token + (cost.grad_bytes_per_token if direction == BACKWARD else 0.0)
+        per_token = width + (grad_width if direction == BACKWARD else 0.0)
         hops = lat + (sender_block * (per_token / bw)[:, None]).max(axis=0)  # [n-1], slowest link
         a = share * attn / n  # per step, per member
         first = a + share * local  # step 0 also computes the whole sequences
+        expand = cost.expand_time(received, direction == BACKWARD, transport)  # [member, step - 1]
+        later = a[:, None] + expand
         step_max = np.empty(n)
         step_max[0] = max(first.max(), hops[0])
-        step_max[1 : n - 1] = np.maximum(a.max(), hops[1:])
-        step_max[n - 1] = a.max() if n > 1 else first.max()
+        step_max[1:] = later.max(axis=0) if n > 1 else []
+        step_max[1 : n - 1] = np.maximum(step_max[1 : n - 1], hops[1:])
+        if n == 1:
+            step_max[0] = first.max()
         tail = 0.0
         if direction == BACKWARD:  # the dKV accumulators travel home once more
-            tail = lat + (block[(np.arange(n) + 1) % n] * (cost.grad_bytes_per_token / bw)).max()
+            tail = lat + (block[(np.arange(n) + 1) % n] * (grad_width / bw)).max()
         pre = share * lin + off
         layer_time = pre.max() + step_max.sum() + tail
-        exposed = np.maximum(0.0, hops[0] - first) + np.maximum(0.0, hops[None, 1:] - a[:, None]).sum(axis=1) + tail
-        compute = share * (lin + attn + local)
+        exposed = (
+            np.maximum(0.0, hops[0] - first) + np.maximum(0.0, hops[None, 1:] - later[:, : n - 2]).sum(axis=1) + tail
+        )
+        compute = share * (lin + attn + local) + expand.sum(axis=1)
         if direction == FORWARD:
             fwd_ring, fwd_exposed = step_max.sum(), exposed
-            fwd_compute = fs * (attn + local), fs * lin
+            fwd_compute = fs * (attn + local) + expand.sum(axis=1), fs * lin
         elif redo_attn:  # activation recompute: the forward again, before this backward
             layer_time += redo_attn * fwd_ring + redo_lin * (fs * lin).max()
             exposed = exposed + redo_attn * fwd_exposed
@@ -352,11 +369,12 @@ def micro_batch_work(plan: Plan, cluster: Cluster, cost: CostModel):
                 f"is scheduled only on ranks {sorted(where)}"
             )
         loads = [MemberLoad.of(plan.ranks[r][where[r]]) for r in ring]
-        u = plan.ranks[ring[0]][where[ring[0]]].heads_split
+        first = plan.ranks[ring[0]][where[ring[0]]]
+        u = first.heads_split
         costed = (
             two_level_ring_work(ring, u, loads, cluster, cost, layers)
             if u > 1
-            else ring_work(ring, loads, cluster, cost, layers)
+            else ring_work(ring, loads, cluster, cost, layers, first.transport)
         )
         for r, (f, b) in zip(ring, costed):
             work[r][where[r]] = (f, b, key)
@@ -512,14 +530,19 @@ def critical_path(seq_lens, cluster: Cluster, cost: CostModel) -> float:
     attn_step = cost.a1 * b * b  # per member per ring step: (s^2 / N) / N pairs
     bw = np.where(n > cluster.hdp_per_node, cost.bw_inter_node, cost.bw_intra_node)
     lat = cost.p2p_latency_s
-    hop_f = lat + b * cost.kv_bytes_per_token / bw
-    hop_b = lat + b * (cost.kv_bytes_per_token + cost.grad_bytes_per_token) / bw
-    tail = lat + b * cost.grad_bytes_per_token / bw
     lin = cost.b1 * b + cost.g
-    fwd = fs * lin + np.maximum(fs * attn_step, hop_f) * (n - 1) + fs * attn_step
-    bwd = bs * lin + np.maximum(bs * attn_step, hop_b) * (n - 1) + bs * attn_step + tail
-    ring = np.where(n > 1, fwd + bwd, cost.layer_time(s))
-    best = float(ring.min()) * cost.num_layers
+    best = math.inf
+    for transport in cost.ring_transports:  # each ring transport the model has: the better one
+        width, grad = cost.ring_bytes(transport)
+        hop_f = lat + b * width / bw
+        hop_b = lat + b * (width + grad) / bw
+        tail = lat + b * grad / bw
+        step_f = fs * attn_step + cost.expand_time(b, False, transport)
+        step_b = bs * attn_step + cost.expand_time(b, True, transport)
+        fwd = fs * lin + np.maximum(step_f, hop_f) * (n - 2).clip(0) + np.maximum(fs * attn_step, hop_f) + step_f
+        bwd = bs * lin + np.maximum(step_b, hop_b) * (n - 2).clip(0) + np.maximum(bs * attn_step, hop_b) + step_b + tail
+        ring = np.where(n > 1, fwd + bwd, cost.layer_time(s))
+        best = min(best, float(ring.min()) * cost.num_layers)
     sizes = np.arange(1, min(cluster.d_hdp, int(s)) + 1)
     for u in two_level.valid_splits(cost, cluster.hdp_per_node) if cluster.d_hdp > cluster.hdp_per_node else []:
         best = min(best, float(two_level.share_times(cost, int(s), sizes, u, cluster.hdp_per_node).min()))
@@ -629,6 +652,9 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         cost.num_layers,
         recomputed_layers=cost.recomputed_attention_layers,
         q_bytes_per_token=cost.q_bytes_per_token,
+        latent_bytes_per_token=cost.latent_bytes_per_token if cost.latent_bytes_per_token > 0 else None,
+        latent_grad_bytes_per_token=cost.latent_grad_bytes_per_token,
+        o_bytes_per_token=cost.o_bytes_per_token or None,
     )
     gpus_per_rank = cluster.tp * cluster.pp  # every TP shard of every stage sends its share
     offload = 0.0
