@@ -184,3 +184,25 @@ def test_large_model_shapes():
     for bad in ("__import__('os')", "[2]*5", "[1]*4", "0"):
         with pytest.raises(ConfigError, match="moe-layer-freq"):
             moe_layer_count(bad, 5, "m")
+
+
+def test_simulator_costs_each_ring_transport_of_an_mla_model():
+    from megatron_bytescale.sim.simulate import SimConfig, default_strategies, run
+
+    assert "hdp-latent" in default_strategies(1, "deepseek-v3") and "hdp-latent" not in default_strategies(1, "tiny")
+    cfg = SimConfig(
+        gpus=8,
+        context=64 << 10,
+        capacity=8 << 10,
+        global_batch_tokens=256 << 10,
+        model="deepseek-v2-lite-dense",
+        strategies=("hdp-balanced", "hdp-latent"),
+        steps=1,
+    )
+    report = run(cfg, progress=False)
+    kv, latent = report.steps["hdp-balanced"][0], report.steps["hdp-latent"][0]
+    # the same plan, its rings carrying 576 values per token instead of 16 x (192 + 128)
+    assert kv["p2p_bytes"] > 0 and latent["p2p_bytes"] == pytest.approx(kv["p2p_bytes"] * 576 / 5120)
+    assert latent["busy_max_s"] > kv["busy_max_s"]  # the re-expansion is compute
+    gqa = run(SimConfig(**{**cfg.__dict__, "model": "tiny", "context": 8 << 10, "capacity": 2 << 10}), progress=False)
+    assert "multi-latent attention" in gqa.errors["hdp-latent"]

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..sim.simulate import SimConfig, SimReport
 
 # every strategy sim/strategies.py compares (checked in main, not imported for --help)
-STRATEGY_NAMES = "static, megatron-dcp, hdp-sharding, hdp-naive, hdp-balanced"
+STRATEGY_NAMES = "static, megatron-dcp, hdp-sharding, hdp-naive, hdp-balanced, hdp-latent"
 NO_EXPERT_SLOTS = "megatron-dcp"  # sim.simulate.NO_EXPERT_SLOTS
 # the README's headline: bare `bytescale simulate` runs it
 HEADLINE = {"gpus": 1024, "context": "2M", "capacity": "8K", "global_batch_tokens": "32M", "steps": 6}
@@ -175,7 +175,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategies",
         default=None,
         help=f"comma-separated from {STRATEGY_NAMES} (default: all; with --ep > 1 all but "
-        f"{NO_EXPERT_SLOTS}, whose barriers the simulator does not align for expert all-to-alls)",
+        f"{NO_EXPERT_SLOTS}, whose barriers the simulator does not align for expert all-to-alls; "
+        "hdp-latent, hdp-balanced with rings carrying the latent, for multi-latent attention models only)",
     )
     parser.add_argument("--steps", type=int, default=HEADLINE["steps"], help="global batches, one per step (default 6)")
     parser.add_argument("--seed", type=seed, default=0)
@@ -228,7 +229,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         gpus_per_node=args.gpus_per_node,
         dataset=args.dataset,
         lengths_file=args.lengths_file,
-        strategies=tuple(parse_strategies(args.strategies)) if args.strategies else default_strategies(args.ep),
+        strategies=(
+            tuple(parse_strategies(args.strategies)) if args.strategies else default_strategies(args.ep, args.model)
+        ),
         steps=args.steps,
         seed=args.seed,
         validate=args.validate,

@@ -33,7 +33,7 @@ from ..units import format_size
 from ..virtual_stages import check_vpp
 from .cluster import Cluster
 from .static_cp import StrategyError
-from .strategies import STRATEGIES, StrategyInput, make_plan, parse_strategies
+from .strategies import LATENT_ONLY, STRATEGIES, StrategyInput, make_plan, parse_strategies
 from .throughput import means, totals
 from .timeline import Timeline, evaluate
 
@@ -52,7 +52,7 @@ class SimConfig:
     gpus_per_node: int | None = None  # default: the hardware's
     dataset: str = "byted"
     lengths_file: str | None = None
-    strategies: tuple[str, ...] = tuple(STRATEGIES)
+    strategies: tuple[str, ...] = tuple(n for n in STRATEGIES if n not in LATENT_ONLY)
     steps: int = 5
     seed: int = 0
     validate: str = "first"  # "first" | "all" | "none": which steps' plans to check with Plan.validate
@@ -166,9 +166,11 @@ def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
     return cluster, cost
 
 
-def default_strategies(ep: int) -> tuple[str, ...]:
-    """Every strategy the simulator can cost at this EP size."""
-    return tuple(n for n in STRATEGIES if not (ep > 1 and n == NO_EXPERT_SLOTS))
+def default_strategies(ep: int, model: str | None = None) -> tuple[str, ...]:
+    """Every strategy the simulator can cost at this EP size for ``model`` (the latent ring's
+    only for a multi-latent attention model)."""
+    mla = model is not None and ModelSpec.load(model).is_mla
+    return tuple(n for n in STRATEGIES if not (ep > 1 and n == NO_EXPERT_SLOTS) and (mla or n not in LATENT_ONLY))
 
 
 @contextmanager

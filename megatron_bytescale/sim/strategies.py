@@ -10,6 +10,9 @@ costing engine (``timeline.py``) evaluates all of them with the same cost model.
                    (``balance="none"``): rings at the offload memory floor.
 * ``hdp-balanced`` HDP from our planner with the balance scheduler (``"dp"``; ``"pp"`` when
                    PP > 1).
+* ``hdp-latent``   ``hdp-balanced`` whose plain rings carry a multi-latent attention
+                   model's latent instead of K and V (``Piece.transport``), each member
+                   re-expanding what it receives: MLA models only.
 """
 
 from __future__ import annotations
@@ -52,8 +55,12 @@ def _megatron_dcp(x: StrategyInput) -> Plan:
     return _with_chunks(megatron_dcp_plan(x.seq_lens, x.cluster, x.capacity, x.cost.num_layers), x)
 
 
-def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True) -> Callable[[StrategyInput], Plan]:
+def _hdp(
+    balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True, transport: str = "kv"
+) -> Callable[[StrategyInput], Plan]:
     def make(x: StrategyInput) -> Plan:
+        if transport not in x.cost.ring_transports:
+            raise StrategyError(f"{name}: rings carrying {transport!r} need a multi-latent attention model")
         try:
             from ..planner.planner import PlannerConfig, plan_step
         except ImportError as exc:
@@ -71,6 +78,7 @@ def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True
             expert_parallel=x.cluster.ep,
             virtual_stages=x.virtual_stages,
             capacity_flag="--capacity",  # simulate's flag
+            ring_transport=transport,
         )
         t0 = time.perf_counter()
         plan = plan_step(list(x.seq_lens), config, x.cost)
@@ -88,7 +96,9 @@ STRATEGIES: dict[str, Callable[[StrategyInput], Plan]] = {
     "hdp-sharding": _hdp("none", "none", "hdp-sharding", offload=False),
     "hdp-naive": _hdp("none", "none", "hdp-naive"),
     "hdp-balanced": _hdp("dp", "pp", "hdp-balanced"),
+    "hdp-latent": _hdp("dp", "pp", "hdp-latent", transport="latent"),
 }
+LATENT_ONLY = ("hdp-latent",)  # strategies of multi-latent attention models only
 
 
 def parse_strategies(text: str) -> list[str]:
