@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..sim.simulate import SimConfig, SimReport
 
 # every strategy sim/strategies.py compares (checked in main, not imported for --help)
-STRATEGY_NAMES = "static, megatron-dcp, hdp-sharding, hdp-naive, hdp-balanced, hdp-latent"
+STRATEGY_NAMES = "static, megatron-dcp, megatron-dcp-dev, hdp-sharding, hdp-naive, hdp-balanced, hdp-latent"
 NO_EXPERT_SLOTS = "megatron-dcp"  # sim.simulate.NO_EXPERT_SLOTS
 # the README's headline: bare `bytescale simulate` runs it
 HEADLINE = {"gpus": 1024, "context": "2M", "capacity": "8K", "global_batch_tokens": "32M", "steps": 6}
@@ -32,7 +32,7 @@ def format_table(report: SimReport) -> str:
     med = report.results()
     many = report.config.steps > 1
     head = (
-        f"{'strategy':<14}{'step s':>9}{'speedup':>9}"
+        f"{'strategy':<17}{'step s':>9}{'speedup':>9}"
         + (f"{'(batch)':>9}" if many else "")
         + f"{'x LB':>7}"
         + (f"{'(batch)':>8}" if many else "")
@@ -42,12 +42,12 @@ def format_table(report: SimReport) -> str:
     lines = [head, "-" * len(head)]
     for name, m in med.items():
         if "error" in m:
-            lines.append(f"{name:<14}n/a: {m['error']}")
+            lines.append(f"{name:<17}n/a: {m['error']}")
             continue
         speedup = f"{m['speedup_vs_static']:.2f}x" if "speedup_vs_static" in m else "-"
         per_batch = f"{m['speedup_vs_static_per_batch_median']:.2f}x" if "speedup_vs_static" in m else "-"
         lines.append(
-            f"{name:<14}{m['mean_step_time_s']:>9.2f}{speedup:>9}"
+            f"{name:<17}{m['mean_step_time_s']:>9.2f}{speedup:>9}"
             + (f"{per_batch:>9}" if many else "")
             + f"{m['x_lower_bound']:>7.2f}"
             + (f"{m['x_lower_bound_per_batch_median']:>8.2f}" if many else "")
@@ -117,7 +117,11 @@ def shadow_verdict(report: SimReport) -> str:
     if not hdp or "hdp-balanced" in report.errors:
         return ""
     parts = []
-    for name, label in (("static", "static DP x CP"), ("megatron-dcp", "Megatron's dynamic CP")):
+    for name, label in (
+        ("static", "static DP x CP"),
+        ("megatron-dcp", "Megatron's dynamic CP (0.16.1)"),
+        ("megatron-dcp-dev", "Megatron's dynamic CP (dev branch)"),
+    ):
         other = report.steps.get(name, [])
         if len(other) == len(hdp) and name not in report.errors:
             t = totals(hdp, other)
@@ -176,7 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"comma-separated from {STRATEGY_NAMES} (default: all; with --ep > 1 all but "
         f"{NO_EXPERT_SLOTS}, whose barriers the simulator does not align for expert all-to-alls; "
-        "hdp-latent, hdp-balanced with rings carrying the latent, for multi-latent attention models only)",
+        "hdp-latent, hdp-balanced with rings carrying the latent, for multi-latent attention models only; "
+        "megatron-dcp-dev where a dev tree is named)",
     )
     parser.add_argument("--steps", type=int, default=HEADLINE["steps"], help="global batches, one per step (default 6)")
     parser.add_argument("--seed", type=seed, default=0)
@@ -209,6 +214,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="OUT",
         help="write the config, every step's figures per strategy and the totals as JSON",
     )
+    parser.add_argument(
+        "--megatron-dev",
+        default=None,
+        metavar="PATH",
+        help="a Megatron-LM tree of the dev branch: megatron-dcp-dev runs its DefaultDynamicCPScheduler "
+        "(imported from there in a worker process, never copied) (default: $BYTESCALE_MEGATRON_DEV)",
+    )
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart of the first step")
 
 
@@ -230,7 +242,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         dataset=args.dataset,
         lengths_file=args.lengths_file,
         strategies=(
-            tuple(parse_strategies(args.strategies)) if args.strategies else default_strategies(args.ep, args.model)
+            tuple(parse_strategies(args.strategies))
+            if args.strategies
+            else default_strategies(args.ep, args.model, args.megatron_dev)
         ),
         steps=args.steps,
         seed=args.seed,
@@ -239,6 +253,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         data_path=args.data_path,
         pipeline_schedule=args.pipeline_schedule,
         vpp=args.vpp,
+        megatron_dev=args.megatron_dev,
         host_memory_per_gpu=(
             parse_size(args.host_memory_per_gpu, "--host-memory-per-gpu") if args.host_memory_per_gpu else None
         ),

@@ -2,8 +2,11 @@
 costing engine (``timeline.py``) evaluates all of them with the same cost model.
 
 * ``static``       Megatron's static DP x CP mesh (``static_cp.py``).
-* ``megatron-dcp`` Megatron's hybrid / dynamic CP: megatron-core's own BalancedCPScheduler
-                   (``megatron_dcp.py``).
+* ``megatron-dcp`` Megatron's hybrid / dynamic CP as released: megatron-core 0.16.1's own
+                   BalancedCPScheduler (``megatron_dcp.py``).
+* ``megatron-dcp-dev`` Megatron's dynamic CP on its development branch: its packing
+                   DefaultDynamicCPScheduler, imported from a Megatron-LM tree given by path
+                   (``megatron_dcp_dev.py``), with pipelines, virtual stages and EP.
 * ``hdp-sharding`` HDP rings sized to memory without offloading, no balancing: what dynamic
                    communication alone buys (an ablation step, not one of the four headline rows).
 * ``hdp-naive``    HDP from our planner with selective offloading, no balancing
@@ -26,6 +29,7 @@ from ..planner.contract import Plan
 from ..planner.cost_model import CostModel
 from .cluster import Cluster
 from .megatron_dcp import megatron_dcp_plan
+from .megatron_dcp_dev import DEV_TREE_ENV, dev_tree, megatron_dcp_dev_plan
 from .static_cp import StrategyError, static_plan
 
 
@@ -38,6 +42,7 @@ class StrategyInput:
     context: int
     pipeline_schedule: str = "1f1b"  # HDP plans with PP (PlannerConfig.pipeline_schedule)
     virtual_stages: int = 1  # model chunks per pipeline device (VPP), the same for every strategy
+    megatron_dev: str | None = None  # the Megatron-LM dev tree megatron-dcp-dev imports its scheduler from
 
 
 def _with_chunks(plan: Plan, x: StrategyInput) -> Plan:
@@ -53,6 +58,16 @@ def _static(x: StrategyInput) -> Plan:
 
 def _megatron_dcp(x: StrategyInput) -> Plan:
     return _with_chunks(megatron_dcp_plan(x.seq_lens, x.cluster, x.capacity, x.cost.num_layers), x)
+
+
+def _megatron_dcp_dev(x: StrategyInput) -> Plan:
+    tree = dev_tree(x.megatron_dev)
+    if tree is None:
+        raise StrategyError(
+            f"megatron-dcp-dev: name a Megatron-LM dev tree with --megatron-dev PATH or ${DEV_TREE_ENV}"
+        )
+    plan = megatron_dcp_dev_plan(x.seq_lens, x.cluster, x.capacity, x.cost.num_layers, tree, x.virtual_stages)
+    return _with_chunks(plan, x)
 
 
 def _hdp(
@@ -75,7 +90,9 @@ def _hdp(
             pipeline_stages=x.cluster.pp,
             offload=offload,
             pipeline_schedule=x.pipeline_schedule,
-            expert_parallel=x.cluster.ep,
+            # the planner aligns EP slots itself without pipelines; with them the timeline
+            # aligns the plan's micro-batches into slots, as it does a baseline's
+            expert_parallel=x.cluster.ep if x.cluster.pp == 1 else 1,
             virtual_stages=x.virtual_stages,
             capacity_flag="--capacity",  # simulate's flag
             ring_transport=transport,
@@ -84,6 +101,12 @@ def _hdp(
         plan = plan_step(list(x.seq_lens), config, x.cost)
         wall = time.perf_counter() - t0
         plan.meta = {**plan.meta, "strategy": name}
+        if x.cluster.ep > 1 and x.cluster.pp > 1:
+            plan.meta["notes"] = [
+                *plan.meta.get("notes", []),
+                "planned without EP slots (the planner aligns them only without pipelines); the timeline aligns "
+                "its micro-batches into lock-step EP slots, as it does the baselines'",
+            ]
         plan.meta.setdefault("plan_time_s", wall)
         return plan
 
@@ -93,12 +116,14 @@ def _hdp(
 STRATEGIES: dict[str, Callable[[StrategyInput], Plan]] = {
     "static": _static,
     "megatron-dcp": _megatron_dcp,
+    "megatron-dcp-dev": _megatron_dcp_dev,
     "hdp-sharding": _hdp("none", "none", "hdp-sharding", offload=False),
     "hdp-naive": _hdp("none", "none", "hdp-naive"),
     "hdp-balanced": _hdp("dp", "pp", "hdp-balanced"),
     "hdp-latent": _hdp("dp", "pp", "hdp-latent", transport="latent"),
 }
 LATENT_ONLY = ("hdp-latent",)  # strategies of multi-latent attention models only
+NEEDS_DEV_TREE = ("megatron-dcp-dev",)  # strategies that import a Megatron-LM dev tree
 
 
 def parse_strategies(text: str) -> list[str]:

@@ -392,7 +392,9 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
         )
     stages = cluster.pp
     if cluster.ep > 1 and plan.expert_parallel == 1:
+        chunks = plan.virtual_stages
         plan = align_expert_slots(plan, cluster.ep)
+        plan.virtual_stages = chunks
     work = micro_batch_work(plan, cluster, cost)
     barriers = parse_barriers(plan)
     orders = plan.decoded_stage_orders()
@@ -463,10 +465,10 @@ def _expert_slots(plan: Plan, cluster: Cluster, cost: CostModel, work, barriers)
     e = plan.expert_parallel
     if e == 1:
         return None
-    if cluster.ep != e or cluster.pp > 1 or barriers:
+    if cluster.ep != e or barriers:
         raise PlanError(
-            f"a plan with EP {e} slots runs on a cluster with EP {e} and PP 1, without barriers "
-            f"(this one: EP {cluster.ep}, PP {cluster.pp}, {len(barriers)} barriers)"
+            f"a plan with EP {e} slots runs on a cluster with EP {e}, without barriers "
+            f"(this one: EP {cluster.ep}, {len(barriers)} barriers)"
         )
     problems = slot_errors(plan)
     if problems:

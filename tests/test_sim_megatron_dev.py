@@ -1,0 +1,53 @@
+"""The simulator's peer: Megatron's dynamic CP as its dev branch schedules it, imported from the
+Megatron-LM dev tree named by ``BYTESCALE_MEGATRON_DEV`` (CI: ../shared/megatron-lm/dev_d48bd6b)."""
+
+import os
+
+import pytest
+
+from megatron_bytescale.errors import ConfigError
+from megatron_bytescale.sim.cluster import Cluster
+from megatron_bytescale.sim.megatron_dcp_dev import DEV_TREE_ENV, dev_tree, megatron_dcp_dev_plan
+from megatron_bytescale.sim.simulate import SimConfig, default_strategies, run
+
+TREE = os.environ.get(DEV_TREE_ENV)
+pytestmark = pytest.mark.skipif(not TREE, reason=f"set {DEV_TREE_ENV} to a Megatron-LM dev tree (dev_d48bd6b)")
+
+
+def test_groups_become_packed_micro_batches_on_their_cp_groups():
+    # DefaultDynamicCPScheduler on 8 ranks of 8K: one group, [[0]*4, [3]*2, [1, 5, 4], [2]]
+    lengths = [30000, 5000, 4000, 9000, 100, 2000]
+    plan = megatron_dcp_dev_plan(lengths, Cluster(8), 8192, 2, dev_tree(TREE)).validate()
+    assert [len(mbs) for mbs in plan.ranks] == [1] * 8
+    rings = [mbs[0].ring for mbs in plan.ranks]
+    assert rings[:4] == [(0, 1, 2, 3)] * 4 and rings[4:6] == [(4, 5)] * 2
+    assert sorted(p.seq_id for p in plan.ranks[6][0].pieces) == [1, 4, 5] and plan.ranks[7][0].ring is None
+    # with virtual stages the group count becomes a multiple of PP (microbatch_group_size_per_vp_stage)
+    vpp = megatron_dcp_dev_plan(lengths, Cluster(16, pp=2), 8192, 1, dev_tree(TREE), virtual_stages=2).validate()
+    assert len({len(mbs) for mbs in vpp.ranks}) == 1 and len(vpp.ranks[0]) % 2 == 0
+
+
+def test_dev_peer_runs_with_pipelines_virtual_stages_and_ep():
+    assert "megatron-dcp-dev" in default_strategies(4, "qwen3-30b-a3b", TREE)
+    cfg = SimConfig(
+        gpus=16,
+        pp=2,
+        vpp=2,
+        ep=4,
+        context=16 * 1024,
+        capacity=4 * 1024,
+        global_batch_tokens=64 * 1024,
+        model="mistral-8x7b",
+        strategies=("megatron-dcp-dev", "hdp-balanced"),
+        steps=1,
+        megatron_dev=TREE,
+    )
+    report = run(cfg, progress=False)
+    assert not report.errors, report.errors
+    dev = report.results()["megatron-dcp-dev"]
+    assert dev["mean_step_time_s"] >= dev["lower_bound_s"] and dev["exposed_moe_a2a_s"] > 0
+
+
+def test_a_tree_without_the_scheduler_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="no megatron/core/datasets/data_schedule.py"):
+        dev_tree(str(tmp_path))
