@@ -99,8 +99,10 @@ def test_ep_slots_span_the_pipelines_of_an_ep_group():
     t = simulate(plan, cluster, cost_model())
     assert t.step_time == pytest.approx(2 * 10 * MS)
     assert list(t.busy) == pytest.approx([10 * MS, 2 * MS] * 2)  # (rank, stage): compute only
+    assert t.ep_slot_floor == pytest.approx(10 * MS)  # one device's one slot: the slower member's
     t = simulate(plan, cluster, cost_model(moe_a2a_bytes_per_token=2.0))
     assert t.step_time == pytest.approx(2 * (10 * MS + 4 * 10 * MS))
+    assert t.ep_slot_floor == pytest.approx(10 * MS + 4 * 10 * MS)
     alone = simulate(plan, Cluster(4, pp=2), cost_model())
     assert alone.step_time == pytest.approx(20 * MS) and alone.row(1)[-1, 1] == pytest.approx(4 * MS)
 

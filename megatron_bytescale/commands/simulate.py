@@ -86,6 +86,17 @@ def format_table(report: SimReport) -> str:
             "ring micro-batches spanning every pipeline alone, in any stage order (a floor of the step, s per step; "
             "0: no such ring): " + "; ".join(floors)
         )
+    ep_floors = [
+        f"{n} {sum(r['ep_slot_floor_s'] for r in rows) / sum(r['lower_bound_s'] for r in rows):.2f}"
+        for n, rows in report.steps.items()
+        if rows and any(r.get("ep_slot_floor_s", 0.0) > 0 for r in rows)
+    ]
+    if ep_floors:
+        lines.append(
+            "EP slots (every device runs its group's slots in turn, each as long as the group's slowest member "
+            "with its all-to-alls): the busiest device's sum, a floor of the step, x LB (ratio of totals): "
+            + "; ".join(ep_floors)
+        )
     if report.config.vpp > 1:
         p, v = report.config.pp, report.config.vpp
         held = [f"{n} {max(r['chunks_in_flight_max'] for r in rows):.0f}" for n, rows in report.steps.items() if rows]

@@ -298,6 +298,9 @@ class Timeline:
     # per row: array of ops, columns start, end, direction, compute, comm, offload
     ops: list[np.ndarray] = field(repr=False)
     barriers: list[float] = field(default_factory=list)  # times all ranks leave each barrier
+    # expert parallelism: the busiest device's slots, each as long as its EP group's slowest
+    # member (with its all-to-alls) there: a floor of the step no stage order beats (0: no EP)
+    ep_slot_floor: float = 0.0
     chunks: int = 1  # model chunks per device (virtual stages); each op is one chunk's
     # most forwards (chunk forwards, with chunks > 1) any device held before their backward:
     # 1F1B's first stage holds p micro-batches, i.e. p x chunks chunk forwards of activations
@@ -404,6 +407,11 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
             f"the cluster has PP {stages}: plan with pipeline_stages={stages} (stage orders and barriers do not mix)"
         )
     slot_of = _expert_slots(plan, cluster, cost, work, barriers)
+    ep_floor = 0.0
+    if slot_of is not None:  # every device runs its group's slots one after another
+        for group in ep_groups(plan.num_ranks, plan.expert_parallel):
+            slots = zip(*(work[r] for r in group))
+            ep_floor = max(ep_floor, sum(max(f.duration + b.duration for f, b, _ in slot) for slot in slots))
 
     chunks = plan.virtual_stages
     if chunks > 1 and stages <= 1:
@@ -449,6 +457,7 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
         barriers=[float(end[graph.total + b]) for b in range(len(barriers))],
         chunks=chunks,
         peak_in_flight=peak,
+        ep_slot_floor=ep_floor,
     )
 
 
@@ -619,6 +628,7 @@ class StepResult:
             "lower_bound_s": self.lower_bound,
             "critical_path_s": self.critical_path,
             "pipeline_ring_floor_s": self.pipeline_ring_floor,
+            "ep_slot_floor_s": t.ep_slot_floor,
             "virtual_stages": self.virtual_stages,
             "chunks_in_flight_max": self.peak_in_flight,
             "x_lower_bound": t.step_time / self.lower_bound,
@@ -674,7 +684,7 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         held = cluster.pp if v == 1 else -(-timeline.peak_in_flight // v)
         host_max = max(host_max, sum(sorted(parked, reverse=True)[:held]))
     strategy = str(plan.meta.get("strategy", "?"))
-    hdp = strategy not in ("static", "megatron-dcp")  # their rings run on a CP group of their own
+    hdp = strategy not in ("static", "megatron-dcp", "megatron-dcp-dev")  # their rings run on CP groups of their own
     return StepResult(
         grad_reduce_s=exposed_reduction(plan, timeline, cost, cluster, overlap=False),
         grad_reduce_overlap_s=exposed_reduction(plan, timeline, cost, cluster, overlap=True, hdp_rule=hdp),
