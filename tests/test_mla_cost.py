@@ -150,7 +150,13 @@ def test_latent_ring_moves_less_and_pays_the_re_expansion():
     # expensive re-expansion: the K/V ring wins, and the critical path takes the better ring
     slow = latent_cost(expand_s_per_token=100 * MS)
     assert simulate(ring_of_two("latent"), Cluster(2), slow).step_time > kv.step_time
-    for model in (cm, slow):
+    for model, cheaper in ((cm, "latent"), (slow, "kv")):
+        # the cost model's one-ring formula is the timeline's, and picks the faster transport
+        for t in ("kv", "latent"):
+            assert model.ring_layer_time(8, 2, False, t) == pytest.approx(
+                simulate(ring_of_two(t), Cluster(2), model).step_time
+            )
+        assert model.cheaper_transport(8, 2, False) == cheaper
         alone = min(
             critical_path([8], Cluster(2), model),
             critical_path([8], Cluster(2), model.with_overrides(latent_bytes_per_token=0.0)),

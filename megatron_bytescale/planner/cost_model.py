@@ -29,6 +29,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import ConfigError
 from .specs import HardwareSpec, ModelSpec, _typed_fields, load_mapping
 
@@ -140,6 +142,36 @@ class CostModel:
         per_token = fwd + (grad if backward else 0.0)
         bw = self.bw_inter_node if inter_node else self.bw_intra_node
         return self.p2p_latency_s + tokens * per_token / bw
+
+    def ring_layer_time(self, seq_len, ring_size, inter_node, transport: str = "kv"):
+        """Seconds of one layer, forward and backward, of one sequence alone on a zigzag ring of
+        ``ring_size`` > 1 members (even blocks of ``seq_len / ring_size``), by the timeline's
+        rules: the linear part, then the ring steps, each as long as its attention (and a latent
+        ring's re-expansion of the block it received) or the hop beside it, whichever is longer;
+        backward ends with the accumulators' hop home. Arrays broadcast (``inter_node``: hops
+        over the network)."""
+        n = np.asarray(ring_size, dtype=float)
+        b = seq_len / n
+        fs, bs = self.forward_share, 1.0 - self.forward_share
+        attn = self.a1 * b * b  # per member per step: (s^2 / N) / N pairs
+        bw = np.where(inter_node, self.bw_inter_node, self.bw_intra_node)
+        width, grad = self.ring_bytes(transport)
+        hop_f = self.p2p_latency_s + b * width / bw
+        hop_b = self.p2p_latency_s + b * (width + grad) / bw
+        tail = self.p2p_latency_s + b * grad / bw
+        lin = self.b1 * b + self.g
+        step_f = fs * attn + self.expand_time(b, False, transport)  # steps 1..N-1 attend a received block
+        step_b = bs * attn + self.expand_time(b, True, transport)
+        middle = (n - 2).clip(0)
+        fwd = fs * lin + np.maximum(fs * attn, hop_f) + np.maximum(step_f, hop_f) * middle + step_f
+        bwd = bs * lin + np.maximum(bs * attn, hop_b) + np.maximum(step_b, hop_b) * middle + step_b + tail
+        return fwd + bwd
+
+    def cheaper_transport(self, seq_len: int, ring_size: int, inter_node: bool) -> str:
+        """The ring transport under which this ring runs one sequence fastest (``ring_layer_time``;
+        K and V on a tie, and for a model without a latent ring)."""
+        times = {t: float(self.ring_layer_time(seq_len, ring_size, inter_node, t)) for t in self.ring_transports}
+        return min(self.ring_transports, key=lambda t: (times[t], t != "kv"))
 
     def expand_time(self, tokens, backward: bool = False, transport: str = "latent"):
         """Seconds one latent-ring member spends re-expanding ``tokens`` received tokens in one

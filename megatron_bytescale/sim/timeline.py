@@ -536,23 +536,10 @@ def critical_path(seq_lens, cluster: Cluster, cost: CostModel) -> float:
     s = float(max(seq_lens))
     n = np.arange(1, cluster.d_hdp + 1, dtype=float)
     n = n[n <= s]
-    b = s / n
-    fs, bs = cost.forward_share, 1.0 - cost.forward_share
-    attn_step = cost.a1 * b * b  # per member per ring step: (s^2 / N) / N pairs
-    bw = np.where(n > cluster.hdp_per_node, cost.bw_inter_node, cost.bw_intra_node)
-    lat = cost.p2p_latency_s
-    lin = cost.b1 * b + cost.g
+    inter = n > cluster.hdp_per_node
     best = math.inf
     for transport in cost.ring_transports:  # each ring transport the model has: the better one
-        width, grad = cost.ring_bytes(transport)
-        hop_f = lat + b * width / bw
-        hop_b = lat + b * (width + grad) / bw
-        tail = lat + b * grad / bw
-        step_f = fs * attn_step + cost.expand_time(b, False, transport)
-        step_b = bs * attn_step + cost.expand_time(b, True, transport)
-        fwd = fs * lin + np.maximum(step_f, hop_f) * (n - 2).clip(0) + np.maximum(fs * attn_step, hop_f) + step_f
-        bwd = bs * lin + np.maximum(step_b, hop_b) * (n - 2).clip(0) + np.maximum(bs * attn_step, hop_b) + step_b + tail
-        ring = np.where(n > 1, fwd + bwd, cost.layer_time(s))
+        ring = np.where(n > 1, cost.ring_layer_time(s, n, inter, transport), cost.layer_time(s))
         best = min(best, float(ring.min()) * cost.num_layers)
     sizes = np.arange(1, min(cluster.d_hdp, int(s)) + 1)
     for u in two_level.valid_splits(cost, cluster.hdp_per_node) if cluster.d_hdp > cluster.hdp_per_node else []:
