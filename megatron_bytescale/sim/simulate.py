@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..data.workloads import lengths_from_file, read_lengths_file, sample_lengths, training_batches
-from ..errors import ConfigError
+from ..errors import ConfigError, PlanError
 from ..planner.cost_model import CostModel
 from ..planner.specs import HardwareSpec, ModelSpec
 from ..units import format_size
@@ -230,6 +230,8 @@ def run(cfg: SimConfig, progress: bool = True) -> SimReport:
                         result = evaluate(plan, cluster, cost)
                 except StrategyError as exc:
                     report.errors[name] = str(exc)
+                except PlanError as exc:  # a strategy's plan that cannot run: its row says why, the others go on
+                    report.errors[name] = f"its plan cannot run: {exc}"
                 else:
                     this_step[name] = result.metrics()
                     if "est_time_max_s" in plan.meta:  # the planner's own estimate of the step

@@ -396,8 +396,10 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
     stages = cluster.pp
     if cluster.ep > 1 and plan.expert_parallel == 1:
         chunks = plan.virtual_stages
-        plan = align_expert_slots(plan, cluster.ep)
-        plan.virtual_stages = chunks
+        # with pipelines a ring meets at one 1F1B position only if it holds the same slot
+        # index in every member pipeline: the slots are numbered over all ranks together
+        plan = align_expert_slots(plan, cluster.ep if stages == 1 else plan.num_ranks)
+        plan.virtual_stages, plan.expert_parallel = chunks, cluster.ep
     work = micro_batch_work(plan, cluster, cost)
     barriers = parse_barriers(plan)
     orders = plan.decoded_stage_orders()
