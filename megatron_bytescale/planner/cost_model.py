@@ -143,17 +143,19 @@ class CostModel:
         bw = self.bw_inter_node if inter_node else self.bw_intra_node
         return self.p2p_latency_s + tokens * per_token / bw
 
-    def ring_layer_time(self, seq_len, ring_size, inter_node, transport: str = "kv"):
+    def ring_layer_time(self, seq_len, ring_size, inter_node, transport: str = "kv", attention_pairs=None):
         """Seconds of one layer, forward and backward, of one sequence alone on a zigzag ring of
         ``ring_size`` > 1 members (even blocks of ``seq_len / ring_size``), by the timeline's
         rules: the linear part, then the ring steps, each as long as its attention (and a latent
         ring's re-expansion of the block it received) or the hop beside it, whichever is longer;
         backward ends with the accumulators' hop home. Arrays broadcast (``inter_node``: hops
-        over the network)."""
+        over the network). For a pack of sequences, ``seq_len`` is their tokens and
+        ``attention_pairs`` the sum of their squares (default ``seq_len^2``)."""
         n = np.asarray(ring_size, dtype=float)
         b = seq_len / n
+        pairs = seq_len * seq_len if attention_pairs is None else attention_pairs
         fs, bs = self.forward_share, 1.0 - self.forward_share
-        attn = self.a1 * b * b  # per member per step: (s^2 / N) / N pairs
+        attn = self.a1 * pairs / (n * n)  # per member per step: (s^2 / N) / N pairs
         bw = np.where(inter_node, self.bw_inter_node, self.bw_intra_node)
         width, grad = self.ring_bytes(transport)
         hop_f = self.p2p_latency_s + b * width / bw
@@ -167,10 +169,13 @@ class CostModel:
         bwd = bs * lin + np.maximum(bs * attn, hop_b) + np.maximum(step_b, hop_b) * middle + step_b + tail
         return fwd + bwd
 
-    def cheaper_transport(self, seq_len: int, ring_size: int, inter_node: bool) -> str:
-        """The ring transport under which this ring runs one sequence fastest (``ring_layer_time``;
+    def cheaper_transport(self, seq_len: int, ring_size: int, inter_node: bool, attention_pairs=None) -> str:
+        """The ring transport under which this ring runs its sequences fastest (``ring_layer_time``;
         K and V on a tie, and for a model without a latent ring)."""
-        times = {t: float(self.ring_layer_time(seq_len, ring_size, inter_node, t)) for t in self.ring_transports}
+        times = {
+            t: float(self.ring_layer_time(seq_len, ring_size, inter_node, t, attention_pairs))
+            for t in self.ring_transports
+        }
         return min(self.ring_transports, key=lambda t: (times[t], t != "kv"))
 
     def expand_time(self, tokens, backward: bool = False, transport: str = "latent"):
