@@ -202,7 +202,7 @@ def test_simulator_costs_each_ring_transport_of_an_mla_model():
         capacity=8 << 10,
         global_batch_tokens=256 << 10,
         model="deepseek-v2-lite-dense",
-        strategies=("hdp-balanced", "hdp-latent"),
+        strategies=("hdp-balanced", "hdp-latent", "hdp-auto"),
         steps=1,
     )
     report = run(cfg, progress=False)
@@ -210,5 +210,36 @@ def test_simulator_costs_each_ring_transport_of_an_mla_model():
     # the same plan, its rings carrying 576 values per token instead of 16 x (192 + 128)
     assert kv["p2p_bytes"] > 0 and latent["p2p_bytes"] == pytest.approx(kv["p2p_bytes"] * 576 / 5120)
     assert latent["busy_max_s"] > kv["busy_max_s"]  # the re-expansion is compute
+    assert len(report.steps["hdp-auto"]) == 1
     gqa = run(SimConfig(**{**cfg.__dict__, "model": "tiny", "context": 8 << 10, "capacity": 2 << 10}), progress=False)
     assert "multi-latent attention" in gqa.errors["hdp-latent"]
+
+
+def test_auto_transport_gives_each_ring_the_faster_one():
+    from megatron_bytescale.planner.planner import with_cheaper_transports
+
+    # ranks 0, 1 share a node (fast links: K and V cost nothing to move, re-expanding does);
+    # ring (1, 2) crosses to the next node, where K and V crawl and the latent wins
+    cm = latent_cost(bw_intra_node=1e12)
+    a0, a1 = ring_pieces(0, 8, (0, 1))
+    b1, b2 = ring_pieces(1, 8, (1, 2))
+    plan = Plan(
+        num_ranks=3,
+        capacity=100,
+        num_layers=1,
+        seq_lens=(8, 8),
+        ranks=((MicroBatch((a0,)),), (MicroBatch((a1,)), MicroBatch((b1,))), (MicroBatch((b2,)),)),
+    )
+    assert (cm.cheaper_transport(8, 2, False), cm.cheaper_transport(8, 2, True)) == ("kv", "latent")
+    chosen = with_cheaper_transports(plan, cm, ranks_per_node=2).validate()
+    assert [[mb.transport for mb in mbs] for mbs in chosen.ranks] == [["kv"], ["kv", "latent"], ["latent"]]
+    # through plan_step, on tiny-mla's verify batch: every ring carries its cheaper transport
+    spec = ModelSpec.load("tiny-mla")
+    h100 = CostModel.analytic(spec, H100)
+    config = PlannerConfig(num_ranks=3, capacity=128, ranks_per_node=3, offload=False, ring_transport="auto")
+    auto = plan_step([300, 90, 45, 200], config, h100).validate()
+    rings = {mb.ring_key: mb for mbs in auto.ranks for mb in mbs if mb.ring_key}
+    assert rings and all(
+        mb.transport == h100.cheaper_transport(sum(p.seq_len for p in mb.pieces), len(key[0]), False)
+        for key, mb in rings.items()
+    )

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..sim.simulate import SimConfig, SimReport
 
 # every strategy sim/strategies.py compares (checked in main, not imported for --help)
-STRATEGY_NAMES = "static, megatron-dcp, megatron-dcp-dev, hdp-sharding, hdp-naive, hdp-balanced, hdp-latent"
+STRATEGY_NAMES = "static, megatron-dcp, megatron-dcp-dev, hdp-sharding, hdp-naive, hdp-balanced, hdp-latent, hdp-auto"
 NO_EXPERT_SLOTS = "megatron-dcp"  # sim.simulate.NO_EXPERT_SLOTS
 # the README's headline: bare `bytescale simulate` runs it
 HEADLINE = {"gpus": 1024, "context": "2M", "capacity": "8K", "global_batch_tokens": "32M", "steps": 6}
@@ -191,7 +191,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"comma-separated from {STRATEGY_NAMES} (default: all; with --ep > 1 all but "
         f"{NO_EXPERT_SLOTS}, whose barriers the simulator does not align for expert all-to-alls; "
-        "hdp-latent, hdp-balanced with rings carrying the latent, for multi-latent attention models only; "
+        "hdp-latent and hdp-auto, hdp-balanced with rings carrying the latent or each ring the faster "
+        "of K/V and the latent, for multi-latent attention models only; "
         "megatron-dcp-dev where a dev tree is named)",
     )
     parser.add_argument("--steps", type=int, default=HEADLINE["steps"], help="global batches, one per step (default 6)")

@@ -16,6 +16,8 @@ costing engine (``timeline.py``) evaluates all of them with the same cost model.
 * ``hdp-latent``   ``hdp-balanced`` whose plain rings carry a multi-latent attention
                    model's latent instead of K and V (``Piece.transport``), each member
                    re-expanding what it receives: MLA models only.
+* ``hdp-auto``     ``hdp-balanced`` with each plain ring carrying whichever of the two its
+                   sequences run faster with (the planner's ``ring_transport="auto"``): MLA only.
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ def _hdp(
     balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True, transport: str = "kv"
 ) -> Callable[[StrategyInput], Plan]:
     def make(x: StrategyInput) -> Plan:
-        if transport not in x.cost.ring_transports:
-            raise StrategyError(f"{name}: rings carrying {transport!r} need a multi-latent attention model")
+        if transport != "kv" and len(x.cost.ring_transports) == 1:
+            raise StrategyError(f"{name}: rings carrying the latent need a multi-latent attention model")
         try:
             from ..planner.planner import PlannerConfig, plan_step
         except ImportError as exc:
@@ -121,8 +123,9 @@ STRATEGIES: dict[str, Callable[[StrategyInput], Plan]] = {
     "hdp-naive": _hdp("none", "none", "hdp-naive"),
     "hdp-balanced": _hdp("dp", "pp", "hdp-balanced"),
     "hdp-latent": _hdp("dp", "pp", "hdp-latent", transport="latent"),
+    "hdp-auto": _hdp("dp", "pp", "hdp-auto", transport="auto"),
 }
-LATENT_ONLY = ("hdp-latent",)  # strategies of multi-latent attention models only
+LATENT_ONLY = ("hdp-latent", "hdp-auto")  # strategies of multi-latent attention models only
 NEEDS_DEV_TREE = ("megatron-dcp-dev",)  # strategies that import a Megatron-LM dev tree
 
 
