@@ -3,6 +3,7 @@ arithmetic on tiny-mla's shapes and against the bytes ``bytescale verify --model
 measures (docs/results.md: K/V ring 3,712,000 B, latent ring 928,000 B)."""
 
 import pytest
+from test_sim_timeline import MS, cost_model
 
 from megatron_bytescale.errors import ConfigError, PlanError
 from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
@@ -15,7 +16,6 @@ from megatron_bytescale.sim.timeline import critical_path, simulate
 
 H100 = HardwareSpec.load("h100")
 F, B = FORWARD_SHARE, 1 - FORWARD_SHARE
-MS = 1e-3
 
 
 def tiny_mla(*extra: str) -> ModelSpec:
@@ -99,29 +99,17 @@ def test_two_level_traffic_sends_outputs_of_the_value_head_dim():
 
 
 def latent_cost(**kw) -> CostModel:
-    """tiny round numbers: linear 1 ms per token, no attention FLOPs, K/V 8 B and dK/dV 16 B
-    per token, latent 1 B and its gradient 2 B, re-expansion 4 ms per received token
-    (1 ms forward, 3 ms backward), NVLink 1000 B/s."""
+    """test_sim_timeline's round numbers (linear 1 ms per token, NVLink 1000 B/s, network 100
+    B/s), no attention FLOPs, K/V 8 B and dK/dV 16 B per token, latent 1 B and its gradient 2 B,
+    re-expansion 4 ms per received token (1 ms forward, 3 ms backward)."""
     base = dict(
-        a1=0.0,
-        b1=1 * MS,
-        g=0.0,
-        a2=1.0,
-        b2=0.0,
-        num_layers=1,
         kv_bytes_per_token=8.0,
         grad_bytes_per_token=16.0,
         latent_bytes_per_token=1.0,
         latent_grad_bytes_per_token=2.0,
         expand_s_per_token=4 * MS,
-        bw_d2h=10.0,
-        bw_h2d=10.0,
-        bw_intra_node=1000.0,
-        bw_inter_node=100.0,
-        p2p_latency_s=0.0,
     )
-    base.update(kw)
-    return CostModel(**base)
+    return cost_model(**{**base, **kw})
 
 
 def ring_of_two(transport: str) -> Plan:

@@ -107,20 +107,14 @@ def test_ep_slots_span_the_pipelines_of_an_ep_group():
     assert alone.step_time == pytest.approx(20 * MS) and alone.row(1)[-1, 1] == pytest.approx(4 * MS)
 
 
+def ep_pp_config(**kw) -> SimConfig:
+    """A small EP 4 x PP 2 x V 2 simulation, one batch."""
+    shape = dict(gpus=16, pp=2, vpp=2, ep=4, context=16 * 1024, capacity=4 * 1024, global_batch_tokens=64 * 1024)
+    return SimConfig(**shape, model="mistral-8x7b", steps=1, **kw)
+
+
 def test_simulate_costs_ep_with_pipelines_and_virtual_stages():
-    cfg = SimConfig(
-        gpus=16,
-        pp=2,
-        vpp=2,
-        ep=4,
-        context=16 * 1024,
-        capacity=4 * 1024,
-        global_batch_tokens=64 * 1024,
-        model="mistral-8x7b",
-        strategies=("static", "hdp-balanced"),
-        steps=1,
-    )
-    report = run(cfg, progress=False)
+    report = run(ep_pp_config(strategies=("static", "hdp-balanced")), progress=False)
     assert not report.errors and report.timelines["static"].chunks == 2
     hdp = report.results()["hdp-balanced"]
     assert any("lock-step EP slots" in n for n in hdp["notes"])

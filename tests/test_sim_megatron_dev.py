@@ -4,11 +4,12 @@ Megatron-LM dev tree named by ``BYTESCALE_MEGATRON_DEV`` (CI: ../shared/megatron
 import os
 
 import pytest
+from test_sim_expert_parallel import ep_pp_config
 
 from megatron_bytescale.errors import ConfigError
 from megatron_bytescale.sim.cluster import Cluster
 from megatron_bytescale.sim.megatron_dcp_dev import DEV_TREE_ENV, dev_tree, megatron_dcp_dev_plan
-from megatron_bytescale.sim.simulate import SimConfig, default_strategies, run
+from megatron_bytescale.sim.simulate import default_strategies, run
 
 TREE = os.environ.get(DEV_TREE_ENV)
 pytestmark = pytest.mark.skipif(not TREE, reason=f"set {DEV_TREE_ENV} to a Megatron-LM dev tree (dev_d48bd6b)")
@@ -29,20 +30,7 @@ def test_groups_become_packed_micro_batches_on_their_cp_groups():
 
 def test_dev_peer_runs_with_pipelines_virtual_stages_and_ep():
     assert "megatron-dcp-dev" in default_strategies(4, "qwen3-30b-a3b", TREE)
-    cfg = SimConfig(
-        gpus=16,
-        pp=2,
-        vpp=2,
-        ep=4,
-        context=16 * 1024,
-        capacity=4 * 1024,
-        global_batch_tokens=64 * 1024,
-        model="mistral-8x7b",
-        strategies=("megatron-dcp-dev", "hdp-balanced"),
-        steps=1,
-        megatron_dev=TREE,
-    )
-    report = run(cfg, progress=False)
+    report = run(ep_pp_config(strategies=("megatron-dcp-dev", "hdp-balanced"), megatron_dev=TREE), progress=False)
     assert not report.errors, report.errors
     dev = report.results()["megatron-dcp-dev"]
     assert dev["mean_step_time_s"] >= dev["lower_bound_s"] and dev["exposed_moe_a2a_s"] > 0
