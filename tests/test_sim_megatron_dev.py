@@ -12,9 +12,10 @@ from megatron_bytescale.sim.megatron_dcp_dev import DEV_TREE_ENV, dev_tree, mega
 from megatron_bytescale.sim.simulate import default_strategies, run
 
 TREE = os.environ.get(DEV_TREE_ENV)
-pytestmark = pytest.mark.skipif(not TREE, reason=f"set {DEV_TREE_ENV} to a Megatron-LM dev tree (dev_d48bd6b)")
+needs_tree = pytest.mark.skipif(not TREE, reason=f"set {DEV_TREE_ENV} to a Megatron-LM dev tree (dev_d48bd6b)")
 
 
+@needs_tree
 def test_groups_become_packed_micro_batches_on_their_cp_groups():
     # DefaultDynamicCPScheduler on 8 ranks of 8K: one group, [[0]*4, [3]*2, [1, 5, 4], [2]]
     lengths = [30000, 5000, 4000, 9000, 100, 2000]
@@ -28,6 +29,7 @@ def test_groups_become_packed_micro_batches_on_their_cp_groups():
     assert len({len(mbs) for mbs in vpp.ranks}) == 1 and len(vpp.ranks[0]) % 2 == 0
 
 
+@needs_tree
 def test_dev_peer_runs_with_pipelines_virtual_stages_and_ep():
     assert "megatron-dcp-dev" in default_strategies(4, "qwen3-30b-a3b", TREE)
     report = run(ep_pp_config(strategies=("megatron-dcp-dev", "hdp-balanced"), megatron_dev=TREE), progress=False)
@@ -39,3 +41,16 @@ def test_dev_peer_runs_with_pipelines_virtual_stages_and_ep():
 def test_a_tree_without_the_scheduler_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="no megatron/core/datasets/data_schedule.py"):
         dev_tree(str(tmp_path))
+
+
+def test_a_tree_whose_scheduler_cannot_import_is_one_line(tmp_path):
+    from megatron_bytescale.sim.megatron_dcp_dev import dev_groups
+    from megatron_bytescale.sim.static_cp import StrategyError
+
+    package = tmp_path / "megatron" / "core" / "datasets"
+    package.mkdir(parents=True)
+    for d in (tmp_path / "megatron", tmp_path / "megatron" / "core", package):
+        (d / "__init__.py").write_text("")
+    (package / "data_schedule.py").write_text("raise ImportError('DefaultDynamicCPScheduler needs a newer torch')\n")
+    with pytest.raises(StrategyError, match="failed starting: ImportError: DefaultDynamicCPScheduler needs a newer"):
+        dev_groups([8, 4], 2, 8, dev_tree(str(tmp_path)), None)

@@ -99,15 +99,15 @@ class _Worker:
         self._read("starting")
 
     def _read(self, what: str) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            self.log.seek(0)
-            last = [ln for ln in self.log.read().splitlines() if ln.strip()][-1:] or ["(no output)"]
-            raise StrategyError(
-                f"megatron-dcp-dev: the scheduler of {self.tree} failed {what}: {last[0]}; check that the tree "
-                "imports with this Python (torch, megatron-core's dependencies)"
-            )
-        return json.loads(line)
+        for line in self.proc.stdout:  # the first JSON object: what megatron-core prints on import is not
+            if line.startswith("{"):
+                return json.loads(line)
+        self.log.seek(0)
+        last = [ln for ln in self.log.read().splitlines() if ln.strip()][-1:] or ["(no output)"]
+        raise StrategyError(
+            f"megatron-dcp-dev: the scheduler of {self.tree} failed {what}: {last[0]}; check that the tree "
+            "imports with this Python (torch, megatron-core's dependencies)"
+        )
 
     def schedule(self, lengths: Sequence[int], capacity: int, ranks: int, group: int | None) -> dict:
         request = {"lengths": [int(s) for s in lengths], "capacity": capacity, "ranks": ranks, "group": group}
