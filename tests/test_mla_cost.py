@@ -161,6 +161,9 @@ def test_large_model_shapes():
     v3 = ModelSpec.load("deepseek-v3")
     assert (v3.num_experts, v3.moe_router_topk, v3.dense_layers, v3.mtp_num_layers) == (256, 8, 3, 1)
     assert v3.ring_values_per_token() == {"kv": 128 * (192 + 128), "latent": 576}  # ~71x fewer values
+    tp8 = CostModel.analytic(v3, H100, tp=8)  # 16 heads a rank: the latent still under 1/8 of K and V
+    assert tp8.latent_bytes_per_token / tp8.kv_bytes_per_token == pytest.approx(576 / 5120)
+    assert 576 / 5120 < 1 / 8
     shape = layer_shape(v3)
     total = shape["params"] + 2 * v3.vocab_size * v3.hidden_size
     active = (shape["attention_params"] + shape["mlp_macs"] + shape["extra_macs"]) * v3.attention_layers
