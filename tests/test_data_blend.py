@@ -234,3 +234,25 @@ def test_the_shadow_run_reads_the_blend_syntax(corpus):
     assert info["documents"] == 38 and info["prefix"].startswith("0.5 x ") and max(lengths) <= 64
     single, one = training_batches(corpus, 256, 64, 0)
     assert one["documents"] == 19 and sum(next(single)) <= 256
+
+
+def test_plan_plans_the_steps_training_on_a_blend_would_see(corpus, tmp_path, capsys):
+    """`bytescale plan --data-path 0.5 A 0.5 B --global-batch-tokens T --steps 3`: the first
+    three global batches of the blend's training stream, each planned; the plans hold exactly
+    the lengths `training_batches` draws (the simulator's and the loader's stream)."""
+    from megatron_bytescale.cli import main
+    from megatron_bytescale.data.workloads import training_batches
+    from megatron_bytescale.planner.contract import Plan
+
+    out = tmp_path / "plans.jsonl"
+    base = ["plan", "--model", "llama-7b", "--gpus", "8", "--capacity", "64", "--context", "64"]
+    blend = ["--data-path", "0.5", corpus, "0.5", corpus]
+    rc = main([*base, *blend, "--global-batch-tokens", "256", "--steps", "3", "--seed", "5", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and text.startswith("data: 0.5 x ") and "38 documents" in text, text
+    assert text.rstrip().endswith("3 steps planned; plans written to " + str(out) + ", one JSON object per line")
+    steps, _ = training_batches(["0.5", corpus, "0.5", corpus], 256, 64, 5)
+    expected = [next(steps) for _ in range(3)]
+    assert [list(Plan.from_json(line).validate().seq_lens) for line in out.read_text().splitlines()] == expected
+    assert main([*base, *blend]) == 2  # the step size is needed
+    assert "add --global-batch-tokens" in capsys.readouterr().err

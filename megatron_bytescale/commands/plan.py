@@ -2,6 +2,8 @@
 
 bytescale plan --model llama-7b --gpus 64 --capacity 8K --lengths 1K,300K,4K,9K
 bytescale plan --model llama-7b --gpus 1024 --capacity 8K --lengths-file lens.txt --json plan.json
+bytescale plan --model llama-7b --gpus 64 --capacity 8K --context 32K --data-path 0.3 books 0.7 code \
+    --global-batch-tokens 1M --steps 4
 """
 
 from __future__ import annotations
@@ -46,6 +48,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="comma-separated sequence lengths, e.g. 1K,300K,4096")
     src.add_argument("--lengths-file", help="a file with one positive integer (a sequence length) per line")
+    src.add_argument(
+        "--data-path",
+        nargs="+",
+        metavar="[WEIGHT] PREFIX",
+        help="a Megatron indexed dataset, or a blend in Megatron's syntax (W1 P1 W2 P2 ...): plan the steps "
+        "training on it would see (the HDP loader's order for --seed, documents cut at --context, "
+        "--global-batch-tokens per step, a blend's tokens by weight); needs --global-batch-tokens",
+    )
+    p.add_argument("--steps", type=int, default=1, help="with --data-path: how many steps to plan [1]")
+    p.add_argument("--seed", type=int, default=1234, help="with --data-path: the training run's --seed [1234]")
     p.add_argument("--context", default="2M", help="longest sequence allowed [2M]")
     p.add_argument("--cut", action="store_true", help="cut sequences longer than --context to the context")
     p.add_argument("--balance", default="dp", help=f"balance scheduler mode: {BALANCE_HELP} [dp]")
@@ -190,6 +202,8 @@ def main(args) -> int:
         virtual_stages=args.vpp,
         capacity_flag="--capacity",
     )
+    if args.data_path is not None and args.global_batch_tokens is None:
+        raise ConfigError("--data-path plans training's steps: add --global-batch-tokens (the step size, e.g. 1M)")
     if args.global_batch_tokens is not None:
         return plan_steps(args, config, cost, context, parse_size(args.global_batch_tokens, "--global-batch-tokens"))
     if args.lengths is not None:
@@ -257,6 +271,24 @@ def step_lengths(lengths: Iterator[int], budget: int, context: int, cut: bool) -
         yield step
 
 
+def data_steps(data_path: list[str], budget: int, context: int, seed: int, count: int) -> Iterator[list[int]]:
+    """The first ``count`` global batches training on ``data_path`` would see (the HDP loader's
+    sampler, as ``bytescale simulate --data-path`` reads them), saying what the data are."""
+    import itertools
+
+    from ..data.workloads import training_batches
+
+    if count < 1:
+        raise ConfigError(f"--steps {count}: give a positive number of steps")
+    batches, info = training_batches(data_path, budget, context, seed)
+    print(
+        f"data: {info['prefix']}: {info['documents']:,} documents, {info['tokens']:,} tokens, longest "
+        f"{info['longest_document']:,} ({info['documents_over_context']:,} longer than the context, cut)",
+        flush=True,
+    )
+    return itertools.islice(batches, count)
+
+
 def plan_steps(args, config: PlannerConfig, cost: CostModel, context: int, budget: int) -> int:
     """Plan and print step after step; only the current step's plan is kept."""
     from ..planner.planner import plan_step
@@ -267,14 +299,19 @@ def plan_steps(args, config: PlannerConfig, cost: CostModel, context: int, budge
             "a context-long sequence could never be in a step; raise --global-batch-tokens or lower --context"
         )
     context = min(context, budget)
-    source = iter(parse_lengths(args.lengths)) if args.lengths is not None else None
-    bar = None if source is not None else _progress_bar(args.lengths_file)
-    if source is None:
-        source = iter_lengths_file(args.lengths_file, bar.update)
+    bar = None
+    if args.data_path is not None:
+        steps_of_data = data_steps(args.data_path, budget, context, args.seed, args.steps)
+    else:
+        source = iter(parse_lengths(args.lengths)) if args.lengths is not None else None
+        bar = None if source is not None else _progress_bar(args.lengths_file)
+        if source is None:
+            source = iter_lengths_file(args.lengths_file, bar.update)
+        steps_of_data = step_lengths(source, budget, context, args.cut)
     with open(args.json, "w") if args.json else contextlib.nullcontext() as out:
         try:
             steps = 0
-            for steps, lengths in enumerate(step_lengths(source, budget, context, args.cut), start=1):
+            for steps, lengths in enumerate(steps_of_data, start=1):
                 plan = plan_step(lengths, config, cost).validate()
                 if out is not None:
                     out.write(plan.to_json() + "\n")
