@@ -49,6 +49,14 @@ MEGATRON = dict(
     cuda_graph_impl="none",
     spec=None,
     mtp_num_layers=None,
+    moe_layer_freq=1,
+    moe_ffn_hidden_size=None,
+    moe_shared_expert_intermediate_size=None,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_head_dim=128,
+    qk_pos_emb_head_dim=64,
+    v_head_dim=128,
     seq_length=32768,
     dataloader_type="single",
     sft=False,
@@ -577,6 +585,28 @@ def test_model_spec_and_cost_model_follow_the_flags():
         assert getattr(spec, field) == getattr(expected, field), field
     cost = cost_model_from_args(args)
     assert cost == CostModel.analytic(expected, HardwareSpec.load("h100"))
+
+
+def test_the_model_spec_sees_mla_mtp_and_experts_as_the_planner_costs_them():
+    """Multi-latent attention's sizes (so a run's planner costs the latent ring it was asked
+    for), MTP depths and a MoE model's expert widths and dense layers reach the spec."""
+    args = validate_hdp_args(
+        parse(
+            HDP,
+            multi_latent_attention=True,
+            mtp_num_layers=1,
+            num_experts=8,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=32,
+            moe_shared_expert_intermediate_size=64,
+            moe_layer_freq=[0, 1],
+        )
+    )
+    spec = model_spec_from_args(args)
+    assert spec.is_mla and spec.ring_values_per_token() == {"kv": 4 * (128 + 64 + 128), "latent": 512 + 64}
+    assert (spec.mtp_num_layers, spec.moe_ffn_hidden_size, spec.moe_shared_expert_size) == (1, 32, 64)
+    assert spec.dense_layers == args.num_layers - 1
+    assert model_spec_from_args(validate_hdp_args(parse(HDP))).is_mla is False
 
 
 def test_cost_model_reads_the_profile(tmp_path):

@@ -81,6 +81,14 @@ MEGATRON_ARGS_READ = (
     "cuda_graph_impl",
     "spec",
     "mtp_num_layers",
+    "moe_layer_freq",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
     "seq_length",
     "dataloader_type",
     "sft",
@@ -716,7 +724,32 @@ def model_spec_from_args(args) -> ModelSpec:
         swiglu=bool(args.swiglu),
         num_experts=args.num_experts or 0,
         moe_router_topk=args.moe_router_topk if args.num_experts else 1,
+        **_moe_fields(args),
+        **_mla_fields(args),
+        mtp_num_layers=args.mtp_num_layers or 0,
     )
+
+
+def _moe_fields(args) -> dict:
+    """A MoE model's expert and shared-expert widths and its dense layers (Megatron's parsed
+    --moe-layer-freq: an int k, every k-th layer, or a 0/1 list per layer)."""
+    if not args.num_experts:
+        return {}
+    freq = args.moe_layer_freq
+    moe_layers = len(range(0, args.num_layers, freq)) if isinstance(freq, int) else sum(freq)
+    return dict(
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size or 0,
+        moe_shared_expert_size=args.moe_shared_expert_intermediate_size or 0,
+        dense_layers=args.num_layers - moe_layers,
+    )
+
+
+def _mla_fields(args) -> dict:
+    """Multi-latent attention's sizes: what its ring transports carry (ModelSpec.ring_values_per_token)."""
+    if not args.multi_latent_attention:
+        return {}
+    names = ("kv_lora_rank", "q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+    return {name: getattr(args, name) or 0 for name in names}
 
 
 def cost_model_from_args(args):
