@@ -290,7 +290,7 @@ CONFLICTS = {
     "expert parallel allgather": (
         HDP,
         dict(num_experts=8, expert_model_parallel_size=2),
-        "use --moe-token-dispatcher-type alltoall",
+        r"^--moe-token-dispatcher-type allgather .*equal-sized token blocks.*use --moe-token-dispatcher-type alltoall",
     ),
     "expert parallel with pp": (
         HDP + ["--hdp-balance", "pp"],
@@ -708,3 +708,26 @@ def test_the_cost_model_follows_the_device(monkeypatch):
     assert dataclasses.astuple(
         cost_model_from_args(validate_hdp_args(parse(HDP + tiny + ["--hdp-hardware", "cpu"])))
     ) == dataclasses.astuple(cpu)
+
+
+def test_the_flex_dispatcher_is_accepted_where_its_kernels_can_run(monkeypatch):
+    """On a CUDA machine the flex dispatcher shares the all-to-all's slots; without its
+    backend's package it is one line naming the package (deep_ep; TE for ncclep); on a
+    machine without a GPU one line says so."""
+    import importlib.util
+
+    flex = dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="flex")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^--moe-token-dispatcher-type flex \(deepep\) runs CUDA kernels and this"):
+        validate_hdp_args(parse(HDP, **flex))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    found = {"deep_ep": None, "transformer_engine": object()}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: found.get(name))
+    with pytest.raises(ConfigError, match=r"with the deepep backend needs DeepEP \(deep_ep\) installed"):
+        validate_hdp_args(parse(HDP, **flex))
+    with pytest.raises(ConfigError, match=r"with the hybridep backend needs DeepEP"):
+        validate_hdp_args(parse(HDP, **flex, moe_flex_dispatcher_backend="hybridep"))
+    validate_hdp_args(parse(HDP, **flex, moe_flex_dispatcher_backend="ncclep"))  # TE is there
+    found["deep_ep"] = object()
+    args = validate_hdp_args(parse(HDP, num_experts=8, expert_model_parallel_size=2, moe_enable_deepep=True))
+    assert args.hybrid_data_parallel  # --moe-enable-deepep: Megatron's older spelling of flex with DeepEP
