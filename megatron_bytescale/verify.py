@@ -280,10 +280,10 @@ def verify(
     else:
         static_skipped = None
 
-    from .megatron.model import load_model, ring_values_per_token
+    from .megatron.model import load_model
 
     model_spec, arch = load_model(model)
-    widths = ring_values_per_token(model_spec, arch, tp)  # per transport: values per token of a block
+    widths = model_spec.ring_values_per_token(tp)  # per transport: values per token of a block
     attention_layers = spec.num_layers + (arch.mtp_num_layers or 0)  # an MTP depth runs one layer more
     if two_level is not None and "latent" in widths:
         raise BytescaleError(

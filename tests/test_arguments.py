@@ -49,6 +49,14 @@ MEGATRON = dict(
     cuda_graph_impl="none",
     spec=None,
     mtp_num_layers=None,
+    moe_layer_freq=1,
+    moe_ffn_hidden_size=None,
+    moe_shared_expert_intermediate_size=None,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_head_dim=128,
+    qk_pos_emb_head_dim=64,
+    v_head_dim=128,
     seq_length=32768,
     dataloader_type="single",
     sft=False,
@@ -282,7 +290,7 @@ CONFLICTS = {
     "expert parallel allgather": (
         HDP,
         dict(num_experts=8, expert_model_parallel_size=2),
-        "use --moe-token-dispatcher-type alltoall",
+        r"^--moe-token-dispatcher-type allgather .*equal-sized token blocks.*use --moe-token-dispatcher-type alltoall",
     ),
     "expert parallel with pp": (
         HDP + ["--hdp-balance", "pp"],
@@ -579,6 +587,28 @@ def test_model_spec_and_cost_model_follow_the_flags():
     assert cost == CostModel.analytic(expected, HardwareSpec.load("h100"))
 
 
+def test_the_model_spec_sees_mla_mtp_and_experts_as_the_planner_costs_them():
+    """Multi-latent attention's sizes (so a run's planner costs the latent ring it was asked
+    for), MTP depths and a MoE model's expert widths and dense layers reach the spec."""
+    args = validate_hdp_args(
+        parse(
+            HDP,
+            multi_latent_attention=True,
+            mtp_num_layers=1,
+            num_experts=8,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=32,
+            moe_shared_expert_intermediate_size=64,
+            moe_layer_freq=[0, 1],
+        )
+    )
+    spec = model_spec_from_args(args)
+    assert spec.is_mla and spec.ring_values_per_token() == {"kv": 4 * (128 + 64 + 128), "latent": 512 + 64}
+    assert (spec.mtp_num_layers, spec.moe_ffn_hidden_size, spec.moe_shared_expert_size) == (1, 32, 64)
+    assert spec.dense_layers == args.num_layers - 1
+    assert model_spec_from_args(validate_hdp_args(parse(HDP))).is_mla is False
+
+
 def test_cost_model_reads_the_profile(tmp_path):
     args = validate_hdp_args(parse(HDP))
     profile = tmp_path / "profile.json"
@@ -678,3 +708,26 @@ def test_the_cost_model_follows_the_device(monkeypatch):
     assert dataclasses.astuple(
         cost_model_from_args(validate_hdp_args(parse(HDP + tiny + ["--hdp-hardware", "cpu"])))
     ) == dataclasses.astuple(cpu)
+
+
+def test_the_flex_dispatcher_is_accepted_where_its_kernels_can_run(monkeypatch):
+    """On a CUDA machine the flex dispatcher shares the all-to-all's slots; without its
+    backend's package it is one line naming the package (deep_ep; TE for ncclep); on a
+    machine without a GPU one line says so."""
+    import importlib.util
+
+    flex = dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="flex")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^--moe-token-dispatcher-type flex \(deepep\) runs CUDA kernels and this"):
+        validate_hdp_args(parse(HDP, **flex))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    found = {"deep_ep": None, "transformer_engine": object()}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: found.get(name))
+    with pytest.raises(ConfigError, match=r"with the deepep backend needs DeepEP \(deep_ep\) installed"):
+        validate_hdp_args(parse(HDP, **flex))
+    with pytest.raises(ConfigError, match=r"with the hybridep backend needs DeepEP"):
+        validate_hdp_args(parse(HDP, **flex, moe_flex_dispatcher_backend="hybridep"))
+    validate_hdp_args(parse(HDP, **flex, moe_flex_dispatcher_backend="ncclep"))  # TE is there
+    found["deep_ep"] = object()
+    args = validate_hdp_args(parse(HDP, num_experts=8, expert_model_parallel_size=2, moe_enable_deepep=True))
+    assert args.hybrid_data_parallel  # --moe-enable-deepep: Megatron's older spelling of flex with DeepEP

@@ -166,7 +166,11 @@ def test_each_transport_sends_what_the_plan_predicts(results):
     widths = {"kv": H * (DN + DPE + DV), "latent": R + DPE}
     totals = {}
     for transport, width in widths.items():
-        predicted = p2p_bytes_per_rank(_plain_rings(Plan.from_json(plans[transport])), width * 4, width * 4, 1)
+        plain = _plain_rings(Plan.from_json(plans[transport]))
+        latent = widths["latent"] * 4  # what a latent ring's blocks and accumulators weigh per token (fp32)
+        predicted = p2p_bytes_per_rank(
+            plain, width * 4, width * 4, 1, latent_bytes_per_token=latent, latent_grad_bytes_per_token=latent
+        )
         for rank, res in enumerate(per_rank):
             sent = res[transport]["bytes"]
             assert sent["plain"] == {transport: 2 * predicted[rank]}  # both backends ran every micro-batch

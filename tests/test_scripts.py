@@ -403,3 +403,35 @@ print(json.dumps({{"hdp_size": args.hdp_size, "step": args.hdp_step_tokens, "imp
 """
         )
         assert out == {"hdp_size": 1, "step": 8192, "impl": "local"}
+
+
+@needs_tree
+def test_the_flex_check_runs_the_same_command_with_each_dispatcher(env, tmp_path):
+    """scripts/gpu/check_flex_dispatcher.sh (prepared: it needs 2 GPUs and DeepEP) trains the
+    same command line with the all-to-all and the flex dispatcher; through the launcher's
+    checks on this CPU machine the first passes and the second is refused in one line."""
+    from megatron_bytescale.errors import ConfigError
+    from megatron_bytescale.megatron import preflight
+
+    variables, _ = env
+    corpus = tmp_path / "corpus"
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"corpus{suffix}").write_bytes(b"")
+    lines = run_script(
+        "scripts/gpu/check_flex_dispatcher.sh", dict(variables, DRY_RUN="1", MEGATRON_LM_DIR=MEGATRON_LM_DIR)
+    ).stdout.strip()
+    alltoall, flex = (shlex.split(line) for line in lines.splitlines())
+    assert after(alltoall, "--moe-token-dispatcher-type")[0] == "alltoall"
+    assert (
+        after(flex, "--moe-token-dispatcher-type")[0] == "flex"
+        and after(flex, "--expert-model-parallel-size")[0] == "2"
+    )
+    script = Path(MEGATRON_LM_DIR) / "pretrain_gpt.py"
+
+    def flags(argv):
+        words = argv[argv.index(str(script)) + 1 :]
+        return [str(corpus) if w.endswith("/corpus") else w for w in words]
+
+    assert preflight.check(flags(alltoall), 2, script).moe_token_dispatcher_type == "alltoall"
+    with pytest.raises(ConfigError, match=r"^--moe-token-dispatcher-type flex \(deepep\) runs CUDA kernels"):
+        preflight.check(flags(flex), 2, script)

@@ -70,11 +70,9 @@ def test_a_ring_across_ep_groups_holds_both_groups():
     assert t.step_time == pytest.approx(slot0_end[0] + 2 * MS)
 
 
-def test_ep_needs_a_moe_model_a_dividing_size_and_no_pipelines():
+def test_ep_needs_a_moe_model_and_a_dividing_size():
     with pytest.raises(ConfigError, match="does not divide the 6 HDP ranks"):
         Cluster(6, ep=4, gpus_per_node=6)
-    with pytest.raises(ConfigError, match="use --pp 1"):
-        Cluster(8, pp=2, ep=2)
     with pytest.raises(ConfigError, match="has no experts"):
         run(
             SimConfig(gpus=8, context=4096, capacity=4096, global_batch_tokens=8192, model="tiny", ep=2), progress=False
@@ -83,6 +81,44 @@ def test_ep_needs_a_moe_model_a_dividing_size_and_no_pipelines():
     plan = Plan(num_ranks=2, capacity=100, num_layers=1, seq_lens=(3,), ranks=((mb,), ()), expert_parallel=2)
     with pytest.raises(PlanError, match="would deadlock"):
         simulate(plan, Cluster(2, ep=2), cost_model())
+
+
+def test_ep_slots_span_the_pipelines_of_an_ep_group():
+    # two pipelines of 2 stages (one layer each) in one EP group: 10 tokens on pipeline 0, 2 on
+    # pipeline 1; each stage's slot lasts as its slowest member plus the all-to-alls, so the
+    # short pipeline waits at every stage: 2 stages x (F + B) x 10 ms, and each member's
+    # exchanges of 10 x 2 B x 1/2 over 1000 B/s, 4 of them per stage (the longer member's)
+    plan = Plan(
+        num_ranks=2,
+        capacity=100,
+        num_layers=1,
+        seq_lens=(10, 2),
+        ranks=((MicroBatch((whole_piece(0, 10, 0),)),), (MicroBatch((whole_piece(1, 2, 1),)),)),
+    )
+    cluster = Cluster(4, pp=2, ep=2)
+    t = simulate(plan, cluster, cost_model())
+    assert t.step_time == pytest.approx(2 * 10 * MS)
+    assert list(t.busy) == pytest.approx([10 * MS, 2 * MS] * 2)  # (rank, stage): compute only
+    assert t.ep_slot_floor == pytest.approx(10 * MS)  # one device's one slot: the slower member's
+    t = simulate(plan, cluster, cost_model(moe_a2a_bytes_per_token=2.0))
+    assert t.step_time == pytest.approx(2 * (10 * MS + 4 * 10 * MS))
+    assert t.ep_slot_floor == pytest.approx(10 * MS + 4 * 10 * MS)
+    alone = simulate(plan, Cluster(4, pp=2), cost_model())
+    assert alone.step_time == pytest.approx(20 * MS) and alone.row(1)[-1, 1] == pytest.approx(4 * MS)
+
+
+def ep_pp_config(**kw) -> SimConfig:
+    """A small EP 4 x PP 2 x V 2 simulation, one batch."""
+    shape = dict(gpus=16, pp=2, vpp=2, ep=4, context=16 * 1024, capacity=4 * 1024, global_batch_tokens=64 * 1024)
+    return SimConfig(**shape, model="mistral-8x7b", steps=1, **kw)
+
+
+def test_simulate_costs_ep_with_pipelines_and_virtual_stages():
+    report = run(ep_pp_config(strategies=("static", "hdp-balanced")), progress=False)
+    assert not report.errors and report.timelines["static"].chunks == 2
+    hdp = report.results()["hdp-balanced"]
+    assert any("lock-step EP slots" in n for n in hdp["notes"])
+    assert hdp["mean_step_time_s"] >= hdp["lower_bound_s"] and hdp["exposed_moe_a2a_s"] > 0
 
 
 def test_simulated_ep_steps_match_the_planner_estimate():

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..sim.simulate import SimConfig, SimReport
 
 # every strategy sim/strategies.py compares (checked in main, not imported for --help)
-STRATEGY_NAMES = "static, megatron-dcp, hdp-sharding, hdp-naive, hdp-balanced"
+STRATEGY_NAMES = "static, megatron-dcp, megatron-dcp-dev, hdp-sharding, hdp-naive, hdp-balanced, hdp-latent, hdp-auto"
 NO_EXPERT_SLOTS = "megatron-dcp"  # sim.simulate.NO_EXPERT_SLOTS
 # the README's headline: bare `bytescale simulate` runs it
 HEADLINE = {"gpus": 1024, "context": "2M", "capacity": "8K", "global_batch_tokens": "32M", "steps": 6}
@@ -32,7 +32,7 @@ def format_table(report: SimReport) -> str:
     med = report.results()
     many = report.config.steps > 1
     head = (
-        f"{'strategy':<14}{'step s':>9}{'speedup':>9}"
+        f"{'strategy':<17}{'step s':>9}{'speedup':>9}"
         + (f"{'(batch)':>9}" if many else "")
         + f"{'x LB':>7}"
         + (f"{'(batch)':>8}" if many else "")
@@ -42,12 +42,12 @@ def format_table(report: SimReport) -> str:
     lines = [head, "-" * len(head)]
     for name, m in med.items():
         if "error" in m:
-            lines.append(f"{name:<14}n/a: {m['error']}")
+            lines.append(f"{name:<17}n/a: {m['error']}")
             continue
         speedup = f"{m['speedup_vs_static']:.2f}x" if "speedup_vs_static" in m else "-"
         per_batch = f"{m['speedup_vs_static_per_batch_median']:.2f}x" if "speedup_vs_static" in m else "-"
         lines.append(
-            f"{name:<14}{m['mean_step_time_s']:>9.2f}{speedup:>9}"
+            f"{name:<17}{m['mean_step_time_s']:>9.2f}{speedup:>9}"
             + (f"{per_batch:>9}" if many else "")
             + f"{m['x_lower_bound']:>7.2f}"
             + (f"{m['x_lower_bound_per_batch_median']:>8.2f}" if many else "")
@@ -86,6 +86,17 @@ def format_table(report: SimReport) -> str:
             "ring micro-batches spanning every pipeline alone, in any stage order (a floor of the step, s per step; "
             "0: no such ring): " + "; ".join(floors)
         )
+    ep_floors = [
+        f"{n} {sum(r['ep_slot_floor_s'] for r in rows) / sum(r['lower_bound_s'] for r in rows):.2f}"
+        for n, rows in report.steps.items()
+        if rows and any(r.get("ep_slot_floor_s", 0.0) > 0 for r in rows)
+    ]
+    if ep_floors:
+        lines.append(
+            "EP slots (every device runs its group's slots in turn, each as long as the group's slowest member "
+            "with its all-to-alls): the busiest device's sum, a floor of the step, x LB (ratio of totals): "
+            + "; ".join(ep_floors)
+        )
     if report.config.vpp > 1:
         p, v = report.config.pp, report.config.vpp
         held = [f"{n} {max(r['chunks_in_flight_max'] for r in rows):.0f}" for n, rows in report.steps.items() if rows]
@@ -117,7 +128,11 @@ def shadow_verdict(report: SimReport) -> str:
     if not hdp or "hdp-balanced" in report.errors:
         return ""
     parts = []
-    for name, label in (("static", "static DP x CP"), ("megatron-dcp", "Megatron's dynamic CP")):
+    for name, label in (
+        ("static", "static DP x CP"),
+        ("megatron-dcp", "Megatron's dynamic CP (0.16.1)"),
+        ("megatron-dcp-dev", "Megatron's dynamic CP (dev branch)"),
+    ):
         other = report.steps.get(name, [])
         if len(other) == len(hdp) and name not in report.errors:
             t = totals(hdp, other)
@@ -175,7 +190,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategies",
         default=None,
         help=f"comma-separated from {STRATEGY_NAMES} (default: all; with --ep > 1 all but "
-        f"{NO_EXPERT_SLOTS}, whose barriers the simulator does not align for expert all-to-alls)",
+        f"{NO_EXPERT_SLOTS}, whose barriers the simulator does not align for expert all-to-alls; "
+        "hdp-latent and hdp-auto, hdp-balanced with rings carrying the latent or each ring the faster "
+        "of K/V and the latent, for multi-latent attention models only; "
+        "megatron-dcp-dev where a dev tree is named)",
     )
     parser.add_argument("--steps", type=int, default=HEADLINE["steps"], help="global batches, one per step (default 6)")
     parser.add_argument("--seed", type=seed, default=0)
@@ -208,6 +226,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="OUT",
         help="write the config, every step's figures per strategy and the totals as JSON",
     )
+    parser.add_argument(
+        "--megatron-dev",
+        default=None,
+        metavar="PATH",
+        help="a Megatron-LM tree of the dev branch: megatron-dcp-dev runs its DefaultDynamicCPScheduler "
+        "(imported from there in a worker process, never copied) (default: $BYTESCALE_MEGATRON_DEV)",
+    )
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart of the first step")
 
 
@@ -228,7 +253,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         gpus_per_node=args.gpus_per_node,
         dataset=args.dataset,
         lengths_file=args.lengths_file,
-        strategies=tuple(parse_strategies(args.strategies)) if args.strategies else default_strategies(args.ep),
+        strategies=(
+            tuple(parse_strategies(args.strategies))
+            if args.strategies
+            else default_strategies(args.ep, args.model, args.megatron_dev)
+        ),
         steps=args.steps,
         seed=args.seed,
         validate=args.validate,
@@ -236,6 +265,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         data_path=args.data_path,
         pipeline_schedule=args.pipeline_schedule,
         vpp=args.vpp,
+        megatron_dev=args.megatron_dev,
         host_memory_per_gpu=(
             parse_size(args.host_memory_per_gpu, "--host-memory-per-gpu") if args.host_memory_per_gpu else None
         ),

@@ -16,6 +16,7 @@ so it is tested with argparse and a namespace carrying the Megatron flags it rea
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
@@ -81,6 +82,14 @@ MEGATRON_ARGS_READ = (
     "cuda_graph_impl",
     "spec",
     "mtp_num_layers",
+    "moe_layer_freq",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
     "seq_length",
     "dataloader_type",
     "sft",
@@ -437,17 +446,22 @@ def _check_pipeline_balance(args) -> None:
 def _check_expert_parallel(args) -> None:
     """--expert-model-parallel-size > 1 is supported through aligned micro-batch slots per EP
     group (planner/expert/slots.py): empty slots join the all-to-alls of megatron-core's
-    all-to-all token dispatcher, the one tested; the others are refused."""
+    all-to-all token dispatcher (tested) and of the flex dispatcher, whose DeepEP / HybridEP /
+    NCCL EP kernels exchange any number of tokens per member as the all-to-all does (CUDA
+    only: scripts/gpu/ checks it); the allgather dispatcher is refused."""
     ep, pp = args.expert_model_parallel_size, args.pipeline_model_parallel_size
     if ep <= 1:
         return
-    dispatcher = args.moe_token_dispatcher_type
-    if dispatcher != "alltoall":
+    # --moe-enable-deepep is Megatron's older spelling of the flex dispatcher with DeepEP
+    dispatcher = "flex" if getattr(args, "moe_enable_deepep", False) else args.moe_token_dispatcher_type
+    if dispatcher == "allgather":
         raise ConfigError(
-            f"--moe-token-dispatcher-type {dispatcher} with --expert-model-parallel-size {ep}: HDP aligns "
-            "expert-parallel micro-batch slots for the all-to-all dispatcher: "
-            "use --moe-token-dispatcher-type alltoall"
+            f"--moe-token-dispatcher-type allgather with --expert-model-parallel-size {ep}: that dispatcher gathers "
+            "equal-sized token blocks from every expert-parallel member, and HDP micro-batches hold different "
+            "numbers of tokens on each: use --moe-token-dispatcher-type alltoall (or flex on GPUs)"
         )
+    if dispatcher == "flex":
+        _check_flex_backend(args)
     if pp > 1:
         raise ConfigError(
             f"--expert-model-parallel-size {ep} with --pipeline-model-parallel-size {pp}: HDP aligns "
@@ -459,6 +473,23 @@ def _check_expert_parallel(args) -> None:
             f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
             f"{args.tensor_model_parallel_size}: HDP's EP groups are blocks of HDP ranks only when they "
             "match; drop --expert-tensor-parallel-size"
+        )
+
+
+def _check_flex_backend(args) -> None:
+    """The flex dispatcher runs only where its kernels can: CUDA GPUs with DeepEP (the deep_ep
+    package, also HybridEP's) or, for the ncclep backend, Transformer Engine's EP module."""
+    backend = getattr(args, "moe_flex_dispatcher_backend", None) or "deepep"
+    if default_hardware() == CPU_HARDWARE:
+        raise ConfigError(
+            f"--moe-token-dispatcher-type flex ({backend}) runs CUDA kernels and this machine has no GPU: use "
+            "--moe-token-dispatcher-type alltoall here (HDP aligns the same expert-parallel slots for both)"
+        )
+    module, package = ("transformer_engine", "Transformer Engine") if backend == "ncclep" else ("deep_ep", "DeepEP")
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"--moe-token-dispatcher-type flex with the {backend} backend needs {package} ({module}) installed: "
+            "install it, or use --moe-token-dispatcher-type alltoall"
         )
 
 
@@ -718,7 +749,32 @@ def model_spec_from_args(args) -> ModelSpec:
         swiglu=bool(args.swiglu),
         num_experts=args.num_experts or 0,
         moe_router_topk=args.moe_router_topk if args.num_experts else 1,
+        **_moe_fields(args),
+        **_mla_fields(args),
+        mtp_num_layers=args.mtp_num_layers or 0,
     )
+
+
+def _moe_fields(args) -> dict:
+    """A MoE model's expert and shared-expert widths and its dense layers (Megatron's parsed
+    --moe-layer-freq: an int k, every k-th layer, or a 0/1 list per layer)."""
+    if not args.num_experts:
+        return {}
+    freq = args.moe_layer_freq
+    moe_layers = len(range(0, args.num_layers, freq)) if isinstance(freq, int) else sum(freq)
+    return dict(
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size or 0,
+        moe_shared_expert_size=args.moe_shared_expert_intermediate_size or 0,
+        dense_layers=args.num_layers - moe_layers,
+    )
+
+
+def _mla_fields(args) -> dict:
+    """Multi-latent attention's sizes: what its ring transports carry (ModelSpec.ring_values_per_token)."""
+    if not args.multi_latent_attention:
+        return {}
+    names = ("kv_lora_rank", "q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+    return {name: getattr(args, name) or 0 for name in names}
 
 
 def cost_model_from_args(args):

@@ -115,20 +115,6 @@ def load_model(model: str | Path | ModelSpec) -> tuple[ModelSpec, Architecture]:
     return spec, Architecture.from_args(read_args_file(path), spec.name)
 
 
-def ring_values_per_token(spec: ModelSpec, arch: Architecture, tp: int = 1) -> dict[str, int]:
-    """Per ring transport the model may use, the values one token of a ring block holds in what
-    travels, per TP rank: K and V (``"kv"``), and for multi-latent attention also the latent and
-    rotary key (``"latent"``: the same on every TP rank, whatever the heads)."""
-    if arch.mla is None:
-        return {"kv": 2 * (spec.num_query_groups // tp) * spec.kv_channels}
-    mla = dict(arch.mla)
-    heads = spec.num_attention_heads // tp
-    return {
-        "kv": heads * (mla["qk_head_dim"] + mla["qk_pos_emb_head_dim"] + mla["v_head_dim"]),
-        "latent": mla["kv_lora_rank"] + mla["qk_pos_emb_head_dim"],
-    }
-
-
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's vocabulary padding (a multiple of ``divisible_by * tp``)."""
     multiple = divisible_by * tp

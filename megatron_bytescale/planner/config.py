@@ -29,7 +29,9 @@ class PlannerConfig:
     # model chunks per pipeline device (virtual pipeline stages; Plan.virtual_stages); > 1
     # needs pipeline_stages > 1
     virtual_stages: int = 1
-    ring_transport: str = "kv"  # what plain rings carry (Piece.transport): K and V, or an MLA model's "latent"
+    # what plain rings carry (Piece.transport): K and V, an MLA model's "latent", or "auto": per
+    # ring, whichever the cost model runs faster (CostModel.cheaper_transport)
+    ring_transport: str = "kv"
 
     def check(self) -> None:
         """A ``FieldError`` naming the field to change unless every field is valid."""

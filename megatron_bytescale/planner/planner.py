@@ -37,6 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 
@@ -106,7 +107,35 @@ def plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -
     """The HDP plan for one step. The result passes ``Plan.validate()`` (not run here: it is
     the tests' job, and slow on large clusters)."""
     with _no_cyclic_gc():
-        return _plan_step(seq_lens, config, cost).with_ring_transport(config.ring_transport)
+        plan = _plan_step(seq_lens, config, cost)
+        if config.ring_transport == AUTO_TRANSPORT:
+            return with_cheaper_transports(plan, cost, config.ranks_per_node)
+        return plan.with_ring_transport(config.ring_transport)
+
+
+AUTO_TRANSPORT = "auto"
+
+
+def with_cheaper_transports(plan: Plan, cost: CostModel, ranks_per_node: int) -> Plan:
+    """``plan`` with each plain ring micro-batch carrying the transport its sequences run
+    fastest with (``CostModel.cheaper_transport`` at the ring's size and links): the latent
+    where a ring's hops would be exposed, K and V where re-expanding costs more than it hides."""
+    if len(cost.ring_transports) == 1:
+        return plan
+    latent = plan.with_ring_transport("latent")
+    choice: dict[tuple, str] = {}
+    ranks = []
+    for mbs, carried in zip(plan.ranks, latent.ranks):
+        row = []
+        for mb, other in zip(mbs, carried):
+            key = mb.ring_key
+            if key is not None and mb.heads_split == 1 and key not in choice:
+                lens = [p.seq_len for p in mb.pieces if p.is_distributed]
+                inter = len({r // ranks_per_node for r in key[0]}) > 1
+                choice[key] = cost.cheaper_transport(sum(lens), len(key[0]), inter, sum(s * s for s in lens))
+            row.append(other if key is not None and choice.get(key) == "latent" else mb)
+        ranks.append(tuple(row))
+    return replace(plan, ranks=tuple(ranks))
 
 
 def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) -> Plan:

@@ -8,6 +8,7 @@ A hardware spec is a small YAML file (``configs/hardware/<name>.yaml``).
 from __future__ import annotations
 
 import argparse
+import ast
 import shlex
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -46,6 +47,49 @@ def read_args_file(path: str | Path) -> list[str]:
     return tokens
 
 
+# Megatron's multi-latent attention sizes and its defaults (--q-lora-rank None: no query latent)
+MLA_DEFAULTS = {
+    "--q-lora-rank": None,
+    "--kv-lora-rank": 32,
+    "--qk-head-dim": 128,
+    "--qk-pos-emb-head-dim": 64,
+    "--v-head-dim": 128,
+}
+
+
+def moe_layer_count(freq: str, num_layers: int, name: str) -> int:
+    """How many of ``num_layers`` layers are MoE under Megatron's ``--moe-layer-freq``: an
+    integer k (every k-th layer, from the first) or a pattern such as ``([0]*3+[1]*58)`` (one
+    0/1 per layer), read without evaluating code: lists of integers, ``+`` and ``*`` only."""
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(ast.dump(node))
+
+    try:
+        pattern = value(ast.parse(freq.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise ConfigError(
+            f"model {name!r}: --moe-layer-freq {freq!r}: give an integer or a list pattern like ([0]*3+[1]*58)"
+        ) from None
+    if isinstance(pattern, int):
+        if pattern <= 0:
+            raise ConfigError(f"model {name!r}: --moe-layer-freq must be positive, got {pattern}")
+        return len(range(0, num_layers, pattern))
+    if len(pattern) != num_layers or set(pattern) - {0, 1}:
+        raise ConfigError(
+            f"model {name!r}: --moe-layer-freq {freq!r} must give one 0 or 1 per layer ({num_layers} layers), "
+            f"got {len(pattern)} values"
+        )
+    return sum(pattern)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -59,10 +103,35 @@ class ModelSpec:
     swiglu: bool = True
     num_experts: int = 0  # 0: dense MLP
     moe_router_topk: int = 1
+    moe_ffn_hidden_size: int = 0  # one routed expert's FFN width (0: ffn_hidden_size)
+    moe_shared_expert_size: int = 0  # the shared experts' FFN width, all together (0: none)
+    dense_layers: int = 0  # layers of a MoE model with a dense MLP of ffn_hidden_size (--moe-layer-freq)
+    # multi-latent attention (kv_lora_rank > 0): K and V made from a kv_lora_rank-wide latent
+    # plus one shared rotary key; queries of qk_head_dim + qk_pos_emb_head_dim per head, values
+    # of v_head_dim (kv_channels is then unused); q_lora_rank 0: queries projected directly
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
+    mtp_num_layers: int = 0  # multi-token prediction depths: one more transformer layer each
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def k_head_dim(self) -> int:
+        """Per head of queries and keys (MLA: the no-rope part and the rotary part)."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim if self.is_mla else self.kv_channels
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim if self.is_mla else self.kv_channels
 
     @property
     def query_size(self) -> int:
-        return self.num_attention_heads * self.kv_channels
+        return self.num_attention_heads * self.k_head_dim
 
     @property
     def kv_size(self) -> int:
@@ -72,6 +141,20 @@ class ModelSpec:
     def active_experts(self) -> int:
         """MLPs each token passes through (top-k for MoE, one for a dense model)."""
         return self.moe_router_topk if self.num_experts else 1
+
+    @property
+    def attention_layers(self) -> int:
+        """Transformer layers a token passes through: the model's and one per MTP depth."""
+        return self.num_layers + self.mtp_num_layers
+
+    def ring_values_per_token(self, tp: int = 1) -> dict[str, int]:
+        """Per ring transport the model may use, the values one token of a ring block holds in
+        what travels, per TP rank: K and V (``"kv"``), and for multi-latent attention also the
+        latent and rotary key (``"latent"``: the same on every TP rank, whatever the heads)."""
+        if not self.is_mla:
+            return {"kv": 2 * max(1, self.num_query_groups // tp) * self.kv_channels}
+        heads = self.num_attention_heads // tp
+        return {"kv": heads * (self.k_head_dim + self.v_dim), "latent": self.kv_lora_rank + self.qk_pos_emb_head_dim}
 
     @classmethod
     def from_args(cls, argv: list[str], name: str = "custom") -> ModelSpec:
@@ -87,6 +170,13 @@ class ModelSpec:
         parser.add_argument("--num-experts", type=int, default=0)
         parser.add_argument("--moe-router-topk", type=int, default=2)
         parser.add_argument("--vocab-size", type=int, default=32000)
+        parser.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+        parser.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+        parser.add_argument("--moe-layer-freq", default="1")
+        parser.add_argument("--multi-latent-attention", action="store_true")
+        for flag, default in MLA_DEFAULTS.items():
+            parser.add_argument(flag, type=int, default=default)
+        parser.add_argument("--mtp-num-layers", type=int, default=None)
         try:
             args, _ = parser.parse_known_args(argv)
         except SystemExit:
@@ -107,6 +197,12 @@ class ModelSpec:
         if heads % groups:
             raise ConfigError(f"model {name!r}: {heads} heads do not divide into {groups} query groups")
         ffn = args.ffn_hidden_size or 4 * args.hidden_size
+        mla = {}
+        if args.multi_latent_attention:
+            mla = {f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_")) or 0 for f in MLA_DEFAULTS}
+            if not mla["kv_lora_rank"]:
+                raise ConfigError(f"model {name!r}: --multi-latent-attention needs a positive --kv-lora-rank")
+        moe_layers = moe_layer_count(args.moe_layer_freq, args.num_layers, name) if args.num_experts else 0
         spec = cls(
             name=name,
             num_layers=args.num_layers,
@@ -119,6 +215,11 @@ class ModelSpec:
             swiglu=args.swiglu,
             num_experts=args.num_experts or 0,
             moe_router_topk=args.moe_router_topk if args.num_experts else 1,
+            moe_ffn_hidden_size=(args.moe_ffn_hidden_size or 0) if args.num_experts else 0,
+            moe_shared_expert_size=(args.moe_shared_expert_intermediate_size or 0) if args.num_experts else 0,
+            dense_layers=args.num_layers - moe_layers if args.num_experts else 0,
+            mtp_num_layers=args.mtp_num_layers or 0,
+            **mla,
         )
         for f in fields(spec):
             value = getattr(spec, f.name)

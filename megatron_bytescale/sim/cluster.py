@@ -49,11 +49,6 @@ class Cluster:
                 f"cluster: EP={self.ep} does not divide the {self.d_hdp} HDP ranks; "
                 "choose --ep dividing GPUs / (TP x PP)"
             )
-        if self.ep > 1 and self.pp > 1:
-            raise ConfigError(
-                f"cluster: EP={self.ep} with PP={self.pp}: "
-                "HDP aligns expert-parallel slots without pipelines; use --pp 1"
-            )
 
     @property
     def d_hdp(self) -> int:

@@ -63,7 +63,9 @@ def exposed_reduction(
                 continue
             last = ops[ops[:, 1].argmax()]  # the op that ends last: the last micro-batch's backward
             finish.append(float(last[1]))
-            early = (plan.ranks[rank][-1].ring is None and plan.expert_parallel == 1) or not hdp_rule
+            mbs = plan.ranks[rank]  # none where the timeline ran only empty EP slots for it
+            aligned = plan.expert_parallel > 1 or cluster.ep > 1
+            early = (bool(mbs) and mbs[-1].ring is None and not aligned) or not hdp_rule
             launch.append(float(last[0]) if overlap and early else float(last[1]))
         f = max(finish)
         end = max(max(launch) + total, f + total / buckets) if overlap else f + total

@@ -26,14 +26,15 @@ import numpy as np
 from tqdm import tqdm
 
 from ..data.workloads import lengths_from_file, read_lengths_file, sample_lengths, training_batches
-from ..errors import ConfigError
+from ..errors import ConfigError, PlanError
 from ..planner.cost_model import CostModel
 from ..planner.specs import HardwareSpec, ModelSpec
 from ..units import format_size
 from ..virtual_stages import check_vpp
 from .cluster import Cluster
+from .megatron_dcp_dev import dev_tree
 from .static_cp import StrategyError
-from .strategies import STRATEGIES, StrategyInput, make_plan, parse_strategies
+from .strategies import LATENT_ONLY, NEEDS_DEV_TREE, STRATEGIES, StrategyInput, make_plan, parse_strategies
 from .throughput import means, totals
 from .timeline import Timeline, evaluate
 
@@ -52,7 +53,7 @@ class SimConfig:
     gpus_per_node: int | None = None  # default: the hardware's
     dataset: str = "byted"
     lengths_file: str | None = None
-    strategies: tuple[str, ...] = tuple(STRATEGIES)
+    strategies: tuple[str, ...] = tuple(n for n in STRATEGIES if n not in LATENT_ONLY + NEEDS_DEV_TREE)
     steps: int = 5
     seed: int = 0
     validate: str = "first"  # "first" | "all" | "none": which steps' plans to check with Plan.validate
@@ -62,6 +63,7 @@ class SimConfig:
     data_path: str | list[str] | None = None
     pipeline_schedule: str = "1f1b"  # HDP plans with PP: "1f1b", or "search" for per-stage orders
     vpp: int = 1  # model chunks per pipeline device (virtual pipeline stages), every strategy
+    megatron_dev: str | None = None  # Megatron-LM dev tree for megatron-dcp-dev (default: $BYTESCALE_MEGATRON_DEV)
 
 
 @dataclass
@@ -157,6 +159,7 @@ def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
     if cfg.validate not in ("first", "all", "none"):
         raise ConfigError(f"--validate must be first, all or none, got {cfg.validate!r}")
     check_vpp(cfg.vpp, cfg.pp, cost.num_layers)
+    dev_tree(cfg.megatron_dev)  # a named tree must hold the scheduler
     parse_strategies(",".join(cfg.strategies))
     if cfg.ep > 1 and NO_EXPERT_SLOTS in cfg.strategies:
         raise ConfigError(
@@ -166,9 +169,17 @@ def check_config(cfg: SimConfig) -> tuple[Cluster, CostModel]:
     return cluster, cost
 
 
-def default_strategies(ep: int) -> tuple[str, ...]:
-    """Every strategy the simulator can cost at this EP size."""
-    return tuple(n for n in STRATEGIES if not (ep > 1 and n == NO_EXPERT_SLOTS))
+def default_strategies(ep: int, model: str | None = None, megatron_dev: str | None = None) -> tuple[str, ...]:
+    """Every strategy the simulator can cost at this EP size for ``model`` (the latent ring's
+    only for a multi-latent attention model; Megatron's dev-branch dynamic CP where a tree
+    of it is named, by ``megatron_dev`` or the environment)."""
+    mla = model is not None and ModelSpec.load(model).is_mla
+    dev = dev_tree(megatron_dev) is not None
+    return tuple(
+        n
+        for n in STRATEGIES
+        if not (ep > 1 and n == NO_EXPERT_SLOTS) and (mla or n not in LATENT_ONLY) and (dev or n not in NEEDS_DEV_TREE)
+    )
 
 
 @contextmanager
@@ -204,7 +215,9 @@ def run(cfg: SimConfig, progress: bool = True) -> SimReport:
         else:
             lengths = sample_lengths(cfg.dataset, cfg.global_batch_tokens, cfg.context, rng)
         report.batch_stats.append((len(lengths), max(lengths), sum(lengths)))
-        x = StrategyInput(lengths, cluster, cost, cfg.capacity, cfg.context, cfg.pipeline_schedule, cfg.vpp)
+        x = StrategyInput(
+            lengths, cluster, cost, cfg.capacity, cfg.context, cfg.pipeline_schedule, cfg.vpp, cfg.megatron_dev
+        )
         this_step: dict[str, dict] = {}
         for name in cfg.strategies:
             bar.set_description(f"step {step + 1}/{cfg.steps} {name}")
@@ -217,6 +230,8 @@ def run(cfg: SimConfig, progress: bool = True) -> SimReport:
                         result = evaluate(plan, cluster, cost)
                 except StrategyError as exc:
                     report.errors[name] = str(exc)
+                except PlanError as exc:  # a strategy's plan that cannot run: its row says why, the others go on
+                    report.errors[name] = f"its plan cannot run: {exc}"
                 else:
                     this_step[name] = result.metrics()
                     if "est_time_max_s" in plan.meta:  # the planner's own estimate of the step

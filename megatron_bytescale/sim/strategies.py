@@ -2,14 +2,22 @@
 costing engine (``timeline.py``) evaluates all of them with the same cost model.
 
 * ``static``       Megatron's static DP x CP mesh (``static_cp.py``).
-* ``megatron-dcp`` Megatron's hybrid / dynamic CP: megatron-core's own BalancedCPScheduler
-                   (``megatron_dcp.py``).
+* ``megatron-dcp`` Megatron's hybrid / dynamic CP as released: megatron-core 0.16.1's own
+                   BalancedCPScheduler (``megatron_dcp.py``).
+* ``megatron-dcp-dev`` Megatron's dynamic CP on its development branch: its packing
+                   DefaultDynamicCPScheduler, imported from a Megatron-LM tree given by path
+                   (``megatron_dcp_dev.py``), with pipelines, virtual stages and EP.
 * ``hdp-sharding`` HDP rings sized to memory without offloading, no balancing: what dynamic
                    communication alone buys (an ablation step, not one of the four headline rows).
 * ``hdp-naive``    HDP from our planner with selective offloading, no balancing
                    (``balance="none"``): rings at the offload memory floor.
 * ``hdp-balanced`` HDP from our planner with the balance scheduler (``"dp"``; ``"pp"`` when
                    PP > 1).
+* ``hdp-latent``   ``hdp-balanced`` whose plain rings carry a multi-latent attention
+                   model's latent instead of K and V (``Piece.transport``), each member
+                   re-expanding what it receives: MLA models only.
+* ``hdp-auto``     ``hdp-balanced`` with each plain ring carrying whichever of the two its
+                   sequences run faster with (the planner's ``ring_transport="auto"``): MLA only.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from ..planner.contract import Plan
 from ..planner.cost_model import CostModel
 from .cluster import Cluster
 from .megatron_dcp import megatron_dcp_plan
+from .megatron_dcp_dev import DEV_TREE_ENV, dev_tree, megatron_dcp_dev_plan
 from .static_cp import StrategyError, static_plan
 
 # the planner's fields as ``bytescale simulate`` spells them (the planner's errors name fields)
@@ -47,6 +56,7 @@ class StrategyInput:
     context: int
     pipeline_schedule: str = "1f1b"  # HDP plans with PP (PlannerConfig.pipeline_schedule)
     virtual_stages: int = 1  # model chunks per pipeline device (VPP), the same for every strategy
+    megatron_dev: str | None = None  # the Megatron-LM dev tree megatron-dcp-dev imports its scheduler from
 
 
 def _with_chunks(plan: Plan, x: StrategyInput) -> Plan:
@@ -64,8 +74,22 @@ def _megatron_dcp(x: StrategyInput) -> Plan:
     return _with_chunks(megatron_dcp_plan(x.seq_lens, x.cluster, x.capacity, x.cost.num_layers), x)
 
 
-def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True) -> Callable[[StrategyInput], Plan]:
+def _megatron_dcp_dev(x: StrategyInput) -> Plan:
+    tree = dev_tree(x.megatron_dev)
+    if tree is None:
+        raise StrategyError(
+            f"megatron-dcp-dev: name a Megatron-LM dev tree with --megatron-dev PATH or ${DEV_TREE_ENV}"
+        )
+    plan = megatron_dcp_dev_plan(x.seq_lens, x.cluster, x.capacity, x.cost.num_layers, tree, x.virtual_stages)
+    return _with_chunks(plan, x)
+
+
+def _hdp(
+    balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True, transport: str = "kv"
+) -> Callable[[StrategyInput], Plan]:
     def make(x: StrategyInput) -> Plan:
+        if transport != "kv" and len(x.cost.ring_transports) == 1:
+            raise StrategyError(f"{name}: rings carrying the latent need a multi-latent attention model")
         try:
             from ..planner.fields import FieldMessage
             from ..planner.planner import PlannerConfig, plan_step
@@ -81,8 +105,11 @@ def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True
             pipeline_stages=x.cluster.pp,
             offload=offload,
             pipeline_schedule=x.pipeline_schedule,
-            expert_parallel=x.cluster.ep,
+            # the planner aligns EP slots itself without pipelines; with them the timeline
+            # aligns the plan's micro-batches into slots, as it does a baseline's
+            expert_parallel=x.cluster.ep if x.cluster.pp == 1 else 1,
             virtual_stages=x.virtual_stages,
+            ring_transport=transport,
         )
         t0 = time.perf_counter()
         try:
@@ -91,6 +118,12 @@ def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True
             raise exc.renamed(FLAGS) from None
         wall = time.perf_counter() - t0
         plan.meta = {**plan.meta, "strategy": name}
+        if x.cluster.ep > 1 and x.cluster.pp > 1:
+            plan.meta["notes"] = [
+                *plan.meta.get("notes", []),
+                "planned without EP slots (the planner aligns them only without pipelines); the timeline aligns "
+                "its micro-batches into lock-step EP slots, as it does the baselines'",
+            ]
         plan.meta.setdefault("plan_time_s", wall)
         return plan
 
@@ -100,10 +133,15 @@ def _hdp(balance_if_dp: str, balance_if_pp: str, name: str, offload: bool = True
 STRATEGIES: dict[str, Callable[[StrategyInput], Plan]] = {
     "static": _static,
     "megatron-dcp": _megatron_dcp,
+    "megatron-dcp-dev": _megatron_dcp_dev,
     "hdp-sharding": _hdp("none", "none", "hdp-sharding", offload=False),
     "hdp-naive": _hdp("none", "none", "hdp-naive"),
     "hdp-balanced": _hdp("dp", "pp", "hdp-balanced"),
+    "hdp-latent": _hdp("dp", "pp", "hdp-latent", transport="latent"),
+    "hdp-auto": _hdp("dp", "pp", "hdp-auto", transport="auto"),
 }
+LATENT_ONLY = ("hdp-latent", "hdp-auto")  # strategies of multi-latent attention models only
+NEEDS_DEV_TREE = ("megatron-dcp-dev",)  # strategies that import a Megatron-LM dev tree
 
 
 def parse_strategies(text: str) -> list[str]:

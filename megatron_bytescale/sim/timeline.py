@@ -153,10 +153,19 @@ def local_work(load: MemberLoad, cost: CostModel, layers: int) -> tuple[Work, Wo
 
 
 def ring_work(
-    ring: tuple[int, ...], loads: list[MemberLoad], cluster: Cluster, cost: CostModel, layers: int
+    ring: tuple[int, ...],
+    loads: list[MemberLoad],
+    cluster: Cluster,
+    cost: CostModel,
+    layers: int,
+    transport: str = "kv",
 ) -> list[tuple[Work, Work]]:
-    """(forward, backward) Work of each member (in ring order) of one ring micro-batch."""
+    """(forward, backward) Work of each member (in ring order) of one ring micro-batch. A
+    latent ring (``transport``) moves the narrower latent blocks and re-expands each received
+    block before attending to it: that GEMM (``CostModel.expand_time``) adds to the step's
+    compute, forward and backward."""
     n = len(ring)
+    width, grad_width = cost.ring_bytes(transport)
     block = np.array([ld.dist_tokens for ld in loads], dtype=float)
     inter = np.array([not cluster.same_node(ring[i], ring[(i + 1) % n]) for i in range(n)])
     bw = np.where(inter, cost.bw_inter_node, cost.bw_intra_node)
@@ -170,6 +179,8 @@ def ring_work(
     }
     # hop k (0 <= k < n-1): member i passes the block that started at member (i - k)
     sender_block = block[(np.arange(n)[:, None] - np.arange(n - 1)[None, :]) % n]  # [member, hop]
+    # step k (1 <= k < n): member i attends to the block that started at member (i - k)
+    received = block[(np.arange(n)[:, None] - np.arange(1, n)[None, :]) % n]  # [member, step - 1]
     lat = cost.p2p_latency_s
     results = []
     redo_attn = cost.recompute_attention_share  # m / l: forward ring pass again in backward
@@ -178,24 +189,30 @@ def ring_work(
     fs = cost.forward_share
     for direction, share in ((FORWARD, fs), (BACKWARD, 1.0 - fs)):
         off = off_by_dir[direction]  # exposed copy seconds per layer in this pass
-        per_token = cost.kv_bytes_per_token + (cost.grad_bytes_per_token if direction == BACKWARD else 0.0)
+        per_token = width + (grad_width if direction == BACKWARD else 0.0)
         hops = lat + (sender_block * (per_token / bw)[:, None]).max(axis=0)  # [n-1], slowest link
         a = share * attn / n  # per step, per member
         first = a + share * local  # step 0 also computes the whole sequences
+        expand = cost.expand_time(received, direction == BACKWARD, transport)  # [member, step - 1]
+        later = a[:, None] + expand
         step_max = np.empty(n)
         step_max[0] = max(first.max(), hops[0])
-        step_max[1 : n - 1] = np.maximum(a.max(), hops[1:])
-        step_max[n - 1] = a.max() if n > 1 else first.max()
+        step_max[1:] = later.max(axis=0) if n > 1 else []
+        step_max[1 : n - 1] = np.maximum(step_max[1 : n - 1], hops[1:])
+        if n == 1:
+            step_max[0] = first.max()
         tail = 0.0
         if direction == BACKWARD:  # the dKV accumulators travel home once more
-            tail = lat + (block[(np.arange(n) + 1) % n] * (cost.grad_bytes_per_token / bw)).max()
+            tail = lat + (block[(np.arange(n) + 1) % n] * (grad_width / bw)).max()
         pre = share * lin + off
         layer_time = pre.max() + step_max.sum() + tail
-        exposed = np.maximum(0.0, hops[0] - first) + np.maximum(0.0, hops[None, 1:] - a[:, None]).sum(axis=1) + tail
-        compute = share * (lin + attn + local)
+        exposed = (
+            np.maximum(0.0, hops[0] - first) + np.maximum(0.0, hops[None, 1:] - later[:, : n - 2]).sum(axis=1) + tail
+        )
+        compute = share * (lin + attn + local) + expand.sum(axis=1)
         if direction == FORWARD:
             fwd_ring, fwd_exposed = step_max.sum(), exposed
-            fwd_compute = fs * (attn + local), fs * lin
+            fwd_compute = fs * (attn + local) + expand.sum(axis=1), fs * lin
         elif redo_attn:  # activation recompute: the forward again, before this backward
             layer_time += redo_attn * fwd_ring + redo_lin * (fs * lin).max()
             exposed = exposed + redo_attn * fwd_exposed
@@ -282,6 +299,9 @@ class Timeline:
     # per row: array of ops, columns start, end, direction, compute, comm, offload
     ops: list[np.ndarray] = field(repr=False)
     barriers: list[float] = field(default_factory=list)  # times all ranks leave each barrier
+    # expert parallelism: the busiest device's slots, each as long as its EP group's slowest
+    # member (with its all-to-alls) there: a floor of the step no stage order beats (0: no EP)
+    ep_slot_floor: float = 0.0
     chunks: int = 1  # model chunks per device (virtual stages); each op is one chunk's
     # most forwards (chunk forwards, with chunks > 1) any device held before their backward:
     # 1F1B's first stage holds p micro-batches, i.e. p x chunks chunk forwards of activations
@@ -353,11 +373,12 @@ def micro_batch_work(plan: Plan, cluster: Cluster, cost: CostModel):
                 f"is scheduled only on ranks {sorted(where)}"
             )
         loads = [MemberLoad.of(plan.ranks[r][where[r]]) for r in ring]
-        u = plan.ranks[ring[0]][where[ring[0]]].heads_split
+        first = plan.ranks[ring[0]][where[ring[0]]]
+        u = first.heads_split
         costed = (
             two_level_ring_work(ring, u, loads, cluster, cost, layers)
             if u > 1
-            else ring_work(ring, loads, cluster, cost, layers)
+            else ring_work(ring, loads, cluster, cost, layers, first.transport)
         )
         for r, (f, b) in zip(ring, costed):
             work[r][where[r]] = (f, b, key)
@@ -375,7 +396,11 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
         )
     stages = cluster.pp
     if cluster.ep > 1 and plan.expert_parallel == 1:
-        plan = align_expert_slots(plan, cluster.ep)
+        chunks = plan.virtual_stages
+        # with pipelines a ring meets at one 1F1B position only if it holds the same slot
+        # index in every member pipeline: the slots are numbered over all ranks together
+        plan = align_expert_slots(plan, cluster.ep if stages == 1 else plan.num_ranks)
+        plan.virtual_stages, plan.expert_parallel = chunks, cluster.ep
     work = micro_batch_work(plan, cluster, cost)
     barriers = parse_barriers(plan)
     orders = plan.decoded_stage_orders()
@@ -385,6 +410,11 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
             f"the cluster has PP {stages}: plan with pipeline_stages={stages} (stage orders and barriers do not mix)"
         )
     slot_of = _expert_slots(plan, cluster, cost, work, barriers)
+    ep_floor = 0.0
+    if slot_of is not None:  # every device runs its group's slots one after another
+        for group in ep_groups(plan.num_ranks, plan.expert_parallel):
+            slots = zip(*(work[r] for r in group))
+            ep_floor = max(ep_floor, sum(max(f.duration + b.duration for f, b, _ in slot) for slot in slots))
 
     chunks = plan.virtual_stages
     if chunks > 1 and stages <= 1:
@@ -430,6 +460,7 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
         barriers=[float(end[graph.total + b]) for b in range(len(barriers))],
         chunks=chunks,
         peak_in_flight=peak,
+        ep_slot_floor=ep_floor,
     )
 
 
@@ -446,10 +477,10 @@ def _expert_slots(plan: Plan, cluster: Cluster, cost: CostModel, work, barriers)
     e = plan.expert_parallel
     if e == 1:
         return None
-    if cluster.ep != e or cluster.pp > 1 or barriers:
+    if cluster.ep != e or barriers:
         raise PlanError(
-            f"a plan with EP {e} slots runs on a cluster with EP {e} and PP 1, without barriers "
-            f"(this one: EP {cluster.ep}, PP {cluster.pp}, {len(barriers)} barriers)"
+            f"a plan with EP {e} slots runs on a cluster with EP {e}, without barriers "
+            f"(this one: EP {cluster.ep}, {len(barriers)} barriers)"
         )
     problems = slot_errors(plan)
     if problems:
@@ -508,19 +539,11 @@ def critical_path(seq_lens, cluster: Cluster, cost: CostModel) -> float:
     s = float(max(seq_lens))
     n = np.arange(1, cluster.d_hdp + 1, dtype=float)
     n = n[n <= s]
-    b = s / n
-    fs, bs = cost.forward_share, 1.0 - cost.forward_share
-    attn_step = cost.a1 * b * b  # per member per ring step: (s^2 / N) / N pairs
-    bw = np.where(n > cluster.hdp_per_node, cost.bw_inter_node, cost.bw_intra_node)
-    lat = cost.p2p_latency_s
-    hop_f = lat + b * cost.kv_bytes_per_token / bw
-    hop_b = lat + b * (cost.kv_bytes_per_token + cost.grad_bytes_per_token) / bw
-    tail = lat + b * cost.grad_bytes_per_token / bw
-    lin = cost.b1 * b + cost.g
-    fwd = fs * lin + np.maximum(fs * attn_step, hop_f) * (n - 1) + fs * attn_step
-    bwd = bs * lin + np.maximum(bs * attn_step, hop_b) * (n - 1) + bs * attn_step + tail
-    ring = np.where(n > 1, fwd + bwd, cost.layer_time(s))
-    best = float(ring.min()) * cost.num_layers
+    inter = n > cluster.hdp_per_node
+    best = math.inf
+    for transport in cost.ring_transports:  # each ring transport the model has: the better one
+        ring = np.where(n > 1, cost.ring_layer_time(s, n, inter, transport), cost.layer_time(s))
+        best = min(best, float(ring.min()) * cost.num_layers)
     sizes = np.arange(1, min(cluster.d_hdp, int(s)) + 1)
     for u in two_level.valid_splits(cost, cluster.hdp_per_node) if cluster.d_hdp > cluster.hdp_per_node else []:
         best = min(best, float(two_level.share_times(cost, int(s), sizes, u, cluster.hdp_per_node).min()))
@@ -595,6 +618,7 @@ class StepResult:
             "lower_bound_s": self.lower_bound,
             "critical_path_s": self.critical_path,
             "pipeline_ring_floor_s": self.pipeline_ring_floor,
+            "ep_slot_floor_s": t.ep_slot_floor,
             "virtual_stages": self.virtual_stages,
             "chunks_in_flight_max": self.peak_in_flight,
             "x_lower_bound": t.step_time / self.lower_bound,
@@ -630,6 +654,9 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         cost.num_layers,
         recomputed_layers=cost.recomputed_attention_layers,
         q_bytes_per_token=cost.q_bytes_per_token,
+        latent_bytes_per_token=cost.latent_bytes_per_token if cost.latent_bytes_per_token > 0 else None,
+        latent_grad_bytes_per_token=cost.latent_grad_bytes_per_token,
+        o_bytes_per_token=cost.o_bytes_per_token or None,
     )
     gpus_per_rank = cluster.tp * cluster.pp  # every TP shard of every stage sends its share
     offload = 0.0
@@ -647,7 +674,7 @@ def evaluate(plan: Plan, cluster: Cluster, cost: CostModel) -> StepResult:
         held = cluster.pp if v == 1 else -(-timeline.peak_in_flight // v)
         host_max = max(host_max, sum(sorted(parked, reverse=True)[:held]))
     strategy = str(plan.meta.get("strategy", "?"))
-    hdp = strategy not in ("static", "megatron-dcp")  # their rings run on a CP group of their own
+    hdp = strategy not in ("static", "megatron-dcp", "megatron-dcp-dev")  # their rings run on CP groups of their own
     return StepResult(
         grad_reduce_s=exposed_reduction(plan, timeline, cost, cluster, overlap=False),
         grad_reduce_overlap_s=exposed_reduction(plan, timeline, cost, cluster, overlap=True, hdp_rule=hdp),
