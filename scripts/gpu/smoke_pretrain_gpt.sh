@@ -19,15 +19,8 @@
 # Results: $OUT/smoke.json and the two logs (OUT defaults to a temporary folder).
 # DRY_RUN=1 prints the two training commands and runs nothing (no GPU needed).
 set -euo pipefail
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-mlm=$(cd "${MEGATRON_LM_DIR:-$repo/.smoke/Megatron-LM}" 2>/dev/null && pwd) ||
-    { echo "error: no Megatron-LM source: run scripts/gpu/prepare_smoke.sh first or set MEGATRON_LM_DIR" >&2; exit 2; }
-out=${OUT:-$(mktemp -d)}
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-python=${PYTHON:-python3}
+# shellcheck source=scripts/gpu/gpu_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 
 common=(MODEL=tiny SEQ_LENGTH=2048 HDP_TOKEN_CAPACITY=2048 HDP_STEP_TOKENS=8K GLOBAL_BATCH_SIZE=1
         LR=1e-3 MIN_LR=1e-4 LR_WARMUP_ITERS=1 TRANSFORMER_IMPL=local LOG_INTERVAL=1 HDP_HARDWARE=h200
