@@ -126,7 +126,8 @@ def test_unknown_strategy_names_the_choices():
     assert parse_strategies("static, hdp-balanced") == ["static", "hdp-balanced"]
     with pytest.raises(
         ConfigError,
-        match="unknown strategy 'dp-only'; choose from static, megatron-dcp, megatron-dcp-dev, hdp-sharding, hdp-naive, hdp-balanced, hdp-latent, hdp-auto$",
+        match="unknown strategy 'dp-only'; choose from static, megatron-dcp, megatron-dcp-dev, hdp-sharding, "
+        "hdp-naive, hdp-balanced, hdp-latent, hdp-auto$",
     ):
         parse_strategies("static,dp-only")
 
