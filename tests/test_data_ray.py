@@ -312,3 +312,20 @@ def test_a_head_that_refuses_our_token_is_named_as_such_in_seconds(tmp_path):
             head.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, 9)
+
+
+def test_a_split_of_a_blend_is_served_as_the_local_loader_reads_it(ray_session, corpus):
+    """What training with --data-path W1 P1 W2 P2 and --split hands the Ray loader: the
+    stream's documents (documents.StreamDocuments, pickled to the servers), one id space over
+    the parts; the same samples as the local loader on the same stream."""
+    from megatron_bytescale.data.documents import Part, StreamSpec, open_stream
+
+    spec = StreamSpec("train", (Part(corpus, 0.3, (0.0, 0.9)), Part(corpus, 0.7, (0.0, 0.9))))
+    kwargs = dict(context_length=SETTINGS["context_length"], seed=SETTINGS["seed"])
+    local = LocalDataLoader(open_stream(spec, **kwargs), CONFIG, **SETTINGS)
+    expected = [step_digest(local) for _ in range(3)]
+    served = RayDataLoader(open_stream(spec, **kwargs), CONFIG, num_servers=2, lookahead=2, timeout_s=60, **SETTINGS)
+    try:
+        assert [step_digest(served) for _ in range(3)] == expected
+    finally:
+        served.close()

@@ -244,7 +244,7 @@ class DocumentServer:
         # a prefix, or a split of blended or mock documents (documents.StreamDocuments, pickled)
         self.dataset = data_path if isinstance(data_path, StreamDocuments) else DocumentDataset(data_path, vocab_size)
         self.shard, self.num_shards = shard, num_shards
-        self.doc_ids = np.arange(shard, len(self.dataset), num_shards, dtype=np.int64)
+        self.doc_ids = np.arange(shard, len(self.dataset.lengths), num_shards, dtype=np.int64)
         self._lease = _Lease(owner, lease_s)  # from here on: no loader can call before the constructor ends
 
     def metadata(self) -> tuple[np.ndarray, np.ndarray]:
