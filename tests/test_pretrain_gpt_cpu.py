@@ -199,6 +199,44 @@ def test_launcher_on_the_unpatched_tree_gives_the_same_losses(patched_run, launc
     assert launcher_run.validation == patched_run.validation
 
 
+def test_the_ray_loader_trains_on_the_local_loaders_batches(launcher_run, data, work):
+    """--hdp-dataloader ray (document servers and the planning actor on a Ray head of the run's
+    own) gives the launcher run's losses, gradient norms and validation losses: the same
+    batches, read through the Ray actors. Run on one tree (.ci/run): the loader does not
+    depend on Megatron's version."""
+    import socket
+    import tempfile
+
+    temp = tempfile.mkdtemp(prefix="/tmp/bsray")  # Ray's socket paths must stay short
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ray = str(Path(sys.executable).parent / "ray")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT))  # actors import this checkout
+    start = [ray, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+             f"--temp-dir={temp}", "--disable-usage-stats"]  # fmt: skip
+    subprocess.run(start, env=env, check=True, capture_output=True, timeout=300)
+    try:
+        served = train(
+            Path(MEGATRON_LM_DIR), "--hidden-dropout", "0.1", "--ckpt-format", "torch",
+            **_hdp4(data, SAVE_DIR=work / "ckpt_ray", HDP_DATALOADER="ray", HDP_RAY_ADDRESS=f"127.0.0.1:{port}",
+                    RAY_AUTH_MODE="disabled"),
+        ).check()  # fmt: skip
+    finally:  # this head's processes only (`ray stop` would end every Ray on the machine)
+        import psutil
+
+        head = [p for p in psutil.process_iter(["cmdline"]) if temp in " ".join(p.info["cmdline"] or ())]
+        for proc in {q for p in head for q in (p, *p.children(recursive=True))}:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        shutil.rmtree(temp, ignore_errors=True)
+    assert re.search(r"hdp_dataloader \.+ ray", served.log), served.summary()
+    assert served.losses == launcher_run.losses and served.grad_norms == launcher_run.grad_norms
+    assert served.validation == launcher_run.validation
+
+
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
 def test_stop_and_resume_continues_the_uninterrupted_run_exactly(fmt, request, data, work):
     if fmt == "torch_dist":  # the patched run's checkpoint, resumed by the patched script
