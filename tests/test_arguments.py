@@ -599,7 +599,7 @@ def test_the_model_spec_sees_mla_mtp_and_experts_as_the_planner_costs_them():
             moe_router_topk=2,
             moe_ffn_hidden_size=32,
             moe_shared_expert_intermediate_size=64,
-            moe_layer_freq=[0, 1],
+            moe_layer_freq=[0, 0, 0, 1],  # one 0 or 1 per layer, as Megatron requires
         )
     )
     spec = model_spec_from_args(args)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import BytescaleError, ConfigError
 from ..planner.balance import BALANCE_MODES
-from ..planner.specs import HARDWARE_DIR, HardwareSpec, ModelSpec, available
+from ..planner.specs import HARDWARE_DIR, HardwareSpec, ModelSpec, available, moe_layer_count
 from ..units import format_size, parse_size
 
 DATALOADER_CHOICES = ("local", "ray")
@@ -760,8 +760,7 @@ def _moe_fields(args) -> dict:
     --moe-layer-freq: an int k, every k-th layer, or a 0/1 list per layer)."""
     if not args.num_experts:
         return {}
-    freq = args.moe_layer_freq
-    moe_layers = len(range(0, args.num_layers, freq)) if isinstance(freq, int) else sum(freq)
+    moe_layers = moe_layer_count(args.moe_layer_freq, args.num_layers, "megatron-args")
     return dict(
         moe_ffn_hidden_size=args.moe_ffn_hidden_size or 0,
         moe_shared_expert_size=args.moe_shared_expert_intermediate_size or 0,

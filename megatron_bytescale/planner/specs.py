@@ -57,10 +57,11 @@ MLA_DEFAULTS = {
 }
 
 
-def moe_layer_count(freq: str, num_layers: int, name: str) -> int:
+def moe_layer_count(freq: str | int | list[int], num_layers: int, name: str) -> int:
     """How many of ``num_layers`` layers are MoE under Megatron's ``--moe-layer-freq``: an
     integer k (every k-th layer, from the first) or a pattern such as ``([0]*3+[1]*58)`` (one
-    0/1 per layer), read without evaluating code: lists of integers, ``+`` and ``*`` only."""
+    0/1 per layer), read without evaluating code: lists of integers, ``+`` and ``*`` only; or
+    the value Megatron's parser already made of it (an int or a list)."""
 
     def value(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, int):
@@ -73,7 +74,7 @@ def moe_layer_count(freq: str, num_layers: int, name: str) -> int:
         raise ValueError(ast.dump(node))
 
     try:
-        pattern = value(ast.parse(freq.strip(), mode="eval").body)
+        pattern = value(ast.parse(freq.strip(), mode="eval").body) if isinstance(freq, str) else freq
     except (SyntaxError, ValueError, TypeError):
         raise ConfigError(
             f"model {name!r}: --moe-layer-freq {freq!r}: give an integer or a list pattern like ([0]*3+[1]*58)"
