@@ -292,16 +292,6 @@ CONFLICTS = {
         dict(num_experts=8, expert_model_parallel_size=2),
         r"^--moe-token-dispatcher-type allgather .*equal-sized token blocks.*use --moe-token-dispatcher-type alltoall",
     ),
-    "expert parallel with pp": (
-        HDP + ["--hdp-balance", "pp"],
-        dict(
-            num_experts=8,
-            expert_model_parallel_size=2,
-            moe_token_dispatcher_type="alltoall",
-            pipeline_model_parallel_size=2,
-        ),
-        "--pipeline-model-parallel-size 1",
-    ),
     "expert a2a overlap": (
         HDP,
         dict(
@@ -670,6 +660,11 @@ def test_expert_parallelism_with_the_all_to_all_dispatcher_is_accepted_and_plann
     config = planner_config_from_args(args)
     assert config.expert_parallel == 2
     assert cost_model_from_args(args).moe_a2a_bytes_per_token == 2 * 64 * 2  # top-2 x hidden 64, bf16
+    # with pipelines too: the slots are numbered over all pipelines (planner/expert/pipelines.py)
+    moe = dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall")
+    args = validate_hdp_args(parse(HDP + ["--hdp-balance", "pp"], **moe, pipeline_model_parallel_size=2))
+    config = planner_config_from_args(args)
+    assert (config.expert_parallel, config.pipeline_stages) == (2, 2)
 
 
 def test_the_cost_model_follows_the_device(monkeypatch):

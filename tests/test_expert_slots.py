@@ -2,12 +2,22 @@
 slots equal per EP group, rings at one slot on all members, no deadlock; and the checks that
 refuse plans that would hang."""
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from megatron_bytescale.errors import ConfigError, PlanError
-from megatron_bytescale.planner.contract import MicroBatch, Plan, ring_pieces, whole_piece
-from megatron_bytescale.planner.contract.slots import ep_groups, slot_errors
+from megatron_bytescale.planner.contract import (
+    MicroBatch,
+    Plan,
+    pipelined_finish_times,
+    plan_pipeline_deadlock,
+    ring_pieces,
+    whole_piece,
+)
+from megatron_bytescale.planner.contract.slots import ep_groups, slot_errors, slot_unit_keys
 from megatron_bytescale.planner.cost_model import CostModel
 from megatron_bytescale.planner.expert.slots import align_expert_slots
 from megatron_bytescale.planner.expert.timing import all_to_all_time, slot_finish_times
@@ -113,8 +123,10 @@ def test_empty_micro_batches_only_under_expert_parallelism():
 def test_config_refuses_what_expert_slots_cannot_serve():
     with pytest.raises(ConfigError, match="does not divide the 6 HDP ranks"):
         PlannerConfig(num_ranks=6, capacity=8, ranks_per_node=1, expert_parallel=4).check()
-    with pytest.raises(ConfigError, match="set pipeline_stages or expert_parallel to 1"):
-        PlannerConfig(num_ranks=4, capacity=8, ranks_per_node=1, expert_parallel=2, pipeline_stages=2).check()
+    with pytest.raises(ConfigError, match="set pipeline_schedule to '1f1b'"):
+        PlannerConfig(
+            num_ranks=4, capacity=8, ranks_per_node=1, expert_parallel=2, pipeline_stages=2, pipeline_schedule="search"
+        ).check()
 
 
 def test_all_to_all_cost_counts_four_exchanges_per_layer_off_rank():
@@ -126,3 +138,27 @@ def test_all_to_all_cost_counts_four_exchanges_per_layer_off_rank():
     assert all_to_all_time(cost, 1000, 1, inter_node=False) == 0.0
     dense = CostModel.analytic(ModelSpec("d", 2, 64, 4, 4, 16, 128, 512), HardwareSpec.load("h100"))
     assert dense.moe_a2a_bytes_per_token == 0.0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(expert_parallel_cases(balances=("pp",)), st.sampled_from([(2, 1), (3, 1), (2, 2), (4, 2)]))
+def test_ep_with_pipelines_runs_every_ep_group_in_lock_step_without_deadlock(case, layout):
+    """EP with pipelines (``expert/pipelines.py``): every token once; an EP group's members
+    hold the same number of slots and, with no stage orders, run the same default order, so
+    the k-th op of every member's stage is the same op; the joint pipeline graph, with each EP
+    group's slot one unit of all its members, has no cycle; the estimate is that graph's."""
+    lens, config = case
+    stages, chunks = layout
+    config = dataclasses.replace(config, pipeline_stages=stages, virtual_stages=chunks)
+    cost = small_cost(moe_a2a_bytes_per_token=64.0)
+    plan = plan_step(lens, config, cost)
+    plan.validate()
+    assert plan.expert_parallel == config.expert_parallel and plan.virtual_stages == chunks
+    assert plan.stage_orders is None
+    for group in ep_groups(config.num_ranks, config.expert_parallel):
+        assert len({len(plan.ranks[r]) for r in group}) == 1
+    assert plan_pipeline_deadlock(plan, stages) is None
+    keys = slot_unit_keys(plan)
+    times = [[1.0] * len(mbs) for mbs in plan.ranks]
+    assert pipelined_finish_times(keys, times, stages, 0.33, chunks=chunks) is not None
+    assert plan.meta["est_time_max_s"] == pytest.approx(max(plan.meta["est_rank_time_s"]))

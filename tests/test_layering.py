@@ -99,6 +99,7 @@ EXTRA_ALLOWED_WHY = {
         "planner.sizing.offload": "the copy-exposure rule of offloaded activations, the one the planner plans with",
         "planner.sizing.two_level": "the two-level attention costs (head all-to-all, split choice), the planner's",
         "planner.expert.slots": "aligning a strategy's plan to EP slots",
+        "planner.expert.pipelines": "aligning a strategy's plan to EP slots over all pipelines",
         "planner.expert.timing": "the MoE all-to-all time, the planner's",
         "planner.ring_traffic": "the bytes a ring sends, the formula verify checks against the runtime's counter",
         "planner.order.walk": "the pipeline graph's longest paths, the planner's estimates' rule",

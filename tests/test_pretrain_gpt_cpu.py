@@ -358,6 +358,8 @@ def one_length_data(work):
 # load-balancing losses, the z-loss, a sigmoid router with expert bias and a shared expert (the
 # DeepSeek-V3 kind of router), on the all-to-all dispatcher
 MOE = (
+    "--num-layers",  # 4 (tiny-moe has 2): the pipelined runs hold one layer per virtual stage
+    "4",
     "--hidden-dropout",
     "0",
     "--moe-token-dispatcher-type",
@@ -409,7 +411,7 @@ def moe_runs(one_length_data, work):
     return four, two
 
 
-def _filler_slots(data_prefix, world: int) -> list[list[int]]:
+def _filler_slots(data_prefix, world: int, pipeline_stages: int = 1) -> list[list[int]]:
     """The micro-batch token counts of each HDP rank in the MoE runs' first step, planned here
     as the ranks plan it (the same flags through the launcher's parser and validate_hdp_args)."""
     from megatron_bytescale.data.local_loader import LocalDataLoader
@@ -423,7 +425,9 @@ def _filler_slots(data_prefix, world: int) -> list[list[int]]:
         "--eval-interval", "3", "--train-iters", "3", "--hybrid-data-parallel", "--hdp-token-capacity", "256",
         "--hdp-step-tokens", str(MOE_STEP_TOKENS), "--hdp-hardware", "cpu", "--tokenizer-type", "NullTokenizer",
     ]  # fmt: skip
-    args = preflight.check(flags, world, Path(MEGATRON_LM_DIR) / "pretrain_gpt.py")
+    if pipeline_stages > 1:
+        flags += ["--pipeline-model-parallel-size", str(pipeline_stages)]
+    args = preflight.check(flags, world * pipeline_stages, Path(MEGATRON_LM_DIR) / "pretrain_gpt.py")
     loader = LocalDataLoader(
         data_prefix, planner_config_from_args(args), step_tokens=args.hdp_step_tokens, context_length=256,
         seed=args.seed, rank=0, cost=cost_model_from_args(args), vocab_size=512, plan_ahead=0,
@@ -493,6 +497,42 @@ def test_moe_pipeline_parallel_hdp_equals_one_rank(moe_runs, one_length_data, wo
     assert "pipeline model parallel with size 2" in pipelined.log and "successfully loaded checkpoint" in pipelined.log
     print(f"MoE PP=2 x HDP=2 {pipelined.losses} {pipelined.router}; one rank {one.losses} {one.router}")
     _close(pipelined, one, (1, 2, 3), "MoE PP=2 x HDP=2 against one rank")
+
+
+def test_expert_parallel_with_pipelines_and_virtual_stages_equals_one_rank(moe_runs, one_length_data, work):
+    """Expert parallelism with pipelines: PP=2 x EP=2 x HDP=2 and PP=2 x V=2 x EP=2 x HDP=2 (the
+    MoE above: both load-balancing losses, z-loss, sigmoid router with expert bias, shared
+    expert; the overlapped distributed optimizer), against one rank without PP or EP: 3
+    iterations from the MoE reference run's weights (--finetune), equal losses, gradient norms
+    and load-balancing losses.
+
+    Three documents a step on two pipelines of one EP group: one pipeline runs two, the other
+    one and a padding-only filler, so that at each stage the two members' all-to-alls pair
+    slot by slot (planner/expert/pipelines.py: one slot numbering over all pipelines, the
+    default 1F1B or interleaved order on every member). Each document is --seq-length tokens,
+    so every micro-batch is one whole document in every run and the per-micro-batch router
+    statistics agree (see the EP test above)."""
+    common = dict(_moe_common(one_length_data), LOAD_DIR=work / "ckpt_moe")
+    flags = (*MOE, "--ckpt-format", "torch_dist", "--finetune")
+    virtual = ("--num-layers-per-virtual-pipeline-stage", "1")
+
+    def run(layout):
+        pp, nproc, extra = layout
+        return train(Path(MEGATRON_LM_DIR), *flags, *extra, **common, PP=pp, NPROC=nproc).check()
+
+    with ThreadPoolExecutor(3) as pool:
+        pipelined, interleaved, one = pool.map(
+            run, ((2, 4, (*EP2, *OVERLAP)), (2, 4, (*EP2, *OVERLAP, *virtual)), (1, 1, ()))
+        )
+    slots = _filler_slots(one_length_data, 2, pipeline_stages=2)
+    assert sorted(map(len, slots)) == [2, 2] and 0 in slots[0] + slots[1], slots  # lock-step slots, a filler
+    for run_ in (pipelined, interleaved):
+        assert "pipeline model parallel with size 2" in run_.log and "successfully loaded checkpoint" in run_.log
+        assert re.search(r"expert_model_parallel_size \.+ 2", run_.log)
+    assert re.search(r"virtual_pipeline_model_parallel_size \.+ 2", interleaved.log)
+    print(f"MoE PP=2 x EP=2 {pipelined.losses} {pipelined.router}; V=2 {interleaved.losses}; one {one.losses}")
+    _close(pipelined, one, (1, 2, 3), "MoE PP=2 x EP=2 x HDP=2 against one rank")
+    _close(interleaved, one, (1, 2, 3), "MoE PP=2 x V=2 x EP=2 x HDP=2 against one rank")
 
 
 def test_overlapped_distributed_optimizer_and_pipelines_equal_one_rank(patched_run, patched_tree, data, work):

@@ -448,8 +448,9 @@ def _check_expert_parallel(args) -> None:
     group (planner/expert/slots.py): empty slots join the all-to-alls of megatron-core's
     all-to-all token dispatcher (tested) and of the flex dispatcher, whose DeepEP / HybridEP /
     NCCL EP kernels exchange any number of tokens per member as the all-to-all does (CUDA
-    only: scripts/gpu/ checks it); the allgather dispatcher is refused."""
-    ep, pp = args.expert_model_parallel_size, args.pipeline_model_parallel_size
+    only: scripts/gpu/ checks it); the allgather dispatcher is refused. With pipelines the
+    slots are numbered over all pipelines (planner/expert/pipelines.py)."""
+    ep = args.expert_model_parallel_size
     if ep <= 1:
         return
     # --moe-enable-deepep is Megatron's older spelling of the flex dispatcher with DeepEP
@@ -462,11 +463,6 @@ def _check_expert_parallel(args) -> None:
         )
     if dispatcher == "flex":
         _check_flex_backend(args)
-    if pp > 1:
-        raise ConfigError(
-            f"--expert-model-parallel-size {ep} with --pipeline-model-parallel-size {pp}: HDP aligns "
-            "expert-parallel slots without pipelines; use one of them (--pipeline-model-parallel-size 1)"
-        )
     etp = args.expert_tensor_parallel_size
     if etp is not None and etp != args.tensor_model_parallel_size:
         raise ConfigError(

@@ -52,10 +52,11 @@ class PlannerConfig:
                 "the chunks of a pipeline; set {pipeline_stages} above 1 or {virtual_stages} to 1"
             )
         check_expert_parallel(self.num_ranks, self.expert_parallel)
-        if self.expert_parallel > 1 and self.pipeline_stages > 1:
+        if self.expert_parallel > 1 and self.pipeline_stages > 1 and self.pipeline_schedule != "1f1b":
             raise FieldError(
-                f"expert parallelism ({{expert_parallel}} {self.expert_parallel}) with {self.pipeline_stages} pipeline "
-                "stages is not supported under HDP: set {pipeline_stages} or {expert_parallel} to 1"
+                f"{{pipeline_schedule}} {literal(repr(self.pipeline_schedule))} with expert parallelism "
+                f"({{expert_parallel}} {self.expert_parallel}) and pipelines: an EP group's pipelines must run the "
+                "same order at every stage, the default one; set {pipeline_schedule} to '1f1b'"
             )
         check_shape(self.num_ranks, self.ranks_per_node)
         if self.balance not in BALANCE_MODES:

@@ -48,6 +48,7 @@ from .config import PIPELINE_SCHEDULES, PlannerConfig
 from .contract import Plan, encode_stage_orders
 from .cost_model import CostModel
 from .expert.fill import fill_ring_waits
+from .expert.pipelines import align_pipelined_slots, pipelined_slot_finish_times
 from .expert.slots import align_expert_slots
 from .fields import FieldPlanError
 from .lengths import Lengths, lengths_array
@@ -159,7 +160,11 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
     if finish is None:
         finish = rank_estimates(ordered, stages, ring_time, cost.forward_share, config.virtual_stages, found.known)
     one_f_one_b = max(finish, default=0.0)
-    stage_orders, finish, found_cap, notes = _stage_orders(ordered, ring_time, finish, config, cost, found.known)
+    ep_pipelines = config.expert_parallel > 1 and stages > 1
+    if ep_pipelines:  # EP members run the same default order: no stage orders (expert/pipelines.py)
+        stage_orders, found_cap, notes = None, None, []
+    else:
+        stage_orders, finish, found_cap, notes = _stage_orders(ordered, ring_time, finish, config, cost, found.known)
     plan = Plan(
         num_ranks=config.num_ranks,
         capacity=config.capacity,
@@ -171,7 +176,10 @@ def _plan_step(seq_lens: Sequence[int], config: PlannerConfig, cost: CostModel) 
         stage_orders=stage_orders,
         virtual_stages=config.virtual_stages,
     )
-    if config.expert_parallel > 1:  # aligned slots: an EP group's slot waits for its slowest member
+    if ep_pipelines:  # one slot numbering over all pipelines; EP groups in lock-step at every stage
+        plan = align_pipelined_slots(plan, config.expert_parallel)
+        finish = pipelined_slot_finish_times(plan, stages, cost, ranks.ranks_per_node)
+    elif config.expert_parallel > 1:  # aligned slots: an EP group's slot waits for its slowest member
         # and local slots moved into the waits before rings, where that is shorter
         plan, finish = fill_ring_waits(align_expert_slots(plan, config.expert_parallel), cost, ranks.ranks_per_node)
     plan.meta = {

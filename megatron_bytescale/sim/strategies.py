@@ -44,6 +44,7 @@ FLAGS = {
     "pipeline_stages": "--pp",
     "virtual_stages": "--vpp",
     "expert_parallel": "--ep",
+    "pipeline_schedule": "--pipeline-schedule",
 }
 
 
@@ -105,9 +106,7 @@ def _hdp(
             pipeline_stages=x.cluster.pp,
             offload=offload,
             pipeline_schedule=x.pipeline_schedule,
-            # the planner aligns EP slots itself without pipelines; with them the timeline
-            # aligns the plan's micro-batches into slots, as it does a baseline's
-            expert_parallel=x.cluster.ep if x.cluster.pp == 1 else 1,
+            expert_parallel=x.cluster.ep,
             virtual_stages=x.virtual_stages,
             ring_transport=transport,
         )
@@ -118,12 +117,6 @@ def _hdp(
             raise exc.renamed(FLAGS) from None
         wall = time.perf_counter() - t0
         plan.meta = {**plan.meta, "strategy": name}
-        if x.cluster.ep > 1 and x.cluster.pp > 1:
-            plan.meta["notes"] = [
-                *plan.meta.get("notes", []),
-                "planned without EP slots (the planner aligns them only without pipelines); the timeline aligns "
-                "its micro-batches into lock-step EP slots, as it does the baselines'",
-            ]
         plan.meta.setdefault("plan_time_s", wall)
         return plan
 

@@ -45,7 +45,7 @@ Every strategy is costed here with the same ``CostModel`` and the same rules:
   free and ends with the slowest; each adds its MoE all-to-alls (``all_to_all_time``: half in
   forward, half in backward, over NVLink when the EP group sits in one node), and an empty
   slot is a rank waiting. A plan of a strategy without its own slots (static) is aligned
-  first, as it would have to be to run with EP.
+  first, as the planner aligns HDP's (with pipelines: ``planner.expert.pipelines``).
 * **Barriers.** ``plan.barriers`` (Megatron's hybrid CP) lists, per barrier, how many
   micro-batches each rank has finished when it enters; nobody continues until all arrive,
   and pipelines are flushed there.
@@ -68,6 +68,7 @@ from ..planner.contract import BACKWARD, FORWARD, MicroBatch, PipelineGraph, Pla
 from ..planner.contract.rules import barrier_errors
 from ..planner.contract.slots import ep_groups, slot_errors, slot_nodes
 from ..planner.cost_model import CostModel
+from ..planner.expert.pipelines import align_pipelined_slots
 from ..planner.expert.slots import align_expert_slots
 from ..planner.expert.timing import all_to_all_time
 from ..planner.order.walk import graph_ends
@@ -395,12 +396,11 @@ def simulate(plan: Plan, cluster: Cluster, cost: CostModel) -> Timeline:
             "build both for the same PP"
         )
     stages = cluster.pp
-    if cluster.ep > 1 and plan.expert_parallel == 1:
-        chunks = plan.virtual_stages
-        # with pipelines a ring meets at one 1F1B position only if it holds the same slot
-        # index in every member pipeline: the slots are numbered over all ranks together
-        plan = align_expert_slots(plan, cluster.ep if stages == 1 else plan.num_ranks)
-        plan.virtual_stages, plan.expert_parallel = chunks, cluster.ep
+    if cluster.ep > 1 and plan.expert_parallel == 1:  # a baseline's plan, aligned as HDP's are
+        if stages > 1:
+            plan = align_pipelined_slots(plan, cluster.ep)
+        else:
+            plan = align_expert_slots(plan, cluster.ep)
     work = micro_batch_work(plan, cluster, cost)
     barriers = parse_barriers(plan)
     orders = plan.decoded_stage_orders()

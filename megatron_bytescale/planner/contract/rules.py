@@ -9,7 +9,7 @@ from graphlib import CycleError, TopologicalSorter
 
 from .graph import find_pipeline_deadlock
 from .ops import FORWARD, as_ops
-from .slots import slot_errors
+from .slots import slot_errors, slot_unit_keys
 from .transports import RING_TRANSPORTS
 from .zigzag import zigzag_ranges
 
@@ -262,13 +262,16 @@ def stage_order_errors(plan) -> list[str]:
 def plan_pipeline_deadlock(plan, stages: int) -> str | None:
     """None if every pipeline running ``plan``'s micro-batches over ``stages`` stages, in the
     default orders or the plan's own (``Plan.stage_orders``), always makes progress; else
-    where they get stuck (``graph.find_pipeline_deadlock``)."""
+    where they get stuck (``graph.find_pipeline_deadlock``). Under expert parallelism an EP
+    group's slot is one unit of all its members (``slots.slot_unit_keys``): the all-to-alls
+    join them at every stage."""
     orders = plan.decoded_stage_orders()
     if orders is not None and plan.stage_count != stages:
         return f"the plan orders {plan.stage_count} pipeline stages but the pipeline has {stages}"
     if stages <= 1 and plan.virtual_stages <= 1:
         return None
-    return find_pipeline_deadlock(plan.ring_keys(), stages, orders, plan.virtual_stages)
+    keys = slot_unit_keys(plan) if plan.expert_parallel > 1 else plan.ring_keys()
+    return find_pipeline_deadlock(keys, stages, orders, plan.virtual_stages)
 
 
 def barrier_errors(plan) -> list[str]:

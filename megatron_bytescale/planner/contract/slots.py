@@ -79,6 +79,14 @@ def slot_nodes(plan) -> dict[tuple[int, int], tuple[int, int]]:
     return node
 
 
+def slot_unit_keys(plan) -> list[list[tuple]]:
+    """Per rank and slot: the key of the events that run together with it (an EP group's
+    slot, joined by rings), the same on every participant: the units of the pipeline graph
+    (``graph.PipelineGraph``) when EP groups run lock-step across pipelines."""
+    node = slot_nodes(plan)
+    return [[("slot", *node[(rank, k)]) for k in range(len(mbs))] for rank, mbs in enumerate(plan.ranks)]
+
+
 def slot_errors(plan) -> list[str]:
     """Why this plan could deadlock under expert parallelism (empty: it cannot; see the module
     docstring): EP group members with different slot counts, or a cycle among merged events."""
