@@ -319,10 +319,17 @@ CONFLICTS = {
     "cuda graphs": (HDP, dict(cuda_graph_impl="local"), "CUDA graphs need fixed shapes"),
     "legacy models (0.16)": (HDP, dict(use_legacy_models=True), "drop --use-legacy-models"),
     "custom spec": (HDP, dict(spec=["my.module", "my_spec"]), "drop --spec"),
-    "mtp with pipelines": (
-        HDP,
-        dict(mtp_num_layers=1, pipeline_model_parallel_size=2, data_parallel_size=4),
-        "multi-token prediction without pipelines",
+    "mtp with virtual stages": (
+        HDP + ["--hdp-balance", "pp"],
+        dict(
+            mtp_num_layers=1,
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            num_layers_per_virtual_pipeline_stage=1,
+            num_layers=4,
+            data_parallel_size=4,
+        ),
+        "drop --num-layers-per-virtual-pipeline-stage",
     ),
     "attention dropout": (HDP, dict(attention_dropout=0.1), "add --attention-dropout 0.0"),
     "mla latent ring, TE's fused KV norm": (

@@ -510,11 +510,13 @@ def _check_mla(args) -> None:
 
 
 def _check_mtp(args) -> None:
-    if args.mtp_num_layers and args.pipeline_model_parallel_size > 1:
+    """Multi-token prediction runs with and without pipelines (its layers on the last stage,
+    which Megatron gives the input ids); with virtual stages it is refused, untested."""
+    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    if args.mtp_num_layers and chunks > 1:
         raise ConfigError(
-            f"--mtp-num-layers with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: HDP runs "
-            "multi-token prediction without pipelines (its layers and embedding sit on the last stage, not "
-            "tested under HDP); use --pipeline-model-parallel-size 1"
+            f"--mtp-num-layers with {chunks} virtual pipeline stages: HDP runs multi-token prediction with "
+            "pipelines of one model chunk per stage; drop --num-layers-per-virtual-pipeline-stage"
         )
 
 

@@ -22,7 +22,14 @@ labels and loss mask get there by a left roll per depth (``roll_tensor``). Under
   with a depth-k label; HDP's loss mask is 1 on all tokens but each document's last), so
   any number of ranks and micro-batches gives one rank's result, and Megatron's, when the
   step is one micro-batch. core_v0.16.1 adds depth k's per-token loss sum unscaled
-  (divided by the step's labelled tokens only): layout-independent as it is.
+  (divided by the step's labelled tokens only): layout-independent as it is;
+* **the logged ``mtp_k loss``, per token of the step**: Megatron logs the mean over its
+  micro-batches of each micro-batch's mean depth-k loss (its tracker sums them, averages over
+  the data-parallel group and divides by the micro-batch count). HDP's micro-batches are packs
+  and ring shares, so that mean counts a document split over a ring once per member (a 2-member
+  ring doubled it). Under HDP each micro-batch records its depth-k loss sum scaled so that the
+  logged value is the step's mean depth-k loss per labelled token (``G_k`` tokens): the same on
+  any number of ranks, and Megatron's value when the step is one micro-batch.
 
 ``install()`` puts the hooks in place (idempotent); each hands over to megatron-core's function
 unchanged outside an HDP micro-batch.
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -53,6 +61,9 @@ class _LossScale:
 
 
 _loss_scale: contextvars.ContextVar[_LossScale | None] = contextvars.ContextVar("bytescale_mtp_loss", default=None)
+# the token count the roll hook last returned for a loss mask: what megatron-core divides the
+# logged depth-k loss by (``hdp_tracked_loss`` multiplies it back)
+_mask_tokens: contextvars.ContextVar = contextvars.ContextVar("bytescale_mtp_mask_tokens", default=None)
 
 
 def step_label_counts(seq_lens, depths: int) -> list[int]:
@@ -87,6 +98,8 @@ def hdp_roll_tensor(original):
             counts = scale.step_counts
             # original / total must be the step's G_0 / G_k (see the module docstring)
             total = scale.original * (counts[scale.depth] / counts[0]) if counts[0] else total
+        if tensor.is_floating_point():
+            _mask_tokens.set(total)
         return rolled, total
 
     roll_tensor._hdp_wrapped = True
@@ -118,6 +131,39 @@ def hdp_process_mtp_loss(original):
     return process_mtp_loss
 
 
+def hdp_tracked_loss(original):
+    """megatron-core's ``MTPLossLoggingHelper.save_loss_to_tracker`` (core_v0.16) or
+    ``save_metrics_to_tracker`` (core_v0.19): under HDP the micro-batch's depth-k loss is
+    recorded as its loss sum times Megatron's micro-batch count and data-parallel size over
+    the step's ``G_k`` (module docstring), so that the logged value is the step's per-token mean."""
+    if getattr(original, "_hdp_wrapped", False):
+        return original
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save(loss, *args, **kwargs):
+        active = active_or_none()
+        tokens = _mask_tokens.get()
+        if active is None or tokens is None or not active.step_seq_lens:
+            return original(loss, *args, **kwargs)
+        from megatron.core import num_microbatches_calculator as calculator
+
+        if getattr(calculator, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None) is None:
+            return original(loss, *args, **kwargs)  # outside Megatron's loop: nothing logs it
+        bound = signature.bind(loss, *args, **kwargs).arguments
+        depth = bound["layer_number"] + 1
+        counts = step_label_counts(active.step_seq_lens, bound["num_layers"])
+        group = bound.get("avg_group")
+        ranks = torch.distributed.get_world_size(group) if group is not None else 1
+        total = torch.as_tensor(tokens, dtype=loss.dtype, device=loss.device)
+        summed = torch.where(total > 0, loss * total, torch.zeros_like(loss))  # the micro-batch's loss sum
+        scale = calculator.get_num_microbatches() * ranks / counts[depth] if counts[depth] else 0.0
+        return original(summed * scale, *args, **kwargs)
+
+    save._hdp_wrapped = True
+    return save
+
+
 def hdp_mtp_block_spec(original):
     """``get_gpt_mtp_block_spec(config, spec, ...)`` with HDP core attention in ``spec`` (the MTP
     layers' transformer layer), whatever decoder spec Megatron's builder hands it."""
@@ -144,6 +190,10 @@ def install() -> None:
             module.roll_tensor = hdp_roll_tensor(module.roll_tensor)
     if hasattr(gpt_model, "process_mtp_loss"):  # core_v0.19
         gpt_model.process_mtp_loss = hdp_process_mtp_loss(gpt_model.process_mtp_loss)
+    helper = multi_token_prediction.MTPLossLoggingHelper
+    for name in ("save_loss_to_tracker", "save_metrics_to_tracker"):  # core_v0.16, core_v0.19
+        if name in vars(helper):
+            setattr(helper, name, staticmethod(hdp_tracked_loss(getattr(helper, name))))
 
 
 def install_spec_hook(builder_module_name: str | None = None) -> None:
