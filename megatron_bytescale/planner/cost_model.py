@@ -167,6 +167,13 @@ class CostModel:
         share = self.g * tokens / capacity
         return self.num_layers * layer_seconds(self.a1, self.b1, share, tokens, tokens * tokens, *NO_RECOMPUTE)
 
+    def compute_bound(self, seq_lens, ranks: int) -> float:
+        """Seconds (one stage) if the attention and linear work of every sequence, whole, were
+        spread perfectly over ``ranks``: a bound, not a layer's time (``layer_seconds`` less its
+        per-micro-batch ``g``, and no recompute, communication or offloading)."""
+        s = np.asarray(seq_lens, dtype=np.float64)
+        return float(self.num_layers * np.sum(self.a1 * s * s + self.b1 * s)) / ranks
+
     def act_bytes(self, tokens: float) -> float:
         return self.a2 * tokens + self.b2
 
