@@ -188,9 +188,8 @@ def plain_balanced_target(lens, sizer):
     """``balanced_target`` written plainly: per length its curve, running minimum and rank-
     seconds, the tests of T summed one length at a time, the same bisection."""
     cost, capacity, p, n_ranks = sizer.cost, sizer.capacity, sizer.stages, sizer.num_ranks
-    layers = cost.num_layers
     short = lens[lens <= capacity].astype(np.float64)
-    short_times = layers * (cost.a1 * short * short + cost.b1 * short + cost.g * short / capacity)
+    short_times = cost.short_time(short, capacity)
     work = float(short_times.sum())
     short_times = np.sort(p * short_times)
     floor = float(short_times[-1]) if short.size else 0.0

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
+from .jit import jitable
 from .specs import HardwareSpec, ModelSpec, _typed_fields, load_mapping
 
 BF16_BYTES = 2
@@ -42,6 +43,31 @@ FORWARD_SHARE = 1.0 / 3.0  # backward costs about twice the forward
 EXPAND_PASSES = 4
 EXPAND_FORWARD_SHARE = 1.0 / EXPAND_PASSES
 RECOMPUTE_FIELDS = ("recomputed_layers", "recomputed_attention_layers")  # set by with_recompute, not profiles
+# ``layer_seconds``' recompute arguments for the times planned without activation recompute
+# (short sequences before packing, the ring sizer's curves, two-level ring shares)
+NO_RECOMPUTE = (0.0, 0, 0, 1)
+
+
+@jitable
+def layer_seconds(a1, b1, g, tokens, pairs, forward_share, recomputed, recomputed_attention, layers):
+    """The cost formula: seconds of one layer, forward and backward, on one rank, of ``tokens``
+    tokens with ``pairs`` causal attention pairs: ``a1 * pairs + b1 * tokens + g``, plus the
+    forwards activation recompute runs again (``recompute_seconds``; its arguments are
+    ``CostModel.recompute``). Every time the planner and the simulator give a layer's work
+    comes from here: ``CostModel.layer_time`` in Python, a direct call inside the planner's
+    kernels (a ``@jitable`` helper, compiled into them). Scalars or numpy arrays."""
+    rest = recompute_seconds(a1, b1, g, tokens, pairs, forward_share, recomputed, recomputed_attention, layers)
+    return a1 * pairs + b1 * tokens + g + rest
+
+
+@jitable
+def recompute_seconds(a1, b1, g, tokens, pairs, forward_share, recomputed, recomputed_attention, layers):
+    """The part of ``layer_seconds`` that activation recompute adds (0 without it): the
+    forward share of the attention of the ``recomputed_attention`` layers and of the linear
+    work of the ``recomputed`` ones, averaged over the stage's ``layers``."""
+    if not recomputed_attention:
+        return 0.0
+    return forward_share * (a1 * pairs * recomputed_attention + (b1 * tokens + g) * recomputed) / layers
 
 
 @dataclass(frozen=True)
@@ -117,20 +143,36 @@ class CostModel:
 
     # ------------------------------------------------------------- formulas
     def layer_time(self, tokens: float, attention_pairs: float | None = None) -> float:
-        """Seconds for one layer, forward+backward. ``attention_pairs`` defaults to one causal
-        sequence of ``tokens`` (s^2 in the a1 term); pass sum(s_i^2) for a pack, s^2/N for a
-        zigzag share of a ring of N."""
+        """Seconds for one layer, forward+backward (``layer_seconds``). ``attention_pairs``
+        defaults to one causal sequence of ``tokens`` (s^2 in the a1 term); pass sum(s_i^2) for
+        a pack, s^2/N for a zigzag share of a ring of N."""
         pairs = tokens * tokens if attention_pairs is None else attention_pairs
-        return self.a1 * pairs + self.b1 * tokens + self.g + self.recompute_time(tokens, pairs)
+        return layer_seconds(self.a1, self.b1, self.g, tokens, pairs, *self.recompute)
 
     def recompute_time(self, tokens: float, attention_pairs: float) -> float:
         """Seconds per layer (stage average) of the forwards activation recompute runs again in
         backward; 0 without recompute. Included in ``layer_time``."""
-        if not self.recomputed_attention_layers:
-            return 0.0
-        l = self.num_layers
-        attn, rest = self.a1 * attention_pairs, self.b1 * tokens + self.g
-        return self.forward_share * (attn * self.recomputed_attention_layers + rest * self.recomputed_layers) / l
+        return recompute_seconds(self.a1, self.b1, self.g, tokens, attention_pairs, *self.recompute)
+
+    @property
+    def recompute(self) -> tuple[float, int, int, int]:
+        """``layer_seconds``' recompute arguments: forward share, layers recomputed whole,
+        layers whose attention is recomputed, layers."""
+        return self.forward_share, self.recomputed_layers, self.recomputed_attention_layers, self.num_layers
+
+    def short_time(self, tokens, capacity: int):
+        """Seconds (all layers) of a whole sequence of ``tokens <= capacity`` before packing
+        decides its micro-batch: ``layer_seconds`` with a pro-rata share ``tokens / capacity``
+        of the micro-batch's fixed cost ``g``, without activation recompute (``NO_RECOMPUTE``)."""
+        share = self.g * tokens / capacity
+        return self.num_layers * layer_seconds(self.a1, self.b1, share, tokens, tokens * tokens, *NO_RECOMPUTE)
+
+    def compute_bound(self, seq_lens, ranks: int) -> float:
+        """Seconds (one stage) if the attention and linear work of every sequence, whole, were
+        spread perfectly over ``ranks``: a bound, not a layer's time (``layer_seconds`` less its
+        per-micro-batch ``g``, and no recompute, communication or offloading)."""
+        s = np.asarray(seq_lens, dtype=np.float64)
+        return float(self.num_layers * np.sum(self.a1 * s * s + self.b1 * s)) / ranks
 
     def act_bytes(self, tokens: float) -> float:
         return self.a2 * tokens + self.b2
@@ -155,7 +197,8 @@ class CostModel:
         b = seq_len / n
         pairs = seq_len * seq_len if attention_pairs is None else attention_pairs
         fs, bs = self.forward_share, 1.0 - self.forward_share
-        attn = self.a1 * pairs / (n * n)  # per member per step: (s^2 / N) / N pairs
+        # layer_seconds' terms apart: the attention per member per step ((s^2 / N) / N pairs), the linear part
+        attn = self.a1 * pairs / (n * n)
         bw = np.where(inter_node, self.bw_inter_node, self.bw_intra_node)
         width, grad = self.ring_bytes(transport)
         hop_f = self.p2p_latency_s + b * width / bw

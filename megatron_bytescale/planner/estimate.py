@@ -54,7 +54,7 @@ def exposed_ring_time(cost: CostModel, pairs: float, block_tokens: float, ring_s
     """
     if not isinstance(ring_size, np.ndarray) and ring_size <= 1:
         return 0.0
-    step = cost.a1 * pairs / ring_size
+    step = cost.a1 * pairs / ring_size  # one of the N ring steps: its share of layer_seconds' attention term
     fwd = _positive_part(cost.hop_time(block_tokens, inter_node, backward=False) - cost.forward_share * step)
     bwd = _positive_part(cost.hop_time(block_tokens, inter_node, backward=True) - (1.0 - cost.forward_share) * step)
     fwd *= 1.0 + cost.recompute_attention_share  # a recomputed attention runs its forward ring again

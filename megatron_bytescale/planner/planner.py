@@ -242,7 +242,7 @@ def _meta(
         "buckets": found.assignment.num_buckets,
         "target_time_s": found.target,  # the step time rings were sized for (None: memory floor)
         "target_scale": found.scale,  # 1 unless a rescaled target packed better
-        "compute_bound_s": _compute_bound(lens, cost, config.num_ranks),
+        "compute_bound_s": cost.compute_bound(lengths_array(lens), config.num_ranks),
         "est_time_max_s": float(est.max()),
         "est_time_mean_s": float(est.mean()),
         "est_rank_time_s": est.tolist(),
@@ -265,9 +265,3 @@ def _meta(
         "stage_orders": {"found": orders is not None, "one_f_one_b_est_s": one_f_one_b, "chunk_cap": cap},
         **({"notes": notes} if notes else {}),
     }
-
-
-def _compute_bound(lens, cost: CostModel, num_ranks: int) -> float:
-    """Seconds if all FLOPs of the batch were spread perfectly over all ranks."""
-    s = lengths_array(lens).astype(np.float64)
-    return float(cost.num_layers * np.sum(cost.a1 * s * s + cost.b1 * s)) / num_ranks

@@ -70,10 +70,9 @@ def short_units(lens, config: PlannerConfig, cost: CostModel, ranks_per_node: in
     not depend on the ring sizes, and nothing changes them once made."""
     arr = lengths_array(lens)
     short = np.flatnonzero(arr <= config.capacity)
-    # a short sequence's share of its micro-batch's fixed cost g, before packing decides it
     tokens = arr[short]
     s = tokens.astype(np.float64)
-    times = cost.num_layers * (cost.a1 * s * s + cost.b1 * s + cost.g * s / config.capacity)
+    times = cost.short_time(s, config.capacity)
     if config.expert_parallel > 1:
         # a short sequence's share of its micro-batch's all-to-alls: its tokens, the latency pro rata
         times = times + ep_all_to_all_time(cost, s, config.expert_parallel, ranks_per_node, s / config.capacity)

@@ -170,6 +170,7 @@ def ring_work(
     block = np.array([ld.dist_tokens for ld in loads], dtype=float)
     inter = np.array([not cluster.same_node(ring[i], ring[(i + 1) % n]) for i in range(n)])
     bw = np.where(inter, cost.bw_inter_node, cost.bw_intra_node)
+    # layer_seconds' terms apart (linear first, attention over the ring's steps), recompute below
     lin = np.array([cost.b1 * ld.tokens + cost.g for ld in loads])
     attn = np.array([cost.a1 * ld.dist_pairs for ld in loads])
     local = np.array([cost.a1 * ld.local_pairs for ld in loads])
@@ -250,6 +251,7 @@ def two_level_ring_work(
     firsts = [ring[g * u] for g in range(m)]
     inter = np.array([not cluster.same_node(firsts[g], firsts[(g + 1) % m]) for g in range(m)])
     bw = np.where(inter, cost.bw_inter_node, cost.bw_intra_node)
+    # layer_seconds' terms apart, as in ring_work (the attention of u blocks, the widest head slice)
     lin = np.array([cost.b1 * ld.tokens + cost.g for ld in loads])
     attn = np.array([cost.a1 * ld.dist_pairs * u * fq for ld in loads])
     local = np.array([cost.a1 * ld.local_pairs for ld in loads])
@@ -521,9 +523,7 @@ def lower_bound(seq_lens, cluster: Cluster, cost: CostModel) -> float:
     throughput, divided by the number of TP groups. No per-micro-batch overhead ``g``, no
     communication, no offloading, no bubbles.
     """
-    s = np.asarray(seq_lens, dtype=float)
-    work = float((cost.a1 * s * s + cost.b1 * s).sum())
-    return cost.num_layers * work / cluster.d_hdp
+    return cost.compute_bound(seq_lens, cluster.d_hdp)
 
 
 def critical_path(seq_lens, cluster: Cluster, cost: CostModel) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..cost_model import layer_seconds
 from ..jit import jitable
 from .runs import pack_halves
 
@@ -78,9 +79,7 @@ def _halve(k: int, pool, state, cost):
                 w += 1
                 tokens += lens[part[i]]
                 pairs += lens[part[i]] * lens[part[i]]
-        t = a1 * pairs + b1 * tokens + g
-        if recomputed_attention:  # CostModel.recompute_time
-            t += share * (a1 * pairs * recomputed_attention + (b1 * tokens + g) * recomputed) / layers
+        t = layer_seconds(a1, b1, g, tokens, pairs, share, recomputed, recomputed_attention, layers)
         h = first + half
         ptime[h] = layers * t
         pstart[h] = start

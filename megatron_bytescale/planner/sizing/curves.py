@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cost_model import CostModel
+from ..cost_model import CostModel, layer_seconds
 from ..jit import kernel
 from . import two_level
+from .two_level import member_pairs
 
 
 def ring_curves_of(
@@ -108,11 +109,10 @@ def ring_curves(
         for size in range(lo[i], hi[i] + 1):
             d = float(size)
             share = np.ceil(s / d)
-            compute = a1 * (s * s / d)
-            per_layer = compute + b1 * share
-            per_layer += g
+            pairs = s * s / d
+            per_layer = layer_seconds(a1, b1, g, share, pairs, 0.0, 0, 0, 1)  # NO_RECOMPUTE (numba: no *args)
             bw = bw_out if size > rpn else bw_in
-            step = compute / d
+            step = a1 * pairs / d  # one of the N ring steps: its share of the attention term
             hop_f = share * kv / bw + lat
             hop_b = share * kvg / bw + lat
             home = share * grad / bw + lat
@@ -140,14 +140,9 @@ def ring_curves(
                         per_u[j, 5],
                     )
                     m = d / uf
-                    c = s * s
-                    c /= d
-                    c *= ufq
-                    c *= a1  # a1 x pairs
-                    t = b1 * share
-                    t += c
-                    t += g
-                    step2 = c / m
+                    pairs2 = member_pairs(s, d, ufq)
+                    t = layer_seconds(a1, b1, g, share, pairs2, 0.0, 0, 0, 1)  # NO_RECOMPUTE
+                    step2 = a1 * pairs2 / m  # one of the M ring steps
                     block = uf * share
                     block *= fq
                     f2 = block * kv / bw_out + lat

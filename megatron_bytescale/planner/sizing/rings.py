@@ -127,6 +127,7 @@ class RingSizer:
         cost = self.cost
         per_token = 2 * cost.kv_bytes_per_token + cost.grad_bytes_per_token
         s = np.array(seq_lens, dtype=np.int64)
+        # a ring size, not a time: where a step's attention a1 s^2 / N^2 meets its hop's bytes
         comm_bound = cost.a1 * s.astype(np.float64) * cost.bw_inter_node / max(per_token, 1e-30)
         x = 4 * comm_bound
         if reach != 1:
@@ -327,11 +328,10 @@ def balanced_target(lens: np.ndarray, sizer: RingSizer) -> float:
     """
     cost = sizer.cost
     cap = sizer.capacity
-    l = cost.num_layers
     p = sizer.stages
     n_ranks = sizer.num_ranks
     short = lens[lens <= cap].astype(np.float64)
-    short_times = l * (cost.a1 * short * short + cost.b1 * short + cost.g * short / cap)
+    short_times = cost.short_time(short, cap)  # as units.short_units times them
     work = float(short_times.sum())
     short_times = np.sort(p * short_times)
     floor = float(short_times[-1]) if short.size else 0.0

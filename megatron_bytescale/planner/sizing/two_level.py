@@ -24,7 +24,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..cost_model import CostModel
+from ..cost_model import NO_RECOMPUTE, CostModel, layer_seconds
+from ..jit import jitable
 
 
 def slice_bounds(q_heads: int, u: int) -> list[int]:
@@ -65,6 +66,14 @@ def a2a_time(cost: CostModel, tokens: float, u: int) -> float:
     return 4 * cost.p2p_latency_s + a2a_bytes(cost, tokens, u) / cost.bw_intra_node
 
 
+@jitable
+def member_pairs(seq_len, ring_size, u_fq):
+    """The attention pairs one member of a two-level ring computes per layer: its zigzag
+    share ``s^2 / N`` of the causal pairs, for the u blocks of its group (``u_fq``: u times
+    the widest head slice's share of the heads, ``head_fractions``)."""
+    return seq_len * seq_len / ring_size * u_fq
+
+
 def share_times(cost: CostModel, seq_len, ring_sizes: np.ndarray, u, ranks_per_node: int) -> np.ndarray:
     """Per-member seconds (all layers) of a sequence run two-level over each ring size (a
     multiple of u, larger than a node; others inf).
@@ -79,9 +88,9 @@ def share_times(cost: CostModel, seq_len, ring_sizes: np.ndarray, u, ranks_per_n
     fq = np.array([head_fractions(cost, int(v))[0] for v in us[:, 0]])[:, None]
     fkv = fq  # whole KV groups per slice: the same share of the KV heads
     m = d / us
-    pairs = s * s / d * (us * fq)
-    per_layer = cost.a1 * pairs + cost.b1 * share + cost.g
-    step = cost.a1 * pairs / m
+    pairs = member_pairs(s, d, us * fq)
+    per_layer = layer_seconds(cost.a1, cost.b1, cost.g, share, pairs, *NO_RECOMPUTE)
+    step = cost.a1 * pairs / m  # one of the M ring steps: its share of layer_seconds' attention term
     block = us * share * fkv  # a cross-ring block, in full-head token equivalents
     bw, lat = cost.bw_inter_node, cost.p2p_latency_s
     hop_f = lat + block * cost.kv_bytes_per_token / bw
