@@ -235,6 +235,8 @@ def test_multi_latent_attention_and_multi_token_prediction_are_accepted_and_plan
     mla = dict(multi_latent_attention=True, qk_layernorm=True, transformer_impl="local")
     args = validate_hdp_args(parse(HDP + ["--hdp-mla-ring", "latent"], **mla))
     assert planner_config_from_args(args).ring_transport == "latent"
+    args = validate_hdp_args(parse(HDP + ["--hdp-mla-ring", "auto"], **mla))  # each ring the faster one
+    assert planner_config_from_args(args).ring_transport == "auto"
     assert planner_config_from_args(validate_hdp_args(parse(HDP))).ring_transport == "kv"
 
 

@@ -32,11 +32,15 @@ MLA_ROPE = ("--rope-type", "rope")
 RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mla_up_proj"])
 
 
-def five_rank_plan(transport: str = "kv") -> Plan:
-    """Rings of 5, 4, 3 and 2 members, whole sequences beside; 2 layers (the MLA model)."""
+def five_rank_plan(transport: str = "kv", **by_size: str) -> Plan:
+    """Rings of 5, 4, 3 and 2 members, whole sequences beside; 2 layers (the MLA model). Each
+    ring carries ``transport``, or ``by_size["ring<n>"]`` for the ring of n members."""
     rings = {5: (0, 1, 2, 3, 4), 4: (1, 2, 3, 4), 3: (4, 0, 1), 2: (2, 3)}
     lens = [61, 37, 23, 14, 6, 9, 3]
-    shares = {n: ring_pieces(i, lens[i], rings[n], transport=transport) for i, n in enumerate((5, 4, 3, 2))}
+    shares = {
+        n: ring_pieces(i, lens[i], rings[n], transport=by_size.get(f"ring{n}", transport))
+        for i, n in enumerate((5, 4, 3, 2))
+    }
     at = lambda n, r: shares[n][rings[n].index(r)]  # noqa: E731
     mbs = [[[at(5, r)]] for r in range(5)]
     mbs[0] += [[at(3, 0), whole_piece(4, 6, 0)]]
@@ -118,6 +122,18 @@ def test_mla_latent_ring_with_recompute_and_mtp_equals_one_rank(tmp_path):
     print(f"\nMLA latent ring + recompute + MTP: loss gap {loss_gap:.1e}, gradients {grad_gap:.2e}")
     assert all(set(r["bytes"]) == {"latent"} for r in hdp)  # every ring carried the latent
     assert any("linear_kv_up_proj" in n for n in hdp[0]["grads"])
+    assert loss_gap < TOL and grad_gap < TOL
+
+
+def test_one_step_mixing_latent_and_kv_rings_equals_one_rank(tmp_path):
+    """--hdp-mla-ring auto gives each ring the faster transport, so one step may hold both: the
+    rings of 5 and 3 members carry the latent, those of 4 and 2 K and V, on the same ranks."""
+    model = model_file(tmp_path, "tiny-mla", *MLA_ROPE)
+    plan = five_rank_plan("kv", ring5="latent", ring3="latent")
+    hdp, ref = run(plan, model), run(one_rank_plan(plan.seq_lens, 2), model)
+    loss_gap, grad_gap = compare(hdp, ref)
+    print(f"\nMLA latent and K/V rings in one step: loss gap {loss_gap:.1e}, gradients {grad_gap:.2e}")
+    assert set(hdp[1]["bytes"]) == {"latent", "kv"}  # rank 1 holds a latent ring (5) and a K/V ring (4)
     assert loss_gap < TOL and grad_gap < TOL
 
 

@@ -159,7 +159,9 @@ _HDP_DEFAULTS = {
     "hdp_mla_ring": "kv",
     "hdp_accept_data_change": False,
 }
-MLA_RINGS = ("kv", "latent")  # the ring transports (planner/contract/transports.py) a user picks from
+# the ring transports (planner/contract/transports.py) a user picks from, or "auto": each ring
+# the faster of the two by the cost model (planner.with_cheaper_transports)
+MLA_RINGS = ("kv", "latent", "auto")
 
 
 # ------------------------------------------------------------------ argparse types
@@ -344,8 +346,8 @@ def add_hdp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="With --multi-latent-attention, what a long sequence's ring carries: 'kv', each layer's K and V "
         "(heads x (qk + rope + v head dims) values per token, as Megatron's context parallelism sends them), or "
         "'latent', the compressed KV latent and the rotary key (kv-lora-rank + rope dims per token, whatever "
-        "the heads; each member re-expands K and V, a GEMM per ring step). Both are exact. Default kv. Two-level "
-        "rings carry K and V either way.",
+        "the heads; each member re-expands K and V, a GEMM per ring step), or 'auto', each ring the faster of "
+        "the two by the cost model. All are exact. Default kv. Two-level rings carry K and V either way.",
     )
     return parser
 
@@ -501,10 +503,10 @@ def _check_mla(args) -> None:
     fused_norm = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine" and getattr(
         args, "qk_layernorm", False
     )
-    if args.hdp_mla_ring == "latent" and fused_norm:
+    if args.hdp_mla_ring in ("latent", "auto") and fused_norm:
         raise ConfigError(
-            "--hdp-mla-ring latent with --qk-layernorm and --transformer-impl transformer_engine: TE fuses the KV "
-            "latent's norm into the up-projection, so no member can re-expand the normed latent; use "
+            f"--hdp-mla-ring {args.hdp_mla_ring} with --qk-layernorm and --transformer-impl transformer_engine: TE "
+            "fuses the KV latent's norm into the up-projection, so no member can re-expand the normed latent; use "
             "--hdp-mla-ring kv (or --transformer-impl local)"
         )
 
