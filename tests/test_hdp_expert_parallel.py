@@ -25,6 +25,12 @@ LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 def ep_plan() -> Plan:
     """EP groups {0, 1} and {2, 3}; sequence 0 rings over ranks 1 and 2 (one member in each group)."""
+    return align_expert_slots(unaligned_plan(num_layers=2), 2).validate()
+
+
+def unaligned_plan(num_layers: int) -> Plan:
+    """Four ranks' micro-batches before EP alignment: sequence 0 rings over ranks 1 and 2 after
+    rank 2's own sequence; ranks 1 and 3 hold fewer micro-batches than their partners."""
     lens = (21, 9, 6, 11, 7, 5)
     ring = ring_pieces(0, 21, (1, 2))
     mb = lambda *p: MicroBatch(tuple(p))  # noqa: E731
@@ -34,8 +40,7 @@ def ep_plan() -> Plan:
         (mb(whole_piece(3, 11, 2)), mb(ring[1])),
         (mb(whole_piece(4, 7, 3), whole_piece(5, 5, 3)),),
     )
-    plain = Plan(num_ranks=4, capacity=24, num_layers=2, seq_lens=lens, ranks=ranks).validate()
-    return align_expert_slots(plain, 2).validate()
+    return Plan(num_ranks=4, capacity=24, num_layers=num_layers, seq_lens=lens, ranks=ranks).validate()
 
 
 def global_name(name: str, ep_rank: int, local: int) -> str:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import zlib
 
 import pytest
-from test_hdp_expert_parallel import EXPERTS, TOL, global_name
+from test_hdp_expert_parallel import EXPERTS, TOL, global_name, unaligned_plan
 
 from megatron_bytescale.local_world import preload, run_local_world
-from megatron_bytescale.planner.contract import MicroBatch, Plan, plan_pipeline_deadlock, ring_pieces, whole_piece
+from megatron_bytescale.planner.contract import Plan, plan_pipeline_deadlock
 from megatron_bytescale.planner.expert.pipelines import align_pipelined_slots
 
 from hdp_helpers import global_layer_names, one_rank_plan, run_plan
@@ -26,19 +26,8 @@ PP, EP = 2, 2
 
 
 def ep_pipeline_plan() -> Plan:
-    """EP groups {0, 1} and {2, 3}; sequence 0 rings over ranks 1 and 2 after rank 2's own
-    sequence; rank 1 and rank 3 wait for it or run nothing in some slots."""
-    lens = (21, 9, 6, 11, 7, 5)
-    ring = ring_pieces(0, 21, (1, 2))
-    mb = lambda *p: MicroBatch(tuple(p))  # noqa: E731
-    ranks = (
-        (mb(whole_piece(1, 9, 0)), mb(whole_piece(2, 6, 0))),
-        (mb(ring[0]),),
-        (mb(whole_piece(3, 11, 2)), mb(ring[1])),
-        (mb(whole_piece(4, 7, 3), whole_piece(5, 5, 3)),),
-    )
-    plain = Plan(num_ranks=4, capacity=24, num_layers=1, seq_lens=lens, ranks=ranks).validate()
-    return align_pipelined_slots(plain, EP).validate()
+    """``test_hdp_expert_parallel``'s four ranks, one layer per stage, aligned over both pipelines."""
+    return align_pipelined_slots(unaligned_plan(num_layers=1), EP).validate()
 
 
 def _step(rank, world, plan_json, pp, ep):
