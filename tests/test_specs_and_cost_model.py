@@ -71,3 +71,20 @@ def test_profile_round_trip_and_malformed_profiles(tmp_path):
     path.write_text("a1: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         CostModel.from_profile(path)
+
+
+@pytest.mark.parametrize("granularity,method", [("full", "uniform"), ("selective", None)])
+def test_every_layer_time_the_planner_uses_counts_the_recompute(granularity, method):
+    """One cost formula: a short sequence before packing, a ring share on the ring sizer's
+    curve (ring size 1: the whole sequence) and a micro-batch's layer time all include the
+    forwards activation recompute runs again, so the balance scheduler weighs them alike."""
+    from megatron_bytescale.planner.sizing.curves import ring_curves_of
+
+    base = CostModel.analytic(ModelSpec.load("llama-7b"), HardwareSpec.load("h100"))
+    cost = base.with_recompute(granularity, method)
+    s = 4096
+    whole = cost.num_layers * cost.layer_time(s, s * s)
+    assert whole > base.num_layers * base.layer_time(s, s * s)  # recompute costs time
+    assert cost.short_time(s, s) == pytest.approx(whole, rel=1e-12)
+    _, times, _, _ = ring_curves_of(cost, [s], [1], [1], [False], 8, [])
+    assert times[0] == pytest.approx(whole, rel=1e-12)

@@ -43,9 +43,6 @@ FORWARD_SHARE = 1.0 / 3.0  # backward costs about twice the forward
 EXPAND_PASSES = 4
 EXPAND_FORWARD_SHARE = 1.0 / EXPAND_PASSES
 RECOMPUTE_FIELDS = ("recomputed_layers", "recomputed_attention_layers")  # set by with_recompute, not profiles
-# ``layer_seconds``' recompute arguments for the times planned without activation recompute
-# (short sequences before packing, the ring sizer's curves, two-level ring shares)
-NO_RECOMPUTE = (0.0, 0, 0, 1)
 
 
 @jitable
@@ -163,9 +160,9 @@ class CostModel:
     def short_time(self, tokens, capacity: int):
         """Seconds (all layers) of a whole sequence of ``tokens <= capacity`` before packing
         decides its micro-batch: ``layer_seconds`` with a pro-rata share ``tokens / capacity``
-        of the micro-batch's fixed cost ``g``, without activation recompute (``NO_RECOMPUTE``)."""
+        of the micro-batch's fixed cost ``g``, with the recompute of its layers."""
         share = self.g * tokens / capacity
-        return self.num_layers * layer_seconds(self.a1, self.b1, share, tokens, tokens * tokens, *NO_RECOMPUTE)
+        return self.num_layers * layer_seconds(self.a1, self.b1, share, tokens, tokens * tokens, *self.recompute)
 
     def compute_bound(self, seq_lens, ranks: int) -> float:
         """Seconds (one stage) if the attention and linear work of every sequence, whole, were

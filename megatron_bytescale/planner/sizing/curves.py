@@ -32,6 +32,8 @@ def ring_curves_of(
             cost.forward_share,
             1 - cost.forward_share,
             cost.num_layers,
+            cost.recomputed_layers,
+            cost.recomputed_attention_layers,
         ],
         dtype=np.float64,
     )
@@ -78,11 +80,12 @@ def ring_curves(
     (ascending) where it applies (a multiple of the group size, larger than a node) and is
     strictly faster, with the group size taken (1: the plain ring; ties keep the plain ring,
     then the smaller group size). ``ring``: a1, b1, g, KV bytes, KV + dKV bytes, dKV bytes,
-    latency, intra- and inter-node bandwidth, forward share, 1 - forward share, layers;
+    latency, intra- and inter-node bandwidth, forward share, 1 - forward share, layers, layers
+    recomputed whole, layers whose attention is recomputed (``CostModel.recompute``);
     ``per_u`` (a row per group size): its query share of the heads, u x that share, u, 1 - 1 /
     u, the all-to-all bytes per token (4 q + 2 kv) and four latencies. Returns sizes, times,
     group sizes and each length's count."""
-    a1, b1, g, kv, kvg, grad, lat, bw_in, bw_out, fs, bs, layers = (
+    a1, b1, g, kv, kvg, grad, lat, bw_in, bw_out, fs, bs, layers, rec, rec_attn = (
         ring[0],
         ring[1],
         ring[2],
@@ -95,6 +98,8 @@ def ring_curves(
         ring[9],
         ring[10],
         ring[11],
+        ring[12],
+        ring[13],
     )
     counts = hi - lo + 1
     total = 0
@@ -110,7 +115,7 @@ def ring_curves(
             d = float(size)
             share = np.ceil(s / d)
             pairs = s * s / d
-            per_layer = layer_seconds(a1, b1, g, share, pairs, 0.0, 0, 0, 1)  # NO_RECOMPUTE (numba: no *args)
+            per_layer = layer_seconds(a1, b1, g, share, pairs, fs, rec, rec_attn, layers)
             bw = bw_out if size > rpn else bw_in
             step = a1 * pairs / d  # one of the N ring steps: its share of the attention term
             hop_f = share * kv / bw + lat
@@ -141,7 +146,7 @@ def ring_curves(
                     )
                     m = d / uf
                     pairs2 = member_pairs(s, d, ufq)
-                    t = layer_seconds(a1, b1, g, share, pairs2, 0.0, 0, 0, 1)  # NO_RECOMPUTE
+                    t = layer_seconds(a1, b1, g, share, pairs2, fs, rec, rec_attn, layers)
                     step2 = a1 * pairs2 / m  # one of the M ring steps
                     block = uf * share
                     block *= fq

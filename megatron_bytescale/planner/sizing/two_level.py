@@ -24,7 +24,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..cost_model import NO_RECOMPUTE, CostModel, layer_seconds
+from ..cost_model import CostModel, layer_seconds
 from ..jit import jitable
 
 
@@ -89,7 +89,7 @@ def share_times(cost: CostModel, seq_len, ring_sizes: np.ndarray, u, ranks_per_n
     fkv = fq  # whole KV groups per slice: the same share of the KV heads
     m = d / us
     pairs = member_pairs(s, d, us * fq)
-    per_layer = layer_seconds(cost.a1, cost.b1, cost.g, share, pairs, *NO_RECOMPUTE)
+    per_layer = layer_seconds(cost.a1, cost.b1, cost.g, share, pairs, *cost.recompute)
     step = cost.a1 * pairs / m  # one of the M ring steps: its share of layer_seconds' attention term
     block = us * share * fkv  # a cross-ring block, in full-head token equivalents
     bw, lat = cost.bw_inter_node, cost.p2p_latency_s
