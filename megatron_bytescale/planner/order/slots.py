@@ -34,6 +34,11 @@ from .runs import (
 )
 from .walk import Longer, PipelineArrays, finish_times, pipelined_finish_times
 
+# ``order_runs``' candidates where some ring could not take one slot: the aligned pass as it
+# is, the frugal pass, slots from the ring structure (rings in schedule order, then largest
+# first) and the rings placed again at levels
+FALLBACKS = ("aligned", "frugal", "ring slots", "ring slots by size", "by level")
+
 
 def order_runs(
     runs: Sequence[Sequence[Item]],
@@ -72,18 +77,25 @@ def order_runs(
     # structure alone; and, if the placement admits no safe order (three rings on three
     # ranks, each pair sharing a rank, nothing else to run), the rings placed again.
     safe = []
-    frugal = aligned(runs, ring_order, members, ring_time, split, lookahead, frugal=True, arrays=arrays)
-    for candidate in (result, frugal):
+    passes = [result] if "aligned" in FALLBACKS else []
+    if "frugal" in FALLBACKS:
+        passes.append(aligned(runs, ring_order, members, ring_time, split, lookahead, frugal=True, arrays=arrays))
+    for candidate in passes:
         if not candidate.unaligned or not _deadlocks(candidate.runs, stages):
             safe.append(candidate)
-    for order in (ring_order, sorted(ring_order, key=lambda u: -len(members[u]))):
+    by_size = sorted(ring_order, key=lambda u: -len(members[u]))
+    for order in [o for kind, o in (("ring slots", ring_order), ("ring slots by size", by_size)) if kind in FALLBACKS]:
         placed = _slot_search(runs, order, members, split)
         if placed is not None and not _deadlocks(placed[0], stages):
             runs_by_slot, slots = placed
             again = sequential(runs_by_slot, sorted(slots, key=slots.get), members, ring_time)
             again.searched = True
             safe.append(again)
-    again = order_by_level(runs, ring_order, members, ring_time, ranks_per_node, arrays)
+    again = (
+        order_by_level(runs, ring_order, members, ring_time, ranks_per_node, arrays)
+        if "by level" in FALLBACKS
+        else None
+    )
     if again is not None:
         safe.append(again)
     if not safe:
