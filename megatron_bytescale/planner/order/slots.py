@@ -35,9 +35,9 @@ from .runs import (
 from .walk import Longer, PipelineArrays, finish_times, pipelined_finish_times
 
 # ``order_runs``' candidates where some ring could not take one slot: the aligned pass as it
-# is, the frugal pass, slots from the ring structure (rings in schedule order, then largest
-# first) and the rings placed again at levels
-FALLBACKS = ("aligned", "frugal", "ring slots", "ring slots by size", "by level")
+# is, slots from the ring structure (rings in schedule order, then largest first) and the
+# rings placed again at levels
+FALLBACKS = ("aligned", "ring slots", "ring slots by size", "by level")
 
 
 def order_runs(
@@ -72,17 +72,12 @@ def order_runs(
         result.deadlock = f"ring micro-batch {result.unaligned[0]} could not take one slot on all its members"
         return result
     # Local work ran out: some rings could not take one slot. The candidates, of which the
-    # shortest estimated step wins: the same pass keeping local work for later slots rather
-    # than filling waits; either order if 1F1B runs through it anyway; slots from the ring
-    # structure alone; and, if the placement admits no safe order (three rings on three
-    # ranks, each pair sharing a rank, nothing else to run), the rings placed again.
+    # shortest estimated step wins: the pass's order if 1F1B runs through it anyway; slots
+    # from the ring structure alone; and, if the placement admits no safe order (three rings
+    # on three ranks, each pair sharing a rank, nothing else to run), the rings placed again.
     safe = []
-    passes = [result] if "aligned" in FALLBACKS else []
-    if "frugal" in FALLBACKS:
-        passes.append(aligned(runs, ring_order, members, ring_time, split, lookahead, frugal=True, arrays=arrays))
-    for candidate in passes:
-        if not candidate.unaligned or not _deadlocks(candidate.runs, stages):
-            safe.append(candidate)
+    if "aligned" in FALLBACKS and not _deadlocks(result.runs, stages):
+        safe.append(result)
     by_size = sorted(ring_order, key=lambda u: -len(members[u]))
     for order in [o for kind, o in (("ring slots", ring_order), ("ring slots by size", by_size)) if kind in FALLBACKS]:
         placed = _slot_search(runs, order, members, split)
