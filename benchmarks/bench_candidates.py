@@ -174,29 +174,23 @@ def run(only: list[str], steps: int) -> dict:
 
 
 def table(kinds_: list[dict]) -> str:
-    """A row per kind, a column per configuration: "wins (plans changed), gain"; the kinds of
-    a group that change no plan anywhere share one row."""
-    configs = list(dict.fromkeys(k["config"] for k in kinds_))
-    cells: dict[str, dict[str, str]] = {}
-    idle: dict[str, list[str]] = {}  # group -> its kinds that change no plan
+    """A row per group of kinds and configuration: each kind's wins, plans changed and gain,
+    in the order the row names the kinds."""
+    rows: dict[tuple[str, str], list[dict]] = {}
     for k in kinds_:
-        gain = "no plan" if k["gain"] == float("inf") else f"{k['gain']:.4f}x"
-        cells.setdefault(k["kind"], {})[k["config"]] = f"{k['wins']} ({k['plans_changed']}), {gain}"
-    rows = []
-    for kind, row in cells.items():
-        group, name = kind.split(": ", 1)
-        if all(c.startswith("0 (0), ") for c in row.values()):
-            if group not in idle:
-                idle[group] = []
-                rows.append((group, row))  # the group's shared row, where its first idle kind was
-            idle[group].append(name)
-        else:
-            rows.append((kind, row))
-    lines = ["| candidate kind | " + " | ".join(configs) + " |", "|---" * (len(configs) + 1) + "|"]
-    for kind, row in rows:
-        label = f"{kind}: {', '.join(idle[kind])}" if kind in idle else kind
-        lines.append(f"| {label} | " + " | ".join(row.get(c, "-") for c in configs) + " |")
-    return "\n".join(lines)
+        group = k["kind"].split(": ", 1)[0]
+        rows.setdefault((group, k["config"]), []).append(k)
+    lines = [
+        "| candidate kinds | config | wins (of batches) | plans changed | gain, % of the total |",
+        "|---" * 5 + "|",
+    ]
+    for (group, config), ks in rows.items():
+        names = " / ".join(k["kind"].split(": ", 1)[1] for k in ks)
+        gains = " / ".join("no plan" if k["gain"] == float("inf") else f"{100 * (k['gain'] - 1):+.2f}" for k in ks)
+        wins = "/".join(str(k["wins"]) for k in ks) + f" (of {ks[0]['batches']})"
+        changed = "/".join(str(k["plans_changed"]) for k in ks)
+        lines.append(f"| {group}: {names} | {config} | {wins} | {changed} | {gains} |")
+    return "\n".join(lines).replace("+0.00", "0").replace("-0.00", "0")
 
 
 def main(argv=None) -> int:
