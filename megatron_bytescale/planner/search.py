@@ -7,24 +7,26 @@ plan the tests or ``benchmarks/plan_digests.py`` record, which is where it wins.
 1. Ring sizes without pipelines (and hdp-naive's): the balanced target
    (``sizing.rings.balanced_target``) times each scale of ``RETARGET`` in turn, until a
    schedule stays within ``1 + slack`` of the target (plus EP's all-to-alls). Picked: the
-   smallest scheduler bound (a rank's largest key). The target itself wins most batches, by
-   several per cent on the dense model's; the smaller scales win a few, by a fraction of a per
-   cent; the larger ones win none there (they free ranks where rigid rings do not pack, as in
-   some of the tests' batches).
+   smallest scheduler bound (a rank's largest key). The target itself wins half the dense
+   model's batches, by several per cent of the total, and a third of the EP model's (where
+   leaving it out is about as short in total); the smaller scales win a few dense batches, by
+   a fraction of a per cent; the larger ones win none there (they free ranks where rigid rings
+   do not pack, as in some of the tests' batches).
 2. Ring sizes with pipelines: the target times each scale of ``PIPELINE_RETARGET`` that
    changes some ring, scheduled; the ``PIPELINE_ORDERED`` smallest bounds go on, each in each
    1F1B order of ``ORDERS``: slot-aligned in schedule order (``order.aligned``) and the rings
    placed again at levels (``order.levels``). Picked: the shortest estimated pipelined step
    (``order.slots.rank_estimates``). Each scale from 0.5 to 0.09 wins some batches, by about a
    per cent at most; the target itself, 0.7 and 0.06 win none there. Ordering the second to
-   fourth smallest bounds gains a few per cent with virtual stages, one with 1F1B alone; the
-   aligned order wins most batches, by a few per cent, the level order some, by under one.
+   fourth smallest bounds gains up to about five per cent with virtual stages, one with 1F1B
+   alone; the aligned order wins most batches, by a few per cent, the level order some, by
+   under one.
 3. Where every candidate of 2 deadlocks: ``order.slots.order_runs``' searches on the best
    schedule (``order.slots.FALLBACKS``: the aligned pass's order where 1F1B runs through it
    anyway, slots from the ring structure in two ring orders, the level order). Picked: the
    shortest safe one. No headline batch needs them; each makes some test's batch safe.
 4. Chunk orders with virtual stages (``order.stage_schedule.chunk_schedule``): the default
-   interleaved order, the slot-aligned ones (unit and slot times, Megatron's with its shifts),
+   interleaved order, the slot-aligned ones (the greedy run's, Megatron's with its shifts),
    the list schedule. Picked: the shortest safe one. The interleaved order is kept on every
    headline batch (the others tie at best); the others keep the orders safe, and the list
    schedule finds one, where the interleaved order deadlocks.

@@ -120,7 +120,7 @@ def rank_estimates(
     order that would deadlock gets each rank's 1F1B makespan
     (``estimate.one_f_one_b_time``) or clock, the longer. With chunks, ``known`` (a dict)
     receives each order evaluated, for ``stage_schedule.chunk_schedule`` to reuse: None (the
-    interleaved order) or (slot_times, megatron, shift) -> (orders, finish). ``limit``: a
+    interleaved order) or (megatron, shift) -> (orders, finish). ``limit``: a
     step the caller already has; the slot-aligned orders' walks stop once they are bound to be
     longer (they cannot deadlock, ``slot_interleaved_orders``, so one stopped is longer
     whatever follows), and so does the default order's where every ring is the same
@@ -153,7 +153,7 @@ def rank_estimates(
     if isinstance(finish, Longer):
         return finish
     if finish is None and chunks > 1:  # the slot-aligned interleaved orders are safe where rings share slots
-        keys, times = keys_and_times()
+        keys = keys_and_times()[0]
         offsets = slot_offsets(keys)
         # Megatron's first (the shorter on most batches), so that the other's walk may stop
         # at its step; the first of (not Megatron, Megatron) wins a tie, as in that order
@@ -162,13 +162,11 @@ def rank_estimates(
             orders = (
                 None
                 if offsets is None
-                else slot_interleaved_orders(
-                    keys, times, stages, chunks, forward_share, megatron=megatron, offsets=offsets
-                )
+                else slot_interleaved_orders(keys, stages, chunks, megatron=megatron, offsets=offsets)
             )
             bound = limit if finish is None else min(limit, max(finish))
             found[megatron] = None if orders is None else finish_of(orders, bound)
-            known[False, megatron, 0] = (orders, found[megatron])
+            known[megatron, 0] = (orders, found[megatron])
             if isinstance(found[megatron], list) and (
                 finish is None
                 or max(found[megatron]) < max(finish)
