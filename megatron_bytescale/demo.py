@@ -289,6 +289,12 @@ def _train_rank(rank: int, world: int, cfg: DemoConfig, strategy: str, resume_fr
 def run_strategy(cfg: DemoConfig, strategy: str, resume_from: Path | None = None) -> list[dict]:
     from .local_world import preload, run_local_world
 
+    # nothing else is printed until the first step ends: say what the ranks do until then
+    print(
+        f"starting {cfg.ranks} gloo ranks: each imports torch and megatron-core and builds the model, "
+        "then plans and runs step 1 ...",
+        flush=True,
+    )
     preload(
         [
             "megatron.core.models.gpt.gpt_model",
@@ -389,6 +395,8 @@ def _run_demo(cfg: DemoConfig) -> dict:
     out = Path(cfg.out)
     # checkpoints first: a resume that contradicts its checkpoint is refused before any other work
     resume = {s: resume_point(cfg, s) for s in cfg.strategies} if cfg.resume else {}
+    # megatron-core's indexed dataset reads the corpus: its first import takes seconds
+    print("loading torch and megatron-core to read the dataset ...", flush=True)
     if cfg.data is None:
         cfg.data = ensure_corpus(out / "data" / "megatron_core_sources")
     check_dataset(cfg)
@@ -397,7 +405,8 @@ def _run_demo(cfg: DemoConfig) -> dict:
         print(
             f"\n{STRATEGY_NAMES[strategy]}: {cfg.ranks} gloo ranks, {cfg.steps} steps of "
             f"{format_size(cfg.step_tokens)} tokens, "
-            f"capacity {format_size(cfg.capacity)}, context {format_size(cfg.context)}"
+            f"capacity {format_size(cfg.capacity)}, context {format_size(cfg.context)}",
+            flush=True,
         )
         runs[strategy] = run_strategy(cfg, strategy, resume.get(strategy))
     summaries = {s: summarize(r) for s, r in runs.items() if r}

@@ -68,8 +68,13 @@ def test_loss_falls_and_both_strategies_compute_the_same_losses(tmp_path, corpus
     assert (tmp_path / "checkpoints" / "hdp" / "step_4.pt").exists()
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, corpus):
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, corpus, capsys):
     whole = run_demo(config(tmp_path / "whole", corpus, strategies=("hdp",)))
+    # the seconds before the first step (imports, the ranks' start) each have a line saying what runs
+    said = [line for line in capsys.readouterr().out.splitlines() if line]
+    assert said[0] == "loading torch and megatron-core to read the dataset ...", said[:4]
+    assert said[1].startswith("HDP (balanced): 2 gloo ranks"), said[:4]
+    assert said[2].startswith("starting 2 gloo ranks: each imports torch and megatron-core"), said[:4]
     first = run_demo(config(tmp_path / "split", corpus, strategies=("hdp",), steps=2))
     rest = run_demo(config(tmp_path / "split", corpus, strategies=("hdp",), resume=True))
     assert losses(first, "hdp") + losses(rest, "hdp") == losses(whole, "hdp")  # bit for bit

@@ -100,12 +100,11 @@ def _sequences(runs):
     schedules(),
     st.booleans(),
     st.sampled_from(["none", "selective", "full"]),
-    st.booleans(),
     st.sampled_from([1, 2, 16]),
     st.sampled_from([aligned_module.ROW_ROOM, 0]),
 )
 def test_the_aligned_pass_puts_every_ring_at_one_slot_and_keeps_every_sequence(
-    mode, case, split, recompute, frugal, lookahead, room
+    mode, case, split, recompute, lookahead, room
 ):
     """``order.aligned.aligned`` in every mode of the pass, with the planner's splitter
     (recompute changes its halves' times) or none, and rows that must grow (``ROW_ROOM`` 0):
@@ -120,7 +119,7 @@ def test_the_aligned_pass_puts_every_ring_at_one_slot_and_keeps_every_sequence(
     )
     splitter = PackSplitter(lens, cost) if split else None
     with jit.use(mode), mock.patch.object(aligned_module, "ROW_ROOM", room):
-        out = aligned(runs, order, members, ring_time, splitter, lookahead, frugal)
+        out = aligned(runs, order, members, ring_time, splitter, lookahead)
     rings = lambda rs: [[x for x in run if isinstance(x, int)] for run in rs]  # noqa: E731
     assert [sorted(r) for r in rings(out.runs)] == [sorted(r) for r in rings(runs)]  # each ring once per member
     assert rings(out.runs) == rings(runs) or out.reordered
@@ -135,7 +134,7 @@ def test_the_aligned_pass_puts_every_ring_at_one_slot_and_keeps_every_sequence(
     got = ordered_item_arrays(out, ring_time)
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist() and got[2] == want[2]
     with jit.use("python" if mode == "compiled" else "compiled"):
-        other = aligned(runs, order, members, ring_time, splitter, lookahead, frugal)
+        other = aligned(runs, order, members, ring_time, splitter, lookahead)
     flat = lambda o: [[x if isinstance(x, int) else (x.seq_ids, x.ratio, x.time) for x in r] for r in o.runs]  # noqa: E731
     assert flat(other) == flat(out) and other.clock == out.clock and other.unaligned == out.unaligned
 

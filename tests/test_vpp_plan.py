@@ -271,8 +271,8 @@ def test_slot_aligned_interleaved_orders_never_deadlock(case):
     keys, times, p, v = case
     tried = {-o % p for o in slot_offsets(keys)}  # the shifts chunk_schedule tries
     shortest = float("inf")
-    for slot_times, megatron, shift in [(False, False, 0), (True, False, 0)] + [(False, True, k) for k in range(p)]:
-        orders = slot_interleaved_orders(keys, times, p, v, FORWARD_SHARE, slot_times, megatron, shift)
+    for megatron, shift in [(False, 0)] + [(True, k) for k in range(p)]:
+        orders = slot_interleaved_orders(keys, p, v, megatron, shift)
         assert orders is not None
         check_stage_orders(keys, orders, p, v)
         assert peak_in_flight(orders) <= p * v + p - 1
@@ -365,7 +365,7 @@ def test_a_limit_stops_only_the_walks_of_orders_that_could_not_be_kept(case, who
     # then the shorter slot-aligned one (not Megatron's on a tie), then 1F1B's makespans
     want = pipelined_finish_times(keys, times, p, FORWARD_SHARE, None, v)
     if want is None:
-        slot = [slot_interleaved_orders(keys, times, p, v, FORWARD_SHARE, megatron=m) for m in (False, True)]
+        slot = [slot_interleaved_orders(keys, p, v, megatron=m) for m in (False, True)]
         walked = [pipelined_finish_times(keys, times, p, FORWARD_SHARE, o, v) for o in slot if o is not None]
         walked = [w for w in walked if w is not None]
         want = min(walked, key=max) if walked else [one_f_one_b_time(t, p, FORWARD_SHARE) for t in times]

@@ -1,22 +1,37 @@
-"""What the planner tries for a step, and how it picks (``search``):
+"""What the planner tries for a step, and how it picks (``search``), with what each kind earns
+on the simulator's headline batches (dense, PP, VPP and EP configurations, Byted-like and
+GitHub-like; ``benchmarks/bench_candidates.py`` leaves each out in turn, docs/results.md has
+the figures). A kind that wins none of those batches stays only where leaving it out changes a
+plan the tests or ``benchmarks/plan_digests.py`` record, which is where it wins.
 
 1. Ring sizes without pipelines (and hdp-naive's): the balanced target
    (``sizing.rings.balanced_target``) times each scale of ``RETARGET`` in turn, until a
    schedule stays within ``1 + slack`` of the target (plus EP's all-to-alls). Picked: the
-   smallest scheduler bound (a rank's largest key).
+   smallest scheduler bound (a rank's largest key). The target itself wins half the dense
+   model's batches, by several per cent of the total, and a third of the EP model's (where
+   leaving it out is about as short in total); the smaller scales win a few dense batches, by
+   a fraction of a per cent; the larger ones win none there (they free ranks where rigid rings
+   do not pack, as in some of the tests' batches).
 2. Ring sizes with pipelines: the target times each scale of ``PIPELINE_RETARGET`` that
    changes some ring, scheduled; the ``PIPELINE_ORDERED`` smallest bounds go on, each in each
    1F1B order of ``ORDERS``: slot-aligned in schedule order (``order.aligned``) and the rings
    placed again at levels (``order.levels``). Picked: the shortest estimated pipelined step
-   (``order.slots.rank_estimates``).
+   (``order.slots.rank_estimates``). Each scale from 0.5 to 0.09 wins some batches, by about a
+   per cent at most; the target itself, 0.7 and 0.06 win none there. Ordering the second to
+   fourth smallest bounds gains up to about five per cent with virtual stages, one with 1F1B
+   alone; the aligned order wins most batches, by a few per cent, the level order some, by
+   under one.
 3. Where every candidate of 2 deadlocks: ``order.slots.order_runs``' searches on the best
-   schedule (the frugal aligned pass, slots from the ring structure in two ring orders, the
-   level order). Picked: the shortest safe one.
+   schedule (``order.slots.FALLBACKS``: the aligned pass's order where 1F1B runs through it
+   anyway, slots from the ring structure in two ring orders, the level order). Picked: the
+   shortest safe one. No headline batch needs them; each makes some test's batch safe.
 4. Chunk orders with virtual stages (``order.stage_schedule.chunk_schedule``): the default
-   interleaved order, the slot-aligned ones (unit and slot times, Megatron's with its shifts),
-   the list schedule. Picked: the shortest safe one.
+   interleaved order, the slot-aligned ones (the greedy run's, Megatron's with its shifts),
+   the list schedule. Picked: the shortest safe one. The interleaved order is kept on every
+   headline batch (the others tie at best); the others keep the orders safe, and the list
+   schedule finds one, where the interleaved order deadlocks.
 5. Stage orders with ``pipeline_schedule="search"`` (``order.stage_schedule.stage_schedule``):
-   the list schedule, kept where shorter than 1F1B.
+   the list schedule, kept where shorter than 1F1B. It finds none on the headline batches.
 
 The target is a bound, not a promise: rigid rings with little short work to fill the gaps
 between them may not pack under it, so rescaled targets are tried (a larger one frees ranks, a
@@ -45,7 +60,7 @@ from .placement import Ranks
 from .sizing.rings import RingDecisions, RingSizer, balanced_target, ring_decisions
 from .units import UnitMemo, make_units, short_units
 
-RETARGET = (1.0, 1.1, 1.2, 0.85, 1.35, 0.7, 1.5)  # target scales tried while the step overshoots the target
+RETARGET = (1.0, 1.1, 1.2, 0.85, 0.7, 1.5)  # target scales tried while the step overshoots the target
 # With pipelines: target scales tried from the top down, and how many of them are ordered for
 # 1F1B and estimated in full
 PIPELINE_RETARGET = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.13, 0.09, 0.06)

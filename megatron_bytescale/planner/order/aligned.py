@@ -43,15 +43,13 @@ def aligned(
     ring_time,
     split: PackSplitter | None,
     lookahead: int,
-    frugal: bool = False,
     stop_unaligned: bool = False,
     arrays: RunArrays | None = None,
 ) -> Ordered:
     """The aligned pass (see the module docstring) over each rank's items ``runs``: the rings
     in ``ring_order`` (``members``, ``ring_time``), packs split as ``split`` splits them
     (None: packs stay whole), ``lookahead`` rings tried before local work moves between
-    ranks; ``frugal``: run no more local work before a ring than its slot needs;
-    ``stop_unaligned``: stop at the first ring that cannot take one slot. ``arrays``:
+    ranks; ``stop_unaligned``: stop at the first ring that cannot take one slot. ``arrays``:
     ``run_arrays(runs)``, where the caller has it."""
     n = len(runs)
     arrays = arrays or run_arrays(runs)
@@ -91,7 +89,7 @@ def aligned(
         halves = seqs.copy()
         status, log_rank, log_item, state, clock, counters, unaligned = aligned_pass(
             q, lengths.copy(), *pool_arrays, len(pool), halves, lens, times, mptr, mem, order, coef, layers,
-            recomputed, recomputed_attention, split is not None, lookahead, frugal, stop_unaligned, WIDE_RING,
+            recomputed, recomputed_attention, split is not None, lookahead, stop_unaligned, WIDE_RING,
         )  # fmt: skip
         if status != FULL:
             break
@@ -144,7 +142,6 @@ def aligned_pass(
     recomputed_attention: int,
     split: bool,
     lookahead: int,
-    frugal: bool,
     stop_unaligned: bool,
     wide: int,
 ):
@@ -179,7 +176,7 @@ def aligned_pass(
         p, k, borrowing = head, 0, False
         while True:
             u = order[p]
-            if _aligned_take(u, borrowing, frugal, split, rows, pool, ranks, rings, scratch, log, cost):
+            if _aligned_take(u, borrowing, split, rows, pool, ranks, rings, scratch, log, cost):
                 break
             if state[3]:
                 return FULL, log[0], log[1], state, clock, counters, unaligned
@@ -407,10 +404,10 @@ def _shortfall(u: int, borrowing: bool, split: bool, rows, pool, ranks, rings, s
 
 
 @jitable
-def _aligned_take(u: int, may_borrow: bool, frugal, split, rows, pool, ranks, rings, scratch, log, cost):
+def _aligned_take(u: int, may_borrow: bool, split, rows, pool, ranks, rings, scratch, log, cost):
     """Ring u's takes (local micro-batches each member runs before it, in ``scratch``) so
     that it takes one slot on all its members: the latest slot whose start is no later than
-    the schedule's own start, else the earliest start possible (``frugal``: the first slot);
+    the schedule's own start, else the earliest start possible;
     a member without a slot yet fills the wait. False where its members lack the work (even
     with ``may_borrow``: taking others' work)."""
     q, qlen = rows
@@ -448,7 +445,7 @@ def _aligned_take(u: int, may_borrow: bool, frugal, split, rows, pool, ranks, ri
                         pre[w] = c
                         w += 1
         lo_slot, hi_slot = lo, hi
-        if not frugal and _start_at(lo, a, b, fixed, mem, scratch) <= slack:
+        if _start_at(lo, a, b, fixed, mem, scratch) <= slack:
             while lo_slot < hi_slot:
                 mid = (lo_slot + hi_slot + 1) // 2
                 if _start_at(mid, a, b, fixed, mem, scratch) <= slack:
@@ -464,7 +461,7 @@ def _aligned_take(u: int, may_borrow: bool, frugal, split, rows, pool, ranks, ri
     for j in range(b - a):
         r = mem[a + j]
         if not fixed[r]:
-            take[j] = 0 if frugal else _last_within(r, slack, rows, ptime, clock)
+            take[j] = _last_within(r, slack, rows, ptime, clock)
     return True
 
 

@@ -10,7 +10,6 @@ from itertools import chain
 import numpy as np
 
 from ..contract.ops import megatron_interleaved_orders
-from ..cost_model import FORWARD_SHARE
 from ..jit import kernel
 from .walk import ArrayOrders
 
@@ -117,18 +116,15 @@ def offsets_of_rings(keys: np.ndarray, lens: np.ndarray, units: int):
 
 def slot_interleaved_orders(
     ring_keys: Sequence[Sequence[object | None]],
-    times: Sequence[Sequence[float]],
     stages: int,
     chunks: int,
-    forward_share: float = FORWARD_SHARE,
-    slot_times: bool = False,
     megatron: bool = False,
     shift: int = 0,
     offsets: list[int] | None = None,
 ) -> ArrayOrders | None:
     """Interleaved orders that cannot deadlock when rings sit at one slot on all members: the
-    order of one long pipeline over all slots (``one_pipeline``; unit times, or with
-    ``slot_times`` each slot's longest micro-batch; with ``megatron`` Megatron's fixed
+    order of one long pipeline over all slots (``one_pipeline``, in unit times; with
+    ``megatron`` Megatron's fixed
     schedule, ``megatron_interleaved_orders``, its groups of ``stages`` slots starting
     ``shift`` phantom slots before the first), each rank running its own slots' part of it.
     Every operation then has one start time in that run, shared by a ring's members, and
@@ -142,15 +138,7 @@ def slot_interleaved_orders(
     if megatron:
         full = megatron_interleaved_orders(slots + shift, stages, chunks)
         return _cut_per_rank(full, [o + shift for o in off], ring_keys, stages)
-    if slot_times:
-        longest = [0.0] * slots
-        for o, ts in zip(off, times):
-            for i, t in enumerate(ts):
-                longest[o + i] = max(longest[o + i], float(t))
-        fwd, bwd = [forward_share * t for t in longest], [(1.0 - forward_share) * t for t in longest]
-    else:
-        fwd, bwd = [1.0] * slots, [2.0] * slots
-    return _cut_per_rank(_one_pipeline_rows(fwd, bwd, stages, chunks), off, ring_keys, stages)
+    return _cut_per_rank(_one_pipeline_rows([1.0] * slots, [2.0] * slots, stages, chunks), off, ring_keys, stages)
 
 
 def _one_pipeline_rows(fwd: Sequence[float], bwd: Sequence[float], stages: int, chunks: int) -> list:

@@ -34,6 +34,11 @@ from .runs import (
 )
 from .walk import Longer, PipelineArrays, finish_times, pipelined_finish_times
 
+# ``order_runs``' candidates where some ring could not take one slot: the aligned pass as it
+# is, slots from the ring structure (rings in schedule order, then largest first) and the
+# rings placed again at levels
+FALLBACKS = ("aligned", "ring slots", "ring slots by size", "by level")
+
 
 def order_runs(
     runs: Sequence[Sequence[Item]],
@@ -67,23 +72,25 @@ def order_runs(
         result.deadlock = f"ring micro-batch {result.unaligned[0]} could not take one slot on all its members"
         return result
     # Local work ran out: some rings could not take one slot. The candidates, of which the
-    # shortest estimated step wins: the same pass keeping local work for later slots rather
-    # than filling waits; either order if 1F1B runs through it anyway; slots from the ring
-    # structure alone; and, if the placement admits no safe order (three rings on three
-    # ranks, each pair sharing a rank, nothing else to run), the rings placed again.
+    # shortest estimated step wins: the pass's order if 1F1B runs through it anyway; slots
+    # from the ring structure alone; and, if the placement admits no safe order (three rings
+    # on three ranks, each pair sharing a rank, nothing else to run), the rings placed again.
     safe = []
-    frugal = aligned(runs, ring_order, members, ring_time, split, lookahead, frugal=True, arrays=arrays)
-    for candidate in (result, frugal):
-        if not candidate.unaligned or not _deadlocks(candidate.runs, stages):
-            safe.append(candidate)
-    for order in (ring_order, sorted(ring_order, key=lambda u: -len(members[u]))):
+    if "aligned" in FALLBACKS and not _deadlocks(result.runs, stages):
+        safe.append(result)
+    by_size = sorted(ring_order, key=lambda u: -len(members[u]))
+    for order in [o for kind, o in (("ring slots", ring_order), ("ring slots by size", by_size)) if kind in FALLBACKS]:
         placed = _slot_search(runs, order, members, split)
         if placed is not None and not _deadlocks(placed[0], stages):
             runs_by_slot, slots = placed
             again = sequential(runs_by_slot, sorted(slots, key=slots.get), members, ring_time)
             again.searched = True
             safe.append(again)
-    again = order_by_level(runs, ring_order, members, ring_time, ranks_per_node, arrays)
+    again = (
+        order_by_level(runs, ring_order, members, ring_time, ranks_per_node, arrays)
+        if "by level" in FALLBACKS
+        else None
+    )
     if again is not None:
         safe.append(again)
     if not safe:
@@ -113,7 +120,7 @@ def rank_estimates(
     order that would deadlock gets each rank's 1F1B makespan
     (``estimate.one_f_one_b_time``) or clock, the longer. With chunks, ``known`` (a dict)
     receives each order evaluated, for ``stage_schedule.chunk_schedule`` to reuse: None (the
-    interleaved order) or (slot_times, megatron, shift) -> (orders, finish). ``limit``: a
+    interleaved order) or (megatron, shift) -> (orders, finish). ``limit``: a
     step the caller already has; the slot-aligned orders' walks stop once they are bound to be
     longer (they cannot deadlock, ``slot_interleaved_orders``, so one stopped is longer
     whatever follows), and so does the default order's where every ring is the same
@@ -146,7 +153,7 @@ def rank_estimates(
     if isinstance(finish, Longer):
         return finish
     if finish is None and chunks > 1:  # the slot-aligned interleaved orders are safe where rings share slots
-        keys, times = keys_and_times()
+        keys = keys_and_times()[0]
         offsets = slot_offsets(keys)
         # Megatron's first (the shorter on most batches), so that the other's walk may stop
         # at its step; the first of (not Megatron, Megatron) wins a tie, as in that order
@@ -155,13 +162,11 @@ def rank_estimates(
             orders = (
                 None
                 if offsets is None
-                else slot_interleaved_orders(
-                    keys, times, stages, chunks, forward_share, megatron=megatron, offsets=offsets
-                )
+                else slot_interleaved_orders(keys, stages, chunks, megatron=megatron, offsets=offsets)
             )
             bound = limit if finish is None else min(limit, max(finish))
             found[megatron] = None if orders is None else finish_of(orders, bound)
-            known[False, megatron, 0] = (orders, found[megatron])
+            known[megatron, 0] = (orders, found[megatron])
             if isinstance(found[megatron], list) and (
                 finish is None
                 or max(found[megatron]) < max(finish)

@@ -28,8 +28,8 @@ _EPS = 1e-12
 # many operations (each try simulates every operation)
 SECOND_CAP_OPS = 60_000
 # ``chunk_schedule``'s candidates: the default interleaved order, the slot-aligned ones (the
-# greedy run's in unit and in slot times, Megatron's fixed schedule) and the list schedule
-CHUNK_ORDERS = ("interleaved", "slot-aligned", "slot-times", "megatron", "list")
+# greedy run's, Megatron's fixed schedule) and the list schedule
+CHUNK_ORDERS = ("interleaved", "slot-aligned", "megatron", "list")
 
 
 @dataclass
@@ -268,8 +268,8 @@ def chunk_schedule(
 ) -> tuple[list | None, list[float], int, str] | None:
     """Chunk orders for pipelines of ``chunks`` model chunks per device: the shortest estimated
     of the default interleaved order (if it does not deadlock), the slot-aligned interleaved
-    orders (``interleaved.slot_interleaved_orders``, the greedy run's in unit and slot times
-    and Megatron's fixed schedule: safe whenever the rings sit at one slot, as ``order_runs``
+    orders (``interleaved.slot_interleaved_orders``, the greedy run's and Megatron's fixed
+    schedule: safe whenever the rings sit at one slot, as ``order_runs``
     places them) and, where they all deadlock or the batch is small, the list schedule over
     chunk operations (``stage_schedule``); those of ``CHUNK_ORDERS``. Returns (orders, None for
     the default; finish per rank; the most chunk forwards a device may hold under them; what
@@ -292,9 +292,8 @@ def chunk_schedule(
     # pipeline starts (a pipeline starting mid-group runs a short first group: more bubble)
     offsets = slot_offsets(ring_keys)
     shifts = sorted({-o % p for o in offsets}) if offsets else [0]
-    variants = [(False, False, 0), (True, False, 0)] + [(False, True, k) for k in shifts]
-    kinds = {(False, False): "slot-aligned", (True, False): "slot-times", (False, True): "megatron"}
-    variants = [v for v in variants if kinds[v[:2]] in CHUNK_ORDERS]
+    variants = [(False, 0)] + [(True, k) for k in shifts]
+    variants = [v for v in variants if ("megatron" if v[0] else "slot-aligned") in CHUNK_ORDERS]
     # the shortest of the orders already walked (``known``) bounds the walks from the start:
     # an order walked before one known to be shorter stops at that one's step
     shortest = min(
@@ -305,16 +304,12 @@ def chunk_schedule(
         ),
         default=math.inf,
     )
-    for slot_times, megatron, shift in variants:
-        if (slot_times, megatron, shift) in known:
-            orders, finish = known[slot_times, megatron, shift]
+    for megatron, shift in variants:
+        if (megatron, shift) in known:
+            orders, finish = known[megatron, shift]
         else:
             orders = (
-                None
-                if offsets is None
-                else slot_interleaved_orders(
-                    ring_keys, times, p, chunks, forward_share, slot_times, megatron, shift, offsets
-                )
+                None if offsets is None else slot_interleaved_orders(ring_keys, p, chunks, megatron, shift, offsets)
             )
             # the walk may stop once longer than the shortest so far: it could not be kept
             finish = None if orders is None else finish_of(orders, min([shortest] + [c[0] for c in cands]))
@@ -322,7 +317,6 @@ def chunk_schedule(
             "the slot-aligned "
             + ("Megatron " if megatron else "")
             + "interleaved order"
-            + (" (slot times)" if slot_times else "")
             + (f" (shifted {shift})" if shift else "")
         )
         if isinstance(finish, Longer):
