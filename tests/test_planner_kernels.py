@@ -650,3 +650,22 @@ def test_a_kernel_compiles_where_no_cache_directory_is_writable(monkeypatch):
     )
     jit._compile(dispatcher, tuple(numba.typeof(a) for a in args), pipeline_ends.function)
     assert dispatcher(*args) == 3 and end.tolist() == [1.0, 3.0, 3.5] and wait[:, 0].tolist() == [0, 0, 0]
+
+
+def test_the_compile_notice_is_one_line_of_its_own_above_a_progress_bar(capsys, monkeypatch):
+    """The first compile says so once per process, on its own line: the simulator's progress bar
+    redraws below it rather than over it."""
+    import sys
+
+    from tqdm import tqdm
+
+    from megatron_bytescale.planner import jit
+
+    monkeypatch.setattr(jit, "_told", [False])
+    with tqdm(total=2, file=sys.stderr, desc="step 1/1 hdp-balanced") as bar:
+        bar.update(1)
+        jit._announce()
+        jit._announce(waiting=True)  # once per process: not again
+    lines = capsys.readouterr().err.replace("\r", "\n").split("\n")
+    notices = [line for line in lines if "planner's kernels" in line]
+    assert len(notices) == 1 and notices[0].startswith("bytescale: compiling the planner's kernels"), lines

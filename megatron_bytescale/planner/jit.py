@@ -224,12 +224,15 @@ def _announce(waiting: bool = False) -> None:
         return
     _told[0] = True
     what = "waiting for another process compiling" if waiting else "compiling"
-    print(
+    from tqdm import tqdm
+
+    # tqdm.write: on its own line above any progress bar (the simulator's), which it redraws after
+    tqdm.write(
         f"bytescale: {what} the planner's kernels, once per environment and machine (up to a minute; "
         "later runs load them from numba's cache)",
         file=sys.stderr,
-        flush=True,
     )
+    sys.stderr.flush()
 
 
 def _cache_path(dispatcher) -> Path | None:
