@@ -29,7 +29,7 @@ from ..contract import Plan, pipelined_finish_times
 from ..contract.slots import ep_groups, slot_unit_keys
 from ..cost_model import CostModel
 from ..estimate import crosses_nodes
-from .slots import align_expert_slots
+from .slots import align_expert_slots, slot_counts
 from .timing import SlotTimer
 
 
@@ -54,10 +54,7 @@ def align_pipelined_slots(plan: Plan, expert_parallel: int) -> Plan:
         stage_orders=None,
         meta=dict(plan.meta),
     )
-    out.meta["expert_slots"] = {
-        "slots_per_group": [len(ranks[g[0]]) for g in groups],
-        "empty_slots": sum(1 for mbs in ranks for mb in mbs if not mb.pieces),
-    }
+    out.meta["expert_slots"] = slot_counts(ranks, groups)
     return out
 
 

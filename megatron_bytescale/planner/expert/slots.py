@@ -57,11 +57,17 @@ def align_expert_slots(plan: Plan, expert_parallel: int) -> Plan:
         recomputed_layers=plan.recomputed_layers,
         expert_parallel=expert_parallel,
     )
-    aligned.meta["expert_slots"] = {
+    aligned.meta["expert_slots"] = slot_counts(ranks, groups)
+    return aligned
+
+
+def slot_counts(ranks, groups) -> dict:
+    """``Plan.meta["expert_slots"]`` of aligned rank lists: each EP group's slot count, and
+    the empty slots in all."""
+    return {
         "slots_per_group": [len(ranks[g[0]]) for g in groups],
         "empty_slots": sum(1 for mbs in ranks for mb in mbs if not mb.pieces),
     }
-    return aligned
 
 
 def _slots_by_scan(queues: list[list[MicroBatch]]) -> list[dict[int, MicroBatch]]:
